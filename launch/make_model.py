@@ -1,0 +1,131 @@
+"""Write local Llama-architecture models for serving tests, with no model hub.
+
+    python -m sglang_hs.launch.make_model tiny OUT      # small random-weight model, weights written
+    python -m sglang_hs.launch.make_model llama8b OUT   # Llama-3.1-8B config only: serve with --load-format dummy
+
+Both get a byte-level BPE tokenizer trained here on a built-in corpus and a chat template, so
+SGLang's OpenAI API and frontend language work. Real checkpoints need none of this: pass their
+folder to ``--model-path`` as usual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog while the cat watches from the window.",
+    "Question: what is the capital of France? Answer: Paris is the capital of France.",
+    "Shared prefixes such as system prompts, documents and few-shot examples are reused by many requests.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    "0 1 2 3 4 5 6 7 8 9 10 100 1000 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \"",
+    "Once upon a time, in a city by the sea, there lived a programmer who loved fast inference.",
+]
+_SPECIALS = ["<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tokenizer(out: str, vocab_size: int) -> None:
+    """Train a byte-level BPE tokenizer (ids 0,1,2 = <s>, </s>, <unk>) and save it in HF format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_CORPUS * 100, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    wrapped.chat_template = _CHAT_TEMPLATE
+    wrapped.save_pretrained(out)
+
+
+def write_tiny(out: str, layers: int, seed: int) -> None:
+    """A 2-layer Llama with head_dim 64 (the smallest shape the kernels take) and fp16 weights.
+
+    The output projection is scaled up so the greedy token has a clear margin: comparisons of greedy
+    output between backends then test attention, not ties between near-equal random logits.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    write_tokenizer(out, vocab_size=1024)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=32768,
+        rope_theta=10000.0,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="float16",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    model.to(torch.float16).save_pretrained(out, safe_serialization=True)
+
+
+def write_llama8b_config(out: str) -> None:
+    """Llama-3.1-8B's config.json plus a local tokenizer; SGLang's --load-format dummy fills weights."""
+    write_tokenizer(out, vocab_size=2048)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({**LLAMA_31_8B, "bos_token_id": 0, "eos_token_id": 1}, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=["tiny", "llama8b"])
+    parser.add_argument("out", help="output folder (created)")
+    parser.add_argument("--layers", type=int, default=2, help="tiny: number of layers")
+    parser.add_argument("--seed", type=int, default=0, help="tiny: weight seed")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.kind == "tiny":
+        write_tiny(args.out, args.layers, args.seed)
+    else:
+        write_llama8b_config(args.out)
+    print(f"wrote {args.kind} model to {args.out}: {sorted(os.listdir(args.out))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""HieraSparse settings: one frozen dataclass, parsed from CLI flags or one environment variable.
+
+The launcher validates the settings and exports them as JSON in ``SGLANG_HIERASPARSE_CONFIG`` so that
+SGLang's scheduler processes (started with multiprocessing "spawn") read exactly what the launcher
+checked. Every check raises :class:`HieraSparseConfigError` with a one-line message that names the
+setting and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+ENV_VAR = "SGLANG_HIERASPARSE_CONFIG"
+
+# Values the TileLang kernels are built for. The PyTorch reference takes any multiple of 16, but a
+# server must not start with settings its kernels cannot run.
+SUPPORTED_BLOCK_SIZES = (64,)
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+DENSE_BACKENDS = ("flashinfer", "triton")
+# wgmma.sp (sparse tensor cores with Hopper's warpgroup MMA) needs compute capability 9.0.
+REQUIRED_COMPUTE_CAPABILITY = (9, 0)
+
+
+class HieraSparseConfigError(ValueError):
+    """A setting is out of range; the message is one line naming the setting and what is allowed."""
+
+
+@dataclass(frozen=True)
+class HieraSparseConfig:
+    """User-facing settings of the HieraSparse backend (see the README's settings table)."""
+
+    block_size: int = 64
+    """Tokens per compressed block. Tied to SGLang's --page-size: one block is one KV page."""
+    sink_tokens: int = 64
+    """Leading tokens of every sequence that always stay dense (attention sinks)."""
+    window_tokens: int = 256
+    """Trailing tokens of a cached prefix that stay dense (a later request's local window)."""
+    sk_prefill: float = 0.0
+    """Fraction of prompt-token blocks whose K is stored 2:4 sparse."""
+    sv_prefill: float = 1.0
+    """Fraction of prompt-token blocks whose V is stored 2:4 sparse."""
+    sk_decode: float = 0.0
+    """Fraction of generated-token blocks (cached at request finish) whose K is stored sparse."""
+    sv_decode: float = 1.0
+    """Fraction of generated-token blocks whose V is stored sparse."""
+    pruner: str = "magnitude"
+    """Name of the pruner that picks element masks and ranks blocks (see sglang_hs.pruner)."""
+    store_fraction: float = 0.5
+    """Share of SGLang's KV-cache memory budget given to the compressed store; the rest stays dense."""
+    dense_backend: str = "flashinfer"
+    """SGLang backend that attends over the dense tokens (new tokens, sink, window)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check every setting that does not depend on the model or the GPU."""
+        from sglang_hs.pruner import PRUNERS  # local: the pruner module imports torch
+
+        _require(
+            self.block_size in SUPPORTED_BLOCK_SIZES,
+            cli_flag("block_size"),
+            self.block_size,
+            f"one of {list(SUPPORTED_BLOCK_SIZES)}",
+        )
+        for name in ("sink_tokens", "window_tokens"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and value >= 0 and value % self.block_size == 0,
+                cli_flag(name),
+                value,
+                f"a non-negative multiple of block_size ({self.block_size})",
+            )
+        for name in ("sk_prefill", "sv_prefill", "sk_decode", "sv_decode"):
+            value = getattr(self, name)
+            _require(0.0 <= value <= 1.0, cli_flag(name), value, "a fraction in [0, 1]")
+        _require(self.pruner in PRUNERS, cli_flag("pruner"), self.pruner, f"one of {sorted(PRUNERS)}")
+        _require(
+            0.0 < self.store_fraction <= 0.9,
+            cli_flag("store_fraction"),
+            self.store_fraction,
+            "a fraction in (0, 0.9]",
+        )
+        _require(
+            self.dense_backend in DENSE_BACKENDS,
+            cli_flag("dense_backend"),
+            self.dense_backend,
+            f"one of {list(DENSE_BACKENDS)}",
+        )
+
+    def validate_model(self, head_dim: int, dtype: str, kv_cache_dtype: str) -> None:
+        """Check the model shape and cache dtype against what the kernels support."""
+        _require(
+            head_dim in SUPPORTED_HEAD_DIMS,
+            "the model's head_dim",
+            head_dim,
+            f"one of {list(SUPPORTED_HEAD_DIMS)}",
+        )
+        _require(dtype in SUPPORTED_DTYPES, "--dtype", dtype, f"one of {list(SUPPORTED_DTYPES)}")
+        _require(
+            kv_cache_dtype in ("auto", dtype),
+            "--kv-cache-dtype",
+            kv_cache_dtype,
+            f"'auto' or the model dtype '{dtype}' (no quantized KV cache)",
+        )
+
+    @staticmethod
+    def validate_gpu(capability: tuple[int, int] | None, name: str = "") -> None:
+        """Refuse GPUs without Hopper sparse tensor cores (wgmma.sp)."""
+        wanted = "compute capability %d.%d (NVIDIA Hopper: H100/H200/H20)" % REQUIRED_COMPUTE_CAPABILITY
+        if capability is None:
+            raise HieraSparseConfigError(f"hierasparse: no CUDA GPU found; allowed: a GPU with {wanted}")
+        if tuple(capability) != REQUIRED_COMPUTE_CAPABILITY:
+            raise HieraSparseConfigError(
+                f"hierasparse: GPU {name or '?'} has compute capability {capability[0]}.{capability[1]}; "
+                f"allowed: {wanted}"
+            )
+
+    # ------------------------------------------------------------------ (de)serialization
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "HieraSparseConfig":
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise HieraSparseConfigError(
+                f"hierasparse: unknown setting(s) {unknown}; allowed: {sorted(known)}"
+            )
+        converted = {}
+        for key, value in values.items():
+            field_type = field_parser(known[key])
+            try:
+                converted[key] = field_type(value)
+            except (TypeError, ValueError):
+                raise HieraSparseConfigError(
+                    f"hierasparse: {key}={value!r} is not a valid {field_type.__name__}"
+                ) from None
+        return cls(**converted)
+
+    @classmethod
+    def from_env(cls) -> "HieraSparseConfig":
+        """The settings the launcher exported, or the defaults when it exported none."""
+        raw = os.environ.get(ENV_VAR)
+        if not raw:
+            return cls()
+        try:
+            values = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise HieraSparseConfigError(f"hierasparse: {ENV_VAR} is not valid JSON ({exc.msg})") from None
+        if not isinstance(values, dict):
+            raise HieraSparseConfigError(f"hierasparse: {ENV_VAR} must be a JSON object")
+        return cls.from_mapping(values)
+
+    def export(self) -> None:
+        """Publish these settings to child processes through the environment."""
+        os.environ[ENV_VAR] = self.to_json()
+
+
+def field_parser(field: dataclasses.Field) -> type:
+    """The Python type that parses a setting's value (annotations are strings here)."""
+    return {"int": int, "float": float, "str": str}[str(field.type)]
+
+
+def cli_flag(field_name: str) -> str:
+    """The command-line flag of a setting, e.g. sk_prefill -> --hierasparse-sk-prefill."""
+    return "--hierasparse-" + field_name.replace("_", "-")
+
+
+def _require(ok: bool, label: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise HieraSparseConfigError(f"hierasparse: {label}={value!r} is invalid; allowed: {allowed}")

@@ -1,0 +1,168 @@
+"""The ``sglang.srt.plugins`` entry point: makes ``--attention-backend hierasparse`` exist.
+
+SGLang 0.5.17 calls :func:`load` in the launcher, the engine and every scheduler process, then
+applies the hooks registered here through its ``HookRegistry``. Nothing in SGLang's files is edited.
+
+- ``--attention-backend hierasparse`` is added to the choices and its factory is registered.
+- ``--hierasparse-*`` flags are added to SGLang's parser; the launcher validates them and exports
+  them (``SGLANG_HIERASPARSE_CONFIG``) to the scheduler processes.
+- When the backend is selected, server-argument defaults it needs are applied (``--page-size`` =
+  block size, no prefill CUDA graph) and the model and GPU are checked, so that a bad setting stops
+  the launcher with one line instead of a traceback from a scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from importlib.metadata import PackageNotFoundError, version
+
+from sglang_hs.config import HieraSparseConfig, HieraSparseConfigError, cli_flag, field_parser
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "hierasparse"
+SUPPORTED_SGLANG = "0.5.17"
+_SERVER_ARGS = "sglang.srt.server_args"
+
+
+def load() -> None:
+    """Register the backend choice, its factory and the server-argument hooks (idempotent)."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    if BACKEND_NAME not in ATTENTION_BACKENDS:
+        register_attention_backend(BACKEND_NAME)(create_backend)
+
+    HookRegistry.register(f"{_SERVER_ARGS}.ServerArgs.add_cli_args", add_cli_flags, HookType.AFTER)
+    HookRegistry.register(f"{_SERVER_ARGS}.ServerArgs.from_cli_args", read_cli_flags, HookType.AROUND)
+    HookRegistry.register(
+        f"{_SERVER_ARGS}.ServerArgs._handle_attention_backend_compatibility",
+        apply_backend_defaults,
+        HookType.AFTER,
+    )
+    HookRegistry.register(f"{_SERVER_ARGS}.prepare_server_args", exit_with_one_line, HookType.AROUND)
+
+
+def create_backend(runner):
+    """Factory called by SGLang's ModelRunner in each scheduler process."""
+    from sglang_hs.backend import HieraSparseAttnBackend
+
+    return HieraSparseAttnBackend(runner)
+
+
+# --------------------------------------------------------------------------------------- CLI flags
+_FLAG_HELP = {
+    "block_size": "Tokens per compressed block; also SGLang's --page-size.",
+    "sink_tokens": "Leading tokens of a sequence that always stay dense.",
+    "window_tokens": "Trailing tokens of a cached prefix that stay dense.",
+    "sk_prefill": "Fraction of prompt-token blocks whose K is stored 2:4 sparse.",
+    "sv_prefill": "Fraction of prompt-token blocks whose V is stored 2:4 sparse.",
+    "sk_decode": "Fraction of generated-token blocks whose K is stored 2:4 sparse.",
+    "sv_decode": "Fraction of generated-token blocks whose V is stored 2:4 sparse.",
+    "pruner": "Pruner that picks element masks and ranks blocks.",
+    "store_fraction": "Share of the KV-cache memory budget given to the compressed store.",
+    "dense_backend": "SGLang backend that attends over the dense tokens.",
+}
+
+
+def add_cli_flags(_result, parser: argparse.ArgumentParser) -> None:
+    """AFTER hook on ``ServerArgs.add_cli_args``: one argument group with every setting."""
+    if any(action.dest.startswith("hierasparse_") for action in parser._actions):
+        return
+    group = parser.add_argument_group("HieraSparse (with --attention-backend hierasparse)")
+    for field in dataclasses.fields(HieraSparseConfig):
+        group.add_argument(
+            cli_flag(field.name),
+            dest=f"hierasparse_{field.name}",
+            type=field_parser(field),
+            default=None,
+            help=f"{_FLAG_HELP[field.name]} (default: {field.default})",
+        )
+
+
+def read_cli_flags(original, cls, args: argparse.Namespace):
+    """AROUND hook on ``ServerArgs.from_cli_args``: validate the flags and export them before the
+    dataclass (and its ``__post_init__`` checks) is built."""
+    given = {
+        field.name: getattr(args, f"hierasparse_{field.name}")
+        for field in dataclasses.fields(HieraSparseConfig)
+        if getattr(args, f"hierasparse_{field.name}", None) is not None
+    }
+    if given:
+        base = dataclasses.asdict(HieraSparseConfig.from_env())
+        HieraSparseConfig.from_mapping({**base, **given}).export()
+    return original(cls, args)
+
+
+# --------------------------------------------------------------------------------------- defaults
+def uses_backend(server_args) -> bool:
+    names = (
+        server_args.attention_backend,
+        server_args.prefill_attention_backend,
+        server_args.decode_attention_backend,
+    )
+    return BACKEND_NAME in names
+
+
+def apply_backend_defaults(_result, server_args) -> None:
+    """AFTER hook on ``ServerArgs._handle_attention_backend_compatibility``."""
+    if not uses_backend(server_args):
+        return
+    config = HieraSparseConfig.from_env()
+    check_sglang_version()
+    prefill, decode = server_args.prefill_attention_backend, server_args.decode_attention_backend
+    if server_args.attention_backend != BACKEND_NAME or {prefill, decode} - {None, BACKEND_NAME}:
+        raise HieraSparseConfigError(
+            f"hierasparse: --prefill-attention-backend={prefill} --decode-attention-backend={decode} "
+            f"mix backends; allowed: --attention-backend {BACKEND_NAME} for both phases"
+        )
+    if server_args.page_size not in (None, config.block_size):
+        raise HieraSparseConfigError(
+            f"hierasparse: --page-size={server_args.page_size} differs from "
+            f"{cli_flag('block_size')}={config.block_size}; allowed: {config.block_size} or unset"
+        )
+    server_args.page_size = config.block_size
+    # Prefill/extend runs eagerly: its compressed-prefix path is not captured in a graph.
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
+
+    model_config = server_args.get_model_config()
+    config.validate_model(
+        head_dim=model_config.head_dim,
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        kv_cache_dtype=server_args.kv_cache_dtype,
+    )
+    import torch
+
+    if torch.cuda.is_available():
+        HieraSparseConfig.validate_gpu(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+    else:
+        HieraSparseConfig.validate_gpu(None)
+    config.export()
+    logger.info("hierasparse settings: %s", config.to_json())
+
+
+def check_sglang_version() -> None:
+    try:
+        found = version("sglang")
+    except PackageNotFoundError:
+        found = "not installed"
+    if found != SUPPORTED_SGLANG:
+        raise HieraSparseConfigError(
+            f"hierasparse: sglang {found} is not supported; allowed: sglang=={SUPPORTED_SGLANG} "
+            "(the plugin hooks private SGLang APIs)"
+        )
+
+
+def exit_with_one_line(original, *args, **kwargs):
+    """AROUND hook on ``prepare_server_args``: a settings error ends the launcher with one line."""
+    try:
+        return original(*args, **kwargs)
+    except HieraSparseConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None

@@ -1,0 +1,232 @@
+"""PyTorch reference (the oracle): compress, decompress, and attention over mixed dense/sparse blocks.
+
+Everything here is plain PyTorch in float32 arithmetic and runs on CPU or GPU. The attention follows
+the Trans-Both formulation of the kernels: ``S^T = K·Q^T`` and ``O^T = V^T·P^T``, where a sparse K
+block or V^T block is used straight from its packed values and metadata (a gather by the metadata's
+positions, which is what a 2:4 sparse tensor core does), never decompressed first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sglang_hs.format import decode_entry, meta_to_positions, pack_2to4, sparse_entry, unpack_2to4
+from sglang_hs.pruner import PruneResult, Pruner, prunable_mask
+
+
+@dataclass
+class BlockPools:
+    """Compressed blocks of one layer. Each pool row is one (block, KV head) pair."""
+
+    k_dense: torch.Tensor  # [Nd_k, B, D]
+    k_values: torch.Tensor  # [Ns_k, B, D/2]
+    k_meta: torch.Tensor  # [Ns_k, B, D/16] int16
+    v_dense: torch.Tensor  # [Nd_v, B, D]
+    v_values: torch.Tensor  # [Ns_v, D, B/2]   (V^T, sparse along tokens)
+    v_meta: torch.Tensor  # [Ns_v, D, B/16] int16
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
+
+
+@dataclass
+class CompressedSequence:
+    """One sequence's KV for one layer: full blocks in pools (via index maps) plus a dense tail."""
+
+    pools: BlockPools
+    k_index: torch.Tensor  # [H, n_blocks] int32, signed (see sglang_hs.format)
+    v_index: torch.Tensor  # [H, n_blocks] int32
+    tail_k: torch.Tensor  # [L_tail, H, D], tokens after the last full block
+    tail_v: torch.Tensor  # [L_tail, H, D]
+
+    @property
+    def block_size(self) -> int:
+        return self.pools.k_dense.shape[1] if self.pools.k_dense.numel() else self.pools.k_values.shape[1]
+
+    @property
+    def seq_len(self) -> int:
+        return self.k_index.shape[1] * self.block_size + self.tail_k.shape[0]
+
+
+# ----------------------------------------------------------------------------------------- compress
+def _pack_operand(blocks: torch.Tensor, result: PruneResult, transpose: bool):
+    """Split one operand's blocks into (dense pool, values, metadata, signed index map).
+
+    Pool rows follow (head, block) order; the index map is built with a prefix sum over the block
+    mask, so no serial walk over blocks is needed.
+    """
+    heads, n = result.sparse.shape
+    flat_sparse = result.sparse.reshape(-1)
+    flat_blocks = blocks.reshape(heads * n, *blocks.shape[2:])
+    flat_keep = result.keep.reshape(heads * n, *blocks.shape[2:])
+    dense_offset = torch.cumsum(~flat_sparse, 0) - 1
+    sparse_offset = torch.cumsum(flat_sparse, 0) - 1
+    index = torch.where(flat_sparse, sparse_entry(sparse_offset), dense_offset).to(torch.int32)
+    dense_pool = flat_blocks[~flat_sparse]
+    chosen, chosen_keep = flat_blocks[flat_sparse], flat_keep[flat_sparse]
+    if transpose:  # V is stored as V^T so that tokens become the sparse (last) axis
+        chosen, chosen_keep = chosen.transpose(-1, -2), chosen_keep.transpose(-1, -2)
+    values, meta = pack_2to4(chosen, chosen_keep)
+    return dense_pool, values, meta, index.reshape(heads, n)
+
+
+def compress_blocks(
+    k_blocks: torch.Tensor, v_blocks: torch.Tensor, k_result: PruneResult, v_result: PruneResult
+) -> tuple[BlockPools, torch.Tensor, torch.Tensor]:
+    """Compress ``[H, n, B, D]`` K and V blocks by their prune results into pools + index maps."""
+    k_dense, k_values, k_meta, k_index = _pack_operand(k_blocks, k_result, transpose=False)
+    v_dense, v_values, v_meta, v_index = _pack_operand(v_blocks, v_result, transpose=True)
+    pools = BlockPools(k_dense, k_values, k_meta, v_dense, v_values, v_meta)
+    return pools, k_index, v_index
+
+
+def compress_sequence(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pruner: Pruner,
+    sk: float,
+    sv: float,
+    block_size: int = 64,
+    sink_tokens: int = 64,
+    window_tokens: int = 256,
+) -> CompressedSequence:
+    """Prune and compress one sequence's ``[L, H, D]`` K and V (one layer)."""
+    seq_len, heads, dim = k.shape
+    n_blocks = seq_len // block_size
+    full = n_blocks * block_size
+
+    def as_blocks(x: torch.Tensor) -> torch.Tensor:
+        return x[:full].reshape(n_blocks, block_size, heads, dim).permute(2, 0, 1, 3)
+
+    k_blocks, v_blocks = as_blocks(k), as_blocks(v)
+    prunable = prunable_mask(n_blocks, seq_len, block_size, sink_tokens, window_tokens, device=k.device)
+    k_result = pruner(k_blocks, "k", sk, prunable)
+    v_result = pruner(v_blocks, "v", sv, prunable)
+    pools, k_index, v_index = compress_blocks(k_blocks, v_blocks, k_result, v_result)
+    return CompressedSequence(pools, k_index, v_index, k[full:], v[full:])
+
+
+# ----------------------------------------------------------------------------------------- decompress
+def _block(index_entry: int, dense: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, transpose: bool):
+    is_sparse, offset = decode_entry(index_entry)
+    if not is_sparse:
+        return dense[offset]
+    block = unpack_2to4(values[offset], meta[offset])
+    return block.transpose(-1, -2) if transpose else block
+
+
+def decompress(seq: CompressedSequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense ``[L, H, D]`` K and V the compressed sequence represents (pruned elements are 0)."""
+    p = seq.pools
+    heads, n = seq.k_index.shape
+
+    def operand(index, dense, values, meta, transpose, tail):
+        rows = [
+            torch.stack([_block(int(index[h, i]), dense, values, meta, transpose) for h in range(heads)], 1)
+            for i in range(n)
+        ]
+        return torch.cat(rows + [tail], 0) if rows else tail
+
+    k = operand(seq.k_index, p.k_dense, p.k_values, p.k_meta, False, seq.tail_k)
+    v = operand(seq.v_index, p.v_dense, p.v_values, p.v_meta, True, seq.tail_v)
+    return k, v
+
+
+# ----------------------------------------------------------------------------------------- attention
+def sparse_rows_times(values: torch.Tensor, meta: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``A @ rhs`` for a 2:4 sparse ``A`` given as packed ``values [M, K/2]`` and ``meta [M, K/16]``;
+    ``rhs`` is ``[K, N]``. Each kept value multiplies the rhs row its metadata names."""
+    positions = meta_to_positions(meta)  # [M, K/2]
+    return torch.einsum("mj,mjn->mn", values.float(), rhs.float()[positions])
+
+
+def attention(
+    q: torch.Tensor,
+    seq: CompressedSequence,
+    q_offset: int | None = None,
+    causal: bool = True,
+    sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [Lq, Hq, D]`` over a compressed sequence (GQA: Hq is a multiple of H).
+
+    Query ``i`` sits at position ``q_offset + i`` (default: the last ``Lq`` positions); with
+    ``causal`` it sees KV positions ``<= q_offset + i``. Decode is ``Lq = 1``. Returns the output in
+    ``q.dtype`` and the natural-log log-sum-exp ``[Lq, Hq]`` in float32.
+    """
+    n_q, q_heads, dim = q.shape
+    heads = seq.k_index.shape[0]
+    group = q_heads // heads
+    q_offset = seq.seq_len - n_q if q_offset is None else q_offset
+    sm_scale = 1.0 / math.sqrt(dim) if sm_scale is None else sm_scale
+    p = seq.pools
+    kv_pos = torch.arange(seq.seq_len, device=q.device)
+    q_pos = (q_offset + torch.arange(n_q, device=q.device)).repeat_interleave(group)
+    out = torch.empty(n_q, q_heads, dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(n_q, q_heads, dtype=torch.float32, device=q.device)
+    for h in range(heads):
+        # Columns are the group's queries, ordered (query, head-in-group): [D, Lq·G].
+        q_t = q[:, h * group : (h + 1) * group].reshape(n_q * group, dim).float().t()
+        scores_t = []  # S^T blocks [B, Lq·G]
+        for entry in seq.k_index[h].tolist():
+            is_sparse, offset = decode_entry(entry)
+            if is_sparse:
+                scores_t.append(sparse_rows_times(p.k_values[offset], p.k_meta[offset], q_t))
+            else:
+                scores_t.append(p.k_dense[offset].float() @ q_t)
+        scores_t.append(seq.tail_k[:, h].float() @ q_t)
+        s_t = torch.cat(scores_t, 0) * sm_scale
+        if causal:
+            s_t = s_t.masked_fill(kv_pos[:, None] > q_pos[None, :], -torch.inf)
+        col_lse = torch.logsumexp(s_t, dim=0)
+        p_t = torch.exp(s_t - col_lse[None, :])
+        o_t = torch.zeros(dim, n_q * group, dtype=torch.float32, device=q.device)
+        block = seq.block_size
+        for i, entry in enumerate(seq.v_index[h].tolist()):
+            p_block = p_t[i * block : (i + 1) * block]
+            is_sparse, offset = decode_entry(entry)
+            if is_sparse:
+                o_t += sparse_rows_times(p.v_values[offset], p.v_meta[offset], p_block)
+            else:
+                o_t += p.v_dense[offset].float().t() @ p_block
+        o_t += seq.tail_v[:, h].float().t() @ p_t[seq.k_index.shape[1] * block :]
+        out[:, h * group : (h + 1) * group] = o_t.t().reshape(n_q, group, dim).to(q.dtype)
+        lse[:, h * group : (h + 1) * group] = col_lse.reshape(n_q, group)
+    return out, lse
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offset: int | None = None,
+    causal: bool = True,
+    sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention over dense ``[L, H, D]`` K/V with the same conventions as :func:`attention`."""
+    n_q, q_heads, dim = q.shape
+    group = q_heads // k.shape[1]
+    q_offset = k.shape[0] - n_q if q_offset is None else q_offset
+    sm_scale = 1.0 / math.sqrt(dim) if sm_scale is None else sm_scale
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * sm_scale
+    if causal:
+        q_pos = q_offset + torch.arange(n_q, device=q.device)
+        s = s.masked_fill(torch.arange(k.shape[0], device=q.device)[None, None, :] > q_pos[None, :, None], -torch.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vf)
+    return out.to(q.dtype), lse.t().contiguous()
+
+
+def merge_partial(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two attention results over disjoint KV sets by their log-sum-exp (natural log)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    wa = torch.exp(lse_a - lse).unsqueeze(-1)
+    wb = torch.exp(lse_b - lse).unsqueeze(-1)
+    out = (out_a.float() * wa + out_b.float() * wb).to(out_a.dtype)
+    return out, lse
