@@ -138,6 +138,8 @@ def apply_backend_defaults(_result, server_args) -> None:
         dtype=str(model_config.dtype).removeprefix("torch."),
         kv_cache_dtype=server_args.kv_cache_dtype,
     )
+    if server_args.device != "cuda":
+        raise HieraSparseConfigError(f"hierasparse: --device={server_args.device} is invalid; allowed: cuda")
     import torch
 
     if torch.cuda.is_available():

@@ -1,0 +1,86 @@
+"""Settings validation: every bad value stops start-up with one line naming the setting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_python
+from sglang_hs.config import ENV_VAR, HieraSparseConfig, HieraSparseConfigError
+
+
+@pytest.mark.parametrize(
+    "values, flag",
+    [
+        ({"sk_prefill": 1.5}, "--hierasparse-sk-prefill"),
+        ({"sv_decode": -0.1}, "--hierasparse-sv-decode"),
+        ({"block_size": 48}, "--hierasparse-block-size"),
+        ({"sink_tokens": 100}, "--hierasparse-sink-tokens"),
+        ({"window_tokens": -64}, "--hierasparse-window-tokens"),
+        ({"pruner": "random"}, "--hierasparse-pruner"),
+        ({"store_fraction": 0.0}, "--hierasparse-store-fraction"),
+        ({"dense_backend": "fa3"}, "--hierasparse-dense-backend"),
+    ],
+)
+def test_bad_setting_names_flag_and_allowed_values(values, flag):
+    with pytest.raises(HieraSparseConfigError) as info:
+        HieraSparseConfig.from_mapping(values)
+    message = str(info.value)
+    assert flag in message and "allowed:" in message and "\n" not in message
+
+
+def test_model_and_gpu_checks():
+    config = HieraSparseConfig()
+    config.validate_model(head_dim=128, dtype="bfloat16", kv_cache_dtype="auto")
+    with pytest.raises(HieraSparseConfigError, match="head_dim=96"):
+        config.validate_model(head_dim=96, dtype="float16", kv_cache_dtype="auto")
+    with pytest.raises(HieraSparseConfigError, match="--dtype='float32'"):
+        config.validate_model(head_dim=64, dtype="float32", kv_cache_dtype="auto")
+    with pytest.raises(HieraSparseConfigError, match="kv-cache-dtype"):
+        config.validate_model(head_dim=64, dtype="float16", kv_cache_dtype="fp8_e4m3")
+    HieraSparseConfig.validate_gpu((9, 0), "H100")
+    with pytest.raises(HieraSparseConfigError, match="compute capability 8.9"):
+        HieraSparseConfig.validate_gpu((8, 9), "L40S")
+    with pytest.raises(HieraSparseConfigError, match="no CUDA GPU"):
+        HieraSparseConfig.validate_gpu(None)
+
+
+def test_env_roundtrip_and_bad_env(monkeypatch):
+    config = HieraSparseConfig(sk_prefill=0.5, sv_prefill=1.0, window_tokens=128)
+    monkeypatch.setenv(ENV_VAR, config.to_json())
+    assert HieraSparseConfig.from_env() == config
+    monkeypatch.setenv(ENV_VAR, json.dumps({"sk_prefill": "lots"}))
+    with pytest.raises(HieraSparseConfigError, match="sk_prefill"):
+        HieraSparseConfig.from_env()
+    monkeypatch.setenv(ENV_VAR, json.dumps({"speed": 1}))
+    with pytest.raises(HieraSparseConfigError, match="unknown setting"):
+        HieraSparseConfig.from_env()
+
+
+def test_launcher_prints_one_line_for_bad_flag(tmp_path):
+    # The launcher must stop before touching a GPU, with no traceback.
+    result = run_python(
+        "-m", "sglang.launch_server", "--model-path", str(tmp_path),
+        "--attention-backend", "hierasparse", "--hierasparse-sv-prefill", "1.5",
+        cwd="/",
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "error: hierasparse: --hierasparse-sv-prefill=1.5 is invalid; allowed: a fraction in [0, 1]"
+
+
+def test_launcher_checks_page_size_and_device(tmp_path):
+    from sglang_hs.launch.make_model import write_llama8b_config
+
+    write_llama8b_config(str(tmp_path))
+    base = ["-m", "sglang.launch_server", "--model-path", str(tmp_path), "--attention-backend", "hierasparse",
+            "--device", "cpu"]
+    result = run_python(*base, "--page-size", "16", cwd="/")
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: hierasparse: --page-size=16 differs from --hierasparse-block-size=64; allowed: 64 or unset"
+    )
+    result = run_python(*base, cwd="/")
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: hierasparse: --device=cpu is invalid; allowed: cuda"
