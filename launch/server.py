@@ -1,0 +1,116 @@
+"""Start and stop real SGLang servers from scripts: health wait, log tail on failure, clean shutdown.
+
+Used by the server check, the prefix benchmark and the soak driver. A server started here is always
+stopped, also on Ctrl-C and on errors, because :class:`SGLangServer` is a context manager that kills
+the server's whole process group on exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy; the message ends with its log tail."""
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex((host, port)) == 0
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 600) -> Any:
+    """GET (no payload) or POST JSON and decode the JSON answer."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read().decode()
+    return json.loads(body) if body.strip() else None
+
+
+class SGLangServer:
+    """``python -m sglang.launch_server`` in its own process group, logging to a file."""
+
+    def __init__(self, model_path: str, args: list[str], port: int, log_path: str, start_timeout: float = 900):
+        if not os.path.exists(os.path.join(model_path, "config.json")):
+            raise ServerStartError(f"--model-path {model_path} has no config.json")
+        if port_in_use(port):
+            raise ServerStartError(f"port {port} is already in use; pick another with --port")
+        self.command = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+            "--host", "127.0.0.1", "--port", str(port), *args,
+        ]  # fmt: skip
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.start_timeout = start_timeout
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "SGLangServer":
+        print(f"[server] starting: {' '.join(self.command)}", flush=True)
+        log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait_healthy(self) -> None:
+        started = time.time()
+        last_report = started
+        while time.time() - started < self.start_timeout:
+            if self.process.poll() is not None:
+                raise ServerStartError(f"server exited with code {self.process.returncode}\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        print(f"[server] healthy after {time.time() - started:.0f} s", flush=True)
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.time() - last_report > 30:
+                print(f"[server] waiting for health ({time.time() - started:.0f} s)", flush=True)
+                last_report = time.time()
+            time.sleep(2)
+        raise ServerStartError(f"server not healthy after {self.start_timeout:.0f} s\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def log_text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def post(self, path: str, payload: dict | None = None, timeout: float = 600) -> Any:
+        return http_json(self.base_url + path, payload, timeout)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        print("[server] stopped", flush=True)

@@ -1,0 +1,113 @@
+"""Serve the same prompts on a dense backend and on hierasparse; compare greedy outputs.
+
+    python -m sglang_hs.launch.server_check --model-path /tmp/tiny --out check.json \
+        [--baseline triton] [--hs-arg=--hierasparse-sv-prefill=0] ...
+
+Each server gets OpenAI chat completions (a long shared system prompt and distinct questions, each
+sent twice so the second round hits the radix cache), two plain ``/generate`` prompts, and one
+SGLang frontend-language program (``sgl.function`` + ``run_batch`` over a shared prefix). All
+sampling is greedy. The script exits non-zero when any output differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+from sglang_hs.launch.server import SGLangServer
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a function that adds two numbers.",
+    "Count from one to ten.",
+    "Tell me a story about a fox.",
+]
+_WORDS = (
+    "the quick brown fox jumps over lazy dog while cat watches from window shared prefixes such as "
+    "system prompts documents and few shot examples are reused by many requests once upon a time "
+    "in city by sea there lived programmer who loved fast inference"
+).split()
+
+
+def shared_prompt(n_words: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return "You are a helpful assistant. " + " ".join(rng.choice(_WORDS) for _ in range(n_words)) + "\n"
+
+
+def run_workload(server: SGLangServer, system_prompt: str, max_tokens: int) -> dict[str, str]:
+    """Every greedy output of the workload, keyed by a stable name."""
+    import sglang as sgl
+
+    outputs: dict[str, str] = {}
+    for round_ in range(2):
+        for i, question in enumerate(QUESTIONS):
+            answer = server.post(
+                "/v1/chat/completions",
+                {
+                    "model": "default",
+                    "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                },
+            )
+            outputs[f"chat/{round_}/{i}"] = answer["choices"][0]["message"]["content"]
+    for i, text in enumerate(["The capital of France is", system_prompt[:400] + " In summary,"]):
+        answer = server.post(
+            "/generate", {"text": text, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+        )
+        outputs[f"generate/{i}"] = answer["text"]
+
+    @sgl.function
+    def answer_with_context(s, question):
+        s += system_prompt + "Q: " + question + "\nA:"
+        s += sgl.gen("answer", max_tokens=max_tokens, temperature=0)
+
+    sgl.set_default_backend(sgl.RuntimeEndpoint(server.base_url))
+    states = answer_with_context.run_batch([{"question": q} for q in QUESTIONS], num_threads=len(QUESTIONS))
+    for i, state in enumerate(states):
+        outputs[f"frontend/{i}"] = state["answer"]
+    return outputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--baseline", default="triton", help="dense --attention-backend to compare with")
+    parser.add_argument("--hs-arg", action="append", default=[], help="extra server flag for hierasparse")
+    parser.add_argument("--common-arg", action="append", default=[], help="extra server flag for both servers")
+    parser.add_argument("--prompt-words", type=int, default=600, help="shared system prompt length in words")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--out", default="server_check.json")
+    parser.add_argument("--log-prefix", default="/tmp/server_check")
+    args = parser.parse_args(argv)
+
+    system_prompt = shared_prompt(args.prompt_words)
+    runs = {
+        args.baseline: ["--attention-backend", args.baseline, "--page-size", "64"],
+        "hierasparse": ["--attention-backend", "hierasparse", *args.hs_arg],
+    }
+    results = {}
+    for name, backend_args in runs.items():
+        print(f"[check] === {name} ===", flush=True)
+        with SGLangServer(args.model_path, backend_args + args.common_arg, args.port, f"{args.log_prefix}_{name}.log") as server:
+            results[name] = run_workload(server, system_prompt, args.max_tokens)
+            if name == "hierasparse":
+                results["hierasparse_log_lines"] = [
+                    line for line in server.log_text().splitlines() if "hierasparse" in line.lower()
+                ][-20:]
+    baseline, ours = results[args.baseline], results["hierasparse"]
+    mismatches = sorted(key for key in baseline if baseline[key] != ours.get(key))
+    summary = {"baseline": args.baseline, "hs_args": args.hs_arg, "outputs": len(baseline), "mismatches": mismatches}
+    with open(args.out, "w") as f:
+        json.dump({**summary, "results": results}, f, indent=2)
+    print(json.dumps(summary, indent=2))
+    for key in list(baseline)[:3]:
+        print(f"[check] {key}: {baseline[key]!r}")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
