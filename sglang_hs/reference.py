@@ -230,3 +230,81 @@ def merge_partial(
     wb = torch.exp(lse_b - lse).unsqueeze(-1)
     out = (out_a.float() * wa + out_b.float() * wb).to(out_a.dtype)
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------- serving layout
+def gather_paged_sequence(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pools: BlockPools,
+    k_index: torch.Tensor,
+    v_index: torch.Tensor,
+    block_row: torch.Tensor,
+    seq_len: int,
+) -> CompressedSequence:
+    """One request's KV in the serving layout, as a :class:`CompressedSequence`.
+
+    In the server a request's tokens are cut into blocks of ``B`` (= SGLang's page size). Its block
+    table row ``block_row`` has one int32 per block: ``e >= 0`` is SGLang KV page ``e`` (dense; rows
+    ``e*B .. e*B+B-1`` of the layer's ``k_cache``/``v_cache`` ``[slots, H, D]``); ``e < 0`` is compressed
+    block ``~e``, resolved per KV head through this layer's index maps ``k_index``/``v_index``
+    ``[H, n_compressed]`` into ``pools``. Only the last block may be partial (``seq_len``).
+    """
+    block = pools.k_dense.shape[1] if pools.k_dense.numel() else pools.k_values.shape[1]
+    heads = k_cache.shape[1]
+    n_full = seq_len // block
+    pages = block_row[: -(-seq_len // block)].tolist()
+    cache_k = k_cache.reshape(-1, block, heads, k_cache.shape[-1])
+    cache_v = v_cache.reshape(-1, block, heads, v_cache.shape[-1])
+    # Dense pool of the view: the store's dense blocks, then every full cache page of the row per head.
+    cache_pages = [p for p in pages[:n_full] if p >= 0]
+    extra_k = [cache_k[p, :, h] for p in cache_pages for h in range(heads)]
+    extra_v = [cache_v[p, :, h] for p in cache_pages for h in range(heads)]
+    k_dense = torch.cat([pools.k_dense, torch.stack(extra_k)]) if extra_k else pools.k_dense
+    v_dense = torch.cat([pools.v_dense, torch.stack(extra_v)]) if extra_v else pools.v_dense
+    view_k = torch.empty(heads, n_full, dtype=torch.int32)
+    view_v = torch.empty(heads, n_full, dtype=torch.int32)
+    next_cache = 0
+    for j, entry in enumerate(pages[:n_full]):
+        if entry >= 0:
+            for h in range(heads):
+                view_k[h, j] = pools.k_dense.shape[0] + next_cache * heads + h
+                view_v[h, j] = pools.v_dense.shape[0] + next_cache * heads + h
+            next_cache += 1
+        else:
+            view_k[:, j] = k_index[:, ~entry].cpu()
+            view_v[:, j] = v_index[:, ~entry].cpu()
+    tail_page = pages[n_full] if seq_len % block else None
+    if tail_page is not None and tail_page < 0:
+        raise ValueError("a partial last block must be a dense cache page")
+    tail = slice(0, seq_len - n_full * block)
+    tail_k = cache_k[tail_page, tail] if tail_page is not None else k_cache[:0]
+    tail_v = cache_v[tail_page, tail] if tail_page is not None else v_cache[:0]
+    view_pools = BlockPools(k_dense, pools.k_values, pools.k_meta, v_dense, pools.v_values, pools.v_meta)
+    return CompressedSequence(view_pools, view_k, view_v, tail_k, tail_v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    qo_indptr: list[int],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pools: BlockPools,
+    k_index: torch.Tensor,
+    v_index: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: list[int],
+    sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched causal attention in the serving layout (the kernels' oracle).
+
+    Request ``r`` owns queries ``q[qo_indptr[r]:qo_indptr[r+1]]``, the last positions of its
+    ``seq_lens[r]`` tokens; decode is one query per request. Returns outputs and natural-log LSE.
+    """
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    for r, seq_len in enumerate(seq_lens):
+        rows = slice(qo_indptr[r], qo_indptr[r + 1])
+        seq = gather_paged_sequence(k_cache, v_cache, pools, k_index, v_index, block_table[r], seq_len)
+        out[rows], lse[rows] = attention(q[rows], seq, sm_scale=sm_scale)
+    return out, lse

@@ -101,3 +101,28 @@ def test_merge_partial_equals_attention_over_union():
     merged, merged_lse = ref.merge_partial(a, a_lse, b, b_lse)
     assert torch.allclose(merged, full, atol=1e-5) and torch.allclose(merged_lse, full_lse, atol=1e-5)
     assert math.isfinite(float(merged_lse.sum()))
+
+
+def test_paged_attention_over_cache_pages_and_compressed_blocks():
+    """Serving layout: a block table mixing SGLang cache pages and compressed blocks."""
+    torch.manual_seed(5)
+    heads, dim, q_heads, block = 2, 64, 8, 64
+    k, v = random_kv(6 * block, heads, dim, torch.float16, seed=6)
+    store = ref.compress_sequence(k, v, PRUNER, 1.0, 0.5, block, sink_tokens=0, window_tokens=0)
+    cache_k = torch.randn(10 * block, heads, dim).half()
+    cache_v = torch.randn_like(cache_k)
+    # Two requests: [page 3, compressed 0..5, page 5, partial page 7 (20 tokens)] and [page 2, compressed 4].
+    table = torch.tensor([[3, -1, -2, -3, -4, -5, -6, 5, 7], [2, -5, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    seq_lens = [8 * block + 20, 2 * block]
+    q = torch.randn(6, q_heads, dim).half()  # 5 extend queries for request 0, one decode query for request 1
+    out, lse = ref.paged_attention(q, [0, 5, 6], cache_k, cache_v, store.pools, store.k_index, store.v_index, table, seq_lens)
+    pruned_k, pruned_v = ref.decompress(store)
+    page = lambda x, p, n=block: x[p * block : p * block + n]
+    k0 = torch.cat([page(cache_k, 3), pruned_k, page(cache_k, 5), page(cache_k, 7, 20)])
+    v0 = torch.cat([page(cache_v, 3), pruned_v, page(cache_v, 5), page(cache_v, 7, 20)])
+    k1 = torch.cat([page(cache_k, 2), pruned_k[4 * block : 5 * block]])
+    v1 = torch.cat([page(cache_v, 2), pruned_v[4 * block : 5 * block]])
+    for rows, kk, vv in ((slice(0, 5), k0, v0), (slice(5, 6), k1, v1)):
+        expected, expected_lse = ref.dense_attention(q[rows], kk, vv)
+        assert torch.allclose(out[rows].float(), expected.float(), atol=1e-3)
+        assert torch.allclose(lse[rows], expected_lse, atol=1e-4)
