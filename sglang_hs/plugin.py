@@ -46,6 +46,21 @@ def load() -> None:
         HookType.AFTER,
     )
     HookRegistry.register(f"{_SERVER_ARGS}.prepare_server_args", exit_with_one_line, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
+        split_kv_budget,
+        HookType.AFTER,
+    )
+    for phase in ("decode", "prefill"):
+        HookRegistry.register(
+            f"sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats.get_{phase}_usage_msg_parts",
+            status_line_parts,
+            HookType.AFTER,
+        )
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+
+    if BACKEND_NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(BACKEND_NAME, create_radix_cache)
 
 
 def create_backend(runner):
@@ -53,6 +68,37 @@ def create_backend(runner):
     from sglang_hs.backend import HieraSparseAttnBackend
 
     return HieraSparseAttnBackend(runner)
+
+
+def status_line_parts(result, *args, **kwargs):
+    """The compressed cache's status, appended to SGLang's periodic batch log line."""
+    from sglang_hs.radix.hook import status_line_parts as parts
+
+    return parts(result, *args, **kwargs)
+
+
+def create_radix_cache(ctx):
+    """Radix-cache factory (``--radix-cache-backend hierasparse``, set by the backend defaults)."""
+    from sglang_hs.radix.hook import create_radix_cache as create
+
+    return create(ctx)
+
+
+def split_kv_budget(kv_budget_bytes: int, configurator, *args, **kwargs) -> int | None:
+    """AFTER hook on SGLang's KV-cache sizing: carve the compressed store out of the same
+    ``--mem-fraction-static`` budget, so dense and hierasparse servers use equal memory."""
+    server_args = configurator.server_args
+    if configurator.is_draft_worker or not uses_backend(server_args) or server_args.disable_radix_cache:
+        return None
+    from sglang_hs.pools import reserve_store_budget
+
+    config = HieraSparseConfig.from_env()
+    dense_bytes = reserve_store_budget(kv_budget_bytes, config.store_fraction)
+    logger.info(
+        "hierasparse: KV budget %.2f GiB = dense pool %.2f GiB + compressed store %.2f GiB",
+        kv_budget_bytes / 2**30, dense_bytes / 2**30, (kv_budget_bytes - dense_bytes) / 2**30,
+    )  # fmt: skip
+    return dense_bytes
 
 
 # --------------------------------------------------------------------------------------- CLI flags
@@ -127,10 +173,20 @@ def apply_backend_defaults(_result, server_args) -> None:
             f"{cli_flag('block_size')}={config.block_size}; allowed: {config.block_size} or unset"
         )
     server_args.page_size = config.block_size
-    # Prefill/extend runs eagerly: its compressed-prefix path is not captured in a graph.
+    # Batches that read compressed blocks run eagerly (the compressed path is not graph-capturable
+    # yet), so prefill and decode CUDA graphs are off for this backend.
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
+    server_args.cuda_graph_config.decode.backend = Backend.DISABLED
+    if not server_args.disable_radix_cache:
+        if server_args.radix_cache_backend not in (None, BACKEND_NAME) or server_args.enable_hierarchical_cache:
+            raise HieraSparseConfigError(
+                f"hierasparse: --radix-cache-backend={server_args.radix_cache_backend} "
+                f"--enable-hierarchical-cache={server_args.enable_hierarchical_cache}; allowed: "
+                f"SGLang's radix cache (radix-cache backend unset or '{BACKEND_NAME}', no HiCache)"
+            )
+        server_args.radix_cache_backend = BACKEND_NAME
 
     model_config = server_args.get_model_config()
     config.validate_model(

@@ -53,6 +53,15 @@ def top2_of_4(score: torch.Tensor, axis: int) -> torch.Tensor:
     return keep.reshape(moved.shape).movedim(-1, axis)
 
 
+def rank_sparse(loss: torch.Tensor, prunable: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """bool mask like ``loss [..., n]``: per row, the ``ceil(S·n_prunable)`` prunable blocks that
+    lose least (stable: ties go to the earlier block). Other blocks are never chosen."""
+    n_sparse = sparse_count(int(prunable.sum()), sparsity)
+    ranked = torch.where(prunable, loss, torch.inf).argsort(dim=-1, stable=True)
+    sparse = torch.zeros(loss.shape, dtype=torch.bool, device=loss.device)
+    return sparse.scatter_(-1, ranked[..., :n_sparse], True)
+
+
 class Pruner(ABC):
     """Element masks plus block ranking; subclasses choose the element scores."""
 
@@ -62,6 +71,15 @@ class Pruner(ABC):
     def element_scores(self, blocks: torch.Tensor, operand: Operand) -> torch.Tensor:
         """Importance of every element (same shape as ``blocks``); the top 2 of 4 survive."""
 
+    def element_mask(self, blocks: torch.Tensor, operand: Operand) -> torch.Tensor:
+        """bool like ``blocks``: the elements a sparse block keeps."""
+        return top2_of_4(self.element_scores(blocks, operand), group_axis(operand))
+
+    @staticmethod
+    def block_loss(blocks: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """float32 ``[..., n]``: the L1 magnitude each ``[B, D]`` block loses when pruned."""
+        return (blocks.float().abs() * ~keep).sum(dim=(-1, -2))
+
     def __call__(
         self,
         blocks: torch.Tensor,
@@ -69,18 +87,12 @@ class Pruner(ABC):
         sparsity: float,
         prunable: torch.Tensor | None = None,
     ) -> PruneResult:
-        heads, n = blocks.shape[0], blocks.shape[1]
-        magnitude = blocks.float().abs()
-        keep = top2_of_4(self.element_scores(blocks, operand), group_axis(operand))
-        loss = (magnitude * ~keep).sum(dim=(-1, -2))
+        """Masks and per-head ranking for ``[H, n, B, D]`` blocks."""
+        keep = self.element_mask(blocks, operand)
+        loss = self.block_loss(blocks, keep)
         if prunable is None:
-            prunable = torch.ones(n, dtype=torch.bool, device=blocks.device)
-        n_sparse = sparse_count(int(prunable.sum()), sparsity)
-        # Rank prunable blocks by loss (stable: ties go to the earlier block); others rank last.
-        ranked = torch.where(prunable, loss, torch.inf).argsort(dim=-1, stable=True)
-        sparse = torch.zeros(heads, n, dtype=torch.bool, device=blocks.device)
-        sparse.scatter_(1, ranked[:, :n_sparse], True)
-        return PruneResult(keep=keep, sparse=sparse, loss=loss)
+            prunable = torch.ones(blocks.shape[1], dtype=torch.bool, device=blocks.device)
+        return PruneResult(keep=keep, sparse=rank_sparse(loss, prunable, sparsity), loss=loss)
 
 
 class MagnitudePruner(Pruner):

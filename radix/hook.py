@@ -1,0 +1,331 @@
+"""The radix-cache hook: prefixes entering SGLang's radix cache are compressed, their pages freed.
+
+Policy (also in the README):
+
+- **What is compressed.** When a node enters the tree (after a prefill, at each chunked-prefill
+  boundary, and when a request finishes), its whole blocks that lie after the sequence's first
+  ``sink_tokens`` and before the node's last ``window_tokens`` go to the compressed store; the rest
+  stay in SGLang's dense pages. Blocks of prompt tokens use ``S_K/S_V`` of prefill, blocks of
+  generated tokens (cached when a request finishes) those of decode.
+- **Virtual slots.** A compressed token's slot id becomes ``virtual_base + vb·B + offset``, above
+  every dense slot: ``node.value`` and the requests' ``req_to_token`` rows keep one slot per token as
+  SGLang expects, and the backend resolves virtual block ``vb`` through the store's index maps.
+- **Running requests.** Compression happens inside the insert, before SGLang rewrites the inserting
+  request's ``req_to_token`` row from the tree, so that request continues on the compressed copy. The
+  dense pages are freed at once; a forward already in flight may still read them, which is safe
+  because a freed page is only rewritten by a later forward on the same stream. The compression runs
+  on the scheduler's current stream, ordered after the forward that wrote the KV and before the next.
+- **Accounting.** ``evictable_size()``/``protected_size()`` count dense tokens only, so SGLang's
+  idle check ``available + evictable + protected == total`` holds. The allocator routes virtual slots
+  it is asked to free to the store. Eviction frees both representations of a node.
+- **Store full.** Compressed leaves that no request holds are evicted, least recently used first;
+  if that is not enough the prefix stays dense.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+
+from sglang_hs.config import HieraSparseConfig
+from sglang_hs.format import dense_block_bytes
+from sglang_hs.pools import CompressedStore, StoreFull, compress_prefix
+from sglang_hs.pruner import make_pruner
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+logger = logging.getLogger(__name__)
+
+RADIX_BACKEND_NAME = "hierasparse"
+
+
+class VirtualSlots:
+    """The virtual slot id space of compressed tokens, placed above every dense slot."""
+
+    def __init__(self, base: int, block_size: int):
+        if base % block_size:
+            raise ValueError("virtual_base must be block aligned")
+        self.base, self.block_size = base, block_size
+
+    def mask(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots >= self.base
+
+    def blocks_of(self, slots: torch.Tensor) -> list[int]:
+        """Distinct virtual block ids among virtual ``slots`` (host sync)."""
+        return torch.unique((slots - self.base) // self.block_size).tolist()
+
+    def block_table(self, rows: torch.Tensor) -> torch.Tensor:
+        """int32 block table of ``req_to_token`` rows ``[bs, L]``: per block of ``B`` tokens, the
+        SGLang page id (dense) or ``~vb`` (compressed virtual block ``vb``)."""
+        starts = rows[:, :: self.block_size].long()
+        pages = starts // self.block_size
+        return torch.where(starts >= self.base, ~((starts - self.base) // self.block_size), pages).to(torch.int32)
+
+    def slots_of(self, vbs: list[int], device) -> torch.Tensor:
+        offsets = torch.arange(self.block_size, device=device)
+        starts = torch.tensor(vbs, dtype=torch.int64, device=device) * self.block_size + self.base
+        return (starts[:, None] + offsets[None, :]).reshape(-1)
+
+
+class HieraSparseAllocator(PagedTokenToKVPoolAllocator):
+    """SGLang's paged allocator, plus: virtual slots handed to ``free`` go back to the store.
+
+    Installed by re-classing the scheduler's allocator object (see :func:`make_virtual_aware`), so
+    every holder of the allocator (scheduler, tree, batch code) frees through it.
+    """
+
+    hs_store: CompressedStore
+    hs_virtual: VirtualSlots
+
+    def _dense_part(self, free_index: torch.Tensor) -> torch.Tensor | None:
+        """Free the virtual part; return the dense part, or None if there was no virtual part."""
+        if self.hs_store.used_blocks() == 0 or free_index.numel() == 0:
+            return None
+        virtual = self.hs_virtual.mask(free_index)
+        if not bool(virtual.any()):
+            return None
+        self.hs_store.free(self.hs_virtual.blocks_of(free_index[virtual]))
+        return free_index[~virtual]
+
+    def free(self, free_index: torch.Tensor):
+        dense = self._dense_part(free_index)
+        super().free(free_index if dense is None else dense)
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int):
+        dense = self._dense_part(free_index)
+        if dense is None:
+            super().free_segment(free_index, start_pos=start_pos)
+        else:  # the dense part is no longer one consecutive run of the row
+            super().free(dense)
+
+
+def make_virtual_aware(allocator, store: CompressedStore, virtual: VirtualSlots) -> HieraSparseAllocator:
+    if type(allocator) is not PagedTokenToKVPoolAllocator:
+        raise TypeError(f"hierasparse needs SGLang's paged allocator, got {type(allocator).__name__}")
+    allocator.__class__ = HieraSparseAllocator
+    allocator.hs_store, allocator.hs_virtual = store, virtual
+    return allocator
+
+
+class HieraSparseRadixCache(RadixCache):
+    def __init__(
+        self,
+        params: CacheInitParams,
+        store: CompressedStore,
+        config: HieraSparseConfig,
+        k_buffers: list[torch.Tensor],
+        v_buffers: list[torch.Tensor],
+        virtual: VirtualSlots,
+    ):
+        self.store, self.config, self.virtual = store, config, virtual
+        self.k_buffers, self.v_buffers = k_buffers, v_buffers
+        self.pruner = make_pruner(config.pruner)
+        self.stats = CompressionStats()
+        self._prompt_len: int | None = None  # set while a finished request is inserted
+        super().__init__(params)
+        make_virtual_aware(self.token_to_kv_pool_allocator, store, virtual)
+
+    # ----------------------------------------------------------------------------- accounting
+    def reset(self):
+        super().reset()
+        self._virtual_evictable = 0
+        self._virtual_protected = 0
+        if hasattr(self, "store"):  # reset() also runs inside RadixCache.__init__
+            self.store.clear()
+
+    def evictable_size(self):
+        return self.evictable_size_ - self._virtual_evictable
+
+    def protected_size(self):
+        return self.protected_size_ - self._virtual_protected
+
+    def inc_lock_ref(self, node: TreeNode):
+        walk = node
+        while walk is not self.root_node and not self.disable:
+            if walk.lock_ref == 0:
+                self._virtual_evictable -= virtual_tokens(walk)
+                self._virtual_protected += virtual_tokens(walk)
+            walk = walk.parent
+        return super().inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode, params=None):
+        walk = node
+        while walk is not self.root_node and not self.disable:
+            if walk.lock_ref == 1:
+                self._virtual_evictable += virtual_tokens(walk)
+                self._virtual_protected -= virtual_tokens(walk)
+            walk = walk.parent
+        return super().dec_lock_ref(node, params)
+
+    def _delete_leaf(self, node: TreeNode):
+        super()._delete_leaf(node)
+        self._virtual_evictable -= virtual_tokens(node)
+
+    def _split_node(self, key, child: TreeNode, split_len: int):
+        new_node = super()._split_node(key, child, split_len)
+        if virtual_tokens(child):
+            new_node.hs_virtual = int(self.virtual.mask(new_node.value).sum())
+            child.hs_virtual -= new_node.hs_virtual
+        return new_node
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Like ``RadixCache.evict``, but ``num_tokens`` counts dense tokens: the request is for
+        dense pool pages, and compressed blocks free store slots instead."""
+        return self._evict_leaves(params.num_tokens, lambda node: len(node.value) - virtual_tokens(node))
+
+    def _evict_leaves(self, amount: int, freed_by, exclude: TreeNode | None = None) -> EvictResult:
+        """Evict least-recently-used unlocked leaves until ``freed_by`` adds up to ``amount``."""
+        if self.disable:
+            return EvictResult()
+        start = time.perf_counter()
+        heap = [
+            (self.eviction_strategy.get_priority(node), node) for node in self.evictable_leaves if node is not exclude
+        ]
+        heapq.heapify(heap)
+        freed = evicted_tokens = 0
+        while freed < amount and heap:
+            _, node = heapq.heappop(heap)
+            freed += freed_by(node)
+            evicted_tokens += len(node.value) - virtual_tokens(node)
+            self.token_to_kv_pool_allocator.free(node.value)
+            self._delete_leaf(node)
+            if not node.parent.children and node.parent.lock_ref == 0:
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(node.parent), node.parent))
+            self._record_remove_event(node)
+        self.update_eviction_metrics(evicted_tokens, start)
+        return EvictResult(num_tokens_evicted=evicted_tokens)
+
+    # ----------------------------------------------------------------------------- compression
+    def cache_finished_req(self, req, is_insert: bool = True, **kwargs):
+        self._prompt_len = len(req.origin_input_ids)
+        try:
+            return super().cache_finished_req(req, is_insert, **kwargs)
+        finally:
+            self._prompt_len = None
+
+    def _record_store_event(self, node: TreeNode, medium=None):
+        super()._record_store_event(node, medium)
+        if self.disable:
+            return
+        try:
+            self._compress_node(node)
+        except StoreFull as exc:
+            logger.debug("hierasparse: prefix kept dense: %s", exc)
+            self.stats.kept_dense_prefixes += 1
+
+    def _compress_node(self, node: TreeNode) -> None:
+        cfg, block = self.config, self.config.block_size
+        start = node_start(node)
+        end = start + len(node.key)
+        first = max(start, cfg.sink_tokens) // block
+        last = (end - cfg.window_tokens) // block  # exclusive
+        if last <= first:
+            return
+        offset = first * block - start
+        slots = node.value[offset : offset + (last - first) * block].clone()  # value is rewritten below
+        block_starts = torch.arange(first, last) * block
+        prompt = block_starts < (self._prompt_len if self._prompt_len is not None else end)
+        groups = [(prompt, cfg.sk_prefill, cfg.sv_prefill), (~prompt, cfg.sk_decode, cfg.sv_decode)]
+        self._make_room(last - first, keep=node)
+        vbs = compress_prefix(self.store, self.pruner, self.k_buffers, self.v_buffers, slots, groups)
+        node.value[offset : offset + len(slots)] = self.virtual.slots_of(vbs, node.value.device)
+        self.token_to_kv_pool_allocator.free(slots)
+        tokens = len(slots)
+        node.hs_virtual = virtual_tokens(node) + tokens
+        if node.lock_ref == 0:
+            self._virtual_evictable += tokens
+        else:
+            self._virtual_protected += tokens
+        self.stats.compressed_blocks += len(vbs)
+        logger.debug("hierasparse: compressed %d blocks at positions %d..%d", len(vbs), first * block, last * block)
+
+    def _make_room(self, blocks: int, keep: TreeNode) -> None:
+        """Evict unlocked compressed leaves (LRU) until the store has ``blocks`` free virtual blocks."""
+        missing = blocks - self.store.free_counts()["virtual"]
+        if missing > 0:
+            self._evict_leaves(missing * self.config.block_size, virtual_tokens, exclude=keep)
+
+
+    def status(self) -> dict[str, float]:
+        """What is resident now and what compression has done so far (for logs and metrics)."""
+        store, block = self.store, self.config.block_size
+        dense_block_bytes_all = 2 * dense_block_bytes(block, store.head_dim) * store.kv_heads * store.num_layers
+        return {
+            "compressed_tokens": store.used_blocks() * block,
+            "dense_tree_tokens": self.evictable_size() + self.protected_size(),
+            "store_used_blocks": store.used_blocks(),
+            "store_capacity_blocks": store.capacity.virtual_blocks,
+            "bytes_saved": store.used_blocks() * dense_block_bytes_all - store.stored_bytes(),
+            "blocks_compressed_total": self.stats.compressed_blocks,
+            "prefixes_kept_dense_total": self.stats.kept_dense_prefixes,
+        }
+
+
+class CompressionStats:
+    """Cumulative compression counters (the store reports what is resident now)."""
+
+    def __init__(self):
+        self.compressed_blocks = 0
+        self.kept_dense_prefixes = 0
+
+
+# The scheduler process's tree, for the status line (one tree per scheduler process).
+_active_trees: list[HieraSparseRadixCache] = []
+
+
+def status_line_parts(_result=None, *args, **kwargs) -> list[str] | None:
+    """AFTER hook on SGLang's batch log line: append the compressed-cache status."""
+    if not _active_trees:
+        return None
+    s = _active_trees[-1].status()
+    parts = [
+        f"#hs compressed token: {s['compressed_tokens']}",
+        f"#hs dense prefix token: {s['dense_tree_tokens']}",
+        f"hs store usage: {s['store_used_blocks'] / max(1, s['store_capacity_blocks']):.2f}",
+        f"hs saved: {s['bytes_saved'] / 2**30:.3f} GiB",
+    ]
+    return list(_result or []) + parts
+
+
+def virtual_tokens(node: TreeNode) -> int:
+    return getattr(node, "hs_virtual", 0)
+
+
+def node_start(node: TreeNode) -> int:
+    """Token position where ``node``'s key starts (the length of its ancestors' keys)."""
+    start, walk = 0, node.parent
+    while walk is not None and walk.parent is not None:
+        start += len(walk.key)
+        walk = walk.parent
+    return start
+
+
+def create_radix_cache(ctx) -> HieraSparseRadixCache:
+    """Build the tree for SGLang's scheduler: the backend's store, the pool's per-layer buffers."""
+    from sglang_hs.backend import HieraSparseAttnBackend
+
+    runner = ctx.tp_worker.model_runner
+    backend = runner.attn_backend
+    if not isinstance(backend, HieraSparseAttnBackend):
+        raise TypeError(f"--radix-cache-backend {RADIX_BACKEND_NAME} needs --attention-backend hierasparse")
+    kv_pool = runner.token_to_kv_pool
+    layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
+    tree = HieraSparseRadixCache(
+        ctx.params,
+        backend.store,
+        backend.config,
+        [kv_pool.get_key_buffer(layer) for layer in layers],
+        [kv_pool.get_value_buffer(layer) for layer in layers],
+        backend.virtual,
+    )
+    _active_trees.append(tree)
+    return tree

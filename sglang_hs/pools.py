@@ -1,0 +1,285 @@
+"""The compressed store: GPU pools of compressed KV blocks for every layer, and their allocator.
+
+Unit of allocation: a *virtual block*, ``B`` tokens of one cached prefix (= one SGLang page) in all
+layers and KV heads. The block's K is either dense or 2:4 sparse, the same in every layer and KV
+head, and takes one slot of the dense-K or the sparse-K pool; V likewise. Because a virtual block
+always occupies the same slots in every layer, a radix-tree node can be split or evicted at any
+block boundary and frees exactly what it holds.
+
+Per layer the pools follow :mod:`sglang_hs.format`, with one pool row per (slot, KV head):
+row ``slot * H + h``. The index maps ``k_index``/``v_index`` ``[H, capacity]`` hold, per KV head
+and virtual block, the signed entry of that row (``>= 0`` dense, ``< 0`` sparse ``~row``); they are
+shared by all layers and are what the kernels and the reference read.
+
+Block choice: the caller ranks a prefix's blocks by their pruning loss summed over layers and
+heads (see :func:`compress_prefix`), so the decision is per virtual block.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sglang_hs.format import dense_block_bytes, pack_2to4, sparse_block_bytes, sparse_entry
+from sglang_hs.pruner import Pruner, rank_sparse
+from sglang_hs.reference import BlockPools
+
+logger = logging.getLogger(__name__)
+
+# Bytes of SGLang's KV-cache budget set aside for the store in this (scheduler) process. The plugin's
+# hook on SGLang's KV-cache sizing sets it before the dense pool is allocated; the backend, built
+# right after the pool, allocates the store from it.
+_store_budget_bytes = 0
+
+
+def reserve_store_budget(kv_budget_bytes: int, store_fraction: float) -> int:
+    """Split SGLang's KV-cache byte budget: keep the store's share, return the dense pool's share."""
+    global _store_budget_bytes
+    _store_budget_bytes = int(kv_budget_bytes * store_fraction)
+    return kv_budget_bytes - _store_budget_bytes
+
+
+def store_budget_bytes() -> int:
+    return _store_budget_bytes
+
+
+@dataclass(frozen=True)
+class StoreCapacity:
+    """Slots of each pool (a slot holds one block of every KV head, in every layer)."""
+
+    virtual_blocks: int
+    k_dense: int
+    k_sparse: int
+    v_dense: int
+    v_sparse: int
+
+    @classmethod
+    def from_budget(
+        cls, budget_bytes: int, num_layers: int, kv_heads: int, head_dim: int, block_size: int, sk: float, sv: float
+    ) -> "StoreCapacity":
+        """Split a byte budget between the pools in the proportions the expected S_K/S_V need."""
+        dense = dense_block_bytes(block_size, head_dim) * kv_heads * num_layers
+        sparse = sparse_block_bytes(block_size, head_dim) * kv_heads * num_layers
+        per_block = (1 - sk) * dense + sk * sparse + (1 - sv) * dense + sv * sparse
+        blocks = int(budget_bytes // per_block)
+        # Round each pool down so the total never exceeds the budget.
+        return cls(
+            virtual_blocks=blocks,
+            k_dense=math.floor((1 - sk) * blocks),
+            k_sparse=math.floor(sk * blocks),
+            v_dense=math.floor((1 - sv) * blocks),
+            v_sparse=math.floor(sv * blocks),
+        )
+
+
+class StoreFull(Exception):
+    """Not enough free slots for a compression; the caller evicts or keeps the prefix dense."""
+
+
+class CompressedStore:
+    def __init__(
+        self,
+        capacity: StoreCapacity,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.capacity = capacity
+        self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        h, b, d = kv_heads, block_size, head_dim
+
+        def pool(slots: int, *shape: int, dtype: torch.dtype = dtype) -> list[torch.Tensor]:
+            return [torch.zeros(slots * h, *shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        self.k_dense = pool(capacity.k_dense, b, d)
+        self.k_values = pool(capacity.k_sparse, b, d // 2)
+        self.k_meta = pool(capacity.k_sparse, b, d // 16, dtype=torch.int16)
+        self.v_dense = pool(capacity.v_dense, b, d)
+        self.v_values = pool(capacity.v_sparse, d, b // 2)
+        self.v_meta = pool(capacity.v_sparse, d, b // 16, dtype=torch.int16)
+        self.k_index = torch.zeros(h, capacity.virtual_blocks, dtype=torch.int32, device=device)
+        self.v_index = torch.zeros(h, capacity.virtual_blocks, dtype=torch.int32, device=device)
+        # Host-side ownership: per virtual block, (is_sparse, slot) of its K and of its V.
+        self._k_slot: dict[int, tuple[bool, int]] = {}
+        self._v_slot: dict[int, tuple[bool, int]] = {}
+        self.clear()
+
+    # ----------------------------------------------------------------------------- bookkeeping
+    def clear(self) -> None:
+        """Forget every block (the pools' bytes are left as they are)."""
+        c = self.capacity
+        self._free = {
+            "virtual": list(range(c.virtual_blocks - 1, -1, -1)),
+            "k_dense": list(range(c.k_dense - 1, -1, -1)),
+            "k_sparse": list(range(c.k_sparse - 1, -1, -1)),
+            "v_dense": list(range(c.v_dense - 1, -1, -1)),
+            "v_sparse": list(range(c.v_sparse - 1, -1, -1)),
+        }
+        self._k_slot.clear()
+        self._v_slot.clear()
+
+    def free_counts(self) -> dict[str, int]:
+        return {name: len(ids) for name, ids in self._free.items()}
+
+    def used_blocks(self) -> int:
+        return len(self._k_slot)
+
+    def check(self) -> str | None:
+        """None if every slot is either free or owned exactly once, else a description."""
+        c = self.capacity
+        used_k = [s for _, s in self._k_slot.values()]
+        counts = {
+            "virtual": (len(self._free["virtual"]) + len(self._k_slot), c.virtual_blocks),
+            "k_dense": (len(self._free["k_dense"]) + sum(not sp for sp, _ in self._k_slot.values()), c.k_dense),
+            "k_sparse": (len(self._free["k_sparse"]) + sum(sp for sp, _ in self._k_slot.values()), c.k_sparse),
+            "v_dense": (len(self._free["v_dense"]) + sum(not sp for sp, _ in self._v_slot.values()), c.v_dense),
+            "v_sparse": (len(self._free["v_sparse"]) + sum(sp for sp, _ in self._v_slot.values()), c.v_sparse),
+        }
+        bad = {name: got for name, got in counts.items() if got[0] != got[1]}
+        if bad or len(used_k) != len(self._v_slot):
+            return f"compressed store leak: (free + used, capacity) = {bad}"
+        return None
+
+    def stored_bytes(self) -> int:
+        """Bytes of the blocks currently held (all layers)."""
+        dense = dense_block_bytes(self.block_size, self.head_dim) * self.kv_heads * self.num_layers
+        sparse = sparse_block_bytes(self.block_size, self.head_dim) * self.kv_heads * self.num_layers
+        slots = list(self._k_slot.values()) + list(self._v_slot.values())
+        return sum(sparse if is_sparse else dense for is_sparse, _ in slots)
+
+    def _take(self, pool: str, n: int) -> list[int]:
+        ids = self._free[pool]
+        taken = ids[len(ids) - n :][::-1] if n else []
+        del ids[len(ids) - n :]
+        return taken
+
+    def allocate(self, sparse_k: list[bool], sparse_v: list[bool]) -> list[int]:
+        """Reserve virtual blocks and pool slots for blocks of these kinds; returns virtual ids.
+
+        Raises :class:`StoreFull` (and reserves nothing) when any pool lacks room.
+        """
+        need = {
+            "virtual": len(sparse_k),
+            "k_sparse": sum(sparse_k),
+            "k_dense": len(sparse_k) - sum(sparse_k),
+            "v_sparse": sum(sparse_v),
+            "v_dense": len(sparse_v) - sum(sparse_v),
+        }
+        short = {name: n for name, n in need.items() if n > len(self._free[name])}
+        if short:
+            raise StoreFull(f"compressed store lacks {short} (free: {self.free_counts()})")
+        vbs = self._take("virtual", need["virtual"])
+        k_ids = {True: iter(self._take("k_sparse", need["k_sparse"])), False: iter(self._take("k_dense", need["k_dense"]))}
+        v_ids = {True: iter(self._take("v_sparse", need["v_sparse"])), False: iter(self._take("v_dense", need["v_dense"]))}
+        for vb, sk, sv in zip(vbs, sparse_k, sparse_v):
+            self._k_slot[vb] = (sk, next(k_ids[sk]))
+            self._v_slot[vb] = (sv, next(v_ids[sv]))
+        self._write_index(vbs)
+        return vbs
+
+    def free(self, vbs: list[int]) -> None:
+        for vb in vbs:
+            k_sparse, k_slot = self._k_slot.pop(vb)
+            v_sparse, v_slot = self._v_slot.pop(vb)
+            self._free["k_sparse" if k_sparse else "k_dense"].append(k_slot)
+            self._free["v_sparse" if v_sparse else "v_dense"].append(v_slot)
+            self._free["virtual"].append(vb)
+
+    def _write_index(self, vbs: list[int]) -> None:
+        """Publish the per-head index-map entries of newly allocated blocks."""
+        heads = torch.arange(self.kv_heads, dtype=torch.int64)
+
+        def entries(slots: dict[int, tuple[bool, int]]) -> torch.Tensor:
+            sparse = torch.tensor([slots[vb][0] for vb in vbs])
+            rows = torch.tensor([slots[vb][1] for vb in vbs])[None, :] * self.kv_heads + heads[:, None]
+            return torch.where(sparse[None, :], sparse_entry(rows), rows).to(torch.int32)
+
+        columns = torch.tensor(vbs, dtype=torch.int64, device=self.device)
+        self.k_index[:, columns] = entries(self._k_slot).to(self.device)
+        self.v_index[:, columns] = entries(self._v_slot).to(self.device)
+
+    # ----------------------------------------------------------------------------- data
+    def layer_pools(self, layer: int) -> BlockPools:
+        return BlockPools(
+            self.k_dense[layer], self.k_values[layer], self.k_meta[layer],
+            self.v_dense[layer], self.v_values[layer], self.v_meta[layer],
+        )  # fmt: skip
+
+    def write_layer(self, layer: int, vbs: list[int], k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                    k_keep: torch.Tensor, v_keep: torch.Tensor) -> None:  # fmt: skip
+        """Store one layer's ``[H, n, B, D]`` blocks of virtual blocks ``vbs`` in their slots."""
+        h = self.kv_heads
+        heads = torch.arange(h, device=self.device)
+
+        def split(slots: dict[int, tuple[bool, int]], sparse: bool):
+            picked = [(i, slots[vb][1]) for i, vb in enumerate(vbs) if slots[vb][0] == sparse]
+            if not picked:
+                return None, None
+            cols = torch.tensor([i for i, _ in picked], device=self.device)
+            rows = (torch.tensor([s for _, s in picked], device=self.device)[None, :] * h + heads[:, None]).reshape(-1)
+            return cols, rows
+
+        cols, rows = split(self._k_slot, False)
+        if cols is not None:
+            self.k_dense[layer][rows] = k_blocks[:, cols].reshape(-1, *k_blocks.shape[2:])
+        cols, rows = split(self._k_slot, True)
+        if cols is not None:
+            values, meta = pack_2to4(k_blocks[:, cols], k_keep[:, cols])
+            self.k_values[layer][rows] = values.reshape(-1, *values.shape[2:])
+            self.k_meta[layer][rows] = meta.reshape(-1, *meta.shape[2:])
+        cols, rows = split(self._v_slot, False)
+        if cols is not None:
+            self.v_dense[layer][rows] = v_blocks[:, cols].reshape(-1, *v_blocks.shape[2:])
+        cols, rows = split(self._v_slot, True)
+        if cols is not None:
+            v_t, keep_t = v_blocks[:, cols].transpose(-1, -2), v_keep[:, cols].transpose(-1, -2)
+            values, meta = pack_2to4(v_t, keep_t)
+            self.v_values[layer][rows] = values.reshape(-1, *values.shape[2:])
+            self.v_meta[layer][rows] = meta.reshape(-1, *meta.shape[2:])
+
+
+def compress_prefix(
+    store: CompressedStore,
+    pruner: Pruner,
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    slots: torch.Tensor,
+    groups: list[tuple[torch.Tensor, float, float]],
+) -> list[int]:
+    """Prune and compress ``n`` whole blocks of dense KV (token ``slots``, ``n·B`` of them, page
+    aligned) from SGLang's per-layer buffers into the store. Returns their virtual block ids.
+
+    ``groups`` partitions the blocks into ``(mask [n] bool, S_K, S_V)`` sets (prompt blocks and
+    generated blocks use different sparsities). Within each set the blocks whose pruning loss,
+    summed over all layers and KV heads, is lowest become sparse. Two passes over the layers keep the
+    temporary memory at one layer's blocks.
+    """
+    n = slots.numel() // store.block_size
+
+    def layer_blocks(buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[slots].reshape(n, store.block_size, store.kv_heads, -1).permute(2, 0, 1, 3)
+
+    loss_k = torch.zeros(n, dtype=torch.float32, device=slots.device)
+    loss_v = torch.zeros_like(loss_k)
+    for k_buffer, v_buffer in zip(k_buffers, v_buffers):
+        k, v = layer_blocks(k_buffer), layer_blocks(v_buffer)
+        loss_k += pruner.block_loss(k, pruner.element_mask(k, "k")).sum(0)
+        loss_v += pruner.block_loss(v, pruner.element_mask(v, "v")).sum(0)
+    sparse_k = torch.zeros(n, dtype=torch.bool, device=slots.device)
+    sparse_v = torch.zeros_like(sparse_k)
+    for mask, sk, sv in groups:
+        mask = mask.to(slots.device)
+        sparse_k |= rank_sparse(loss_k, mask, sk)
+        sparse_v |= rank_sparse(loss_v, mask, sv)
+    vbs = store.allocate(sparse_k.tolist(), sparse_v.tolist())  # host sync: one small mask per prefix
+    for layer, (k_buffer, v_buffer) in enumerate(zip(k_buffers, v_buffers)):
+        k, v = layer_blocks(k_buffer), layer_blocks(v_buffer)
+        store.write_layer(layer, vbs, k, v, pruner.element_mask(k, "k"), pruner.element_mask(v, "v"))
+    return vbs

@@ -1,0 +1,178 @@
+"""The radix-cache hook's invariants, driving SGLang's real RadixCache, allocator and pools on CPU."""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_hs import reference as ref
+from sglang_hs.config import HieraSparseConfig
+from sglang_hs.pools import CompressedStore, StoreCapacity
+
+pytestmark = pytest.mark.sglang
+
+PAGE, HEADS, DIM, LAYERS = 64, 2, 64, 2
+POOL_TOKENS = PAGE * 48
+
+
+@pytest.fixture
+def env():
+    """A tree over a real paged allocator and KV pool with random KV, plus a 1 MiB-per-block store."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    from sglang_hs.radix.hook import HieraSparseRadixCache, VirtualSlots
+
+    def build(sk=1.0, sv=1.0, store_blocks=64, window=256):
+        torch.manual_seed(0)
+        req_pool = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)
+        kv = MHATokenToKVPool(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
+                              layer_num=LAYERS, device="cpu", enable_memory_saver=False)  # fmt: skip
+        for layer in range(LAYERS):
+            kv.k_buffer[layer].normal_()
+            kv.v_buffer[layer].normal_()
+        allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, device="cpu",
+                                                kvcache=kv, need_sort=False)  # fmt: skip
+        capacity = StoreCapacity(store_blocks, *(int(store_blocks * f) for f in (1 - sk, sk, 1 - sv, sv)))
+        store = CompressedStore(capacity, LAYERS, HEADS, DIM, PAGE, torch.float16, "cpu")
+        config = HieraSparseConfig(sk_prefill=sk, sv_prefill=sv, window_tokens=window)
+        virtual = VirtualSlots(base=POOL_TOKENS + PAGE, block_size=PAGE)
+        params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
+                                 page_size=PAGE)  # fmt: skip
+        tree = HieraSparseRadixCache(params, store, config, kv.k_buffer, kv.v_buffer, virtual)
+        return SimpleNamespace(tree=tree, allocator=allocator, store=store, kv=kv, req_pool=req_pool, virtual=virtual)
+
+    return build
+
+
+def key(tokens):
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", tokens))
+
+
+def insert(e, tokens):
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    slots = e.allocator.alloc(len(tokens))
+    snapshot = [(e.kv.k_buffer[l][slots].clone(), e.kv.v_buffer[l][slots].clone()) for l in range(LAYERS)]
+    result = e.tree.insert(InsertParams(key=key(tokens), value=slots.clone()))
+    e.allocator.free(slots[: result.prefix_len])  # as SGLang does: the tree already held these tokens
+    return slots, snapshot
+
+
+def match(e, tokens):
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    return e.tree.match_prefix(MatchPrefixParams(key=key(tokens)))
+
+
+def balanced(e) -> bool:
+    """SGLang's idle check: every dense slot is free, evictable or protected."""
+    t = e.tree
+    return e.allocator.available_size() + t.evictable_size() + t.protected_size() == POOL_TOKENS
+
+
+def test_insert_compresses_middle_blocks_and_frees_their_pages(env):
+    e = env()
+    slots, _ = insert(e, list(range(1000, 2024)))  # 16 blocks: sink 1, window 4 -> 11 compressed
+    node = next(iter(e.tree.root_node.children.values()))
+    virtual = e.virtual.mask(node.value)
+    assert virtual.tolist() == [False] * 64 + [True] * 11 * 64 + [False] * 256
+    assert e.allocator.available_size() == POOL_TOKENS - 1024 + 11 * 64
+    assert e.store.used_blocks() == 11 and e.tree.evictable_size() == 320
+    assert balanced(e)
+    # Invariant 1: no slot the tree still holds is free in the allocator.
+    free_pages = set(e.allocator.free_pages.tolist())
+    assert not free_pages & set((node.value[~virtual] // PAGE).tolist())
+    assert free_pages >= set((slots[virtual] // PAGE).tolist())
+
+
+def test_matching_request_reads_compressed_copy(env):
+    e = env(sk=0.5, sv=1.0)
+    tokens = list(range(5000, 5000 + 1000))  # 15 full blocks + 40 tokens: only 960 tokens enter the tree
+    _, snapshot = insert(e, tokens)
+    result = match(e, tokens)
+    row = result.device_indices
+    assert len(row) == 960 and int(e.virtual.mask(row).sum()) == 10 * 64
+    table = e.virtual.block_table(row[None])
+    assert (table[0, 1:11] < 0).all() and (table[0, [0, 11, 12, 13, 14]] >= 0).all()
+    # Attention over the block table equals dense attention over the pruned original KV.
+    q = torch.randn(3, 4 * HEADS, DIM).half()
+    for layer in range(LAYERS):
+        pools = e.store.layer_pools(layer)
+        out, lse = ref.paged_attention(q, [0, 3], e.kv.k_buffer[layer], e.kv.v_buffer[layer], pools,
+                                       e.store.k_index, e.store.v_index, table, [960])  # fmt: skip
+        k, v = snapshot[layer]
+        pruned = ref.gather_paged_sequence(e.kv.k_buffer[layer], e.kv.v_buffer[layer], pools, e.store.k_index,
+                                           e.store.v_index, table[0], 960)  # fmt: skip
+        pruned_k, pruned_v = ref.decompress(pruned)
+        dense_blocks = [0, 11, 12, 13, 14]
+        for b in dense_blocks:  # sink and window blocks are the original values
+            assert torch.equal(pruned_k[b * 64 : (b + 1) * 64], k[b * 64 : (b + 1) * 64])
+        assert ((pruned_v[64:704] == 0).float().mean() - 0.5).abs() < 0.01  # S_V = 1: V is 2:4 everywhere
+        expected, expected_lse = ref.dense_attention(q, pruned_k, pruned_v)
+        assert torch.allclose(out.float(), expected.float(), atol=1e-3)
+        assert torch.allclose(lse, expected_lse, atol=1e-4)
+
+
+def test_split_lock_evict_and_flush_return_every_slot(env):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e = env()
+    start_free, start_store = e.allocator.available_size(), e.store.free_counts()
+    base = list(range(100, 1124))
+    insert(e, base)
+    # A second prompt diverges inside the compressed region (after 8 blocks): the node splits.
+    insert(e, base[:512] + list(range(7000, 7512)))
+    assert balanced(e)
+    result = match(e, base[:600])
+    assert len(result.device_indices) == 576
+    e.tree.inc_lock_ref(result.last_device_node)
+    assert balanced(e) and e.tree.protected_size() == 64  # only the sink page of the locked path is dense
+    e.tree.evict(EvictParams(num_tokens=10**6))  # the locked path survives
+    assert balanced(e) and e.store.used_blocks() == 8
+    e.tree.dec_lock_ref(result.last_device_node)
+    e.tree.evict(EvictParams(num_tokens=10**6))
+    assert e.allocator.available_size() == start_free and e.store.free_counts() == start_store
+    assert e.store.check() is None
+    # /flush_cache: reset + allocator.clear also empties the store.
+    insert(e, base)
+    e.tree.reset()
+    e.allocator.clear()
+    assert e.allocator.available_size() == start_free and e.store.free_counts() == start_store
+
+
+def test_finished_request_rows_and_generated_blocks(env):
+    """cache_unfinished_req rewrites the running request's row to the compressed copy;
+    cache_finished_req compresses generated tokens with the decode sparsity."""
+    e = env(sk=0.0, sv=1.0, window=128)
+    prompt = list(range(300, 300 + 640))
+    req = SimpleNamespace(origin_input_ids=array("q", prompt), output_ids=array("q"), extra_key=None,
+                          cache_protected_len=0, priority=0, inflight_middle_chunks=0, kv_committed_len=0,
+                          last_node=e.tree.root_node, prefix_indices=torch.empty(0, dtype=torch.int64),
+                          req_pool_idx=None)  # fmt: skip
+    req.get_fill_ids = lambda: req.origin_input_ids + req.output_ids
+    e.req_pool.alloc([req])
+    slots = e.allocator.alloc(640)
+    e.req_pool.write((req.req_pool_idx, slice(0, 640)), slots.to(torch.int32))
+    e.tree.inc_lock_ref(e.tree.root_node)
+    e.tree.cache_unfinished_req(req)
+    row = e.req_pool.req_to_token[req.req_pool_idx, :640]
+    assert int(e.virtual.mask(row).sum()) == 7 * 64  # blocks 1..7 of 10 (sink 1, window 2)
+    assert balanced(e) and e.tree.protected_size() == 640 - 7 * 64
+    # The request generates 256 tokens and finishes: blocks 10..13 enter the tree and the two before
+    # the 128-token window are compressed, with the decode sparsity.
+    req.output_ids = array("q", range(9000, 9256))
+    more = e.allocator.alloc(256)
+    e.req_pool.write((req.req_pool_idx, slice(640, 896)), more.to(torch.int32))
+    e.tree.cache_finished_req(req, kv_len_to_handle=896)
+    assert e.store.used_blocks() == 7 + 2
+    assert balanced(e) and e.tree.protected_size() == 0
+    status = e.tree.status()
+    assert status["compressed_tokens"] == 9 * 64 and status["dense_tree_tokens"] == 896 - 9 * 64
+    assert status["bytes_saved"] > 0
