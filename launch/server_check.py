@@ -1,12 +1,15 @@
 """Serve the same prompts on a dense backend and on hierasparse; compare greedy outputs.
 
     python -m sglang_hs.launch.server_check --model-path /tmp/tiny --out check.json \
-        [--baseline triton] [--hs-arg=--hierasparse-sv-prefill=0] ...
+        [--baseline triton] [--hs-arg=--hierasparse-sv-prefill=0] [--allow-mismatch]
 
 Each server gets OpenAI chat completions (a long shared system prompt and distinct questions, each
 sent twice so the second round hits the radix cache), two plain ``/generate`` prompts, and one
 SGLang frontend-language program (``sgl.function`` + ``run_batch`` over a shared prefix). All
-sampling is greedy. The script exits non-zero when any output differs.
+sampling is greedy and ignores EOS, so every answer has ``--max-tokens`` tokens. Afterwards the
+cache is flushed and one more request is served, so SGLang's idle memory check (which stops the
+server on any leaked slot) has run. The script exits non-zero when any output differs, unless
+``--allow-mismatch`` (used to show that the comparison can see a sparsity setting's effect).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import random
 import sys
+import time
 
 from sglang_hs.launch.server import SGLangServer
 
@@ -50,24 +54,30 @@ def run_workload(server: SGLangServer, system_prompt: str, max_tokens: int) -> d
                     "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}],
                     "max_tokens": max_tokens,
                     "temperature": 0,
+                    "ignore_eos": True,
                 },
             )
             outputs[f"chat/{round_}/{i}"] = answer["choices"][0]["message"]["content"]
     for i, text in enumerate(["The capital of France is", system_prompt[:400] + " In summary,"]):
         answer = server.post(
-            "/generate", {"text": text, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+            "/generate",
+            {"text": text, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}},
         )
         outputs[f"generate/{i}"] = answer["text"]
 
     @sgl.function
     def answer_with_context(s, question):
         s += system_prompt + "Q: " + question + "\nA:"
-        s += sgl.gen("answer", max_tokens=max_tokens, temperature=0)
+        s += sgl.gen("answer", max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
     sgl.set_default_backend(sgl.RuntimeEndpoint(server.base_url))
     states = answer_with_context.run_batch([{"question": q} for q in QUESTIONS], num_threads=len(QUESTIONS))
     for i, state in enumerate(states):
         outputs[f"frontend/{i}"] = state["answer"]
+    server.post("/flush_cache")
+    time.sleep(2)  # let the scheduler go idle: its memory check runs then
+    answer = server.post("/generate", {"text": "After the flush,", "sampling_params": {"max_new_tokens": 4}})
+    outputs["after_flush"] = answer["text"]
     return outputs
 
 
@@ -81,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--out", default="server_check.json")
+    parser.add_argument("--allow-mismatch", action="store_true", help="report differences, exit 0")
     parser.add_argument("--log-prefix", default="/tmp/server_check")
     args = parser.parse_args(argv)
 
@@ -95,18 +106,26 @@ def main(argv: list[str] | None = None) -> int:
         with SGLangServer(args.model_path, backend_args + args.common_arg, args.port, f"{args.log_prefix}_{name}.log") as server:
             results[name] = run_workload(server, system_prompt, args.max_tokens)
             if name == "hierasparse":
-                results["hierasparse_log_lines"] = [
-                    line for line in server.log_text().splitlines() if "hierasparse" in line.lower()
-                ][-20:]
+                log = server.log_text().splitlines()
+                results["hierasparse_log_lines"] = [line for line in log if "hierasparse" in line.lower()][-10:]
+                results["status_lines"] = [line for line in log if "#hs compressed token" in line][-10:]
+                results["problems"] = [line for line in log if "leak" in line.lower() or "Traceback" in line]
     baseline, ours = results[args.baseline], results["hierasparse"]
-    mismatches = sorted(key for key in baseline if baseline[key] != ours.get(key))
-    summary = {"baseline": args.baseline, "hs_args": args.hs_arg, "outputs": len(baseline), "mismatches": mismatches}
+    mismatches = sorted(key for key in baseline if baseline[key] != ours.get(key) and key != "after_flush")
+    summary = {
+        "baseline": args.baseline,
+        "hs_args": args.hs_arg,
+        "outputs": len(baseline) - 1,
+        "mismatches": mismatches,
+        "status_lines": results["status_lines"][-3:],
+        "problems": results["problems"],
+    }
     with open(args.out, "w") as f:
         json.dump({**summary, "results": results}, f, indent=2)
     print(json.dumps(summary, indent=2))
     for key in list(baseline)[:3]:
         print(f"[check] {key}: {baseline[key]!r}")
-    return 1 if mismatches else 0
+    return 1 if results["problems"] or (mismatches and not args.allow_mismatch) else 0
 
 
 if __name__ == "__main__":
