@@ -76,8 +76,11 @@ def write_tokenizer(out: str, vocab_size: int) -> None:
 def write_tiny(out: str, layers: int, seed: int) -> None:
     """A 2-layer Llama with head_dim 64 (the smallest shape the kernels take) and fp16 weights.
 
-    The output projection is scaled up so the greedy token has a clear margin: comparisons of greedy
-    output between backends then test attention, not ties between near-equal random logits.
+    At the default init a random model's greedy output hardly depends on its context (it repeats
+    one token). Scaling the query/key projections by 3 (sharper attention), value/output by 2 and
+    the output head by 4 gives outputs that change when early context changes, yet are identical
+    between fp16 and fp32 arithmetic on this CPU (checked for the server check's prompts): comparing
+    greedy outputs between backends then tests attention, not rounding.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -101,7 +104,10 @@ def write_tiny(out: str, layers: int, seed: int) -> None:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)
+        for layer in model.model.layers:
+            for proj, scale in (("q_proj", 3.0), ("k_proj", 3.0), ("v_proj", 2.0), ("o_proj", 2.0)):
+                getattr(layer.self_attn, proj).weight.mul_(scale)
+        model.lm_head.weight.mul_(4.0)
     model.to(torch.float16).save_pretrained(out, safe_serialization=True)
 
 
