@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--out", default="server_check.json")
     parser.add_argument("--allow-mismatch", action="store_true", help="report differences, exit 0")
+    parser.add_argument("--baseline-from", help="reuse the baseline outputs of an earlier --out JSON")
     parser.add_argument("--log-prefix", default="/tmp/server_check")
     args = parser.parse_args(argv)
 
@@ -101,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         "hierasparse": ["--attention-backend", "hierasparse", *args.hs_arg],
     }
     results = {}
+    if args.baseline_from:
+        with open(args.baseline_from) as f:
+            results[args.baseline] = json.load(f)["results"][args.baseline]
+        del runs[args.baseline]
     for name, backend_args in runs.items():
         print(f"[check] === {name} ===", flush=True)
         with SGLangServer(args.model_path, backend_args + args.common_arg, args.port, f"{args.log_prefix}_{name}.log") as server:
