@@ -32,9 +32,11 @@ Design (and why)
   on the same per-block mode to ``gemm`` or ``gemm_sp``. A prologue resolves the CTA's block-table
   entries and index-map entries for all its blocks at once (128 threads in parallel) into shared
   memory, so the two dependent index loads are paid once per CTA, not once per block.
-* **Aliased stage buffers.** Only one form of an operand is live per stage, so the sparse values
-  alias the first half of the dense tile (the paper's dense/sparse buffer aliasing): a stage costs
-  ``2·B·D·2 + 2 KB`` (34 KB at D = 128), which allows 3 stages at 2 CTAs per SM.
+* **Stage buffers.** A stage holds the dense tiles and the sparse values + metadata of K and V
+  (50 KB at D = 128); only one form per operand is filled. Aliasing them (the paper's trick) does
+  not survive TileLang 0.1.11's layout inference, which links buffers that share storage and
+  requires equal sizes, so the default is 2 stages (~105 KB) with 2 CTAs per SM: up to 4 blocks
+  (72-100 KB) in flight per SM, above the ~25 KB per SM that 3 TB/s needs at ~1 us latency.
 * **Metadata by TMA.** The int16 metadata tile of a block is contiguous (1 KB); it is moved as a
   ``[E/16, 16]`` box (a 32-byte inner box, as TMA requires >= 16 B) and re-viewed as the
   ``[M, K/16]`` tile that ``T.gemm_sp`` reads (metadata in shared memory has no swizzle).
@@ -78,8 +80,9 @@ def _n_pad(group: int) -> int:
 def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int) -> int:
     """Shared memory of one CTA (bytes), matching the buffers of :func:`build_decode_prim_func`."""
     n = _n_pad(group)
-    stage = 2 * block_size * head_dim * 2 + 2 * (block_size * head_dim // 16) * 2
-    other = n * head_dim * 2 + block_size * n * 2 + 3 * blocks_per_split * 4 + 3 * 512
+    elems = block_size * head_dim
+    stage = 2 * (elems * 2 + elems + elems // 8)  # K and V: dense tile, 2:4 values, int16 metadata
+    other = n * head_dim * 2 + block_size * n * 2 + 3 * blocks_per_split * 4 + 4 * 512
     return stages * stage + other
 
 
@@ -92,7 +95,7 @@ def build_decode_prim_func(
     max_blocks: int,
     num_splits: int,
     dtype: str = "float16",
-    stages: int = 3,
+    stages: int = 2,
     threads: int = 128,
 ):
     """The TileLang ``prim_func`` (split kernel + combine kernel) for one plan."""
@@ -303,7 +306,7 @@ def build_decode_prim_func(
 
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(batch, q_heads, kv_heads, head_dim, block_size, max_blocks, num_splits,
-                        dtype="float16", stages=3, target=None):
+                        dtype="float16", stages=2, target=None):
     """Compile (or load from TileLang's cache) the kernel of one plan. Needs TileLang, not a GPU."""
     import tilelang
 
@@ -340,7 +343,7 @@ class HieraSparseDecode:
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None,
-                 stages: int = 3):
+                 stages: int = 2):
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
         if q_heads % kv_heads:
@@ -353,7 +356,7 @@ class HieraSparseDecode:
         group = q_heads // kv_heads
         if num_splits is None:
             props = torch.cuda.get_device_properties(self.device)
-            per_cta = smem_bytes(head_dim, block_size, stages, group, max_blocks) + 1024
+            per_cta = smem_bytes(head_dim, block_size, stages, group, max_blocks) + 1024  # bound: bps <= max_blocks
             ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 8))
             num_splits = choose_num_splits(batch_size, kv_heads, max_blocks, props.multi_processor_count,
                                            ctas_per_sm)

@@ -28,13 +28,17 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def http_json(url: str, payload: dict | None = None, timeout: float = 600) -> Any:
-    """GET (no payload) or POST JSON and decode the JSON answer."""
+def http_json(url: str, payload: dict | None = None, timeout: float = 600, method: str | None = None) -> Any:
+    """Send a request (POST when there is a payload) and decode a JSON answer; other answers come
+    back as text (SGLang's /flush_cache answers in plain text)."""
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method=method)
     with urllib.request.urlopen(request, timeout=timeout) as response:
         body = response.read().decode()
-    return json.loads(body) if body.strip() else None
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError:
+        return body
 
 
 class SGLangServer:
@@ -100,7 +104,7 @@ class SGLangServer:
             return f.read()
 
     def post(self, path: str, payload: dict | None = None, timeout: float = 600) -> Any:
-        return http_json(self.base_url + path, payload, timeout)
+        return http_json(self.base_url + path, payload, timeout, method="POST")
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
