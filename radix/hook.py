@@ -291,7 +291,7 @@ def status_line_parts(_result=None, *args, **kwargs) -> list[str] | None:
         f"#hs compressed token: {s['compressed_tokens']}",
         f"#hs dense prefix token: {s['dense_tree_tokens']}",
         f"hs store usage: {s['store_used_blocks'] / max(1, s['store_capacity_blocks']):.2f}",
-        f"hs saved: {s['bytes_saved'] / 2**30:.3f} GiB",
+        f"hs saved: {s['bytes_saved'] / 2**20:.1f} MiB",
     ]
     return list(_result or []) + parts
 

@@ -1,0 +1,419 @@
+"""Benchmark of the HieraSparse kernels against FlashInfer, plus the input builders the GPU tests share.
+
+    python -m sglang_hs.kernels.bench --kernel decode --out DIR [--quick] [--variants]
+
+writes ``DIR/kernels_h100.json`` (one record per (S_K, S_V): ours vs FlashInfer, same process, same
+timing method) and ``DIR/kernels_h100.png``. ``--plot JSON`` only redraws the PNG from a JSON.
+
+Decode workload (the paper's and anchors.md's): batch 8, 32K tokens per request, Llama-3.1-8B
+attention (32 query heads, 8 KV heads, head_dim 128, fp16), block size 64. A request's block table
+is 1 sink cache page, then compressed virtual blocks, then 4 dense window cache pages (the last one
+partial when the length is not a multiple of 64); a fraction S_K (S_V) of the compressed blocks is
+2:4 sparse per KV head. FlashInfer (``BatchDecodeWithPagedKVCacheWrapper``, tensor cores, NHD, page
+64) runs over the decompressed (pruned) KV of the same requests, so it is also the full-size
+correctness reference of the sparse kernel. Both are timed as CUDA-graph replays (median of several
+graphs of ``--iters`` back-to-back calls, CUDA events), and also as plain launches.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from sglang_hs.format import pack_2to4, sparse_count, unpack_2to4
+
+CHUNK = 2048  # blocks per chunk when packing / unpacking large pools
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def random_keep(shape, device, gen, x=None):
+    """A 2:4 keep mask along the last axis: top-2 |x| of every group of 4 (or random if x is None)."""
+    n = shape[-1]
+    groups = (*shape[:-1], n // 4, 4)
+    score = x.reshape(groups).abs().float() if x is not None else torch.rand(groups, device=device, generator=gen)
+    idx = score.topk(2, dim=-1).indices
+    keep = torch.zeros(groups, dtype=torch.bool, device=device).scatter_(-1, idx, True)
+    return keep.reshape(shape)
+
+
+def _pack_chunked(x, magnitude, gen):
+    vals, metas = [], []
+    for i in range(0, x.shape[0], CHUNK):
+        xi = x[i:i + CHUNK]
+        keep = random_keep(xi.shape, x.device, gen, xi if magnitude else None)
+        v, m = pack_2to4(xi, keep)
+        vals.append(v)
+        metas.append(m)
+    return torch.cat(vals), torch.cat(metas)
+
+
+def _unpack_chunked(values, meta):
+    return torch.cat([unpack_2to4(values[i:i + CHUNK], meta[i:i + CHUNK]) for i in range(0, values.shape[0], CHUNK)])
+
+
+def make_case(seq_lens, q_heads=32, kv_heads=8, head_dim=128, sk=0.0, sv=0.0, dtype=torch.float16,
+              device="cuda", block_size=64, sink_blocks=1, window_blocks=4, max_blocks=None, seed=0,
+              magnitude=True, extra_pages=3):
+    """Inputs of ``HieraSparseDecode.run`` for requests of ``seq_lens`` tokens (see the module doc).
+
+    Cache pages, virtual blocks and pool rows are assigned in shuffled order so that every
+    indirection is exercised. ``magnitude``: sparse blocks keep the top-2 of each group of a random
+    dense block (else a random 2 of 4). Returns a dict.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    B, D, H = block_size, head_dim, kv_heads
+    bs = len(seq_lens)
+    nblk = [-(-L // B) for L in seq_lens]
+    max_blocks = max_blocks or max(max(nblk), 1)
+    kinds = []  # per request: list of "c" (cache page) / "v" (virtual)
+    for L, n in zip(seq_lens, nblk):
+        k = ["v"] * n
+        for j in range(n):
+            if j < sink_blocks or j >= n - window_blocks or (j == n - 1 and L % B):
+                k[j] = "c"
+        kinds.append(k)
+    n_cache = sum(k.count("c") for k in kinds)
+    n_virtual = sum(k.count("v") for k in kinds)
+    n_pages = n_cache + extra_pages
+    page_perm = torch.randperm(n_pages, generator=cpu_gen).tolist()
+    vb_perm = torch.randperm(max(n_virtual, 1), generator=cpu_gen).tolist()
+    table = torch.full((bs, max_blocks), -(1 << 30), dtype=torch.int32)  # poison beyond each row's blocks
+    pi = vi = 0
+    for r, k in enumerate(kinds):
+        for j, kind in enumerate(k):
+            if kind == "c":
+                table[r, j] = page_perm[pi]
+                pi += 1
+            else:
+                table[r, j] = ~vb_perm[vi]
+                vi += 1
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen, dtype=torch.float32).to(dtype)
+
+    k_cache = randn(n_pages * B, H, D)
+    v_cache = randn(n_pages * B, H, D)
+    q = randn(bs, q_heads, D)
+
+    def operand(s, transpose):
+        n_sp = sparse_count(n_virtual, s) if n_virtual else 0
+        sparse = torch.zeros(H, n_virtual, dtype=torch.bool)
+        for h in range(H):
+            sparse[h, torch.randperm(n_virtual, generator=cpu_gen)[:n_sp]] = True
+        nd, ns = int((~sparse).sum()), int(sparse.sum())
+        dense_rows = torch.randperm(nd, generator=cpu_gen)
+        sparse_rows = torch.randperm(ns, generator=cpu_gen)
+        index = torch.empty(H, n_virtual, dtype=torch.int32)
+        index[~sparse] = dense_rows.to(torch.int32)
+        index[sparse] = (-sparse_rows - 1).to(torch.int32)
+        dense_pool = randn(nd, B, D)
+        blocks = randn(ns, B, D)
+        if transpose:
+            blocks = blocks.transpose(-1, -2).contiguous()  # V^T: tokens become the sparse axis
+        if ns:
+            values, meta = _pack_chunked(blocks, magnitude, gen)
+        else:
+            values = torch.empty(0, *blocks.shape[1:-1], blocks.shape[-1] // 2, dtype=dtype, device=device)
+            meta = torch.empty(0, *blocks.shape[1:-1], blocks.shape[-1] // 16, dtype=torch.int16, device=device)
+        return dense_pool, values, meta, index.to(device)
+
+    k_dense, k_values, k_meta, k_index = operand(sk, False)
+    v_dense, v_values, v_meta, v_index = operand(sv, True)
+    return dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, k_dense=k_dense, k_values=k_values, k_meta=k_meta,
+        v_dense=v_dense, v_values=v_values, v_meta=v_meta, k_index=k_index, v_index=v_index,
+        block_table=table.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        sm_scale=1.0 / math.sqrt(D), seq_lens_list=list(seq_lens), kinds=kinds, block_size=B,
+        max_blocks=max_blocks, sk=sk, sv=sv,
+    )
+
+
+RUN_KEYS = ("q", "k_cache", "v_cache", "k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta",
+            "k_index", "v_index", "block_table", "seq_lens", "sm_scale")
+
+
+def run_args(case):
+    return [case[k] for k in RUN_KEYS]
+
+
+def virtual_blocks(dense, values, meta, index, transpose):
+    """All virtual blocks of one operand, decompressed: ``[H, n_virtual, B, D]`` (pruned entries 0)."""
+    H, nv = index.shape
+    if dense.numel():
+        shape = tuple(dense.shape[1:])
+    else:
+        shape = (values.shape[2] * 2, values.shape[1]) if transpose else (values.shape[1], values.shape[2] * 2)
+    src = dense if dense.numel() else values
+    out = src.new_zeros(H, nv, *shape)
+    is_dense = index >= 0
+    if bool(is_dense.any()):
+        out[is_dense] = dense[index[is_dense].long()]
+    if bool((~is_dense).any()):
+        rows = (-index[~is_dense] - 1).long()
+        blk = _unpack_chunked(values[rows], meta[rows])
+        out[~is_dense] = blk.transpose(-1, -2) if transpose else blk
+    return out
+
+
+def paged_dense(case):
+    """The case's KV as a dense FlashInfer paged cache (NHD, page = block; request r's block j is page
+    ``r * max_blocks + j``) plus ``indptr, indices, last_page_len``."""
+    B, mb = case["block_size"], case["max_blocks"]
+    k_cache, v_cache, table = case["k_cache"], case["v_cache"], case["block_table"]
+    H, D = k_cache.shape[1], k_cache.shape[2]
+    bs = table.shape[0]
+    kv = virtual_blocks(case["k_dense"], case["k_values"], case["k_meta"], case["k_index"], False)
+    vv = virtual_blocks(case["v_dense"], case["v_values"], case["v_meta"], case["v_index"], True)
+    fk = k_cache.new_zeros(bs * mb, B, H, D)
+    fv = k_cache.new_zeros(bs * mb, B, H, D)
+    ck, cv = k_cache.view(-1, B, H, D), v_cache.view(-1, B, H, D)
+    indices, indptr, last = [], [0], []
+    tab = table.cpu()
+    for r, L in enumerate(case["seq_lens_list"]):
+        n = -(-L // B)
+        ents = tab[r, :n]
+        pages = r * mb + torch.arange(n)
+        c = ents >= 0
+        dev_pages = pages.to(k_cache.device)
+        if c.any():
+            fk[dev_pages[c.to(k_cache.device)]] = ck[ents[c].long().to(k_cache.device)]
+            fv[dev_pages[c.to(k_cache.device)]] = cv[ents[c].long().to(k_cache.device)]
+        if (~c).any():
+            vb = (-ents[~c] - 1).long().to(k_cache.device)
+            fk[dev_pages[(~c).to(k_cache.device)]] = kv[:, vb].permute(1, 2, 0, 3)
+            fv[dev_pages[(~c).to(k_cache.device)]] = vv[:, vb].permute(1, 2, 0, 3)
+        indices.append(pages)
+        indptr.append(indptr[-1] + n)
+        last.append(L - (n - 1) * B if n else 0)
+    i32 = dict(dtype=torch.int32, device=k_cache.device)
+    return dict(k=fk, v=fv, indptr=torch.tensor(indptr, **i32), indices=torch.cat(indices).to(**i32),
+                last_page_len=torch.tensor(last, **i32))
+
+
+def dense_kv(case, paged, r):
+    """Request ``r``'s dense ``[L, H, D]`` K and V from :func:`paged_dense`."""
+    B, mb, L = case["block_size"], case["max_blocks"], case["seq_lens_list"][r]
+    H, D = paged["k"].shape[2], paged["k"].shape[3]
+    k = paged["k"][r * mb:(r + 1) * mb].reshape(-1, H, D)[:L]
+    v = paged["v"][r * mb:(r + 1) * mb].reshape(-1, H, D)[:L]
+    return k, v
+
+
+def flashinfer_decode(case, paged, workspace=None):
+    """A planned FlashInfer tensor-core decode wrapper over ``paged``; returns ``run() -> out``."""
+    import flashinfer
+
+    q = case["q"]
+    H, D = paged["k"].shape[2], paged["k"].shape[3]
+    workspace = workspace if workspace is not None else torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    w.plan(paged["indptr"], paged["indices"], paged["last_page_len"], q.shape[1], H, D, case["block_size"],
+           q_data_type=q.dtype, kv_data_type=paged["k"].dtype, sm_scale=case["sm_scale"])
+    out = torch.empty_like(q)
+    kv = (paged["k"], paged["v"])
+    return lambda: w.run(q, kv, out=out)
+
+
+# ------------------------------------------------------------------------------------------- timing
+def time_graph(fn, iters=20, reps=5, warmup=3):
+    """Median time (us) of one call, from CUDA-graph replays of ``iters`` back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(iters):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / iters)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_plain(fn, iters=30, warmup=5):
+    """Median time (us) of single launches timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def kv_bytes(case):
+    """Bytes of K and V that one decode step must read (pools as stored, cache pages, index maps)."""
+    B, H = case["block_size"], case["k_cache"].shape[1]
+    D = case["k_cache"].shape[2]
+    esz = case["k_cache"].element_size()
+    total = 0
+    for r, L in enumerate(case["seq_lens_list"]):
+        for j, kind in enumerate(case["kinds"][r]):
+            if kind == "c":
+                total += 2 * B * H * D * esz
+    for idx in ("k_index", "v_index"):
+        index = case[idx]
+        n_sp = int((index < 0).sum())
+        n_d = index.numel() - n_sp
+        total += n_d * B * D * esz + n_sp * (B * D // 2 * esz + B * D // 16 * 2)
+    return total
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------------- decode
+def bench_decode(args):
+    from sglang_hs.kernels.decode import HieraSparseDecode
+
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    bs, L = args.batch, args.context
+    Hq, Hkv, D = 32, 8, 128
+    dtype = torch.float16
+    seq_lens = [L - (37 * r) % 64 if args.ragged else L for r in range(bs)]
+    points = [(0.0, 0.0), (0.0, 1.0), (0.5, 1.0), (1.0, 1.0)] if not args.quick else [(0.0, 1.0), (1.0, 1.0)]
+    variants = [dict(stages=2), dict(stages=3)]
+    if args.variants:
+        variants = [dict(stages=s, num_splits=n) for s in (2, 3) for n in (None, 4, 8, 16)]
+    records, lines = [], []
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    for sk, sv in points:
+        t0 = time.time()
+        case = make_case(seq_lens, Hq, Hkv, D, sk, sv, dtype, dev, seed=int(sk * 10 + sv), magnitude=False)
+        paged = paged_dense(case)
+        fi = flashinfer_decode(case, paged, workspace)
+        ref = fi().clone()
+        fi_graph, fi_plain = time_graph(fi, args.iters), time_plain(fi)
+        nbytes = kv_bytes(case)
+        del paged
+        best = None
+        for var in variants:
+            try:
+                plan = HieraSparseDecode(bs, Hq, Hkv, D, 64, case["max_blocks"], dtype, dev, **var)
+            except Exception as e:  # a variant that does not build is reported, not fatal
+                lines.append(f"S_K={sk} S_V={sv} {var}: build failed: {str(e).splitlines()[-1][:200]}")
+                continue
+            out = torch.empty_like(case["q"])
+            a = run_args(case)
+            fn = lambda: plan.run(*a, out=out)
+            out.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            err = rel_err(out, ref)
+            g, p = time_graph(fn, args.iters), time_plain(fn)
+            rec = dict(variant=dict(stages=plan.stages, num_splits=plan.num_splits), ours_us=g, ours_plain_us=p,
+                       rel_err_vs_flashinfer=err)
+            lines.append(f"S_K={sk} S_V={sv} stages={plan.stages} splits={plan.num_splits}: ours {g:.1f} us "
+                         f"(plain {p:.1f}) FI {fi_graph:.1f} us (plain {fi_plain:.1f}) speedup {fi_graph / g:.3f} "
+                         f"err {err:.2e} GB/s {nbytes / g / 1e3:.0f}")
+            print(lines[-1], flush=True)
+            if err < 2e-2 and (best is None or g < best["ours_us"]):
+                best = rec
+        del case
+        torch.cuda.empty_cache()
+        ideal = 1.0 / (1.0 - 0.21875 * (sk + sv))
+        record = dict(kernel="decode", S_K=sk, S_V=sv, batch=bs, context=L, head_dim=D, dtype="float16",
+                      q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None, flashinfer_us=round(fi_graph, 2),
+                      flashinfer_plain_us=round(fi_plain, 2), speedup=None, ideal_speedup=round(ideal, 4),
+                      kv_bytes=nbytes, device=name, timing="CUDA-graph replay, median",
+                      setup_s=round(time.time() - t0, 1))
+        if best is not None:
+            record.update(ours_us=round(best["ours_us"], 2), ours_plain_us=round(best["ours_plain_us"], 2),
+                          speedup=round(fi_graph / best["ours_us"], 4), variant=best["variant"],
+                          rel_err_vs_flashinfer=best["rel_err_vs_flashinfer"],
+                          ours_GBps=round(nbytes / best["ours_us"] / 1e3, 1))
+        records.append(record)
+    return records, lines
+
+
+def plot(records, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not available: no PNG", file=sys.stderr)
+        return False
+    recs = [r for r in records if r.get("ours_us")]
+    labels = [f"S_K={r['S_K']:g}\nS_V={r['S_V']:g}" for r in recs]
+    x = range(len(recs))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.bar([i - 0.2 for i in x], [r["flashinfer_us"] for r in recs], 0.4, label="FlashInfer (dense)")
+    a1.bar([i + 0.2 for i in x], [r["ours_us"] for r in recs], 0.4, label="HieraSparse (TileLang)")
+    a1.set_xticks(list(x), labels)
+    a1.set_ylabel("decode attention time (us)")
+    a1.legend()
+    a2.bar([i - 0.2 for i in x], [r["speedup"] for r in recs], 0.4, label="measured")
+    a2.bar([i + 0.2 for i in x], [r["ideal_speedup"] for r in recs], 0.4, label="ideal (byte ratio)")
+    a2.axhline(1.0, color="k", lw=0.8)
+    a2.set_xticks(list(x), labels)
+    a2.set_ylabel("speedup vs FlashInfer")
+    a2.legend()
+    r0 = recs[0] if recs else {}
+    fig.suptitle(f"Decode, batch {r0.get('batch')}, {r0.get('context')} tokens, 32/8 heads, d=128, fp16 "
+                 f"- {r0.get('device', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", default="decode", choices=["decode"])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="only S_K,S_V in {(0,1), (1,1)}")
+    ap.add_argument("--variants", action="store_true", help="sweep stages x num_splits")
+    ap.add_argument("--ragged", action="store_true", help="unequal lengths (last page partial)")
+    ap.add_argument("--plot", metavar="JSON", help="only redraw the PNG of an existing JSON")
+    args = ap.parse_args(argv)
+    if args.plot:
+        recs = json.load(open(args.plot))
+        plot(recs, os.path.splitext(args.plot)[0] + ".png")
+        return
+    os.makedirs(args.out, exist_ok=True)
+    records, lines = bench_decode(args)
+    path = os.path.join(args.out, "kernels_h100.json")
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+    with open(os.path.join(args.out, "bench_decode.log"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot(records, os.path.join(args.out, "kernels_h100.png"))
+    print(f"{'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>8} {'speedup':>8} {'ideal':>6}")
+    for r in records:
+        print(f"{r['S_K']:4g} {r['S_V']:4g} {r['ours_us'] or float('nan'):9.1f} {r['flashinfer_us']:8.1f} "
+              f"{r['speedup'] or float('nan'):8.3f} {r['ideal_speedup']:6.3f}")
+
+
+if __name__ == "__main__":
+    main()
