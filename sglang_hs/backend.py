@@ -124,11 +124,12 @@ class HieraSparseAttnBackend(AttentionBackend):
         return ForwardMetadata(True, table, seq_lens, qo_indptr)
 
     def _forward_compressed(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
-        """Attention over the mixed block table (PyTorch reference until the TileLang kernels land)."""
+        """Attention over the mixed block table (the PyTorch serving fallback until the TileLang
+        kernels land: compressed blocks are decompressed, then torch's fused attention runs)."""
         if save_kv_cache:
             self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
         meta = self.forward_metadata
-        out, _ = reference.paged_attention(
+        out = reference.decompressed_paged_attention(
             q.view(-1, layer.tp_q_head_num, layer.head_dim),
             meta.qo_indptr,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
@@ -138,6 +139,7 @@ class HieraSparseAttnBackend(AttentionBackend):
             self.store.v_index,
             meta.block_table,
             meta.seq_lens,
+            block_size=self.config.block_size,
             sm_scale=layer.scaling,
         )
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -308,3 +308,84 @@ def paged_attention(
         seq = gather_paged_sequence(k_cache, v_cache, pools, k_index, v_index, block_table[r], seq_len)
         out[rows], lse[rows] = attention(q[rows], seq, sm_scale=sm_scale)
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------- serving fallback
+def _decompressed_blocks(index: torch.Tensor, dense: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+                         transposed: bool) -> torch.Tensor:  # fmt: skip
+    """``[H, n, B, D]`` dense blocks for index-map entries ``[H, n]`` (sparse ones unpacked)."""
+    parts = []
+    if dense.shape[0]:
+        parts.append((index >= 0, dense[index.clamp(min=0)]))
+    if values.shape[0]:
+        row = (-index - 1).clamp(min=0)
+        unpacked = unpack_2to4(values[row], meta[row])
+        parts.append((index < 0, unpacked.transpose(-1, -2) if transposed else unpacked))
+    if len(parts) == 1:
+        return parts[0][1]
+    (dense_mask, dense_blocks), (_, sparse_blocks) = parts
+    return torch.where(dense_mask[..., None, None], dense_blocks, sparse_blocks)
+
+
+def dense_view(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pools: BlockPools,
+    k_index: torch.Tensor,
+    v_index: torch.Tensor,
+    block_row: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's ``[seq_len, H, D]`` K and V in the serving layout (see
+    :func:`gather_paged_sequence`), with compressed blocks decompressed; vectorized, no host syncs."""
+    heads, dim = k_cache.shape[1], k_cache.shape[2]
+    table = block_row[: -(-seq_len // block_size)].long()
+    compressed = table < 0
+    pages = table.clamp(min=0)
+    virtual = (-table - 1).clamp(min=0)
+
+    def operand(cache, index, dense, values, meta, transposed):
+        from_cache = cache.reshape(-1, block_size, heads, dim)[pages]  # [n, B, H, D]
+        from_store = _decompressed_blocks(index[:, virtual], dense, values, meta, transposed).permute(1, 2, 0, 3)
+        merged = torch.where(compressed[:, None, None, None], from_store, from_cache)
+        return merged.reshape(-1, heads, dim)[:seq_len]
+
+    p = pools
+    k = operand(k_cache, k_index, p.k_dense, p.k_values, p.k_meta, False)
+    v = operand(v_cache, v_index, p.v_dense, p.v_values, p.v_meta, True)
+    return k, v
+
+
+def decompressed_paged_attention(
+    q: torch.Tensor,
+    qo_indptr: list[int],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pools: BlockPools,
+    k_index: torch.Tensor,
+    v_index: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: list[int],
+    block_size: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Serving fallback for :func:`paged_attention`: decompress, then torch's fused attention.
+
+    Mathematically the same function (attention over the pruned K/V), computed with vectorized
+    gathers and ``scaled_dot_product_attention`` instead of the oracle's per-block Trans-Both loop,
+    so a server without the TileLang kernels stays usable. Tested against the oracle.
+    """
+    out = torch.empty_like(q)
+    for r, seq_len in enumerate(seq_lens):
+        rows = slice(qo_indptr[r], qo_indptr[r + 1])
+        n_q = rows.stop - rows.start
+        k, v = dense_view(k_cache, v_cache, pools, k_index, v_index, block_table[r], seq_len, block_size)
+        mask = None
+        if n_q > 1:
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= (seq_len - n_q + torch.arange(n_q, device=q.device))[:, None]
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=sm_scale, enable_gqa=True
+        )
+        out[rows] = attended.transpose(0, 1)
+    return out

@@ -126,3 +126,19 @@ def test_paged_attention_over_cache_pages_and_compressed_blocks():
         expected, expected_lse = ref.dense_attention(q[rows], kk, vv)
         assert torch.allclose(out[rows].float(), expected.float(), atol=1e-3)
         assert torch.allclose(lse[rows], expected_lse, atol=1e-4)
+
+
+@pytest.mark.parametrize("sk, sv", [(0.0, 0.0), (1.0, 1.0), (0.0, 1.0), (0.5, 0.5)])
+def test_decompressed_fallback_matches_oracle(sk, sv):
+    torch.manual_seed(7)
+    heads, dim, q_heads, block = 2, 64, 8, 64
+    k, v = random_kv(6 * block, heads, dim, torch.float16, seed=8)
+    store = ref.compress_sequence(k, v, PRUNER, sk, sv, block, sink_tokens=0, window_tokens=0)
+    cache_k, cache_v = torch.randn(10 * block, heads, dim).half(), torch.randn(10 * block, heads, dim).half()
+    table = torch.tensor([[3, -1, -2, -3, -4, -5, -6, 5, 7], [2, -5, 4, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    seq_lens, qo_indptr = [8 * block + 20, 2 * block + 33], [0, 5, 6]
+    q = torch.randn(6, q_heads, dim).half()
+    args = (store.pools, store.k_index, store.v_index, table, seq_lens)
+    expected, _ = ref.paged_attention(q, qo_indptr, cache_k, cache_v, *args, sm_scale=0.125)
+    got = ref.decompressed_paged_attention(q, qo_indptr, cache_k, cache_v, *args, block_size=block, sm_scale=0.125)
+    assert torch.allclose(got.float(), expected.float(), atol=2e-3)
