@@ -1,0 +1,247 @@
+"""Shared-prefix serving benchmark: dense SGLang vs hierasparse at equal GPU memory.
+
+    python -m sglang_hs.launch.bench_prefix --model-path DIR --load-format dummy \\
+        --servers flashinfer,hicache,hs:1:1,hs:0:1 --regimes 1,2,3 --context 8192 \\
+        --out launch/results/prefix_bench_h100.json
+
+For each server (started one after another on the same GPU with the same --mem-fraction-static):
+
+1. **Capacity probe.** Distinct random prefixes of ``--context`` tokens are sent (one output token
+   each) until twice the dense cache would hold them; then they are re-sent newest first until the
+   first miss. The prefixes still fully cached, times the context, are the resident prefix tokens.
+2. **Load.** For each regime SGLang's own ``python -m sglang.bench_serving --dataset-name
+   generated-shared-prefix`` runs G groups of ``--prompts-per-group`` questions over a shared prefix,
+   Poisson arrivals at ``--request-rate``. G is chosen from the dense server's KV capacity so that the
+   working set (G × context) is 0.5× (regime 1: fits), 1.4× (regime 2: between 1× and 1.78×) or 2.5×
+   (regime 3: beyond both) of it. The dense flashinfer server must therefore run first, or
+   ``--dense-capacity`` must be given.
+
+Per server and regime a record is written (throughput, TTFT/TPOT p50/p99, the radix-cache hit rate
+from the server's prefill log lines, resident prefix tokens, the KV budget) to ``--out`` (JSON), with
+PNG plots beside it. Servers are always stopped, also on Ctrl-C and on errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from sglang_hs.launch.server import SGLangServer, ServerStartError, http_json
+
+REGIME_WORKING_SET = {1: 0.5, 2: 1.4, 3: 2.5}
+_PREFILL_LINE = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
+_STORE_LINE = re.compile(r"hierasparse: KV budget ([0-9.]+) GiB")
+
+
+@dataclass
+class ServerSpec:
+    label: str
+    backend: str
+    args: list[str]
+    sk: float | None = None
+    sv: float | None = None
+
+    @classmethod
+    def parse(cls, text: str, store_fraction: float) -> "ServerSpec":
+        if text in ("flashinfer", "triton"):
+            return cls(text, text, ["--attention-backend", text])
+        if text == "hicache":
+            return cls("hicache", "flashinfer+hicache", ["--attention-backend", "flashinfer",
+                                                         "--enable-hierarchical-cache", "--page-size", "64"])  # fmt: skip
+        match = re.fullmatch(r"hs:([0-9.]+):([0-9.]+)", text)
+        if not match:
+            raise SystemExit(f"error: --servers entry {text!r}; allowed: flashinfer, triton, hicache, hs:SK:SV")
+        sk, sv = float(match.group(1)), float(match.group(2))
+        args = ["--attention-backend", "hierasparse", f"--hierasparse-store-fraction={store_fraction}"]
+        for phase in ("prefill", "decode"):
+            args += [f"--hierasparse-sk-{phase}={sk}", f"--hierasparse-sv-{phase}={sv}"]
+        return cls(text, "hierasparse", args, sk, sv)
+
+
+def random_prompt_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(length)]
+
+
+def probe_capacity(server: SGLangServer, context: int, count: int, vocab: int) -> int:
+    """Resident prefix tokens after filling the cache with ``count`` distinct prefixes."""
+    rng = random.Random(1234)
+    prefixes = [random_prompt_ids(rng, context, vocab) for _ in range(count)]
+    params = {"max_new_tokens": 1, "temperature": 0}
+    for i, ids in enumerate(prefixes):
+        server.post("/generate", {"input_ids": ids, "sampling_params": params})
+        if (i + 1) % 20 == 0:
+            print(f"[bench] capacity probe: filled {i + 1}/{count} prefixes", flush=True)
+    resident = 0
+    for ids in reversed(prefixes):
+        answer = server.post("/generate", {"input_ids": ids, "sampling_params": params})
+        cached = answer["meta_info"].get("cached_tokens", 0)
+        if cached < context - 64:  # a page-aligned full hit leaves at most one page uncached
+            break
+        resident += context
+    return resident
+
+
+def hit_rate(log_text: str) -> float:
+    new = cached = 0
+    for match in _PREFILL_LINE.finditer(log_text):
+        new += int(match.group(1))
+        cached += int(match.group(2))
+    return cached / (new + cached) if new + cached else 0.0
+
+
+def kv_budget_gib(log_text: str, kv_tokens: int, model_config: dict) -> float:
+    """KV memory of a server: hierasparse logs its budget (dense pool + store); a dense server's is
+    its token capacity times the bytes of one token's K and V in every layer (16-bit)."""
+    match = _STORE_LINE.search(log_text)
+    if match:
+        return float(match.group(1))
+    heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
+    return kv_tokens * 2 * model_config["num_hidden_layers"] * heads * head_dim * 2 / 2**30
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "unknown"
+
+
+def plot(records: list[dict], png_path: str) -> None:
+    """Throughput and cache-hit TTFT against working-set size, one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for label in sorted({r["server"] for r in records}):
+        rows = sorted((r for r in records if r["server"] == label), key=lambda r: r["working_set_tokens"])
+        x = [r["working_set_tokens"] / 1000 for r in rows]
+        axes[0].plot(x, [r["req_throughput"] for r in rows], marker="o", label=label)
+        axes[1].plot(x, [r["ttft_p50_ms"] for r in rows], marker="o", label=label)
+    axes[0].set(xlabel="working set (K prefix tokens)", ylabel="requests / s", title="throughput")
+    axes[1].set(xlabel="working set (K prefix tokens)", ylabel="TTFT p50 (ms)", title="time to first token")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+
+
+def run_bench_serving(server: SGLangServer, args, groups: int, result_path: str) -> dict:
+    command = [
+        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+        "--base-url", server.base_url, "--model", args.model_path, "--tokenizer", args.model_path,
+        "--dataset-name", "generated-shared-prefix",
+        "--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(args.prompts_per_group),
+        "--gsp-system-prompt-len", str(args.context), "--gsp-question-len", str(args.question_len),
+        "--gsp-output-len", str(args.output_len), "--num-prompts", str(groups * args.prompts_per_group),
+        "--request-rate", str(args.request_rate), "--max-concurrency", str(args.max_concurrency),
+        "--flush-cache", "--seed", "1", "--output-file", result_path, "--disable-tqdm",
+    ]  # fmt: skip
+    print(f"[bench] {' '.join(command[2:])}", flush=True)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.bench_timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_serving failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    with open(result_path) as f:
+        return json.loads(f.read().strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--load-format", default=None, help="e.g. dummy for random weights")
+    parser.add_argument("--servers", default="flashinfer,hs:1:1,hs:0:1,hicache")
+    parser.add_argument("--regimes", default="1,2,3")
+    parser.add_argument("--context", type=int, default=8192, help="shared prefix tokens per group")
+    parser.add_argument("--question-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompts-per-group", type=int, default=8)
+    parser.add_argument("--request-rate", type=float, default=8.0)
+    parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument("--mem-fraction-static", type=float, default=0.85)
+    parser.add_argument("--store-fraction", type=float, default=0.9)
+    parser.add_argument("--dense-capacity", type=int, default=None, help="dense KV tokens, if flashinfer is not run first")
+    parser.add_argument("--skip-capacity-probe", action="store_true")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra flag for every server")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--bench-timeout", type=float, default=900)
+    parser.add_argument("--out", default="launch/results/prefix_bench_h100.json")
+    args = parser.parse_args(argv)
+    if not os.path.exists(os.path.join(args.model_path, "config.json")):
+        raise SystemExit(f"error: --model-path {args.model_path} has no config.json")
+    specs = [ServerSpec.parse(s, args.store_fraction) for s in args.servers.split(",")]
+    regimes = [int(r) for r in args.regimes.split(",")]
+    with open(os.path.join(args.model_path, "config.json")) as f:
+        model_config = json.load(f)
+    vocab = min(model_config.get("vocab_size", 32000), 2000)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    records: list[dict] = []
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            records = json.load(f)
+    dense_capacity = args.dense_capacity
+    common = ["--mem-fraction-static", str(args.mem_fraction_static), "--sampling-backend", "pytorch",
+              "--grammar-backend", "none", *args.server_arg]  # fmt: skip
+    if args.load_format:
+        common += ["--load-format", args.load_format]
+    try:
+        for spec in specs:
+            log_path = os.path.join(out_dir, f"server_{spec.label.replace(':', '_')}.log")
+            with SGLangServer(args.model_path, spec.args + common, args.port, log_path) as server:
+                info = http_json(server.base_url + "/get_server_info")
+                kv_tokens = int(info.get("max_total_num_tokens", 0))
+                if spec.label == "flashinfer":
+                    dense_capacity = kv_tokens
+                if not dense_capacity:
+                    raise SystemExit("error: run flashinfer first or pass --dense-capacity")
+                resident = None
+                if not args.skip_capacity_probe:
+                    count = int(2.2 * dense_capacity / args.context) + 1
+                    resident = probe_capacity(server, args.context, count, vocab)
+                    print(f"[bench] {spec.label}: resident prefix tokens {resident}", flush=True)
+                for regime in regimes:
+                    groups = max(1, round(REGIME_WORKING_SET[regime] * dense_capacity / args.context))
+                    log_start = len(server.log_text())
+                    result = run_bench_serving(server, args, groups, os.path.join(out_dir, f"bs_{spec.label}_{regime}.jsonl"))
+                    record = {
+                        "regime": regime, "backend": spec.backend, "server": spec.label, "S_K": spec.sk, "S_V": spec.sv,
+                        "context": args.context, "working_set_tokens": groups * args.context,
+                        "req_throughput": result["request_throughput"],
+                        "output_tok_throughput": result["output_throughput"],
+                        "total_tok_throughput": result["total_throughput"],
+                        "ttft_mean_ms": result["mean_ttft_ms"], "ttft_p50_ms": result["median_ttft_ms"],
+                        "ttft_p99_ms": result["p99_ttft_ms"], "tpot_mean_ms": result["mean_tpot_ms"],
+                        "tpot_p50_ms": result["median_tpot_ms"], "tpot_p99_ms": result["p99_tpot_ms"],
+                        "cache_hit_rate": hit_rate(server.log_text()[log_start:]),
+                        "resident_prefix_tokens": resident, "dense_kv_tokens": kv_tokens,
+                        "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config),
+                        "mem_fraction_static": args.mem_fraction_static, "device": device_name(),
+                    }  # fmt: skip
+                    records.append(record)
+                    print(f"[bench] {json.dumps(record)}", flush=True)
+                    with open(args.out, "w") as f:
+                        json.dump(records, f, indent=1)
+                    plot(records, os.path.splitext(args.out)[0] + ".png")
+    except ServerStartError as exc:
+        print(f"[bench] server failed to start:\n{exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("[bench] interrupted; servers stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
