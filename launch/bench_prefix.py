@@ -124,8 +124,11 @@ def plot(records: list[dict], png_path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for label in sorted({r["server"] for r in records}):
-        rows = sorted((r for r in records if r["server"] == label), key=lambda r: r["working_set_tokens"])
+    loaded = [r for r in records if r.get("regime")]
+    if not loaded:
+        return
+    for label in sorted({r["server"] for r in loaded}):
+        rows = sorted((r for r in loaded if r["server"] == label), key=lambda r: r["working_set_tokens"])
         x = [r["working_set_tokens"] / 1000 for r in rows]
         axes[0].plot(x, [r["req_throughput"] for r in rows], marker="o", label=label)
         axes[1].plot(x, [r["ttft_p50_ms"] for r in rows], marker="o", label=label)
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--load-format", default=None, help="e.g. dummy for random weights")
     parser.add_argument("--servers", default="flashinfer,hs:1:1,hs:0:1,hicache")
-    parser.add_argument("--regimes", default="1,2,3")
+    parser.add_argument("--regimes", default="1,2,3", help="comma list; empty: capacity probe only")
     parser.add_argument("--context", type=int, default=8192, help="shared prefix tokens per group")
     parser.add_argument("--question-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(os.path.join(args.model_path, "config.json")):
         raise SystemExit(f"error: --model-path {args.model_path} has no config.json")
     specs = [ServerSpec.parse(s, args.store_fraction) for s in args.servers.split(",")]
-    regimes = [int(r) for r in args.regimes.split(",")]
+    regimes = [int(r) for r in args.regimes.split(",") if r]
     with open(os.path.join(args.model_path, "config.json")) as f:
         model_config = json.load(f)
     vocab = min(model_config.get("vocab_size", 32000), 2000)
@@ -211,6 +214,15 @@ def main(argv: list[str] | None = None) -> int:
                     count = int(2.2 * dense_capacity / args.context) + 1
                     resident = probe_capacity(server, args.context, count, vocab)
                     print(f"[bench] {spec.label}: resident prefix tokens {resident}", flush=True)
+                if not regimes:
+                    records.append({
+                        "regime": None, "backend": spec.backend, "server": spec.label, "S_K": spec.sk, "S_V": spec.sv,
+                        "context": args.context, "resident_prefix_tokens": resident, "dense_kv_tokens": kv_tokens,
+                        "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config),
+                        "mem_fraction_static": args.mem_fraction_static, "device": device_name(),
+                    })  # fmt: skip
+                    with open(args.out, "w") as f:
+                        json.dump(records, f, indent=1)
                 for regime in regimes:
                     groups = max(1, round(REGIME_WORKING_SET[regime] * dense_capacity / args.context))
                     log_start = len(server.log_text())
