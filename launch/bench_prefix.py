@@ -141,6 +141,12 @@ def plot(records: list[dict], png_path: str) -> None:
     fig.savefig(png_path, dpi=120)
 
 
+def save(records: list[dict], out: str) -> None:
+    with open(out, "w") as f:
+        json.dump(records, f, indent=1)
+    plot(records, os.path.splitext(out)[0] + ".png")
+
+
 def run_bench_serving(server: SGLangServer, args, groups: int, result_path: str) -> dict:
     command = [
         sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
@@ -214,22 +220,21 @@ def main(argv: list[str] | None = None) -> int:
                     count = int(2.2 * dense_capacity / args.context) + 1
                     resident = probe_capacity(server, args.context, count, vocab)
                     print(f"[bench] {spec.label}: resident prefix tokens {resident}", flush=True)
+                server_fields = {
+                    "backend": spec.backend, "server": spec.label, "S_K": spec.sk, "S_V": spec.sv,
+                    "context": args.context, "resident_prefix_tokens": resident, "dense_kv_tokens": kv_tokens,
+                    "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config),
+                    "mem_fraction_static": args.mem_fraction_static, "device": device_name(),
+                }  # fmt: skip
                 if not regimes:
-                    records.append({
-                        "regime": None, "backend": spec.backend, "server": spec.label, "S_K": spec.sk, "S_V": spec.sv,
-                        "context": args.context, "resident_prefix_tokens": resident, "dense_kv_tokens": kv_tokens,
-                        "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config),
-                        "mem_fraction_static": args.mem_fraction_static, "device": device_name(),
-                    })  # fmt: skip
-                    with open(args.out, "w") as f:
-                        json.dump(records, f, indent=1)
+                    records.append({"regime": None, **server_fields})
+                    save(records, args.out)
                 for regime in regimes:
                     groups = max(1, round(REGIME_WORKING_SET[regime] * dense_capacity / args.context))
                     log_start = len(server.log_text())
                     result = run_bench_serving(server, args, groups, os.path.join(out_dir, f"bs_{spec.label}_{regime}.jsonl"))
                     record = {
-                        "regime": regime, "backend": spec.backend, "server": spec.label, "S_K": spec.sk, "S_V": spec.sv,
-                        "context": args.context, "working_set_tokens": groups * args.context,
+                        "regime": regime, **server_fields, "working_set_tokens": groups * args.context,
                         "req_throughput": result["request_throughput"],
                         "output_tok_throughput": result["output_throughput"],
                         "total_tok_throughput": result["total_throughput"],
@@ -237,15 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                         "ttft_p99_ms": result["p99_ttft_ms"], "tpot_mean_ms": result["mean_tpot_ms"],
                         "tpot_p50_ms": result["median_tpot_ms"], "tpot_p99_ms": result["p99_tpot_ms"],
                         "cache_hit_rate": hit_rate(server.log_text()[log_start:]),
-                        "resident_prefix_tokens": resident, "dense_kv_tokens": kv_tokens,
-                        "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config),
-                        "mem_fraction_static": args.mem_fraction_static, "device": device_name(),
                     }  # fmt: skip
                     records.append(record)
                     print(f"[bench] {json.dumps(record)}", flush=True)
-                    with open(args.out, "w") as f:
-                        json.dump(records, f, indent=1)
-                    plot(records, os.path.splitext(args.out)[0] + ".png")
+                    save(records, args.out)
     except ServerStartError as exc:
         print(f"[bench] server failed to start:\n{exc}", file=sys.stderr)
         return 1
