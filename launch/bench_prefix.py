@@ -118,15 +118,15 @@ def device_name() -> str:
 
 def plot(records: list[dict], png_path: str) -> None:
     """Throughput and cache-hit TTFT against working-set size, one line per server."""
+    loaded = [r for r in records if r.get("regime")]
+    if not loaded:
+        return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    loaded = [r for r in records if r.get("regime")]
-    if not loaded:
-        return
     for label in sorted({r["server"] for r in loaded}):
         rows = sorted((r for r in loaded if r["server"] == label), key=lambda r: r["working_set_tokens"])
         x = [r["working_set_tokens"] / 1000 for r in rows]
