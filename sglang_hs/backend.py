@@ -13,6 +13,8 @@ KV-cache budget (``sglang_hs.pools.reserve_store_budget``).
 
 from __future__ import annotations
 
+import enum
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,24 +36,41 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 logger = logging.getLogger(__name__)
 
 # Class-level switches SGLang's runners read off a backend; they must describe the dense delegate.
+# (needs_cpu_seq_lens keeps the base class's True: the compressed paths read seq_lens_cpu.)
 _MIRRORED_FLAGS = (
-    "needs_cpu_seq_lens",
     "supports_ragged_verify_graph",
     "use_captured_forward_metadata_for_breakable_cuda_graph",
     "supports_full_cuda_graph_chunked_prefix",
 )
 
 
+def decode_kernel_available() -> bool:
+    """The TileLang decode kernel needs TileLang and a Hopper GPU (checked again at start-up)."""
+    return importlib.util.find_spec("tilelang") is not None and torch.cuda.is_available() and (
+        torch.cuda.get_device_capability() == (9, 0)
+    )
+
+
+class Path(enum.Enum):
+    DENSE = "dense"
+    """No request reads a compressed block: SGLang's kernels through the delegate."""
+    FALLBACK = "fallback"
+    """Extend (or decode without the kernel) over compressed blocks: PyTorch, decompress + SDPA."""
+    DECODE_KERNEL = "decode_kernel"
+    """Decode over the mixed block table with the TileLang split-KV kernel (CUDA-graph capturable)."""
+
+
 @dataclass
 class ForwardMetadata:
     """What one forward batch needs beyond the delegate's own metadata."""
 
-    reads_compressed: bool
-    """Some request attends over compressed blocks: the batch takes this backend's own path."""
+    path: Path
     block_table: torch.Tensor | None = None
     """int32 ``[bs, max_blocks]``: SGLang page ``e >= 0`` or compressed virtual block ``~e``."""
     seq_lens: list[int] | None = None
     qo_indptr: list[int] | None = None
+    seq_lens_gpu: torch.Tensor | None = None
+    decode_plan: object | None = None
 
 
 class HieraSparseAttnBackend(AttentionBackend):
@@ -78,9 +97,17 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.store = CompressedStore(
             capacity, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, kv_pool.dtype, kv_pool.device
         )
+        self.q_heads = model_runner.model_config.num_attention_heads // model_runner.tp_size
+        self.use_decode_kernel = decode_kernel_available()
+        self.max_blocks = -(-self.req_to_token.shape[1] // block)
+        self._decode_plans: dict[int, object] = {}
+        self._graph_table: torch.Tensor | None = None
+        self._graph_seq_lens: torch.Tensor | None = None
         logger.info(
-            "HieraSparse backend ready: dense tokens via %s, compressed store %s (%.2f GiB), settings %s",
+            "HieraSparse backend ready: dense tokens via %s, decode via %s, compressed store %s (%.2f GiB), "
+            "settings %s",
             self.config.dense_backend,
+            "the TileLang kernel" if self.use_decode_kernel else "the delegate / PyTorch fallback",
             capacity,
             pools.store_budget_bytes() / 2**30,
             self.config.to_json(),
@@ -95,25 +122,59 @@ class HieraSparseAttnBackend(AttentionBackend):
 
     # ----------------------------------------------------------------------------- metadata
     def init_forward_metadata(self, forward_batch: ForwardBatch):
+        if self.use_decode_kernel and forward_batch.forward_mode.is_decode():
+            # Eager decode (batches beyond the captured sizes): pad to a power of two so that a few
+            # compiled plans serve every batch size. Padding rows read the padding page, length 1.
+            bs = forward_batch.batch_size
+            padded = 1 << (bs - 1).bit_length()
+            table, seq_lens = self._decode_inputs(forward_batch, bs)
+            table = torch.cat([table, table.new_zeros(padded - bs, table.shape[1])])
+            seq_lens = torch.cat([seq_lens, seq_lens.new_ones(padded - bs)])
+            self.forward_metadata = ForwardMetadata(
+                Path.DECODE_KERNEL, block_table=table, seq_lens_gpu=seq_lens, decode_plan=self._decode_plan(padded)
+            )
+            return
         self.dense.init_forward_metadata(forward_batch)
         self.forward_metadata = self._compressed_metadata(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
-        # Only dense batches are captured: the plugin keeps decode CUDA graphs off while the store is
-        # in use (see sglang_hs.plugin.apply_backend_defaults).
-        self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        self.forward_metadata = ForwardMetadata(reads_compressed=False)
+        """Decode CUDA graphs (only with the TileLang kernel, see ``plugin.apply_backend_defaults``):
+        refill the graph's block table and lengths in place, before capture and before every replay."""
+        bs = forward_batch.batch_size
+        table, seq_lens = self._decode_inputs(forward_batch, bs)
+        self._graph_table[:bs].copy_(table)
+        self._graph_seq_lens[:bs].copy_(seq_lens)
+        self.forward_metadata = ForwardMetadata(
+            Path.DECODE_KERNEL,
+            block_table=self._graph_table[:bs],
+            seq_lens_gpu=self._graph_seq_lens[:bs],
+            decode_plan=self._decode_plan(bs),
+        )
 
-    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
-        self.dense.init_forward_metadata_in_graph(forward_batch)
+    def _decode_inputs(self, forward_batch, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block table (full ``req_to_token`` width, so shapes are fixed per batch size) and int32
+        sequence lengths of a decode batch; no host synchronisation."""
+        rows = self.req_to_token[forward_batch.req_pool_indices[:bs].long()]
+        return self.virtual.block_table(rows), forward_batch.seq_lens[:bs].to(torch.int32)
+
+    def _decode_plan(self, bs: int):
+        if bs not in self._decode_plans:
+            from sglang_hs.kernels.decode import HieraSparseDecode
+
+            kv_pool = self.token_to_kv_pool
+            self._decode_plans[bs] = HieraSparseDecode(
+                bs, self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size,
+                self.max_blocks, kv_pool.dtype, kv_pool.device,
+            )  # fmt: skip
+        return self._decode_plans[bs]
 
     def _compressed_metadata(self, forward_batch: ForwardBatch) -> ForwardMetadata:
         if self.store.used_blocks() == 0 or forward_batch.forward_mode.is_idle():
-            return ForwardMetadata(reads_compressed=False)
+            return ForwardMetadata(Path.DENSE)
         seq_lens = forward_batch.seq_lens_cpu.tolist()
         rows = self.req_to_token[forward_batch.req_pool_indices.long(), : max(seq_lens)]
         if not bool(self.virtual.mask(rows).any()):
-            return ForwardMetadata(reads_compressed=False)
+            return ForwardMetadata(Path.DENSE)
         table = self.virtual.block_table(rows)
         if forward_batch.forward_mode.is_decode():
             qo_indptr = list(range(len(seq_lens) + 1))
@@ -121,13 +182,32 @@ class HieraSparseAttnBackend(AttentionBackend):
             qo_indptr = [0]
             for n in forward_batch.extend_seq_lens_cpu:
                 qo_indptr.append(qo_indptr[-1] + int(n))
-        return ForwardMetadata(True, table, seq_lens, qo_indptr)
+        return ForwardMetadata(Path.FALLBACK, table, seq_lens, qo_indptr)
+
+    def _save_kv(self, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool) -> None:
+        if save_kv_cache:
+            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
+
+    def _forward_decode_kernel(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
+        self._save_kv(k, v, layer, forward_batch, save_kv_cache)
+        meta, pools = self.forward_metadata, self.store.layer_pools(layer.layer_id)
+        bs, padded = q.shape[0], meta.block_table.shape[0]
+        q = q.view(bs, layer.tp_q_head_num, layer.head_dim)
+        if padded > bs:
+            q = torch.cat([q, q.new_zeros(padded - bs, *q.shape[1:])])
+        out = meta.decode_plan.run(
+            q,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            pools.k_dense, pools.k_values, pools.k_meta, pools.v_dense, pools.v_values, pools.v_meta,
+            self.store.k_index, self.store.v_index, meta.block_table, meta.seq_lens_gpu, layer.scaling,
+        )  # fmt: skip
+        return out[:bs].reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def _forward_compressed(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
         """Attention over the mixed block table (the PyTorch serving fallback until the TileLang
         kernels land: compressed blocks are decompressed, then torch's fused attention runs)."""
-        if save_kv_cache:
-            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
+        self._save_kv(k, v, layer, forward_batch, save_kv_cache)
         meta = self.forward_metadata
         out = reference.decompressed_paged_attention(
             q.view(-1, layer.tp_q_head_num, layer.head_dim),
@@ -146,13 +226,12 @@ class HieraSparseAttnBackend(AttentionBackend):
 
     # ----------------------------------------------------------------------------- CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
+        device = self.req_to_token.device
+        self._graph_table = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=device)
+        self._graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
 
     def get_cuda_graph_seq_len_fill_value(self):
-        return self.dense.get_cuda_graph_seq_len_fill_value()
-
-    def on_after_cuda_graph_warmup(self):
-        self.dense.on_after_cuda_graph_warmup()
+        return 1
 
     # ----------------------------------------------------------------------------- forward
     def forward_extend(
@@ -165,7 +244,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ):
-        if self.forward_metadata.reads_compressed:
+        if self.forward_metadata.path is Path.FALLBACK:
             return self._forward_compressed(q, k, v, layer, forward_batch, save_kv_cache)
         return self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
@@ -179,6 +258,8 @@ class HieraSparseAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ):
-        if self.forward_metadata.reads_compressed:
+        if self.forward_metadata.path is Path.DECODE_KERNEL:
+            return self._forward_decode_kernel(q, k, v, layer, forward_batch, save_kv_cache)
+        if self.forward_metadata.path is Path.FALLBACK:
             return self._forward_compressed(q, k, v, layer, forward_batch, save_kv_cache)
         return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)

@@ -173,12 +173,17 @@ def apply_backend_defaults(_result, server_args) -> None:
             f"{cli_flag('block_size')}={config.block_size}; allowed: {config.block_size} or unset"
         )
     server_args.page_size = config.block_size
-    # Batches that read compressed blocks run eagerly (the compressed path is not graph-capturable
-    # yet), so prefill and decode CUDA graphs are off for this backend.
+    # Extend batches that read compressed blocks run eagerly, so prefill CUDA graphs are off. Decode
+    # keeps SGLang's CUDA graphs when the TileLang decode kernel can run (it serves every decode
+    # batch); without TileLang, decode falls back to eager PyTorch and its graphs are off too.
+    from importlib.util import find_spec
+
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
-    server_args.cuda_graph_config.decode.backend = Backend.DISABLED
+    if find_spec("tilelang") is None:
+        logger.warning("hierasparse: TileLang is not installed; decode runs without the kernel or CUDA graphs")
+        server_args.cuda_graph_config.decode.backend = Backend.DISABLED
     if not server_args.disable_radix_cache:
         if server_args.radix_cache_backend not in (None, BACKEND_NAME) or server_args.enable_hierarchical_cache:
             raise HieraSparseConfigError(
