@@ -27,14 +27,22 @@ MID_LENS = [4096, 2500, 8192, 77]
 MID_MAX_BLOCKS = 128
 
 
-def _id(p):
-    hq, hkv, d, dt, sk, sv = p
-    return f"G{hq // hkv}-d{d}-{str(dt).split('.')[-1]}-sk{sk:g}-sv{sv:g}"
+# (shape, plan options): the default plan on every shape, the other kernel options on one shape.
+SMALL_VARIANTS = [(p, {}) for p in SMALL] + [
+    (SMALL[0], {"softmax": "tile"}),
+    (SMALL[0], {"split_barriers": True}),
+    (SMALL[0], {"fused_combine": False}),
+]
 
 
-def _plan(case, num_splits=None, stages=None):
+def _id(v):
+    (hq, hkv, d, dt, sk, sv), opts = v
+    extra = "".join(f"-{k}={v}" for k, v in opts.items())
+    return f"G{hq // hkv}-d{d}-{str(dt).split('.')[-1]}-sk{sk:g}-sv{sv:g}{extra}"
+
+
+def _plan(case, num_splits=None, **kw):
     q = case["q"]
-    kw = {} if stages is None else {"stages": stages}
     return HieraSparseDecode(q.shape[0], q.shape[1], case["k_cache"].shape[1], q.shape[2], case["block_size"],
                              case["max_blocks"], q.dtype, q.device, num_splits=num_splits, **kw)
 
@@ -53,11 +61,11 @@ def _tol(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("params", SMALL, ids=_id)
-def test_matches_reference(params):
-    hq, hkv, d, dtype, sk, sv = params
+@pytest.mark.parametrize("variant", SMALL_VARIANTS, ids=_id)
+def test_matches_reference(variant):
+    (hq, hkv, d, dtype, sk, sv), opts = variant
     case = bench.make_case(SMALL_LENS, hq, hkv, d, sk, sv, dtype, "cuda", max_blocks=SMALL_MAX_BLOCKS, seed=1)
-    plan = _plan(case, num_splits=SMALL_SPLITS)
+    plan = _plan(case, num_splits=SMALL_SPLITS, **opts)
     out = torch.full_like(case["q"], float("nan"))
     got, lse = plan.run(*bench.run_args(case), out=out, return_lse=True)
     torch.cuda.synchronize()
@@ -68,6 +76,8 @@ def test_matches_reference(params):
         err = bench.rel_err(got[r].cpu(), ref_out[r])
         assert err < _tol(dtype), f"request {r}: rel err {err:.2e}"
     assert (lse.cpu() - ref_lse).abs().max().item() < 2e-2
+    again = plan.run(*bench.run_args(case))  # repeated calls: scratch and split tickets are reusable
+    assert torch.equal(again, got) and not plan.counter.any()
 
 
 @pytest.mark.gpu
