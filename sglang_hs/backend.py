@@ -97,7 +97,9 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.store = CompressedStore(
             capacity, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, kv_pool.dtype, kv_pool.device
         )
-        self.q_heads = model_runner.model_config.num_attention_heads // model_runner.tp_size
+        from sglang.srt.runtime_context import get_parallel
+
+        self.q_heads = model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
         self.use_decode_kernel = decode_kernel_available()
         self.max_blocks = -(-self.req_to_token.shape[1] // block)
         self._decode_plans: dict[int, object] = {}
