@@ -194,7 +194,8 @@ class HieraSparseAttnBackend(AttentionBackend):
         self._save_kv(k, v, layer, forward_batch, save_kv_cache)
         meta, pools = self.forward_metadata, self.store.layer_pools(layer.layer_id)
         bs, padded = q.shape[0], meta.block_table.shape[0]
-        q = q.view(bs, layer.tp_q_head_num, layer.head_dim)
+        # q arrives as a strided view of the fused QKV projection; the kernel reads packed rows.
+        q = q.reshape(bs, layer.tp_q_head_num, layer.head_dim).contiguous()
         if padded > bs:
             q = torch.cat([q, q.new_zeros(padded - bs, *q.shape[1:])])
         out = meta.decode_plan.run(
