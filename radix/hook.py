@@ -130,6 +130,7 @@ class HieraSparseRadixCache(RadixCache):
         self.k_buffers, self.v_buffers = k_buffers, v_buffers
         self.pruner = make_pruner(config.pruner)
         self.stats = CompressionStats()
+        self.prometheus: PrometheusGauges | None = None
         self._prompt_len: int | None = None  # set while a finished request is inserted
         super().__init__(params)
         make_virtual_aware(self.token_to_kv_pool_allocator, store, virtual)
@@ -141,6 +142,7 @@ class HieraSparseRadixCache(RadixCache):
         self._virtual_protected = 0
         if hasattr(self, "store"):  # reset() also runs inside RadixCache.__init__
             self.store.clear()
+            self.publish_metrics()
 
     def evictable_size(self):
         return self.evictable_size_ - self._virtual_evictable
@@ -202,6 +204,7 @@ class HieraSparseRadixCache(RadixCache):
                 heapq.heappush(heap, (self.eviction_strategy.get_priority(node.parent), node.parent))
             self._record_remove_event(node)
         self.update_eviction_metrics(evicted_tokens, start)
+        self.publish_metrics()
         return EvictResult(num_tokens_evicted=evicted_tokens)
 
     # ----------------------------------------------------------------------------- compression
@@ -246,6 +249,7 @@ class HieraSparseRadixCache(RadixCache):
         else:
             self._virtual_protected += tokens
         self.stats.compressed_blocks += len(vbs)
+        self.publish_metrics()
         logger.debug("hierasparse: compressed %d blocks at positions %d..%d", len(vbs), first * block, last * block)
 
     def _make_room(self, blocks: int, keep: TreeNode) -> None:
@@ -254,6 +258,10 @@ class HieraSparseRadixCache(RadixCache):
         if missing > 0:
             self._evict_leaves(missing * self.config.block_size, virtual_tokens, exclude=keep)
 
+
+    def publish_metrics(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.publish(self.status())
 
     def status(self) -> dict[str, float]:
         """What is resident now and what compression has done so far (for logs and metrics)."""
@@ -268,6 +276,35 @@ class HieraSparseRadixCache(RadixCache):
             "blocks_compressed_total": self.stats.compressed_blocks,
             "prefixes_kept_dense_total": self.stats.kept_dense_prefixes,
         }
+
+
+class PrometheusGauges:
+    """The tree's status as Prometheus gauges (SGLang's registry, multiprocess mode), with
+    ``--enable-metrics``; ``/metrics`` then shows ``sglang:hierasparse_*``."""
+
+    DOCS = {
+        "compressed_tokens": "Prefix tokens resident in the compressed store",
+        "dense_tree_tokens": "Cached prefix tokens still in dense KV pages",
+        "store_used_blocks": "Compressed blocks in use",
+        "store_capacity_blocks": "Compressed blocks the store can hold",
+        "bytes_saved": "KV bytes saved against keeping the compressed blocks dense",
+        "blocks_compressed_total": "Blocks compressed since start",
+        "prefixes_kept_dense_total": "Prefixes kept dense because the store was full",
+    }
+
+    def __init__(self, labels: dict[str, str], registry=None):
+        from prometheus_client import REGISTRY, Gauge
+
+        self.labels = labels
+        self.gauges = {
+            key: Gauge(f"sglang:hierasparse_{key}", doc, labelnames=list(labels), multiprocess_mode="mostrecent",
+                       registry=registry or REGISTRY)  # fmt: skip
+            for key, doc in self.DOCS.items()
+        }
+
+    def publish(self, status: dict[str, float]) -> None:
+        for key, gauge in self.gauges.items():
+            gauge.labels(**self.labels).set(status[key])
 
 
 class CompressionStats:
@@ -327,5 +364,7 @@ def create_radix_cache(ctx) -> HieraSparseRadixCache:
         [kv_pool.get_value_buffer(layer) for layer in layers],
         backend.virtual,
     )
+    if ctx.params.enable_metrics:
+        tree.prometheus = PrometheusGauges({"cache_type": type(tree).__name__})
     _active_trees.append(tree)
     return tree

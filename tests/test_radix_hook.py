@@ -176,3 +176,19 @@ def test_finished_request_rows_and_generated_blocks(env):
     status = e.tree.status()
     assert status["compressed_tokens"] == 9 * 64 and status["dense_tree_tokens"] == 896 - 9 * 64
     assert status["bytes_saved"] > 0
+
+
+def test_prometheus_gauges_follow_the_store(env):
+    from prometheus_client import CollectorRegistry
+
+    from sglang_hs.radix.hook import PrometheusGauges
+
+    e = env()
+    registry = CollectorRegistry()
+    e.tree.prometheus = PrometheusGauges({"cache_type": "test"}, registry=registry)
+    insert(e, list(range(1000, 2024)))
+    value = lambda name: registry.get_sample_value(f"sglang:hierasparse_{name}", {"cache_type": "test"})
+    assert value("compressed_tokens") == 11 * 64 and value("blocks_compressed_total") == 11
+    assert value("bytes_saved") > 0
+    e.tree.reset()
+    assert value("compressed_tokens") == 0
