@@ -134,7 +134,6 @@ class CompressedStore:
     def check(self) -> str | None:
         """None if every slot is either free or owned exactly once, else a description."""
         c = self.capacity
-        used_k = [s for _, s in self._k_slot.values()]
         counts = {
             "virtual": (len(self._free["virtual"]) + len(self._k_slot), c.virtual_blocks),
             "k_dense": (len(self._free["k_dense"]) + sum(not sp for sp, _ in self._k_slot.values()), c.k_dense),
@@ -143,7 +142,7 @@ class CompressedStore:
             "v_sparse": (len(self._free["v_sparse"]) + sum(sp for sp, _ in self._v_slot.values()), c.v_sparse),
         }
         bad = {name: got for name, got in counts.items() if got[0] != got[1]}
-        if bad or len(used_k) != len(self._v_slot):
+        if bad or self._k_slot.keys() != self._v_slot.keys():
             return f"compressed store leak: (free + used, capacity) = {bad}"
         return None
 
