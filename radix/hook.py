@@ -315,6 +315,18 @@ class CompressionStats:
         self.kept_dense_prefixes = 0
 
 
+def check_store_when_idle(result, checker, *args, **kwargs):
+    """AFTER hook on SGLang's idle pool check: the compressed store must account for every slot
+    (free or owned by exactly one virtual block), reported through SGLang's own leak path."""
+    if not _active_trees:
+        return None
+    has_leak, messages = result
+    problem = _active_trees[-1].store.check()
+    if problem is None:
+        return None
+    return True, [*messages, problem]
+
+
 # The scheduler process's tree, for the status line (one tree per scheduler process).
 _active_trees: list[HieraSparseRadixCache] = []
 

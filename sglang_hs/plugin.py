@@ -57,6 +57,11 @@ def load() -> None:
             status_line_parts,
             HookType.AFTER,
         )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_all_pools",
+        check_store_when_idle,
+        HookType.AFTER,
+    )
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
     if BACKEND_NAME not in registered_radix_cache_backends():
@@ -75,6 +80,13 @@ def status_line_parts(result, *args, **kwargs):
     from sglang_hs.radix.hook import status_line_parts as parts
 
     return parts(result, *args, **kwargs)
+
+
+def check_store_when_idle(result, *args, **kwargs):
+    """The compressed store's own leak check, added to SGLang's idle memory check."""
+    from sglang_hs.radix.hook import check_store_when_idle as check
+
+    return check(result, *args, **kwargs)
 
 
 def create_radix_cache(ctx):
