@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 from importlib.metadata import PackageNotFoundError, version
 
@@ -68,32 +69,27 @@ def load() -> None:
         register_radix_cache_backend(BACKEND_NAME, create_radix_cache)
 
 
-def create_backend(runner):
-    """Factory called by SGLang's ModelRunner in each scheduler process."""
-    from sglang_hs.backend import HieraSparseAttnBackend
+def _lazy(target: str):
+    """A callable that imports ``module.attr`` on first use: the plugin loads in every SGLang
+    process, so registering it must not import the backend, the kernels or the radix hook."""
+    module, attr = target.rsplit(".", 1)
 
-    return HieraSparseAttnBackend(runner)
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), attr)(*args, **kwargs)
 
-
-def status_line_parts(result, *args, **kwargs):
-    """The compressed cache's status, appended to SGLang's periodic batch log line."""
-    from sglang_hs.radix.hook import status_line_parts as parts
-
-    return parts(result, *args, **kwargs)
-
-
-def check_store_when_idle(result, *args, **kwargs):
-    """The compressed store's own leak check, added to SGLang's idle memory check."""
-    from sglang_hs.radix.hook import check_store_when_idle as check
-
-    return check(result, *args, **kwargs)
+    call.__name__ = call.__qualname__ = attr
+    call.__doc__ = f"Lazily calls {target}."
+    return call
 
 
-def create_radix_cache(ctx):
-    """Radix-cache factory (``--radix-cache-backend hierasparse``, set by the backend defaults)."""
-    from sglang_hs.radix.hook import create_radix_cache as create
-
-    return create(ctx)
+create_backend = _lazy("sglang_hs.backend.HieraSparseAttnBackend")
+"""Attention-backend factory, called by SGLang's ModelRunner in each scheduler process."""
+status_line_parts = _lazy("sglang_hs.radix.hook.status_line_parts")
+"""The compressed cache's status, appended to SGLang's periodic batch log line."""
+check_store_when_idle = _lazy("sglang_hs.radix.hook.check_store_when_idle")
+"""The compressed store's own leak check, added to SGLang's idle memory check."""
+create_radix_cache = _lazy("sglang_hs.radix.hook.create_radix_cache")
+"""Radix-cache factory (``--radix-cache-backend hierasparse``, set by the backend defaults)."""
 
 
 def split_kv_budget(kv_budget_bytes: int, configurator, *args, **kwargs) -> int | None:
