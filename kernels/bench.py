@@ -17,6 +17,17 @@ order (pool rows in (KV head, block) order, as ``sglang_hs.reference.compress_bl
 (pruned) KV of the same requests, so it is also the full-size correctness reference of the sparse kernel (checked on the first and the last timed call). Both are
 timed as replays of a CUDA graph of ``--iters`` back-to-back calls (CUDA events, median of 5
 replays), and also as single plain launches (``*_plain_us``, which include host launch overhead).
+
+    python -m sglang_hs.kernels.bench --kernel extend --out DIR [--quick] [--variants] [--new-tokens 16,64,...]
+
+Extend workload (issue 3's second regime): batch 8, each request a 32K-token cached prefix (the decode
+layout: 1 sink page, compressed blocks, 4 window pages; natural order) plus n new tokens in cache pages
+for n in ``--new-tokens``; S in {(0,0), (0,1), (1,1)}; ``HieraSparseExtend`` against FlashInfer's
+``BatchPrefillWithPagedKVCacheWrapper`` (causal, NHD, page 64, ``--fi-backend``, default fa2 as in
+SGLang) over the same pruned KV, both timed as ``--iters`` back-to-back eager calls (CUDA events,
+median of 5; a quarter of the calls above 256 new tokens). Writes ``DIR/kernels_h100.json`` (the
+committed results' other records plus one extend record per (n, S)), ``DIR/kernels_h100_extend.png``
+and ``DIR/bench_extend.log``.
 """
 
 import argparse
@@ -61,14 +72,15 @@ def _unpack_chunked(values, meta):
 
 def make_case(seq_lens, q_heads=32, kv_heads=8, head_dim=128, sk=0.0, sv=0.0, dtype=torch.float16,
               device="cuda", block_size=64, sink_blocks=1, window_blocks=4, max_blocks=None, seed=0,
-              magnitude=True, extra_pages=3, shuffle=True):
+              magnitude=True, extra_pages=3, shuffle=True, prefix_lens=None):
     """Inputs of ``HieraSparseDecode.run`` for requests of ``seq_lens`` tokens (see the module doc).
 
     ``shuffle``: cache pages, virtual blocks and pool rows are assigned in random order, so that every
     indirection is exercised (tests); otherwise in allocation order, pool rows in (KV head, block)
     order as ``sglang_hs.reference.compress_blocks`` writes them (the benchmark's default layout).
     ``magnitude``: sparse blocks keep the top-2 of each group of a random dense block (else a random
-    2 of 4). Returns a dict.
+    2 of 4). ``prefix_lens`` (extend): the sink/window/compressed layout covers only each request's
+    first ``prefix_lens[r]`` tokens; the blocks after them (the new tokens) are cache pages. Returns a dict.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
@@ -77,10 +89,12 @@ def make_case(seq_lens, q_heads=32, kv_heads=8, head_dim=128, sk=0.0, sv=0.0, dt
     nblk = [-(-L // B) for L in seq_lens]
     max_blocks = max_blocks or max(max(nblk), 1)
     kinds = []  # per request: list of "c" (cache page) / "v" (virtual)
-    for L, n in zip(seq_lens, nblk):
+    for r, (L, n) in enumerate(zip(seq_lens, nblk)):
+        P = L if prefix_lens is None else prefix_lens[r]  # tokens the sink/compressed/window layout covers
+        nP = -(-P // B)
         k = ["v"] * n
         for j in range(n):
-            if j < sink_blocks or j >= n - window_blocks or (j == n - 1 and L % B):
+            if j < sink_blocks or j >= nP - window_blocks or (j == nP - 1 and P % B):
                 k[j] = "c"
         kinds.append(k)
     n_cache = sum(k.count("c") for k in kinds)
@@ -528,6 +542,240 @@ def compress_main(args):
               f"{r['percent_of_prefill'] or float('nan'):9.3f} {r['speedup'] or float('nan'):8.1f} {str(r['bit_identical']):>6}")
 
 
+# ------------------------------------------------------------------------------------------- extend
+EXTEND_RESULTS_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
+                                   "results", "kernels_h100.json")
+EXTEND_RUN_KEYS = ("q", "qo_indptr", "k_cache", "v_cache", "k_dense", "k_values", "k_meta", "v_dense", "v_values",
+                   "v_meta", "k_index", "v_index", "block_table", "seq_lens", "sm_scale")
+
+
+def make_extend_case(prefix_lens, new_lens, q_heads=32, kv_heads=8, head_dim=128, sk=0.0, sv=0.0,
+                     dtype=torch.float16, device="cuda", max_blocks=None, seed=0, magnitude=True, shuffle=True,
+                     **kw):
+    """Inputs of ``HieraSparseExtend.run``: request r has a cached prefix of ``prefix_lens[r]`` tokens (1 sink
+    page, compressed virtual blocks, 4 window pages: :func:`make_case`'s layout over the prefix) and
+    ``new_lens[r]`` new tokens in cache pages after it; ``q`` is packed ``[sum(new_lens), Hq, D]`` with
+    ``qo_indptr``. Returns :func:`make_case`'s dict plus ``qo_indptr`` (GPU int32), ``qo_indptr_list``,
+    ``new_lens`` and ``prefix_lens``."""
+    seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+    case = make_case(seq_lens, q_heads, kv_heads, head_dim, sk, sv, dtype, device, max_blocks=max_blocks,
+                     seed=seed, magnitude=magnitude, shuffle=shuffle, prefix_lens=list(prefix_lens), **kw)
+    gen = torch.Generator(device=device).manual_seed(seed + 7919)
+    total = sum(new_lens)
+    case["q"] = torch.randn(total, q_heads, head_dim, device=device, generator=gen, dtype=torch.float32).to(dtype)
+    indptr = [0]
+    for n in new_lens:
+        indptr.append(indptr[-1] + n)
+    case.update(qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=device), qo_indptr_list=indptr,
+                new_lens=list(new_lens), prefix_lens=list(prefix_lens))
+    return case
+
+
+def extend_run_args(case):
+    return [case[k] for k in EXTEND_RUN_KEYS]
+
+
+def extend_reference(case, device=None):
+    """The oracle (``sglang_hs.reference.paged_attention``, float32 arithmetic) on ``device`` (default: where
+    the case lives; on a GPU its many small products run in seconds instead of a minute): ``(out, lse)``."""
+    from sglang_hs import reference as R
+
+    dev = torch.device(device) if device is not None else case["q"].device
+    t = {k: case[k].to(dev) for k in ("q", "k_cache", "v_cache", "k_dense", "k_values", "k_meta", "v_dense",
+                                      "v_values", "v_meta", "k_index", "v_index", "block_table")}
+    pools = R.BlockPools(*(t[k] for k in ("k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta")))
+    return R.paged_attention(t["q"], case["qo_indptr_list"], t["k_cache"], t["v_cache"], pools, t["k_index"],
+                             t["v_index"], t["block_table"], case["seq_lens_list"], case["sm_scale"])
+
+
+def flashinfer_extend(case, paged, workspace=None, backend="fa2"):
+    """A planned FlashInfer ``BatchPrefillWithPagedKVCacheWrapper`` (causal, NHD, page 64) over ``paged``
+    (:func:`paged_dense`, the pruned KV of the same requests); returns ``run() -> out``. ``fa2`` is the
+    backend SGLang's FlashInfer attention backend uses for paged prefill."""
+    import flashinfer
+
+    q = case["q"]
+    H, D = paged["k"].shape[2], paged["k"].shape[3]
+    workspace = workspace if workspace is not None else torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+    w.plan(case["qo_indptr"], paged["indptr"], paged["indices"], paged["last_page_len"], q.shape[1], H, D,
+           case["block_size"], causal=True, sm_scale=case["sm_scale"], q_data_type=q.dtype,
+           kv_data_type=paged["k"].dtype)
+    out = torch.empty_like(q)
+    kv = (paged["k"], paged["v"])
+    return lambda: w.run(q, kv, out=out)
+
+
+def time_stream(fn, iters=20, reps=5, warmup=2):
+    """Median time (us) of one call, from CUDA events around ``iters`` back-to-back eager calls (the host
+    runs ahead of the GPU when a call takes longer on the GPU than to launch)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / iters)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def extend_flops(case):
+    """Causal attention FLOPs of the case (both GEMMs, dense equivalent)."""
+    Hq, D = case["q"].shape[1], case["q"].shape[2]
+    keys = sum(n * p + n * (n + 1) // 2 for p, n in zip(case["prefix_lens"], case["new_lens"]))
+    return 4 * D * Hq * keys
+
+
+def bench_extend(args):
+    """The extend regime of issue 3: ``--batch`` requests, each a ``--context``-token cached prefix (1 sink
+    page, compressed blocks, 4 window pages) plus n new tokens for n in ``--new-tokens``; Llama-3.1-8B
+    heads (32/8, d 128, fp16); against FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (causal, page
+    64, backend ``--fi-backend``) over the same pruned KV, in one process, same timing method."""
+    from sglang_hs.kernels.extend import HieraSparseExtend
+
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    bs, P = args.batch, args.context
+    Hq, Hkv, D = 32, 8, 128
+    dtype = torch.float16
+    new_list = [int(x) for x in args.new_tokens.split(",")]
+    points = [(0.0, 0.0), (0.0, 1.0), (1.0, 1.0)] if not args.quick else [(0.0, 1.0), (1.0, 1.0)]
+    variants = [dict()]  # the default plan first: its time is the record's ours_us
+    if args.variants:
+        variants += [dict(tile="n64"), dict(tile="n128"), dict(tile="n128", stages=2)]
+    records, lines = [], []
+
+    def log(msg):
+        lines.append(msg)
+        print(msg, flush=True)
+
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    for n in new_list:
+        iters = args.iters if n <= 256 else max(3, args.iters // 4)
+        for sk, sv in points:
+            t0 = time.time()
+            case = make_extend_case([P] * bs, [n] * bs, Hq, Hkv, D, sk, sv, dtype, dev, seed=int(sk * 10 + sv) + n,
+                                    magnitude=False, shuffle=False)
+            paged = paged_dense(case)
+            fi = flashinfer_extend(case, paged, workspace, args.fi_backend)
+            t1 = time.time()
+            ref = fi().clone()
+            torch.cuda.synchronize()
+            fi_first_s = time.time() - t1  # includes FlashInfer's JIT compile on first use
+            fi_us = time_stream(fi, iters)
+            nbytes, flops = kv_bytes(case), extend_flops(case)
+            results = []
+            for var in variants:
+                try:
+                    plan = HieraSparseExtend(Hq, Hkv, D, 64, case["max_blocks"], dtype, dev, **var)
+                    out = torch.empty_like(case["q"])
+                    a = extend_run_args(case)
+                    fn = lambda: plan.run(*a, out=out)  # noqa: E731
+                    out.fill_(float("nan"))
+                    fn()
+                    torch.cuda.synchronize()
+                except Exception as e:  # a variant that does not build or run is reported, not fatal
+                    log(f"n={n} S_K={sk} S_V={sv} {var}: failed: {str(e).splitlines()[-1][:200]}")
+                    continue
+                err = rel_err(out, ref)
+                g = time_stream(fn, iters)
+                err = max(err, rel_err(out, ref))  # the output of the last timed call too
+                desc = dict(plan.last_config)
+                results.append(dict(variant=desc, default=not var, ours_us=round(g, 2), speedup=round(fi_us / g, 4),
+                                    rel_err_vs_flashinfer=err))
+                log(f"n={n} S_K={sk} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us "
+                    f"FI {fi_us:.1f} us speedup {fi_us / g:.3f} err {err:.2e} "
+                    f"TFLOP/s {flops / g / 1e6:.0f} (FI {flops / fi_us / 1e6:.0f}) GB/s {nbytes / g / 1e3:.0f}")
+            del case, paged, ref
+            torch.cuda.empty_cache()
+            s = sk + sv
+            record = dict(kernel="extend", S_K=sk, S_V=sv, batch=bs, context=P, new_tokens=n, head_dim=D,
+                          dtype="float16", q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None,
+                          flashinfer_us=round(fi_us, 2), speedup=None, flashinfer_backend=args.fi_backend,
+                          ideal_speedup_bytes=round(1.0 / (1.0 - 0.21875 * s), 4),
+                          ideal_speedup_compute=round(4.0 / (4.0 - s), 4), kv_bytes=nbytes, flops=flops,
+                          device=name, timing=f"{iters} back-to-back eager calls, CUDA events, median of 5",
+                          flashinfer_first_call_s=round(fi_first_s, 1), setup_s=round(t1 - t0, 1))
+            default = [r for r in results if r["default"] and r["rel_err_vs_flashinfer"] < 2e-2]
+            if default:
+                d0 = default[0]
+                record.update(ours_us=d0["ours_us"], speedup=d0["speedup"], variant=d0["variant"],
+                              rel_err_vs_flashinfer=d0["rel_err_vs_flashinfer"],
+                              ours_TFLOPs=round(flops / d0["ours_us"] / 1e6, 1),
+                              flashinfer_TFLOPs=round(flops / fi_us / 1e6, 1))
+            elif results:
+                record["rel_err_vs_flashinfer"] = results[0]["rel_err_vs_flashinfer"]  # wrong: no speedup recorded
+            if len(results) > 1:
+                record["variants"] = [{k: v for k, v in r.items() if k != "default"} for r in results]
+            records.append(record)
+    return records, lines
+
+
+def plot_extend(records, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not available: no PNG", file=sys.stderr)
+        return False
+    recs = [r for r in records if r.get("kernel") == "extend" and r.get("ours_us")]
+    if not recs:
+        return False
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for sk, sv in sorted({(r["S_K"], r["S_V"]) for r in recs}):
+        rs = sorted((r for r in recs if (r["S_K"], r["S_V"]) == (sk, sv)), key=lambda r: r["new_tokens"])
+        x = [r["new_tokens"] for r in rs]
+        a1.plot(x, [r["speedup"] for r in rs], marker="o", label=f"S_K={sk:g}, S_V={sv:g}")
+        a2.plot(x, [r["ours_us"] for r in rs], marker="o", label=f"ours S_K={sk:g}, S_V={sv:g}")
+    rs = sorted((r for r in recs if (r["S_K"], r["S_V"]) == (0.0, 0.0)) or recs, key=lambda r: r["new_tokens"])
+    a2.plot([r["new_tokens"] for r in rs], [r["flashinfer_us"] for r in rs], "k--", marker="x", label="FlashInfer")
+    for a in (a1, a2):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("new tokens per request")
+        a.legend(loc="best", fontsize=8)
+    a1.axhline(1.0, color="k", lw=0.8)
+    a1.set_ylabel("speedup vs FlashInfer")
+    a2.set_yscale("log")
+    a2.set_ylabel("extend attention time (us)")
+    r0 = recs[0]
+    fig.suptitle(f"Extend over a cached prefix, batch {r0['batch']}, {r0['context']}-token prefix, 32/8 heads, d=128, "
+                 f"fp16 - {r0.get('device', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def extend_main(args):
+    """``--kernel extend``: run, then write ``OUT/kernels_h100.json`` = the records of the results JSON
+    (``--merge`` when given, else the committed ``launch/results/kernels_h100.json``) other than extend
+    ones, plus these; ``OUT/kernels_h100_extend.png`` and ``OUT/bench_extend.log``."""
+    os.makedirs(args.out, exist_ok=True)
+    records, lines = bench_extend(args)
+    merge = getattr(args, "merge", None) or EXTEND_RESULTS_JSON
+    base = []
+    if os.path.exists(merge):
+        with open(merge) as f:
+            base = [r for r in json.load(f) if r.get("kernel") != "extend"]
+    with open(os.path.join(args.out, "kernels_h100.json"), "w") as f:
+        json.dump(base + records, f, indent=1)
+    with open(os.path.join(args.out, "bench_extend.log"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot_extend(records, os.path.join(args.out, "kernels_h100_extend.png"))
+    print(f"{'new':>5} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>9} {'speedup':>8} {'ideal_B':>7} {'ideal_C':>7}")
+    for r in records:
+        print(f"{r['new_tokens']:5d} {r['S_K']:4g} {r['S_V']:4g} {r['ours_us'] or float('nan'):9.1f} "
+              f"{r['flashinfer_us']:9.1f} {r['speedup'] or float('nan'):8.3f} {r['ideal_speedup_bytes']:7.3f} "
+              f"{r['ideal_speedup_compute']:7.3f}")
+
+
 def plot(records, path):
     try:
         import matplotlib
@@ -537,6 +785,7 @@ def plot(records, path):
     except ImportError:
         print("matplotlib not available: no PNG", file=sys.stderr)
         return False
+    records = [r for r in records if r.get("kernel", "decode") == "decode"]
     recs = [r for r in records if r.get("ours_us") and r.get("layout", "natural") == records[0].get("layout", "natural")]
     labels = [f"S_K={r['S_K']:g}\nS_V={r['S_V']:g}" for r in recs]
     x = range(len(recs))
@@ -564,7 +813,7 @@ def plot(records, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", default="decode", choices=["decode", "compress"])
+    ap.add_argument("--kernel", default="decode", choices=["decode", "compress", "extend"])
     ap.add_argument("--out", default="out")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=32768)
@@ -575,6 +824,8 @@ def main(argv=None):
     ap.add_argument("--layouts", default="natural,shuffled",
                     help="pool/page layouts to time: natural (allocation order) and/or shuffled (random rows)")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the PNG of an existing JSON")
+    ap.add_argument("--new-tokens", default="16,64,256,1024,2048", help="extend: new tokens per request")
+    ap.add_argument("--fi-backend", default="fa2", help="extend: FlashInfer prefill backend (SGLang uses fa2)")
     ap.add_argument("--flashinfer-us", type=float, help="compress: dense prefill time (us, all layers) to use "
                     "instead of measuring FlashInfer")
     ap.add_argument("--merge", default=COMPRESS_JSON, help="compress: results JSON whose other records are kept")
@@ -585,6 +836,8 @@ def main(argv=None):
         return
     if args.kernel == "compress":
         return compress_main(args)
+    if args.kernel == "extend":
+        return extend_main(args)
     os.makedirs(args.out, exist_ok=True)
     records, lines = bench_decode(args)
     path = os.path.join(args.out, "kernels_h100.json")

@@ -1,0 +1,650 @@
+"""Extend (prefill over a cached prefix) attention over mixed dense / 2:4-sparse KV blocks
+(TileLang 0.1.11, Hopper sm_90a).
+
+One extend step of one layer: request ``r`` brings ``n_r`` new query tokens (rows
+``qo_indptr[r]:qo_indptr[r+1]`` of the packed ``q [total, Hq, D]``), the last ``n_r`` positions of its
+``seq_lens[r]`` tokens; a query at position ``p`` attends to KV positions ``<= p`` (causal). The KV of a
+request is a row of ``block_table`` exactly as in the decode kernel: cache pages (``e >= 0``, read from
+``k_cache``/``v_cache``; the new tokens' K/V are already there) and compressed virtual blocks (``e < 0``,
+resolved per KV head through ``k_index``/``v_index`` into the pools of ``sglang_hs.format``). Compressed
+blocks only occur in the cached prefix; the last block may be partial. ``sglang_hs.reference.
+paged_attention`` is the oracle; ``HieraSparseExtend`` is the plan/run API the backend calls.
+
+Design (and why)
+----------------
+Built from the decode kernel's pieces (``kernels/decode.py``, verified on the H100), kept self-contained
+here so that the decode kernel is untouched:
+
+* **Trans-Both GEMMs, query rows x GQA heads as N.** ``S^T = K·Q^T`` (``[B, N]``, A = K, sparse along
+  head_dim) and ``O^T += V^T·P^T`` (``[D, N]``, A = V^T, sparse along tokens). The N columns of a CTA are
+  ``TQ = N / G`` consecutive query tokens of one request times the ``G`` query heads of one KV head,
+  ordered (token, head): column ``c`` is token ``t0 + c // G``, head ``h*G + c % G``. Every KV byte a
+  CTA reads serves N columns. Tile configurations (``TILES``): ``"n64"`` = N 64, 128 threads (one
+  warpgroup: ``wgmma m64n64``); ``"n128"`` = N 128, 256 threads (two warpgroups; TileLang's default
+  (Square) warp partition gives both GEMMs ``m_warp = 4, n_warp = 2``: each warpgroup owns 64 columns
+  of ``S^T`` *and* of ``O^T``, so the softmax statistics of a column never leave its warpgroup). N is
+  a multiple of 16 in both (no N = 24/40, bug #2603).
+* **Per-block dispatch without losing the pipeline** (as decode): ``stages`` shared-memory stages with
+  their own mbarriers; one elected thread issues the TMA loads of block ``j + stages - 1`` before the
+  CTA waits on block ``j``, choosing per block between a cache page (3-D TMA box), a dense pool row and
+  values + metadata of a 2:4 row; consumers branch on the same mode to ``T.gemm`` (``wgmma``) or
+  ``T.gemm_sp`` (``wgmma.sp``). The block-table and index-map entries are resolved by all threads in
+  parallel, ``threads / 2`` blocks per pass, into a two-half ring in shared memory: the prologue
+  resolves the first pass, and step ``j`` with ``j % (threads/2) == 0`` resolves the next one, which is
+  first issued several steps later (after a barrier). The two dependent index loads are paid once per
+  pass, and a CTA can walk any number of blocks (no split is forced by long prefixes).
+* **Softmax: lane max, fragment exponentials.** TileLang's fragment reductions over the token (M) axis
+  of ``S^T`` cost two CTA barriers per column held by a thread (16 columns at N = 64 per warpgroup), and
+  their batched form indexes its workspace wrongly with two warpgroups (``workspace_stride`` = 128 for
+  a 256-thread CTA: warpgroup 1's slot i is warpgroup 0's slot i + 1). So each block step stores
+  ``S^T`` in ``P_s`` (the kernel's 16-bit type, clamped to +-6e4 (fp16) / 1e30 (bf16): masked keys stay
+  finite there, fp16 cannot overflow), two consecutive lanes own a column and take its max (32 rows
+  each + one shuffle, decode's lane softmax), and publish the scaled offset and the rescale factor in
+  shared memory; the exponentials, the rescale of ``O^T`` and the row sums (kept per thread in a
+  ``[B, N]`` fragment, reduced once at the end) stay in registers, then ``P^T`` overwrites ``P_s``
+  (``stmatrix``) for ``O^T += V^T·P^T``. Any offset within rounding of the true max is exact for
+  softmax: the same offset scales ``P``, the sums and the rescale. 4 CTA barriers per block step.
+* **Causal masking** only in blocks that reach past the tile's first query position
+  (``j >= (p_first + 1) // B``); the mask ``kv_pos <= q_pos`` also hides the rows of a partial last
+  page (query positions never exceed ``seq_len - 1``). Columns past the request's last token (a partial
+  tile) get a zero query and the last token's position, and are never stored. Blocks after the tile's
+  last query position are not visited at all.
+* **Tiles without host work.** Request ``r``'s tiles get the ids
+  ``qo_indptr[r] // TQ + r + i`` for ``i < ceil(n_r / TQ)``: increasing, disjoint, and all below
+  ``total // TQ + bs + 1``, so the grid's x extent is known on the host from shapes alone (no device
+  sync, no tile table). A CTA finds its request by a parallel scan of ``qo_indptr`` (each thread checks
+  some requests); ids that fall in the gaps (at most one per request) exit at once.
+* **Split-KV** over the blocks a tile sees (grid ``(tile ids, Hkv, splits)``; consecutive CTAs are the
+  tiles of one request for the same KV head and split, so the KV they share is read from L2). The split
+  count is chosen per call from shapes (tiles, KV heads, SMs, CTAs per SM) and passed as a dynamic grid
+  extent: one compiled kernel serves every batch. With one split the CTA writes ``out`` (and the LSE)
+  directly; otherwise every split writes a partial ``O`` (fp32, normalised) and base-2 LSE, and the last
+  CTA of a (tile, KV head) to finish (an acq_rel atomic ticket, reset by that CTA: decode's fused
+  combine) merges them. Splits that get no block write only ``-inf`` LSEs.
+* **Specialisation**: ``k_sparse=False`` drops the 2:4 K buffers (9 KB a stage at d 128) when the call's
+  K values pool is empty (known from its shape), e.g. S_K = 0, the recommended setting, so that more
+  CTAs fit per SM. The backend decides nothing: ``run`` picks the kernel from the pool shapes.
+* **Why not merge the new tokens separately**: the new tokens' K/V are cache pages like the window's,
+  so they are read in the same launch and the same block loop (no second kernel, no LSE merge); only
+  the blocks on the tile's causal diagonal are masked.
+* **Bug work-arounds (0.1.11)**, as decode: ``T.fence_proxy_async()`` after ``P^T`` and ``Q`` are written
+  to shared memory (#2634); automatic thread-sync insertion is disabled (it deadlocks in the elected-
+  thread TMA branches) and the kernel places its barriers itself: at the top of each block step (WAR on
+  the refilled stage, ``P_s`` and the index ring), after ``S^T`` is stored, after the column statistics
+  are published, after ``P^T`` is written.
+* **Occupancy** (shared memory, d 128): n128 with 3 stages ~205 KB (one CTA, 8 warps per SM; 202
+  registers, no spills); n64 with 2 stages ~128 KB, or ~110 KB without 2:4 K buffers (two CTAs per SM).
+* One launch per call, no host synchronisation: tile ids, splits, masks and empty splits are computed in
+  the kernel from ``qo_indptr`` and ``seq_lens`` on the GPU; scratch grows on demand (``torch.empty`` /
+  ``torch.zeros`` only). Empty pools are replaced by one-row dummies (a TMA descriptor cannot describe a
+  zero-length tensor). Not CUDA-graph safe across changing batch shapes (the grid and scratch views
+  follow ``q.shape`` and ``bs``); one call at a time per plan (scratch and tickets are per plan).
+
+Not measured yet: written and compiled for sm_90a on a machine without a GPU (``wgmma``/``wgmma.sp``,
+fences and barriers checked in the generated CUDA); ``tests/test_kernels_extend.py`` and
+``python -m sglang_hs.kernels.bench --kernel extend`` are the GPU checks.
+
+The module imports neither TileLang nor a GPU at import time; ``build_extend_kernel`` does.
+"""
+
+import functools
+
+import torch
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+SMEM_PER_SM = 228 * 1024  # H100/H200: 228 KB per SM, 227 KB usable per CTA, 1 KB reserved per CTA
+
+PASS_CONFIGS = {
+    "tl.disable_warp_specialized": True,
+    "tl.disable_thread_storage_sync": True,
+}
+
+# name -> (N columns per CTA, threads). Every shipped configuration is covered by the GPU tests.
+TILES = {"n64": (64, 128), "n128": (128, 256)}
+
+
+def default_stages(tile: str) -> int:
+    """n128: 3 stages (one CTA per SM is all that fits at d 128 anyway); n64: 2 (two CTAs per SM fit
+    when the call has no 2:4 K rows, as decode found best)."""
+    return 3 if tile == "n128" else 2
+
+
+def resolve_chunk(tile: str) -> int:
+    """Blocks whose index entries one parallel pass resolves (one entry per thread, at most)."""
+    return TILES[tile][1] // 2
+
+
+def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, k_sparse: bool = True) -> int:
+    """Shared memory of one CTA (bytes), matching the buffers of :func:`build_extend_prim_func`."""
+    n, threads = TILES[tile]
+    elems = block_size * head_dim
+    k_stage = elems * 2 + ((elems + elems // 8) if k_sparse else 0)  # dense tile [+ 2:4 values + metadata]
+    v_stage = elems * 2 + elems + elems // 8
+    maps = 3 * 2 * resolve_chunk(tile) * 4
+    other = n * head_dim * 2 + block_size * n * 2 + maps + 3 * n * 4 + threads * 4 + 1024  # Q, P, maps, stats
+    return stages * (k_stage + v_stage) + other
+
+
+def build_extend_prim_func(
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int = 64,
+    dtype: str = "float16",
+    tile: str = "n128",
+    stages: int = 3,
+    k_sparse: bool = True,
+):
+    """The TileLang ``prim_func`` of one configuration (every batch dimension is dynamic).
+
+    Arguments, in order: ``Q [total, Hq, D]``, ``KC, VC [slots, Hkv, D]``, the six pools, ``KI, VI
+    [Hkv, n_virtual]``, ``QI [bs + 1]`` (qo_indptr), ``BT [bs, max_blocks]``, ``SL [bs]``, ``sm_scale``,
+    ``OP [rows, Hq, S, D]`` and ``LP [rows, Hq, S]`` (split partials; the split count ``S`` is bound from
+    their shape, and with ``S = 1`` they may be one-row dummies), ``O [total, Hq, D]``, ``LSE [total, Hq]``
+    (natural log), ``CNT [tile ids, Hkv]`` (zeroed tickets; the grid's x extent is bound from it).
+    """
+    import tilelang.language as T
+
+    B, D = block_size, head_dim
+    N, threads = TILES[tile]
+    G = q_heads // kv_heads
+    assert q_heads % kv_heads == 0 and N % G == 0, "GQA group must divide the tile's N"
+    assert D % 32 == 0 and B % 32 == 0 and stages >= 2
+    TQ = N // G  # query tokens per tile
+    HALF = resolve_chunk(tile)  # index entries resolved per pass; the ring holds two passes
+    RB = 2 * HALF
+    assert HALF >= stages and RB & (RB - 1) == 0
+    accum = "float32"
+    e_rows = B * D // 16 // 16  # metadata tile as [e_rows, 16] int16 (contiguous 2*B*D/16 bytes)
+    NEG = -T.infinity(accum)
+    CLAMP = 6.0e4 if dtype == "float16" else 1.0e30  # finite in the 16-bit type
+    TPC = threads // N  # lane max: threads per column (consecutive lanes)
+    RPT = B // TPC  # rows per thread (interleaved: row i * TPC + lane % TPC)
+    SHUF = [TPC >> k for k in range(1, TPC.bit_length()) if TPC >> k]  # xor offsets TPC/2 .. 1
+    assert threads % N == 0 and 32 % TPC == 0
+    (total, num_slots, nd, ns, nd2, ns2, nv, bs1, bs, mb, prow, S, nt) = T.dynamic(
+        "total, num_slots, nd, ns, nd2, ns2, nv, bs1, bs, mb, prow, S, nt")
+
+    def alloc_stage_buffers():
+        out = []
+        for _ in range(stages):
+            kd = T.alloc_shared([B, D], dtype)
+            ks = T.alloc_shared([B, D // 2], dtype) if k_sparse else None
+            ke = T.alloc_shared([e_rows, 16], "int16") if k_sparse else None
+            vd = T.alloc_shared([B, D], dtype)
+            vs = T.alloc_shared([D, B // 2], dtype)
+            ve = T.alloc_shared([e_rows, 16], "int16")
+            bar = T.alloc_barrier(threads)
+            out.append((kd, ks, ke, vd, vs, ve, bar))
+        return out
+
+    @T.macro
+    def resolve(chunk, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s):
+        # Index entries of blocks [chunk*HALF, (chunk+1)*HALF) of this CTA into ring half chunk % 2:
+        # mode = kmode | vmode << 2 (0 cache page, 1 dense pool row, 2 sparse pool row).
+        for i in T.Parallel(HALF):
+            if chunk * HALF + i < n:
+                e = BT[r, start + chunk * HALF + i]
+                slot = (chunk % 2) * HALF + i
+                if e >= 0:
+                    mode_s[slot] = 0
+                    krow_s[slot] = e
+                    vrow_s[slot] = e
+                else:
+                    ke_ = KI[h, -e - 1]
+                    ve_ = VI[h, -e - 1]
+                    mode_s[slot] = T.if_then_else(ke_ >= 0, 1, 2) + T.if_then_else(ve_ >= 0, 4, 8)
+                    krow_s[slot] = T.if_then_else(ke_ >= 0, ke_, -ke_ - 1)
+                    vrow_s[slot] = T.if_then_else(ve_ >= 0, ve_, -ve_ - 1)
+
+    @T.macro
+    def issue(i, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM):
+        md = mode_s[i % RB]
+        kr = krow_s[i % RB]
+        vr = vrow_s[i % RB]
+        if k_sparse:
+            if (md & 3) == 0:
+                T.tma_copy(KC[kr * B:(kr + 1) * B, h, :], kd, barrier=bar)
+            elif (md & 3) == 1:
+                T.tma_copy(KD[kr, :, :], kd, barrier=bar)
+            else:
+                T.tma_copy(KV[kr, :, :], ks, barrier=bar)
+                T.tma_copy(KM[kr, :, :], ke, barrier=bar)
+        else:
+            if (md & 3) == 0:
+                T.tma_copy(KC[kr * B:(kr + 1) * B, h, :], kd, barrier=bar)
+            else:
+                T.tma_copy(KD[kr, :, :], kd, barrier=bar)
+        if (md >> 2) == 0:
+            T.tma_copy(VC[vr * B:(vr + 1) * B, h, :], vd, barrier=bar)
+        elif (md >> 2) == 1:
+            T.tma_copy(VD[vr, :, :], vd, barrier=bar)
+        else:
+            T.tma_copy(VV[vr, :, :], vs, barrier=bar)
+            T.tma_copy(VM[vr, :, :], ve, barrier=bar)
+        T.barrier_arrive(bar)
+
+    @T.macro
+    def compute(jj, jm, qlast, tv, scale2, md, Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs,
+                msc_sh, rs_sh, m_run, mx):
+        if k_sparse:
+            if (md & 3) == 2:
+                T.gemm_sp(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True)
+            else:
+                T.gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True)
+        else:
+            T.gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True)
+        if jj >= jm:  # the block reaches past the tile's first query position: causal mask
+            for i, c in T.Parallel(B, N):
+                sT[i, c] = T.if_then_else(jj * B + i <= qlast - T.max(tv - 1 - c // G, 0), sT[i, c], NEG)
+        # Column max over the block's tokens: S^T goes through P_s (in the kernel's 16-bit type,
+        # clamped to +-CLAMP so that masked keys are finite there and fp16 cannot overflow), then TPC
+        # consecutive lanes own a column (decode's lane softmax). Any offset close to the max is exact
+        # for the softmax: the same offset scales P, the row sums and the rescale.
+        for i, c in T.Parallel(B, N):
+            P_s[i, c] = T.cast(T.max(T.min(sT[i, c], CLAMP), -CLAMP), dtype)
+        T.sync_threads()
+        tx = T.get_thread_binding()
+        cc = tx // TPC
+        mx[0] = -CLAMP
+        for i in T.unroll(RPT):
+            mx[0] = T.max(mx[0], T.cast(P_s[i * TPC + tx % TPC, cc], accum))
+        for k in T.unroll(len(SHUF)):
+            mx[0] = T.max(mx[0], T.shfl_xor(mx[0], TPC >> (k + 1)))
+        m_new = T.max(m_run[0], mx[0])  # finite (>= -CLAMP); m_run starts at -inf, so rs = 0 first
+        if tx % TPC == 0:
+            rs_sh[cc] = T.exp2(m_run[0] * scale2 - m_new * scale2)
+            msc_sh[cc] = m_new * scale2
+        m_run[0] = m_new
+        T.sync_threads()
+        for c in T.Parallel(N):
+            msc[c] = msc_sh[c]
+            rs[c] = rs_sh[c]
+        for i, c in T.Parallel(B, N):
+            sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
+            lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
+        for d, c in T.Parallel(D, N):
+            oT[d, c] *= rs[c]
+        T.copy(sT, P_s)
+        T.fence_proxy_async()  # #2634: generic writes of P^T before the (sparse) wgmma reads them
+        T.sync_threads()
+        if (md >> 2) == 2:
+            T.gemm_sp(vs, T.view(ve, [D, B // 16]), P_s, oT)
+        else:
+            T.gemm(vd, P_s, oT, transpose_A=True)
+
+    @T.macro
+    def guarded_issue(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM):
+        if i < n:
+            issue(i, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
+
+    @T.macro
+    def step(j, parity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s, Q_s, P_s,
+             kd, ks, ke, vd, vs, ve, bar, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
+             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
+        if j < n:
+            # WAR: the stage refilled below, P_s and the ring half resolved below were read before.
+            T.sync_threads()
+            if j % HALF == 0:
+                # Next chunk of index entries; first issued >= HALF - stages + 1 steps from now, after
+                # that step's barrier (the half it overwrites was last read before this step's barrier).
+                resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
+            if j + stages - 1 < n:
+                issue(j + stages - 1, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
+                      KC, VC, KD, KV, KM, VD, VV, VM)
+            T.barrier_wait(bar, parity)
+            compute(start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s, kd, ks, ke, vd, vs, ve,
+                    sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
+
+    # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
+    def emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl):
+        for s in range(stages - 1):
+            guarded_issue(s, n, h, mode_s, krow_s, vrow_s, *st[s], *gl)
+
+    def emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags):
+        for s in range(stages):
+            nxt = (s + stages - 1) % stages
+            step(it * stages + s, it & 1, n, r, start, jm, qlast, tv, scale2, h, *idx, Q_s, P_s,
+                 *st[s], *st[nxt], *gl, *frags)
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([total, q_heads, D], dtype),
+        KC: T.Tensor([num_slots, kv_heads, D], dtype),
+        VC: T.Tensor([num_slots, kv_heads, D], dtype),
+        KD: T.Tensor([nd, B, D], dtype),
+        KV: T.Tensor([ns, B, D // 2], dtype),
+        KM: T.Tensor([ns, e_rows, 16], "int16"),
+        VD: T.Tensor([nd2, B, D], dtype),
+        VV: T.Tensor([ns2, D, B // 2], dtype),
+        VM: T.Tensor([ns2, e_rows, 16], "int16"),
+        KI: T.Tensor([kv_heads, nv], "int32"),
+        VI: T.Tensor([kv_heads, nv], "int32"),
+        QI: T.Tensor([bs1], "int32"),
+        BT: T.Tensor([bs, mb], "int32"),
+        SL: T.Tensor([bs], "int32"),
+        sm_scale: T.float32,
+        OP: T.Tensor([prow, q_heads, S, D], accum),
+        LP: T.Tensor([prow, q_heads, S], accum),
+        O: T.Tensor([total, q_heads, D], dtype),
+        LSE: T.Tensor([total, q_heads], accum),
+        CNT: T.Tensor([nt, kv_heads], "int32"),
+    ):
+        with T.Kernel(nt, kv_heads, S, threads=threads) as (tile_id, h, sid):
+            Q_s = T.alloc_shared([N, D], dtype)
+            P_s = T.alloc_shared([B, N], dtype)  # S^T (for the column max), then P^T (GEMM2's B)
+            mode_s = T.alloc_shared([RB], "int32")
+            krow_s = T.alloc_shared([RB], "int32")
+            vrow_s = T.alloc_shared([RB], "int32")
+            req_sh = T.alloc_shared([1], "int32")
+            tk_sh = T.alloc_shared([1], "int32")
+            msc_sh = T.alloc_shared([N], accum)
+            rs_sh = T.alloc_shared([N], accum)
+            m_sh = T.alloc_shared([N], accum)
+            cm = T.alloc_local([4], accum)
+            st = alloc_stage_buffers()
+            sT = T.alloc_fragment([B, N], accum)
+            oT = T.alloc_fragment([D, N], accum)
+            lacc = T.alloc_fragment([B, N], accum)
+            l = T.alloc_fragment([N], accum)
+            rs = T.alloc_fragment([N], accum)
+            msc = T.alloc_fragment([N], accum)
+            m_run = T.alloc_local([1], accum)
+            mx = T.alloc_local([1], accum)
+            tid = T.get_thread_binding()
+            # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
+            # with their bounds checks, at every use).
+            q0 = T.alloc_var("int32")
+            nq = T.alloc_var("int32")
+            t0 = T.alloc_var("int32")
+            tv = T.alloc_var("int32")
+            qlast = T.alloc_var("int32")
+            jm = T.alloc_var("int32")
+            start = T.alloc_var("int32")
+            n = T.alloc_var("int32")
+            scale2 = T.alloc_var(accum)
+
+            # Which request owns this tile id? Request r's ids start at qo_indptr[r] // TQ + r.
+            if tid == 0:
+                req_sh[0] = -1
+            T.sync_threads()
+            for it0 in T.serial(T.ceildiv(bs, threads)):
+                rr = it0 * threads + tid
+                if rr < bs:
+                    q0 = QI[rr]
+                    nq = QI[rr + 1] - q0
+                    t0 = q0 // TQ + rr  # first tile id of request rr
+                    if t0 <= tile_id and tile_id < t0 + T.ceildiv(nq, TQ):
+                        req_sh[0] = rr
+            T.sync_threads()
+            r = req_sh[0]
+            if r >= 0:
+                q0 = QI[r]
+                nq = QI[r + 1] - q0
+                t0 = (tile_id - q0 // TQ - r) * TQ  # first query token (within the request) of the tile
+                tv = T.min(TQ, nq - t0)  # valid query tokens in the tile
+                qlast = SL[r] - nq + t0 + tv - 1  # position of the tile's last valid query
+                jm = (qlast - tv + 2) // B  # blocks >= jm reach past the first query's position
+                nvis = qlast // B + 1  # blocks the tile sees
+                per = T.ceildiv(nvis, S)
+                start = sid * per
+                n = T.max(T.min(per, nvis - start), 0)
+                scale2 = sm_scale * LOG2E
+
+                idx = (BT, KI, VI, mode_s, krow_s, vrow_s)
+                resolve(0, n, r, start, h, *idx)
+                for c, d in T.Parallel(N, D):
+                    Q_s[c, d] = T.if_then_else(
+                        c // G < tv, Q[q0 + t0 + T.min(c // G, tv - 1), h * G + c % G, d], T.cast(0, dtype))
+                T.fill(oT, 0)
+                T.fill(lacc, 0)
+                m_run[0] = NEG
+                T.fence_proxy_async()  # #2634: Q_s written by generic stores before wgmma reads it
+                T.sync_threads()
+
+                gl = (KC, VC, KD, KV, KM, VD, VV, VM)
+                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
+                emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
+                for it in T.serial(T.ceildiv(n, stages)):
+                    emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
+
+                T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
+                if tid % TPC == 0:
+                    m_sh[tid // TPC] = m_run[0]
+                T.sync_threads()
+                if S == 1:
+                    for d, c in T.Parallel(D, N):
+                        if c // G < tv:
+                            O[q0 + t0 + c // G, h * G + c % G, d] = T.cast(
+                                T.if_then_else(l[c] > 0, oT[d, c] / l[c], 0.0), dtype)
+                    for c in T.Parallel(N):
+                        if c // G < tv:
+                            LSE[q0 + t0 + c // G, h * G + c % G] = T.if_then_else(
+                                l[c] > 0, (T.log2(l[c]) + m_sh[c] * scale2) * LN2, NEG)
+                else:
+                    for c in T.Parallel(N):
+                        if c // G < tv:
+                            LP[q0 + t0 + c // G, h * G + c % G, sid] = T.if_then_else(
+                                l[c] > 0, T.log2(l[c]) + m_sh[c] * scale2, NEG)
+                    if n > 0:
+                        for d, c in T.Parallel(D, N):
+                            if c // G < tv:
+                                OP[q0 + t0 + c // G, h * G + c % G, sid, d] = T.if_then_else(
+                                    l[c] > 0, oT[d, c] / l[c], 0.0)
+                    # Split-KV merge by the last CTA of this (tile, KV head): release our partials,
+                    # take a ticket (acq_rel, device scope), and merge if we are the S-th.
+                    T.sync_threads()
+                    if tid == 0:
+                        tk_sh[0] = T.atomic_add(CNT[tile_id, h], 1, memory_order="acq_rel", return_prev=True)
+                    T.sync_threads()
+                    if tk_sh[0] == S - 1:
+                        for it2 in T.serial(T.ceildiv(N * D, threads)):
+                            c = (it2 * threads + tid) // D
+                            d = (it2 * threads + tid) % D
+                            if c // G < tv:
+                                row = q0 + t0 + c // G
+                                hq = h * G + c % G
+                                cm[0] = NEG
+                                for s2 in T.serial(S):
+                                    cm[0] = T.max(cm[0], LP[row, hq, s2])
+                                cm[1] = 0.0
+                                cm[2] = 0.0
+                                for s2 in T.serial(S):
+                                    if LP[row, hq, s2] != NEG:  # empty splits wrote no partial O
+                                        cm[3] = T.exp2(LP[row, hq, s2] - cm[0])
+                                        cm[1] = cm[1] + cm[3]
+                                        cm[2] = cm[2] + cm[3] * OP[row, hq, s2, d]
+                                O[row, hq, d] = T.cast(T.if_then_else(cm[1] > 0, cm[2] / cm[1], 0.0), dtype)
+                                if d == 0:
+                                    LSE[row, hq] = T.if_then_else(cm[1] > 0, (T.log2(cm[1]) + cm[0]) * LN2, NEG)
+                        if tid == 0:
+                            CNT[tile_id, h] = 0
+
+    return main
+
+
+@functools.lru_cache(maxsize=None)
+def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=3,
+                        k_sparse=True, target=None):
+    """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU."""
+    import tilelang
+
+    func = build_extend_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse)
+    return tilelang.compile(func, target=target or SM90_TARGET, pass_configs=PASS_CONFIGS)
+
+
+def tile_count(total_tokens: int, batch: int, tokens_per_tile: int) -> int:
+    """Tile ids of a call (the grid's x extent): request r's ids start at ``qo_indptr[r] // TQ + r``."""
+    return total_tokens // tokens_per_tile + batch + 1
+
+
+def tile_ids(qo_indptr: list[int], tokens_per_tile: int) -> list[tuple[int, int, int]]:
+    """``(tile id, request, first token)`` of every tile, as the kernel assigns them (for tests)."""
+    out = []
+    for r in range(len(qo_indptr) - 1):
+        first = qo_indptr[r] // tokens_per_tile + r
+        n = qo_indptr[r + 1] - qo_indptr[r]
+        for i in range(-(-n // tokens_per_tile)):
+            out.append((first + i, r, i * tokens_per_tile))
+    return out
+
+
+def choose_num_splits(tiles: int, kv_heads: int, blocks: int, num_sms: int, ctas_per_sm: int,
+                      max_splits: int = 64) -> int:
+    """Splits per (tile, KV head): the fewest that keep every resident CTA slot busy.
+
+    Same cost model as the decode kernel: a CTA walks ``ceil(blocks / S)`` blocks, CTAs run in waves of
+    ``num_sms * ctas_per_sm``, each split adds a little (partials and merge). ``tiles`` and ``blocks``
+    are the host's estimates from shapes alone (tiles: ``ceil(total / TQ)``; blocks: the block table's
+    width), so no device value is read.
+    """
+    slots = max(1, num_sms * ctas_per_sm)
+    pairs = max(1, tiles * kv_heads)
+    best = []
+    for s in range(1, max(1, min(max_splits, blocks)) + 1):
+        waves = -(-pairs * s // slots)
+        cost = waves * -(-blocks // s) + 0.05 * s
+        best.append((cost, s))
+    lo = min(c for c, _ in best)
+    return min(s for c, s in best if c <= lo * 1.02)
+
+
+class HieraSparseExtend:
+    """Plan + run of the mixed dense/2:4-sparse extend kernel (see the module docstring).
+
+    ``tile``: ``"auto"`` (n64 when the batch averages at most 64 query columns (tokens x GQA group) per
+    request, else n128), or a key of ``TILES``. ``stages``: pipeline depth (default per tile).
+    ``num_splits``: force a split count (else chosen per call from the shapes). ``max_blocks`` is only
+    advisory (block tables of any width are accepted). Kernels are compiled, or loaded from TileLang's
+    disk cache, on first use of a configuration (tile, stages, whether the call has 2:4 K rows).
+
+    For the backend: ``qo_indptr``, ``block_table``, ``seq_lens`` and the index maps are int32 on the
+    GPU; ``q`` may be a strided view (it is packed here); nothing else is needed (no tile table, no
+    host copy of the lengths). One plan can serve every layer and every batch of a model: scratch and
+    tickets are reused call after call on one stream (never two calls of one plan concurrently).
+    """
+
+    def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
+                 dtype: torch.dtype, device, tile: str = "auto", stages: int | None = None,
+                 num_splits: int | None = None):
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
+        if q_heads % kv_heads:
+            raise ValueError("q_heads must be a multiple of kv_heads")
+        if head_dim not in (64, 128) or block_size != 64:
+            raise ValueError("head_dim must be 64 or 128 and block_size 64")
+        group = q_heads // kv_heads
+        if group not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GQA group {group} is not supported")
+        if tile != "auto" and tile not in TILES:
+            raise ValueError(f"tile must be 'auto' or one of {sorted(TILES)}")
+        self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
+        self.block_size, self.max_blocks, self.group = block_size, max_blocks, group
+        self.dtype, self.device = dtype, torch.device(device)
+        self.tile, self.stages, self.num_splits = tile, stages, num_splits
+        self._dt = "float16" if dtype == torch.float16 else "bfloat16"
+        self._sms = None
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self._op = torch.empty(0, **f32)
+        self._lp = torch.empty(0, **f32)
+        self._lse = torch.empty(0, **f32)
+        # Split tickets of the fused merge; the merging CTA resets its entry, so it stays zero between calls.
+        self._cnt = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self._op_dummy = torch.zeros(1, q_heads, 1, head_dim, **f32)
+        self._lp_dummy = torch.zeros(1, q_heads, 1, **f32)
+        e_rows = block_size * head_dim // 256
+        kw = dict(device=self.device)
+        # One-row stand-ins for empty pools / index maps (never read: no entry points at them).
+        self._dummy = {
+            "dense": torch.zeros(1, block_size, head_dim, dtype=dtype, **kw),
+            "k_values": torch.zeros(1, block_size, head_dim // 2, dtype=dtype, **kw),
+            "v_values": torch.zeros(1, head_dim, block_size // 2, dtype=dtype, **kw),
+            "meta": torch.zeros(1, e_rows, 16, dtype=torch.int16, **kw),
+            "index": torch.zeros(kv_heads, 1, dtype=torch.int32, **kw),
+        }
+        self.last_config = None  # tile, stages, k_sparse, num_splits and tile ids of the last call
+
+    # ------------------------------------------------------------------------------ configuration
+    def pick_tile(self, total_tokens: int, batch: int) -> str:
+        if self.tile != "auto":
+            return self.tile
+        cols = -(-total_tokens // max(batch, 1)) * self.group
+        return "n64" if cols <= 64 else "n128"
+
+    def kernel(self, tile: str, k_sparse: bool):
+        stages = self.stages or default_stages(tile)
+        k = build_extend_kernel(self.q_heads, self.kv_heads, self.head_dim, self.block_size, self._dt, tile,
+                                stages, k_sparse)
+        return k, stages
+
+    def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int) -> int:
+        if self.num_splits is not None:
+            return max(1, int(self.num_splits))
+        if self._sms is None:
+            self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        per_cta = smem_bytes(tile, self.head_dim, self.block_size, stages, k_sparse) + 1024
+        ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 2048 // TILES[tile][1]))
+        return choose_num_splits(tiles, self.kv_heads, blocks, self._sms, ctas_per_sm)
+
+    def _or_dummy(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        return t if t.numel() else self._dummy[key]
+
+    @staticmethod
+    def _grow(buf: torch.Tensor, n: int, zero: bool = False) -> torch.Tensor:
+        if buf.numel() >= n:
+            return buf
+        n = max(n, 2 * buf.numel())
+        return (torch.zeros if zero else torch.empty)(n, dtype=buf.dtype, device=buf.device)
+
+    # ------------------------------------------------------------------------------ run
+    def run(self, q, qo_indptr, k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta,
+            k_index, v_index, block_table, seq_lens, sm_scale, out=None, return_lse=False):
+        """Extend attention; returns ``out [total, Hq, D]`` (and the natural-log LSE ``[total, Hq]``, a
+        plan-owned buffer overwritten by the next call, when ``return_lse``). No host synchronisation:
+        only tensor shapes are read on the host."""
+        total, bs = q.shape[0], seq_lens.shape[0]
+        hq, d = self.q_heads, self.head_dim
+        q = q.contiguous()
+        target = out
+        if out is None or not out.is_contiguous():
+            out = torch.empty_like(q)
+        self._lse = self._grow(self._lse, max(total, 1) * hq)
+        lse = self._lse[:total * hq].view(total, hq)
+        if total == 0 or bs == 0:
+            return (out, lse) if return_lse else out
+        k_sparse = k_values.numel() > 0
+        tile = self.pick_tile(total, bs)
+        kernel, stages = self.kernel(tile, k_sparse)
+        tq = TILES[tile][0] // self.group
+        nt = tile_count(total, bs, tq)
+        s = self.splits(tile, stages, k_sparse, -(-total // tq), block_table.shape[1])
+        self._cnt = self._grow(self._cnt, nt * self.kv_heads, zero=True)
+        cnt = self._cnt[:nt * self.kv_heads].view(nt, self.kv_heads)
+        if s > 1:
+            self._op = self._grow(self._op, total * hq * s * d)
+            self._lp = self._grow(self._lp, total * hq * s)
+            op = self._op[:total * hq * s * d].view(total, hq, s, d)
+            lp = self._lp[:total * hq * s].view(total, hq, s)
+        else:
+            op, lp = self._op_dummy, self._lp_dummy
+        e_rows = self.block_size * self.head_dim // 256
+        k_meta = self._or_dummy(k_meta, "meta").reshape(-1, e_rows, 16)
+        v_meta = self._or_dummy(v_meta, "meta").reshape(-1, e_rows, 16)
+        k_index = self._or_dummy(k_index, "index")
+        v_index = self._or_dummy(v_index, "index")
+        if k_index.shape[1] != v_index.shape[1]:  # one of them empty: both must be dummies then
+            k_index = v_index = self._dummy["index"]
+        kernel(
+            q, k_cache, v_cache,
+            self._or_dummy(k_dense, "dense"), self._or_dummy(k_values, "k_values"), k_meta,
+            self._or_dummy(v_dense, "dense"), self._or_dummy(v_values, "v_values"), v_meta,
+            k_index, v_index, qo_indptr, block_table, seq_lens, float(sm_scale),
+            op, lp, out, lse, cnt,
+        )
+        self.last_config = dict(tile=tile, stages=stages, k_sparse=k_sparse, num_splits=s, tile_ids=nt)
+        if target is not None and target is not out:
+            target.copy_(out)
+            out = target
+        return (out, lse) if return_lse else out

@@ -1,0 +1,200 @@
+"""GPU tests of the HieraSparse extend kernel (``sglang_hs.kernels.extend``).
+
+The oracle is ``sglang_hs.reference.paged_attention`` (float32 arithmetic, run on the GPU, small ragged
+batches); larger batches are checked against dense attention and FlashInfer's paged prefill over the
+decompressed (pruned) KV of the same requests. Every shipped tile configuration (``TILES`` x default stages, n128 with 2 stages, with and
+without 2:4 K buffers) runs against the oracle. Every test is marked ``gpu`` (skipped without CUDA by the
+conftest); importing this module needs neither a GPU nor TileLang.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from sglang_hs import reference as R
+from sglang_hs.kernels import bench
+from sglang_hs.kernels.extend import TILES, HieraSparseExtend, choose_num_splits, tile_count, tile_ids
+
+# Ragged batch: a partial last page, a block-aligned one, a request without compressed blocks (prefix
+# 300 = sink + window only), a single new token, a request with no prefix at all, a long chunk whose
+# causal diagonal spans several blocks and tiles.
+PREFIX = [1000, 448, 300, 769, 0, 1500]
+NEW = [37, 64, 150, 1, 100, 200]
+SMALL_MAX_BLOCKS = 30  # > the longest request's 27 blocks: the table has unused (poisoned) columns
+
+# (q_heads, kv_heads, head_dim, dtype, S_K, S_V, plan options). GQA groups 4, 8, 1, 2; d 128 and 64;
+# fp16 and bf16; S in {0, 0.5, 1} mixes; both tiles, n128 with 2 stages; with (S_K > 0) and without
+# (S_K = 0) the 2:4 K buffers.
+SMALL = [
+    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n128")),
+    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n64")),
+    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n128", stages=2)),
+    (16, 2, 128, torch.bfloat16, 1.0, 1.0, dict(tile="n128")),
+    (16, 2, 128, torch.float16, 0.0, 1.0, dict(tile="n64")),
+    (8, 4, 128, torch.float16, 0.0, 1.0, dict(tile="n128")),
+    (4, 4, 64, torch.float16, 1.0, 0.0, dict(tile="n64")),
+    (4, 4, 64, torch.bfloat16, 0.0, 0.0, dict(tile="n128")),
+    (8, 2, 64, torch.bfloat16, 0.5, 1.0, dict(tile="n128")),
+]
+MID_PREFIX = [4096, 2500, 8192, 77]
+MID_NEW = [64, 300, 129, 1000]
+MID_MAX_BLOCKS = 160
+
+
+def _id(v):
+    hq, hkv, d, dt, sk, sv, opts = v
+    extra = "".join(f"-{k}={x}" for k, x in opts.items())
+    return f"G{hq // hkv}-d{d}-{str(dt).split('.')[-1]}-sk{sk:g}-sv{sv:g}{extra}"
+
+
+def _plan(case, **kw):
+    q = case["q"]
+    return HieraSparseExtend(q.shape[1], case["k_cache"].shape[1], q.shape[2], case["block_size"],
+                             case["max_blocks"], q.dtype, q.device, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _small_case(hq, hkv, d, dtype, sk, sv):
+    """The ragged batch for one shape and its oracle output (shared by the variants of a shape)."""
+    case = bench.make_extend_case(PREFIX, NEW, hq, hkv, d, sk, sv, dtype, "cuda", max_blocks=SMALL_MAX_BLOCKS,
+                                  seed=1)
+    return case, bench.extend_reference(case)
+
+
+def _tol(dtype):
+    return 1e-2 if dtype == torch.bfloat16 else 3e-3
+
+
+def _rows(case, r):
+    return slice(case["qo_indptr_list"][r], case["qo_indptr_list"][r + 1])
+
+
+def _check_reference(case, got, lse, ref_out, ref_lse, dtype, what=""):
+    assert torch.isfinite(got).all(), f"{what}: unwritten or non-finite outputs"
+    for r in range(len(case["new_lens"])):
+        rows = _rows(case, r)
+        err = bench.rel_err(got[rows], ref_out[rows].to(got.device))
+        assert err < _tol(dtype), f"{what} request {r}: rel err {err:.2e}"
+    if lse is not None:
+        assert (lse - ref_lse.to(lse.device)).abs().max().item() < 2e-2, f"{what}: LSE"
+
+
+def _dense_check(case, out, tol=3e-3):
+    """Against dense causal attention over each request's decompressed (pruned) KV."""
+    paged = bench.paged_dense(case)
+    for r in range(len(case["new_lens"])):
+        k, v = bench.dense_kv(case, paged, r)
+        rows = _rows(case, r)
+        ref, _ = R.dense_attention(case["q"][rows], k, v, sm_scale=case["sm_scale"])
+        err = bench.rel_err(out[rows], ref)
+        assert err < tol, f"request {r}: rel err {err:.2e} vs dense attention"
+    return paged
+
+
+def _flashinfer_check(case, paged, out, tol=3e-3):
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return
+    fi = bench.flashinfer_extend(case, paged)()
+    assert bench.rel_err(out, fi) < tol, "vs FlashInfer paged prefill"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", SMALL, ids=_id)
+def test_matches_reference(variant):
+    """Every shipped configuration, ragged batch, against the oracle; the split count of the plan's own
+    choice (small batch: several splits), then one split (direct write) and 7 (uneven, empty splits)."""
+    hq, hkv, d, dtype, sk, sv, opts = variant
+    case, (ref_out, ref_lse) = _small_case(hq, hkv, d, dtype, sk, sv)
+    plan = _plan(case, **opts)
+    out = torch.full_like(case["q"], float("nan"))
+    got, lse = plan.run(*bench.extend_run_args(case), out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    assert plan.last_config["tile"] == opts["tile"]
+    assert plan.last_config["k_sparse"] == (sk > 0)
+    _check_reference(case, got, lse, ref_out, ref_lse, dtype, f"auto splits ({plan.last_config['num_splits']})")
+    again = plan.run(*bench.extend_run_args(case))  # repeated calls: scratch and split tickets are reusable
+    torch.cuda.synchronize()
+    assert torch.equal(again, got) and not plan._cnt.any()
+    for splits in (1, 7):
+        forced = _plan(case, num_splits=splits, **opts)
+        out2, lse2 = forced.run(*bench.extend_run_args(case), return_lse=True)
+        torch.cuda.synchronize()
+        assert forced.last_config["num_splits"] == splits
+        _check_reference(case, out2, lse2, ref_out, ref_lse, dtype, f"{splits} splits")
+        assert not forced._cnt.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(TILES))
+def test_dense_equals_dense_attention_and_flashinfer(tile):
+    """S_K = S_V = 0 (cache pages + dense pool rows): dense attention and FlashInfer to fp16 rounding."""
+    case = bench.make_extend_case(MID_PREFIX, MID_NEW, 32, 8, 128, 0.0, 0.0, torch.float16, "cuda",
+                                  max_blocks=MID_MAX_BLOCKS, seed=2)
+    out = _plan(case, tile=tile).run(*bench.extend_run_args(case))
+    paged = _dense_check(case, out)
+    _flashinfer_check(case, paged, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sk,sv,tile", [(1.0, 1.0, "n128"), (1.0, 1.0, "n64"), (0.0, 1.0, "n128"), (0.5, 0.5, "n128")])
+def test_sparse_matches_decompressed(sk, sv, tile):
+    """Mixed dense/sparse blocks at a few thousand tokens: dense attention and FlashInfer over the pruned KV."""
+    case = bench.make_extend_case(MID_PREFIX, MID_NEW, 32, 8, 128, sk, sv, torch.float16, "cuda",
+                                  max_blocks=MID_MAX_BLOCKS, seed=3)
+    out = _plan(case, tile=tile).run(*bench.extend_run_args(case))
+    paged = _dense_check(case, out)
+    _flashinfer_check(case, paged, out)
+
+
+@pytest.mark.gpu
+def test_benchmark_shape_auto_plan():
+    """The benchmark's shape (Llama-3.1-8B heads, natural pool order) with the default plan at a shorter
+    prefix: batch 8 x (8K prefix + 64 new tokens), S_K = S_V = 1, against FlashInfer."""
+    case = bench.make_extend_case([8192] * 8, [64] * 8, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda", seed=4,
+                                  magnitude=False, shuffle=False)
+    plan = _plan(case)
+    out = plan.run(*bench.extend_run_args(case))
+    assert plan.last_config["tile"] == "n128"
+    paged = _dense_check(case, out)
+    _flashinfer_check(case, paged, out)
+
+
+@pytest.mark.gpu
+def test_zero_new_tokens_and_strided_q():
+    """A request with no new tokens writes nothing and disturbs nothing; a strided q (a view of a fused
+    QKV buffer) and a non-contiguous out are accepted."""
+    prefix, new = [1000, 500, 300], [37, 0, 90]
+    case = bench.make_extend_case(prefix, new, 32, 8, 128, 0.5, 1.0, torch.float16, "cuda", max_blocks=20, seed=5)
+    ref_out, ref_lse = bench.extend_reference(case)
+    q = case["q"]
+    fused = torch.randn(q.shape[0], q.shape[1] + 16, q.shape[2], device=q.device, dtype=q.dtype)
+    fused[:, :q.shape[1]] = q
+    case["q"] = fused[:, :q.shape[1]]
+    assert not case["q"].is_contiguous()
+    out_big = torch.full((q.shape[0], q.shape[1], 2 * q.shape[2]), float("nan"), device=q.device, dtype=q.dtype)
+    out = out_big[..., :q.shape[2]]
+    got = _plan(case, tile="n128").run(*bench.extend_run_args(case), out=out)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    _check_reference(case, got, None, ref_out, ref_lse, torch.float16)
+
+
+@pytest.mark.gpu
+def test_tile_ids_and_split_heuristic():
+    """Tile ids are disjoint, increasing and below the host's bound; the split heuristic fills the GPU
+    for the issue's extend regime (bs 8 x 64 new tokens x 8 KV heads over 32K)."""
+    for qo, tq in (([0, 37, 101, 251, 252, 352, 552], 32), ([0, 0, 5, 5, 70], 16), ([0, 2048] * 1, 8)):
+        ids = tile_ids(qo, tq)
+        got = [t for t, _, _ in ids]
+        assert got == sorted(set(got)) and max(got) < tile_count(qo[-1], len(qo) - 1, tq)
+        for t, r, t0 in ids:
+            assert qo[r] + t0 < qo[r + 1]
+    s = choose_num_splits(16, 8, 513, 132, 1)
+    assert 16 * 8 * s >= 132 * 0.9
+    assert choose_num_splits(512 * 8, 8, 544, 132, 1) == 1
+    plan = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda")
+    assert plan.pick_tile(8 * 16, 8) == "n64" and plan.pick_tile(8 * 64, 8) == "n128"
