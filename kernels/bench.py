@@ -632,11 +632,12 @@ def extend_flops(case):
     return 4 * D * Hq * keys
 
 
-def bench_extend(args):
+def bench_extend(args, on_record=None):
     """The extend regime of issue 3: ``--batch`` requests, each a ``--context``-token cached prefix (1 sink
     page, compressed blocks, 4 window pages) plus n new tokens for n in ``--new-tokens``; Llama-3.1-8B
     heads (32/8, d 128, fp16); against FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (causal, page
-    64, backend ``--fi-backend``) over the same pruned KV, in one process, same timing method."""
+    64, backend ``--fi-backend``) over the same pruned KV, in one process, same timing method.
+    ``on_record(records, lines)`` runs after every point (partial results survive a time limit)."""
     from sglang_hs.kernels.extend import HieraSparseExtend
 
     dev = torch.device("cuda")
@@ -714,6 +715,8 @@ def bench_extend(args):
             if len(results) > 1:
                 record["variants"] = [{k: v for k, v in r.items() if k != "default"} for r in results]
             records.append(record)
+            if on_record is not None:
+                on_record(records, lines)
     return records, lines
 
 
@@ -758,16 +761,20 @@ def extend_main(args):
     (``--merge`` when given, else the committed ``launch/results/kernels_h100.json``) other than extend
     ones, plus these; ``OUT/kernels_h100_extend.png`` and ``OUT/bench_extend.log``."""
     os.makedirs(args.out, exist_ok=True)
-    records, lines = bench_extend(args)
     merge = getattr(args, "merge", None) or EXTEND_RESULTS_JSON
     base = []
     if os.path.exists(merge):
         with open(merge) as f:
             base = [r for r in json.load(f) if r.get("kernel") != "extend"]
-    with open(os.path.join(args.out, "kernels_h100.json"), "w") as f:
-        json.dump(base + records, f, indent=1)
-    with open(os.path.join(args.out, "bench_extend.log"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+
+    def save(records, lines):
+        with open(os.path.join(args.out, "kernels_h100.json"), "w") as f:
+            json.dump(base + records, f, indent=1)
+        with open(os.path.join(args.out, "bench_extend.log"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    records, lines = bench_extend(args, on_record=save)
+    save(records, lines)
     plot_extend(records, os.path.join(args.out, "kernels_h100_extend.png"))
     print(f"{'new':>5} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>9} {'speedup':>8} {'ideal_B':>7} {'ideal_C':>7}")
     for r in records:
@@ -824,7 +831,8 @@ def main(argv=None):
     ap.add_argument("--layouts", default="natural,shuffled",
                     help="pool/page layouts to time: natural (allocation order) and/or shuffled (random rows)")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the PNG of an existing JSON")
-    ap.add_argument("--new-tokens", default="16,64,256,1024,2048", help="extend: new tokens per request")
+    ap.add_argument("--new-tokens", default="64,16,256,1024,2048",
+                    help="extend: new tokens per request (the issue's goal point, 64, first)")
     ap.add_argument("--fi-backend", default="fa2", help="extend: FlashInfer prefill backend (SGLang uses fa2)")
     ap.add_argument("--flashinfer-us", type=float, help="compress: dense prefill time (us, all layers) to use "
                     "instead of measuring FlashInfer")
