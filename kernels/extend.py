@@ -648,3 +648,36 @@ class HieraSparseExtend:
             target.copy_(out)
             out = target
         return (out, lse) if return_lse else out
+
+
+# The configurations the GPU tests and the benchmark compile: (q_heads, kv_heads, head_dim, dtype, tile,
+# stages, k_sparse). ``python -m sglang_hs.kernels.extend [--jobs N]`` compiles them into TileLang's cache
+# (``TILELANG_CACHE_DIR``) on any machine, GPU or not, so that a device run only loads them.
+PRECOMPILE = [
+    (32, 8, 128, "float16", "n128", 3, True), (32, 8, 128, "float16", "n64", 2, True),
+    (32, 8, 128, "float16", "n128", 3, False), (32, 8, 128, "float16", "n64", 2, False),
+    (32, 8, 128, "float16", "n128", 2, True), (32, 8, 128, "float16", "n128", 2, False),
+    (16, 2, 128, "bfloat16", "n128", 3, True), (16, 2, 128, "float16", "n64", 2, False),
+    (8, 4, 128, "float16", "n128", 3, False), (4, 4, 64, "float16", "n64", 2, True),
+    (4, 4, 64, "bfloat16", "n128", 3, False), (8, 2, 64, "bfloat16", "n128", 3, True),
+]
+
+
+def _precompile_one(cfg):
+    hq, hkv, d, dt, tile, stages, k_sparse = cfg
+    build_extend_kernel(hq, hkv, d, 64, dt, tile, stages, k_sparse)
+    return cfg
+
+
+if __name__ == "__main__":
+    import argparse
+    import concurrent.futures
+    import time
+
+    ap = argparse.ArgumentParser(description="compile the extend kernels of the tests and the benchmark")
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    t0 = time.time()
+    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        for cfg in pool.map(_precompile_one, PRECOMPILE):
+            print(f"{cfg} ready ({time.time() - t0:.0f} s)", flush=True)
