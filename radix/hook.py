@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -125,8 +125,12 @@ class HieraSparseRadixCache(RadixCache):
         k_buffers: list[torch.Tensor],
         v_buffers: list[torch.Tensor],
         virtual: VirtualSlots,
+        compress: Callable[..., list[int]] = compress_prefix,
     ):
+        """``compress`` has :func:`sglang_hs.pools.compress_prefix`'s signature; the backend passes
+        the fused TileLang version when that kernel is on."""
         self.store, self.config, self.virtual = store, config, virtual
+        self.compress = compress
         self.k_buffers, self.v_buffers = k_buffers, v_buffers
         self.pruner = make_pruner(config.pruner)
         self.stats = CompressionStats()
@@ -239,7 +243,7 @@ class HieraSparseRadixCache(RadixCache):
         prompt = block_starts < (self._prompt_len if self._prompt_len is not None else end)
         groups = [(prompt, cfg.sk_prefill, cfg.sv_prefill), (~prompt, cfg.sk_decode, cfg.sv_decode)]
         self._make_room(last - first, keep=node)
-        vbs = compress_prefix(self.store, self.pruner, self.k_buffers, self.v_buffers, slots, groups)
+        vbs = self.compress(self.store, self.pruner, self.k_buffers, self.v_buffers, slots, groups)
         node.value[offset : offset + len(slots)] = self.virtual.slots_of(vbs, node.value.device)
         self.token_to_kv_pool_allocator.free(slots)
         tokens = len(slots)
@@ -375,6 +379,7 @@ def create_radix_cache(ctx) -> HieraSparseRadixCache:
         [kv_pool.get_key_buffer(layer) for layer in layers],
         [kv_pool.get_value_buffer(layer) for layer in layers],
         backend.virtual,
+        backend.compress_prefix,
     )
     if ctx.params.enable_metrics:
         tree.prometheus = PrometheusGauges({"cache_type": type(tree).__name__})

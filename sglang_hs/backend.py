@@ -5,10 +5,13 @@ extend and decode paths. A batch whose requests read no compressed block (no rad
 compressed prefix) is attended by SGLang's own kernels through a delegate backend (FlashInfer by
 default, ``--hierasparse-dense-backend triton`` otherwise). A batch in which some request's
 ``req_to_token`` row holds virtual slots (see ``sglang_hs.radix.hook``) is attended over the block
-table that mixes SGLang pages and compressed blocks.
+table that mixes SGLang pages and compressed blocks: by the TileLang extend kernel, or in PyTorch
+when that kernel is off. Every decode batch runs the TileLang decode kernel when it is on (one path
+under CUDA graphs, whether or not a request reads compressed blocks).
 
 The backend owns the compressed store, sized from the bytes the plugin reserved out of SGLang's
-KV-cache budget (``sglang_hs.pools.reserve_store_budget``).
+KV-cache budget (``sglang_hs.pools.reserve_store_budget``), and picks the compressor the radix hook
+uses (the fused TileLang kernel or the PyTorch one).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ _MIRRORED_FLAGS = (
 )
 
 
-def decode_kernel_available() -> bool:
-    """The TileLang decode kernel needs TileLang and a Hopper GPU (checked again at start-up)."""
+def tilelang_kernels_available() -> bool:
+    """The TileLang kernels need TileLang and a Hopper GPU (both checked again at start-up)."""
     return importlib.util.find_spec("tilelang") is not None and torch.cuda.is_available() and (
         torch.cuda.get_device_capability() == (9, 0)
     )
@@ -55,7 +58,9 @@ class Path(enum.Enum):
     DENSE = "dense"
     """No request reads a compressed block: SGLang's kernels through the delegate."""
     FALLBACK = "fallback"
-    """Extend (or decode without the kernel) over compressed blocks: PyTorch, decompress + SDPA."""
+    """Extend or decode over compressed blocks without a kernel: PyTorch, decompress + SDPA."""
+    EXTEND_KERNEL = "extend_kernel"
+    """Extend over the mixed block table with the TileLang extend kernel."""
     DECODE_KERNEL = "decode_kernel"
     """Decode over the mixed block table with the TileLang split-KV kernel (CUDA-graph capturable)."""
 
@@ -70,6 +75,9 @@ class ForwardMetadata:
     seq_lens: list[int] | None = None
     qo_indptr: list[int] | None = None
     seq_lens_gpu: torch.Tensor | None = None
+    """int32 ``[bs]`` (the kernels)."""
+    qo_indptr_gpu: torch.Tensor | None = None
+    """int32 ``[bs + 1]``: query rows of each request in an extend batch (the extend kernel)."""
     decode_plan: object | None = None
 
 
@@ -100,16 +108,27 @@ class HieraSparseAttnBackend(AttentionBackend):
         from sglang.srt.runtime_context import get_parallel
 
         self.q_heads = model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
-        self.use_decode_kernel = decode_kernel_available()
         self.max_blocks = -(-self.req_to_token.shape[1] // block)
+        kernels = tilelang_kernels_available()
+        self.use_decode_kernel = kernels and self.config.uses_kernel("decode")
+        self.extend_plan = None
+        if kernels and self.config.uses_kernel("extend"):
+            self.extend_plan = self._extend_plan(kv_pool, capacity.k_sparse > 0)
+        self.compress_prefix = pools.compress_prefix
+        if kernels and self.config.uses_kernel("compress"):
+            from sglang_hs.kernels import compress
+
+            self.compress_prefix = compress.compress_prefix
         self._decode_plans: dict[int, object] = {}
         self._graph_table: torch.Tensor | None = None
         self._graph_seq_lens: torch.Tensor | None = None
         logger.info(
-            "HieraSparse backend ready: dense tokens via %s, decode via %s, compressed store %s (%.2f GiB), "
-            "settings %s",
+            "HieraSparse backend ready: dense tokens via %s, compressed blocks via %s (extend) and %s "
+            "(decode), compression via %s, compressed store %s (%.2f GiB), settings %s",
             self.config.dense_backend,
-            "the TileLang kernel" if self.use_decode_kernel else "the delegate / PyTorch fallback",
+            "the TileLang kernel" if self.extend_plan else "PyTorch",
+            "the TileLang kernel" if self.use_decode_kernel else "the delegate / PyTorch",
+            "the TileLang kernel" if self.compress_prefix is not pools.compress_prefix else "PyTorch",
             capacity,
             pools.store_budget_bytes() / 2**30,
             self.config.to_json(),
@@ -170,6 +189,19 @@ class HieraSparseAttnBackend(AttentionBackend):
             )  # fmt: skip
         return self._decode_plans[bs]
 
+    def _extend_plan(self, kv_pool, k_sparse: bool):
+        """The extend kernel's plan; both of its tiles are compiled (or loaded from TileLang's disk
+        cache) now, so that no request waits for a compilation."""
+        from sglang_hs.kernels.extend import TILES, HieraSparseExtend
+
+        plan = HieraSparseExtend(
+            self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size, self.max_blocks,
+            kv_pool.dtype, kv_pool.device,
+        )  # fmt: skip
+        for tile in TILES:
+            plan.kernel(tile, k_sparse)
+        return plan
+
     def _compressed_metadata(self, forward_batch: ForwardBatch) -> ForwardMetadata:
         if self.store.used_blocks() == 0 or forward_batch.forward_mode.is_idle():
             return ForwardMetadata(Path.DENSE)
@@ -179,33 +211,55 @@ class HieraSparseAttnBackend(AttentionBackend):
             return ForwardMetadata(Path.DENSE)
         table = self.virtual.block_table(rows)
         if forward_batch.forward_mode.is_decode():
-            qo_indptr = list(range(len(seq_lens) + 1))
-        else:
-            qo_indptr = [0]
-            for n in forward_batch.extend_seq_lens_cpu:
-                qo_indptr.append(qo_indptr[-1] + int(n))
+            return ForwardMetadata(Path.FALLBACK, table, seq_lens, list(range(len(seq_lens) + 1)))
+        if self.extend_plan is not None:
+            qo_indptr = torch.nn.functional.pad(forward_batch.extend_seq_lens.cumsum(0), (1, 0))
+            return ForwardMetadata(
+                Path.EXTEND_KERNEL,
+                block_table=table,
+                seq_lens_gpu=forward_batch.seq_lens.to(torch.int32),
+                qo_indptr_gpu=qo_indptr.to(torch.int32),
+            )
+        qo_indptr = [0]
+        for n in forward_batch.extend_seq_lens_cpu:
+            qo_indptr.append(qo_indptr[-1] + int(n))
         return ForwardMetadata(Path.FALLBACK, table, seq_lens, qo_indptr)
 
     def _save_kv(self, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool) -> None:
         if save_kv_cache:
             self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
 
+    def _kernel_kv(self, layer: RadixAttention) -> tuple[torch.Tensor, ...]:
+        """A layer's KV as the kernels take it: cache buffers, the store's pools, the index maps."""
+        pools = self.store.layer_pools(layer.layer_id)
+        return (
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            pools.k_dense, pools.k_values, pools.k_meta, pools.v_dense, pools.v_values, pools.v_meta,
+            self.store.k_index, self.store.v_index,
+        )  # fmt: skip
+
     def _forward_decode_kernel(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
         self._save_kv(k, v, layer, forward_batch, save_kv_cache)
-        meta, pools = self.forward_metadata, self.store.layer_pools(layer.layer_id)
+        meta = self.forward_metadata
         bs, padded = q.shape[0], meta.block_table.shape[0]
         # q arrives as a strided view of the fused QKV projection; the kernel reads packed rows.
         q = q.reshape(bs, layer.tp_q_head_num, layer.head_dim).contiguous()
         if padded > bs:
             q = torch.cat([q, q.new_zeros(padded - bs, *q.shape[1:])])
-        out = meta.decode_plan.run(
-            q,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            pools.k_dense, pools.k_values, pools.k_meta, pools.v_dense, pools.v_values, pools.v_meta,
-            self.store.k_index, self.store.v_index, meta.block_table, meta.seq_lens_gpu, layer.scaling,
-        )  # fmt: skip
+        out = meta.decode_plan.run(q, *self._kernel_kv(layer), meta.block_table, meta.seq_lens_gpu, layer.scaling)
         return out[:bs].reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _forward_extend_kernel(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
+        """The new tokens' K/V go to their cache pages first; the kernel reads them there, in the
+        same block loop as the cached prefix (causal on the diagonal blocks)."""
+        self._save_kv(k, v, layer, forward_batch, save_kv_cache)
+        meta = self.forward_metadata
+        out = self.extend_plan.run(
+            q.reshape(-1, layer.tp_q_head_num, layer.head_dim), meta.qo_indptr_gpu, *self._kernel_kv(layer),
+            meta.block_table, meta.seq_lens_gpu, layer.scaling,
+        )  # fmt: skip
+        return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _forward_compressed(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
         """Attention over the mixed block table (the PyTorch serving fallback until the TileLang
@@ -247,6 +301,8 @@ class HieraSparseAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ):
+        if self.forward_metadata.path is Path.EXTEND_KERNEL:
+            return self._forward_extend_kernel(q, k, v, layer, forward_batch, save_kv_cache)
         if self.forward_metadata.path is Path.FALLBACK:
             return self._forward_compressed(q, k, v, layer, forward_batch, save_kv_cache)
         return self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)

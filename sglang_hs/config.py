@@ -22,6 +22,8 @@ SUPPORTED_BLOCK_SIZES = (64,)
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 DENSE_BACKENDS = ("flashinfer", "triton")
+# TileLang kernels the backend can use; each one left out runs on the PyTorch path instead.
+KERNELS = ("decode", "extend", "compress")
 # wgmma.sp (sparse tensor cores with Hopper's warpgroup MMA) needs compute capability 9.0.
 REQUIRED_COMPUTE_CAPABILITY = (9, 0)
 
@@ -54,6 +56,8 @@ class HieraSparseConfig:
     """Share of SGLang's KV-cache memory budget given to the compressed store; the rest stays dense."""
     dense_backend: str = "flashinfer"
     """SGLang backend that attends over the dense tokens (new tokens, sink, window)."""
+    kernels: str = "decode,extend,compress"
+    """TileLang kernels to use (comma list); ``none`` runs every compressed path in PyTorch."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -93,6 +97,17 @@ class HieraSparseConfig:
             self.dense_backend,
             f"one of {list(DENSE_BACKENDS)}",
         )
+        names = self.kernels.split(",")
+        _require(
+            self.kernels == "none" or (len(set(names)) == len(names) and set(names) <= set(KERNELS)),
+            cli_flag("kernels"),
+            self.kernels,
+            f"'none' or a comma list of distinct names from {list(KERNELS)}",
+        )
+
+    def uses_kernel(self, name: str) -> bool:
+        """Whether the TileLang kernel ``name`` (one of ``KERNELS``) is enabled by the settings."""
+        return name in self.kernels.split(",")
 
     def validate_model(self, head_dim: int, dtype: str, kv_cache_dtype: str) -> None:
         """Check the model shape and cache dtype against what the kernels support."""

@@ -121,6 +121,7 @@ _FLAG_HELP = {
     "pruner": "Pruner that picks element masks and ranks blocks.",
     "store_fraction": "Share of the KV-cache memory budget given to the compressed store.",
     "dense_backend": "SGLang backend that attends over the dense tokens.",
+    "kernels": "TileLang kernels to use (decode,extend,compress); 'none' runs the PyTorch paths.",
 }
 
 
@@ -182,15 +183,19 @@ def apply_backend_defaults(_result, server_args) -> None:
         )
     server_args.page_size = config.block_size
     # Extend batches that read compressed blocks run eagerly, so prefill CUDA graphs are off. Decode
-    # keeps SGLang's CUDA graphs when the TileLang decode kernel can run (it serves every decode
-    # batch); without TileLang, decode falls back to eager PyTorch and its graphs are off too.
+    # keeps SGLang's CUDA graphs when the TileLang decode kernel runs (it serves every decode batch);
+    # without TileLang, or with the kernel left out of --hierasparse-kernels, decode falls back to
+    # eager PyTorch and its graphs are off too.
     from importlib.util import find_spec
 
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
     if find_spec("tilelang") is None:
-        logger.warning("hierasparse: TileLang is not installed; decode runs without the kernel or CUDA graphs")
+        logger.warning("hierasparse: TileLang is not installed; the compressed paths run on PyTorch, decode "
+                       "without CUDA graphs")
+        server_args.cuda_graph_config.decode.backend = Backend.DISABLED
+    elif not config.uses_kernel("decode"):
         server_args.cuda_graph_config.decode.backend = Backend.DISABLED
     if not server_args.disable_radix_cache:
         if server_args.radix_cache_backend not in (None, BACKEND_NAME) or server_args.enable_hierarchical_cache:

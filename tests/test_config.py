@@ -21,6 +21,9 @@ from sglang_hs.config import ENV_VAR, HieraSparseConfig, HieraSparseConfigError
         ({"pruner": "random"}, "--hierasparse-pruner"),
         ({"store_fraction": 0.0}, "--hierasparse-store-fraction"),
         ({"dense_backend": "fa3"}, "--hierasparse-dense-backend"),
+        ({"kernels": "decode,prefill"}, "--hierasparse-kernels"),
+        ({"kernels": "decode,decode"}, "--hierasparse-kernels"),
+        ({"kernels": ""}, "--hierasparse-kernels"),
     ],
 )
 def test_bad_setting_names_flag_and_allowed_values(values, flag):
@@ -28,6 +31,13 @@ def test_bad_setting_names_flag_and_allowed_values(values, flag):
         HieraSparseConfig.from_mapping(values)
     message = str(info.value)
     assert flag in message and "allowed:" in message and "\n" not in message
+
+
+def test_kernel_selection():
+    assert all(HieraSparseConfig().uses_kernel(name) for name in ("decode", "extend", "compress"))
+    config = HieraSparseConfig(kernels="decode,compress")
+    assert config.uses_kernel("decode") and config.uses_kernel("compress") and not config.uses_kernel("extend")
+    assert not any(HieraSparseConfig(kernels="none").uses_kernel(n) for n in ("decode", "extend", "compress"))
 
 
 def test_model_and_gpu_checks():
