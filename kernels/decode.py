@@ -501,6 +501,15 @@ def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int, 
     return min(s for c, s in best if c <= lo * 1.02)
 
 
+def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
+                    stages: int, num_sms: int) -> int:
+    """The split count a plan uses by default (a plan's kernel is compiled for it, so ahead-of-time
+    compilation needs it without a GPU: pass the target GPU's SM count)."""
+    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, max_blocks) + 1024  # bps <= max_blocks
+    ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 8))
+    return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas_per_sm)
+
+
 class HieraSparseDecode:
     """Plan + run of the mixed dense/2:4-sparse split-KV decode kernel (see the module docstring).
 
@@ -522,13 +531,10 @@ class HieraSparseDecode:
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
         self.dtype, self.device, self.stages, self.softmax = dtype, torch.device(device), stages, softmax
         self.split_barriers, self.fused_combine = split_barriers, fused_combine
-        group = q_heads // kv_heads
         if num_splits is None:
-            props = torch.cuda.get_device_properties(self.device)
-            per_cta = smem_bytes(head_dim, block_size, stages, group, max_blocks) + 1024  # bound: bps <= max_blocks
-            ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 8))
-            num_splits = choose_num_splits(batch_size, kv_heads, max_blocks, props.multi_processor_count,
-                                           ctas_per_sm)
+            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            num_splits = plan_num_splits(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, stages,
+                                         num_sms)
         self.num_splits = int(num_splits)
         dt = "float16" if dtype == torch.float16 else "bfloat16"
         self.kernel = build_decode_kernel(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks,

@@ -9,16 +9,22 @@ For each server (started one after another on the same GPU with the same --mem-f
 1. **Capacity probe.** Distinct random prefixes of ``--context`` tokens are sent (one output token
    each) until twice the dense cache would hold them; then they are re-sent newest first until the
    first miss. The prefixes still fully cached, times the context, are the resident prefix tokens.
-2. **Load.** For each regime SGLang's own ``python -m sglang.bench_serving --dataset-name
+2. **Load.** For each regime SGLang's own ``python -m sglang.benchmark.serving --dataset-name
    generated-shared-prefix`` runs G groups of ``--prompts-per-group`` questions over a shared prefix,
-   Poisson arrivals at ``--request-rate``. G is chosen from the dense server's KV capacity so that the
-   working set (G × context) is 0.5× (regime 1: fits), 1.4× (regime 2: between 1× and 1.78×) or 2.5×
-   (regime 3: beyond both) of it. The dense flashinfer server must therefore run first, or
-   ``--dense-capacity`` must be given.
+   Poisson arrivals at ``--request-rate``, through ``--api`` (SGLang's native ``/generate``, or the
+   OpenAI API: ``sglang-oai`` completions, ``sglang-oai-chat``). G is chosen from the dense server's
+   KV capacity so that the working set (G × context) is 0.5× (regime 1: fits), 1.4× (regime 2:
+   between 1× and 1.78×) or 2.5× (regime 3: beyond both) of it; a regime ``gN`` runs N groups. The
+   dense flashinfer server must therefore run first, or ``--dense-capacity`` must be given.
+3. **Flush check.** After its loads a server's cache is flushed (``/flush_cache``) and its metrics
+   read again: a hierasparse store must be empty then. SGLang checks its pools' accounting every
+   time the scheduler goes idle (the plugin adds the compressed store to that check) and stops the
+   server on a mismatch, so a server that is still healthy here lost no KV slot.
 
-Per server and regime a record is written (throughput, TTFT/TPOT p50/p99, the radix-cache hit rate
-from the server's prefill log lines, resident prefix tokens, the KV budget) to ``--out`` (JSON), with
-PNG plots beside it. Servers are always stopped, also on Ctrl-C and on errors.
+Per server and load a record is written (throughput, TTFT/TPOT p50/p99, request errors, the
+radix-cache hit rate from the server's prefill log lines and the per-request cached tokens, the
+compressed-cache gauges of ``/metrics``, resident prefix tokens, the KV budget, the flush check) to
+``--out`` (JSON), with PNG plots beside it. Servers are always stopped, also on Ctrl-C and on errors.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from sglang_hs.launch.server import SGLangServer, ServerStartError, http_json
 REGIME_WORKING_SET = {1: 0.5, 2: 1.4, 3: 2.5}
 _PREFILL_LINE = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
 _STORE_LINE = re.compile(r"hierasparse: KV budget ([0-9.]+) GiB")
+_METRIC_LINE = re.compile(r"^(sglang:\w+)(?:\{[^}]*\})? ([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
+APIS = ("sglang", "sglang-oai", "sglang-oai-chat")
 
 
 @dataclass
@@ -107,6 +115,66 @@ def kv_budget_gib(log_text: str, kv_tokens: int, model_config: dict) -> float:
     return kv_tokens * 2 * model_config["num_hidden_layers"] * heads * head_dim * 2 / 2**30
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """``sglang:*`` values of a Prometheus text page (one label set per name here: the last wins)."""
+    return {name: float(value) for name, value in _METRIC_LINE.findall(text)}
+
+
+def metrics_fields(metrics: dict[str, float]) -> dict[str, float | None]:
+    """The compressed-cache gauges (absent on dense servers) and SGLang's own cache hit rate."""
+    fields = {"metrics_cache_hit_rate": metrics.get("sglang:cache_hit_rate")}
+    for key in ("compressed_tokens", "store_used_blocks", "blocks_compressed_total", "bytes_saved"):
+        fields[f"hs_{key}"] = metrics.get(f"sglang:hierasparse_{key}")
+    return fields
+
+
+def parse_regimes(text: str) -> list[int | str]:
+    """``1,2,3`` (working set from the dense capacity) and ``gN`` (N groups)."""
+    regimes: list[int | str] = []
+    for item in filter(None, text.split(",")):
+        if item.isdigit() and int(item) in REGIME_WORKING_SET:
+            regimes.append(int(item))
+        elif re.fullmatch(r"g[1-9][0-9]*", item):
+            regimes.append(item)
+        else:
+            raise SystemExit(f"error: --regimes entry {item!r}; allowed: 1, 2, 3 or gN (N groups)")
+    return regimes
+
+
+def load_groups(regime: int | str, dense_capacity: int, context: int) -> int:
+    if isinstance(regime, str):
+        return int(regime[1:])
+    return max(1, round(REGIME_WORKING_SET[regime] * dense_capacity / context))
+
+
+def request_fields(result: dict) -> dict:
+    """Per-request outcome of a bench_serving run: errors and the share of prompt tokens served from cache."""
+    errors = [e for e in result.get("errors", []) if e]
+    cached, inputs = result.get("cached_tokens") or [], result.get("input_lens") or []
+    return {
+        "num_prompts": len(result.get("errors", [])),
+        "completed": result["completed"],
+        "errors": len(errors),
+        "first_error": errors[0][:300] if errors else None,
+        "cached_token_rate": sum(cached) / sum(inputs) if cached and sum(inputs) else None,
+    }
+
+
+def flush_check(server: SGLangServer) -> dict:
+    """Flush the cache, let the scheduler go idle (its pool check runs), read the gauges again."""
+    flushed = server.post("/flush_cache")
+    time.sleep(3)
+    log = server.log_text()
+    metrics = parse_metrics(http_json(server.base_url + "/metrics", method="GET"))
+    return {
+        "flush_answer": str(flushed).strip()[:80],
+        "store_used_blocks_after_flush": metrics.get("sglang:hierasparse_store_used_blocks"),
+        "compressed_tokens_after_flush": metrics.get("sglang:hierasparse_compressed_tokens"),
+        "leak_reports": log.count("memory leak detected"),
+        "healthy_after_flush": server.healthy(),
+    }
+
+
 def device_name() -> str:
     try:
         import torch
@@ -118,7 +186,7 @@ def device_name() -> str:
 
 def plot(records: list[dict], png_path: str) -> None:
     """Throughput and cache-hit TTFT against working-set size, one line per server."""
-    loaded = [r for r in records if r.get("regime")]
+    loaded = [r for r in records if isinstance(r.get("regime"), int)]
     if not loaded:
         return
     import matplotlib
@@ -149,7 +217,7 @@ def save(records: list[dict], out: str) -> None:
 
 def run_bench_serving(server: SGLangServer, args, groups: int, result_path: str) -> dict:
     command = [
-        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+        sys.executable, "-m", "sglang.benchmark.serving", "--backend", args.api,
         "--base-url", server.base_url, "--model", args.model_path, "--tokenizer", args.model_path,
         "--dataset-name", "generated-shared-prefix",
         "--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(args.prompts_per_group),
@@ -157,6 +225,7 @@ def run_bench_serving(server: SGLangServer, args, groups: int, result_path: str)
         "--gsp-output-len", str(args.output_len), "--num-prompts", str(groups * args.prompts_per_group),
         "--request-rate", str(args.request_rate), "--max-concurrency", str(args.max_concurrency),
         "--flush-cache", "--seed", "1", "--output-file", result_path, "--disable-tqdm",
+        "--output-details", "--cache-report",
     ]  # fmt: skip
     print(f"[bench] {' '.join(command[2:])}", flush=True)
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.bench_timeout)
@@ -171,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--load-format", default=None, help="e.g. dummy for random weights")
     parser.add_argument("--servers", default="flashinfer,hs:1:1,hs:0:1,hicache")
-    parser.add_argument("--regimes", default="1,2,3", help="comma list; empty: capacity probe only")
+    parser.add_argument("--regimes", default="1,2,3", help="comma list of 1, 2, 3, gN (N groups); empty: capacity probe only")
+    parser.add_argument("--api", default="sglang", choices=APIS, help="bench_serving backend: native or OpenAI API")
     parser.add_argument("--context", type=int, default=8192, help="shared prefix tokens per group")
     parser.add_argument("--question-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
@@ -190,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(os.path.join(args.model_path, "config.json")):
         raise SystemExit(f"error: --model-path {args.model_path} has no config.json")
     specs = [ServerSpec.parse(s, args.store_fraction) for s in args.servers.split(",")]
-    regimes = [int(r) for r in args.regimes.split(",") if r]
+    regimes = parse_regimes(args.regimes)
     with open(os.path.join(args.model_path, "config.json")) as f:
         model_config = json.load(f)
     vocab = min(model_config.get("vocab_size", 32000), 2000)
@@ -202,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             records = json.load(f)
     dense_capacity = args.dense_capacity
     common = ["--mem-fraction-static", str(args.mem_fraction_static), "--sampling-backend", "pytorch",
-              "--grammar-backend", "none", *args.server_arg]  # fmt: skip
+              "--grammar-backend", "none", "--enable-metrics", "--enable-cache-report", *args.server_arg]  # fmt: skip
     if args.load_format:
         common += ["--load-format", args.load_format]
     try:
@@ -226,15 +296,21 @@ def main(argv: list[str] | None = None) -> int:
                     "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config),
                     "mem_fraction_static": args.mem_fraction_static, "device": device_name(),
                 }  # fmt: skip
+                server_records = []
                 if not regimes:
-                    records.append({"regime": None, **server_fields})
-                    save(records, args.out)
+                    server_records.append({"regime": None, **server_fields})
                 for regime in regimes:
-                    groups = max(1, round(REGIME_WORKING_SET[regime] * dense_capacity / args.context))
+                    groups = load_groups(regime, dense_capacity, args.context)
+                    print(f"[bench] {spec.label}: regime {regime}, {groups} groups x {args.prompts_per_group} "
+                          f"prompts through {args.api}", flush=True)  # fmt: skip
                     log_start = len(server.log_text())
-                    result = run_bench_serving(server, args, groups, os.path.join(out_dir, f"bs_{spec.label}_{regime}.jsonl"))
+                    result_path = os.path.join(out_dir, f"bs_{spec.label.replace(':', '_')}_{regime}.jsonl")
+                    if os.path.exists(result_path):
+                        os.remove(result_path)  # bench_serving appends
+                    result = run_bench_serving(server, args, groups, result_path)
+                    metrics = parse_metrics(http_json(server.base_url + "/metrics", method="GET"))
                     record = {
-                        "regime": regime, **server_fields, "working_set_tokens": groups * args.context,
+                        "regime": regime, "api": args.api, **server_fields, "working_set_tokens": groups * args.context,
                         "req_throughput": result["request_throughput"],
                         "output_tok_throughput": result["output_throughput"],
                         "total_tok_throughput": result["total_throughput"],
@@ -242,10 +318,19 @@ def main(argv: list[str] | None = None) -> int:
                         "ttft_p99_ms": result["p99_ttft_ms"], "tpot_mean_ms": result["mean_tpot_ms"],
                         "tpot_p50_ms": result["median_tpot_ms"], "tpot_p99_ms": result["p99_tpot_ms"],
                         "cache_hit_rate": hit_rate(server.log_text()[log_start:]),
+                        **request_fields(result), **metrics_fields(metrics),
                     }  # fmt: skip
+                    server_records.append(record)
                     records.append(record)
                     print(f"[bench] {json.dumps(record)}", flush=True)
                     save(records, args.out)
+                check = flush_check(server)
+                print(f"[bench] {spec.label}: flush check {json.dumps(check)}", flush=True)
+                for record in server_records:
+                    record.update(check)
+                if not regimes:
+                    records.extend(server_records)
+                save(records, args.out)
     except ServerStartError as exc:
         print(f"[bench] server failed to start:\n{exc}", file=sys.stderr)
         return 1

@@ -92,6 +92,16 @@ class SGLangServer:
             time.sleep(2)
         raise ServerStartError(f"server not healthy after {self.start_timeout:.0f} s\n{self.log_tail()}")
 
+    def healthy(self) -> bool:
+        """The server process is alive and answers ``/health``."""
+        if self.process is None or self.process.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=10) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             with open(self.log_path, errors="replace") as f:

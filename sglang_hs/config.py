@@ -86,10 +86,10 @@ class HieraSparseConfig:
             _require(0.0 <= value <= 1.0, cli_flag(name), value, "a fraction in [0, 1]")
         _require(self.pruner in PRUNERS, cli_flag("pruner"), self.pruner, f"one of {sorted(PRUNERS)}")
         _require(
-            0.0 < self.store_fraction <= 0.9,
+            0.0 < self.store_fraction <= 0.95,
             cli_flag("store_fraction"),
             self.store_fraction,
-            "a fraction in (0, 0.9]",
+            "a fraction in (0, 0.95]",
         )
         _require(
             self.dense_backend in DENSE_BACKENDS,

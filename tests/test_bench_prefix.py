@@ -25,3 +25,37 @@ def test_hit_rate_and_kv_budget_from_logs():
     config = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
     assert kv_budget_gib(log, 2**20, config) == pytest.approx(128.0)  # 128 KiB per token
     assert kv_budget_gib("hierasparse: KV budget 53.61 GiB = dense pool", 0, config) == 53.61
+
+
+def test_regimes_and_groups():
+    from sglang_hs.launch.bench_prefix import load_groups, parse_regimes
+
+    assert parse_regimes("1,g10,3") == [1, "g10", 3]
+    assert parse_regimes("") == []
+    for bad in ("4", "g0", "gx", "two"):
+        with pytest.raises(SystemExit, match="allowed"):
+            parse_regimes(bad)
+    assert load_groups("g10", 0, 8192) == 10
+    assert load_groups(2, 100_000, 8192) == round(1.4 * 100_000 / 8192)
+
+
+def test_metrics_and_request_fields():
+    from sglang_hs.launch.bench_prefix import metrics_fields, parse_metrics, request_fields
+
+    page = (
+        "# HELP sglang:cache_hit_rate The prefix cache hit rate.\n"
+        "# TYPE sglang:cache_hit_rate gauge\n"
+        'sglang:cache_hit_rate{engine_type="unified",model_name="m"} 0.875\n'
+        'sglang:hierasparse_compressed_tokens{cache_type="HieraSparseRadixCache"} 78720.0\n'
+        'sglang:hierasparse_store_used_blocks{cache_type="HieraSparseRadixCache"} 1230.0\n'
+        "python_gc_objects_collected_total 12.0\n"
+    )
+    metrics = parse_metrics(page)
+    assert metrics == {"sglang:cache_hit_rate": 0.875, "sglang:hierasparse_compressed_tokens": 78720.0,
+                       "sglang:hierasparse_store_used_blocks": 1230.0}
+    fields = metrics_fields(metrics)
+    assert fields["metrics_cache_hit_rate"] == 0.875 and fields["hs_compressed_tokens"] == 78720.0
+    assert fields["hs_bytes_saved"] is None  # absent gauges stay None (a dense server has none)
+    result = {"completed": 2, "errors": ["", "HTTP 500: boom"], "cached_tokens": [0, 900], "input_lens": [1000, 1000]}
+    assert request_fields(result) == {"num_prompts": 2, "completed": 2, "errors": 1, "first_error": "HTTP 500: boom",
+                                      "cached_token_rate": 0.45}
