@@ -14,8 +14,9 @@ For each server (started one after another on the same GPU with the same --mem-f
    Poisson arrivals at ``--request-rate``, through ``--api`` (SGLang's native ``/generate``, or the
    OpenAI API: ``sglang-oai`` completions, ``sglang-oai-chat``). G is chosen from the dense server's
    KV capacity so that the working set (G × context) is 0.5× (regime 1: fits), 1.4× (regime 2:
-   between 1× and 1.78×) or 2.5× (regime 3: beyond both) of it; a regime ``gN`` runs N groups. The
-   dense flashinfer server must therefore run first, or ``--dense-capacity`` must be given.
+   between 1× and 1.78×) or 2.5× (regime 3: beyond both) of it; a regime ``gN`` runs N groups
+   (``gNxM``: N groups of M questions). The dense flashinfer server must therefore run first, in this
+   run or an earlier one whose records are in ``--out``, or ``--dense-capacity`` must be given.
 3. **Flush check.** After its loads a server's cache is flushed (``/flush_cache``) and its metrics
    read again: a hierasparse store must be empty then. SGLang checks its pools' accounting every
    time the scheduler goes idle (the plugin adds the compressed store to that check) and stops the
@@ -128,23 +129,28 @@ def metrics_fields(metrics: dict[str, float]) -> dict[str, float | None]:
     return fields
 
 
+_FIXED_LOAD = re.compile(r"g([1-9][0-9]*)(?:x([1-9][0-9]*))?")
+
+
 def parse_regimes(text: str) -> list[int | str]:
-    """``1,2,3`` (working set from the dense capacity) and ``gN`` (N groups)."""
+    """``1,2,3`` (working set from the dense capacity) and ``gN`` / ``gNxM`` (N groups [of M questions])."""
     regimes: list[int | str] = []
     for item in filter(None, text.split(",")):
         if item.isdigit() and int(item) in REGIME_WORKING_SET:
             regimes.append(int(item))
-        elif re.fullmatch(r"g[1-9][0-9]*", item):
+        elif _FIXED_LOAD.fullmatch(item):
             regimes.append(item)
         else:
-            raise SystemExit(f"error: --regimes entry {item!r}; allowed: 1, 2, 3 or gN (N groups)")
+            raise SystemExit(f"error: --regimes entry {item!r}; allowed: 1, 2, 3, gN or gNxM (N groups of M questions)")
     return regimes
 
 
-def load_groups(regime: int | str, dense_capacity: int, context: int) -> int:
+def load_shape(regime: int | str, dense_capacity: int, context: int, prompts_per_group: int) -> tuple[int, int]:
+    """Groups and questions per group of a load."""
     if isinstance(regime, str):
-        return int(regime[1:])
-    return max(1, round(REGIME_WORKING_SET[regime] * dense_capacity / context))
+        groups, per_group = _FIXED_LOAD.fullmatch(regime).groups()
+        return int(groups), int(per_group or prompts_per_group)
+    return max(1, round(REGIME_WORKING_SET[regime] * dense_capacity / context)), prompts_per_group
 
 
 def request_fields(result: dict) -> dict:
@@ -215,14 +221,14 @@ def save(records: list[dict], out: str) -> None:
     plot(records, os.path.splitext(out)[0] + ".png")
 
 
-def run_bench_serving(server: SGLangServer, args, groups: int, result_path: str) -> dict:
+def run_bench_serving(server: SGLangServer, args, groups: int, per_group: int, result_path: str) -> dict:
     command = [
         sys.executable, "-m", "sglang.benchmark.serving", "--backend", args.api,
         "--base-url", server.base_url, "--model", args.model_path, "--tokenizer", args.model_path,
         "--dataset-name", "generated-shared-prefix",
-        "--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(args.prompts_per_group),
+        "--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(per_group),
         "--gsp-system-prompt-len", str(args.context), "--gsp-question-len", str(args.question_len),
-        "--gsp-output-len", str(args.output_len), "--num-prompts", str(groups * args.prompts_per_group),
+        "--gsp-output-len", str(args.output_len), "--num-prompts", str(groups * per_group),
         "--request-rate", str(args.request_rate), "--max-concurrency", str(args.max_concurrency),
         "--flush-cache", "--seed", "1", "--output-file", result_path, "--disable-tqdm",
         "--output-details", "--cache-report",
@@ -270,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(args.out):
         with open(args.out) as f:
             records = json.load(f)
-    dense_capacity = args.dense_capacity
+    # The dense capacity sizes the regimes; an earlier run's flashinfer record can provide it.
+    dense_capacity = args.dense_capacity or next(
+        (r["dense_kv_tokens"] for r in records if r.get("server") == "flashinfer" and r.get("context") == args.context),
+        None,
+    )
     common = ["--mem-fraction-static", str(args.mem_fraction_static), "--sampling-backend", "pytorch",
               "--grammar-backend", "none", "--enable-metrics", "--enable-cache-report", *args.server_arg]  # fmt: skip
     if args.load_format:
@@ -300,14 +310,14 @@ def main(argv: list[str] | None = None) -> int:
                 if not regimes:
                     server_records.append({"regime": None, **server_fields})
                 for regime in regimes:
-                    groups = load_groups(regime, dense_capacity, args.context)
-                    print(f"[bench] {spec.label}: regime {regime}, {groups} groups x {args.prompts_per_group} "
-                          f"prompts through {args.api}", flush=True)  # fmt: skip
+                    groups, per_group = load_shape(regime, dense_capacity, args.context, args.prompts_per_group)
+                    print(f"[bench] {spec.label}: regime {regime}, {groups} groups x {per_group} prompts through "
+                          f"{args.api}", flush=True)  # fmt: skip
                     log_start = len(server.log_text())
                     result_path = os.path.join(out_dir, f"bs_{spec.label.replace(':', '_')}_{regime}.jsonl")
                     if os.path.exists(result_path):
                         os.remove(result_path)  # bench_serving appends
-                    result = run_bench_serving(server, args, groups, result_path)
+                    result = run_bench_serving(server, args, groups, per_group, result_path)
                     metrics = parse_metrics(http_json(server.base_url + "/metrics", method="GET"))
                     record = {
                         "regime": regime, "api": args.api, **server_fields, "working_set_tokens": groups * args.context,

@@ -28,15 +28,16 @@ def test_hit_rate_and_kv_budget_from_logs():
 
 
 def test_regimes_and_groups():
-    from sglang_hs.launch.bench_prefix import load_groups, parse_regimes
+    from sglang_hs.launch.bench_prefix import load_shape, parse_regimes
 
-    assert parse_regimes("1,g10,3") == [1, "g10", 3]
+    assert parse_regimes("1,g10,3,g10x20") == [1, "g10", 3, "g10x20"]
     assert parse_regimes("") == []
-    for bad in ("4", "g0", "gx", "two"):
+    for bad in ("4", "g0", "gx", "two", "g10x0", "g10x"):
         with pytest.raises(SystemExit, match="allowed"):
             parse_regimes(bad)
-    assert load_groups("g10", 0, 8192) == 10
-    assert load_groups(2, 100_000, 8192) == round(1.4 * 100_000 / 8192)
+    assert load_shape("g10", 0, 8192, 8) == (10, 8)
+    assert load_shape("g10x20", 0, 8192, 8) == (10, 20)
+    assert load_shape(2, 100_000, 8192, 8) == (round(1.4 * 100_000 / 8192), 8)
 
 
 def test_metrics_and_request_fields():
