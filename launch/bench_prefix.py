@@ -16,7 +16,8 @@ For each server (started one after another on the same GPU with the same --mem-f
    KV capacity so that the working set (G × context) is 0.5× (regime 1: fits), 1.4× (regime 2:
    between 1× and 1.78×) or 2.5× (regime 3: beyond both) of it; a regime ``gN`` runs N groups
    (``gNxM``: N groups of M questions). The dense flashinfer server must therefore run first, in this
-   run or an earlier one whose records are in ``--out``, or ``--dense-capacity`` must be given.
+   run or an earlier one whose records are in ``--out`` (or a triton one), or ``--dense-capacity`` must
+   be given.
 3. **Flush check.** After its loads a server's cache is flushed (``/flush_cache``) and its metrics
    read again: a hierasparse store must be empty then. SGLang checks its pools' accounting every
    time the scheduler goes idle (the plugin adds the compressed store to that check) and stops the
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from sglang_hs.launch.server import SGLangServer, ServerStartError, http_json
 
 REGIME_WORKING_SET = {1: 0.5, 2: 1.4, 3: 2.5}
+DENSE_SERVERS = ("flashinfer", "triton")  # plain SGLang servers: their KV capacity sizes the regimes
 _PREFILL_LINE = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
 _STORE_LINE = re.compile(r"hierasparse: KV budget ([0-9.]+) GiB")
 _METRIC_LINE = re.compile(r"^(sglang:\w+)(?:\{[^}]*\})? ([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
@@ -59,7 +61,7 @@ class ServerSpec:
 
     @classmethod
     def parse(cls, text: str, store_fraction: float) -> "ServerSpec":
-        if text in ("flashinfer", "triton"):
+        if text in DENSE_SERVERS:
             return cls(text, text, ["--attention-backend", text])
         if text == "hicache":
             return cls("hicache", "flashinfer+hicache", ["--attention-backend", "flashinfer",
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             records = json.load(f)
     # The dense capacity sizes the regimes; an earlier run's flashinfer record can provide it.
     dense_capacity = args.dense_capacity or next(
-        (r["dense_kv_tokens"] for r in records if r.get("server") == "flashinfer" and r.get("context") == args.context),
+        (r["dense_kv_tokens"] for r in records if r.get("server") in DENSE_SERVERS and r.get("context") == args.context),
         None,
     )
     common = ["--mem-fraction-static", str(args.mem_fraction_static), "--sampling-backend", "pytorch",
@@ -291,10 +293,10 @@ def main(argv: list[str] | None = None) -> int:
             with SGLangServer(args.model_path, spec.args + common, args.port, log_path) as server:
                 info = http_json(server.base_url + "/get_server_info")
                 kv_tokens = int(info.get("max_total_num_tokens", 0))
-                if spec.label == "flashinfer":
+                if spec.label in DENSE_SERVERS:
                     dense_capacity = kv_tokens
                 if not dense_capacity:
-                    raise SystemExit("error: run flashinfer first or pass --dense-capacity")
+                    raise SystemExit("error: run a dense server (flashinfer or triton) first or pass --dense-capacity")
                 resident = None
                 if not args.skip_capacity_probe:
                     count = int(2.2 * dense_capacity / args.context) + 1
