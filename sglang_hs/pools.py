@@ -92,7 +92,8 @@ class CompressedStore:
     ):
         self.capacity = capacity
         self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
-        self.dtype, self.device = dtype, torch.device(device)
+        # The concrete device ("cuda:0", not "cuda"): callers compare it with their tensors' devices.
+        self.dtype, self.device = dtype, torch.empty(0, device=device).device
         h, b, d = kv_heads, block_size, head_dim
 
         def pool(slots: int, *shape: int, dtype: torch.dtype = dtype) -> list[torch.Tensor]:
