@@ -184,28 +184,39 @@ class HieraSparseRadixCache(RadixCache):
         return new_node
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Like ``RadixCache.evict``, but ``num_tokens`` counts dense tokens: the request is for
-        dense pool pages, and compressed blocks free store slots instead."""
-        return self._evict_leaves(params.num_tokens, lambda node: len(node.value) - virtual_tokens(node))
+        """Like ``RadixCache.evict``, but ``num_tokens`` counts dense tokens (the request is for dense
+        pool pages; compressed blocks free store slots instead), and leaves without compressed blocks
+        go first, least recently used first: a compressed leaf gives back only its sink and window
+        pages but discards a whole compressed prefix, which is what the store exists to keep."""
+        first = self._evict_leaves(params.num_tokens, dense_tokens, eligible=lambda node: not virtual_tokens(node))
+        missing = params.num_tokens - first.num_tokens_evicted
+        if missing <= 0:
+            return first
+        rest = self._evict_leaves(missing, dense_tokens)
+        return EvictResult(num_tokens_evicted=first.num_tokens_evicted + rest.num_tokens_evicted)
 
-    def _evict_leaves(self, amount: int, freed_by, exclude: TreeNode | None = None) -> EvictResult:
-        """Evict least-recently-used unlocked leaves until ``freed_by`` adds up to ``amount``."""
+    def _evict_leaves(self, amount: int, freed_by, exclude: TreeNode | None = None, eligible=None) -> EvictResult:
+        """Evict least-recently-used unlocked leaves (``eligible`` ones, and not ``exclude``) until
+        ``freed_by`` adds up to ``amount``."""
         if self.disable:
             return EvictResult()
         start = time.perf_counter()
-        heap = [
-            (self.eviction_strategy.get_priority(node), node) for node in self.evictable_leaves if node is not exclude
-        ]
+
+        def candidate(node: TreeNode) -> bool:
+            return node is not exclude and (eligible is None or eligible(node))
+
+        heap = [(self.eviction_strategy.get_priority(node), node) for node in self.evictable_leaves if candidate(node)]
         heapq.heapify(heap)
         freed = evicted_tokens = 0
         while freed < amount and heap:
             _, node = heapq.heappop(heap)
             freed += freed_by(node)
-            evicted_tokens += len(node.value) - virtual_tokens(node)
+            evicted_tokens += dense_tokens(node)
             self.token_to_kv_pool_allocator.free(node.value)
             self._delete_leaf(node)
-            if not node.parent.children and node.parent.lock_ref == 0:
-                heapq.heappush(heap, (self.eviction_strategy.get_priority(node.parent), node.parent))
+            parent = node.parent
+            if not parent.children and parent.lock_ref == 0 and candidate(parent):
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
             self._record_remove_event(node)
         self.update_eviction_metrics(evicted_tokens, start)
         self.publish_metrics()
@@ -351,6 +362,10 @@ def status_line_parts(_result=None, *args, **kwargs) -> list[str] | None:
 
 def virtual_tokens(node: TreeNode) -> int:
     return getattr(node, "hs_virtual", 0)
+
+
+def dense_tokens(node: TreeNode) -> int:
+    return len(node.value) - virtual_tokens(node)
 
 
 def node_start(node: TreeNode) -> int:

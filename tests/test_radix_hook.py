@@ -147,6 +147,25 @@ def test_split_lock_evict_and_flush_return_every_slot(env):
     assert e.allocator.available_size() == start_free and e.store.free_counts() == start_store
 
 
+def test_eviction_for_dense_pages_spares_compressed_prefixes(env):
+    """Dense-only leaves go before compressed ones, even more recent ones: evicting a compressed leaf
+    returns only its sink and window pages but discards the whole compressed prefix."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e = env()
+    start_free, start_store = e.allocator.available_size(), e.store.free_counts()
+    insert(e, list(range(100, 1124)))  # older: 11 compressed blocks + 320 dense tokens
+    insert(e, list(range(9000, 9256)))  # newer: 256 tokens, all within sink + window: dense only
+    result = e.tree.evict(EvictParams(num_tokens=64))
+    assert result.num_tokens_evicted == 256
+    assert e.store.used_blocks() == 11 and len(match(e, list(range(100, 1124))).device_indices) == 1024
+    assert len(match(e, list(range(9000, 9256))).device_indices) == 0 and balanced(e)
+    # Only compressed leaves left: the next request for dense pages evicts them, least recent first.
+    result = e.tree.evict(EvictParams(num_tokens=64))
+    assert result.num_tokens_evicted == 320 and e.store.used_blocks() == 0
+    assert e.allocator.available_size() == start_free and e.store.free_counts() == start_store and balanced(e)
+
+
 def test_finished_request_rows_and_generated_blocks(env):
     """cache_unfinished_req rewrites the running request's row to the compressed copy;
     cache_finished_req compresses generated tokens with the decode sparsity."""
