@@ -66,10 +66,12 @@ class ServerSpec:
         if text == "hicache":
             return cls("hicache", "flashinfer+hicache", ["--attention-backend", "flashinfer",
                                                          "--enable-hierarchical-cache", "--page-size", "64"])  # fmt: skip
-        match = re.fullmatch(r"hs:([0-9.]+):([0-9.]+)", text)
+        match = re.fullmatch(r"hs:([0-9.]+):([0-9.]+)(?::([0-9.]+))?", text)
         if not match:
-            raise SystemExit(f"error: --servers entry {text!r}; allowed: flashinfer, triton, hicache, hs:SK:SV")
+            raise SystemExit(f"error: --servers entry {text!r}; allowed: flashinfer, triton, hicache, hs:SK:SV[:F] "
+                             "(F: this server's store fraction)")
         sk, sv = float(match.group(1)), float(match.group(2))
+        store_fraction = float(match.group(3) or store_fraction)
         args = ["--attention-backend", "hierasparse", f"--hierasparse-store-fraction={store_fraction}"]
         for phase in ("prefill", "decode"):
             args += [f"--hierasparse-sk-{phase}={sk}", f"--hierasparse-sv-{phase}={sv}"]
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-rate", type=float, default=8.0)
     parser.add_argument("--max-concurrency", type=int, default=32)
     parser.add_argument("--mem-fraction-static", type=float, default=0.85)
-    parser.add_argument("--store-fraction", type=float, default=0.9)
+    parser.add_argument("--store-fraction", type=float, default=0.5,
+                        help="hierasparse store fraction unless a server gives its own (hs:SK:SV:F)")
     parser.add_argument("--dense-capacity", type=int, default=None, help="dense KV tokens, if flashinfer is not run first")
     parser.add_argument("--skip-capacity-probe", action="store_true")
     parser.add_argument("--server-arg", action="append", default=[], help="extra flag for every server")

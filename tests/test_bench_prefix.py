@@ -12,6 +12,7 @@ def test_server_specs():
     assert hs.backend == "hierasparse" and (hs.sk, hs.sv) == (0.5, 1.0)
     assert "--hierasparse-sk-decode=0.5" in hs.args and "--hierasparse-store-fraction=0.9" in hs.args
     assert ServerSpec.parse("hicache", 0.9).args[-2:] == ["--page-size", "64"]
+    assert "--hierasparse-store-fraction=0.6" in ServerSpec.parse("hs:1:1:0.6", store_fraction=0.9).args
     with pytest.raises(SystemExit, match="allowed"):
         ServerSpec.parse("hs:one", 0.9)
 
