@@ -291,34 +291,20 @@ class HieraSparseAttnBackend(AttentionBackend):
         return 1
 
     # ----------------------------------------------------------------------------- forward
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-        **kwargs,
-    ):
-        if self.forward_metadata.path is Path.EXTEND_KERNEL:
-            return self._forward_extend_kernel(q, k, v, layer, forward_batch, save_kv_cache)
-        if self.forward_metadata.path is Path.FALLBACK:
-            return self._forward_compressed(q, k, v, layer, forward_batch, save_kv_cache)
-        return self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+    def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True, **kwargs):
+        return self._forward(self.dense.forward_extend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-        **kwargs,
-    ):
-        if self.forward_metadata.path is Path.DECODE_KERNEL:
-            return self._forward_decode_kernel(q, k, v, layer, forward_batch, save_kv_cache)
-        if self.forward_metadata.path is Path.FALLBACK:
-            return self._forward_compressed(q, k, v, layer, forward_batch, save_kv_cache)
-        return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+    def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True, **kwargs):
+        return self._forward(self.dense.forward_decode, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def _forward(self, dense_forward, q, k, v, layer, forward_batch, save_kv_cache: bool, **kwargs):
+        """Run the path the batch's metadata chose; ``dense_forward`` is the delegate's own method."""
+        path = self.forward_metadata.path
+        if path is Path.DENSE:
+            return dense_forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        run = {
+            Path.EXTEND_KERNEL: self._forward_extend_kernel,
+            Path.DECODE_KERNEL: self._forward_decode_kernel,
+            Path.FALLBACK: self._forward_compressed,
+        }[path]
+        return run(q, k, v, layer, forward_batch, save_kv_cache)
