@@ -77,15 +77,9 @@ import functools
 
 import torch
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
-SMEM_PER_SM = 228 * 1024  # H100/H200: 228 KB per SM, 227 KB usable per CTA, 1 KB reserved per CTA
-
-PASS_CONFIGS = {
-    "tl.disable_warp_specialized": True,
-    "tl.disable_thread_storage_sync": True,
-}
+from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and tools build with them)
+    LN2, LOG2E, PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, PoolArgs, check_plan_shape,
+)
 
 
 def _n_pad(group: int) -> int:
@@ -521,12 +515,7 @@ class HieraSparseDecode:
                  max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None,
                  stages: int = 2, softmax: str = "lane", split_barriers: bool = False,
                  fused_combine: bool = True):
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
-        if q_heads % kv_heads:
-            raise ValueError("q_heads must be a multiple of kv_heads")
-        if head_dim not in (64, 128) or block_size != 64:
-            raise ValueError("head_dim must be 64 or 128 and block_size 64")
+        check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         self.batch_size, self.q_heads, self.kv_heads = batch_size, q_heads, kv_heads
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
         self.dtype, self.device, self.stages, self.softmax = dtype, torch.device(device), stages, softmax
@@ -545,38 +534,18 @@ class HieraSparseDecode:
         self.lse = torch.empty(batch_size, q_heads, **f32)
         # Split tickets of the fused merge; the merging CTA resets its entry, so it stays zero between calls.
         self.counter = torch.zeros(batch_size, kv_heads, dtype=torch.int32, device=self.device)
-        e_rows = block_size * head_dim // 256
-        kw = dict(device=self.device)
-        # One-row stand-ins for empty pools / index maps (never read: no entry points at them).
-        self._dummy = {
-            "dense": torch.zeros(1, block_size, head_dim, dtype=dtype, **kw),
-            "k_values": torch.zeros(1, block_size, head_dim // 2, dtype=dtype, **kw),
-            "v_values": torch.zeros(1, head_dim, block_size // 2, dtype=dtype, **kw),
-            "meta": torch.zeros(1, e_rows, 16, dtype=torch.int16, **kw),
-            "index": torch.zeros(kv_heads, 1, dtype=torch.int32, **kw),
-        }
-
-    def _or_dummy(self, t: torch.Tensor, key: str) -> torch.Tensor:
-        return t if t.numel() else self._dummy[key]
+        self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
 
     def run(self, q, k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta,
             k_index, v_index, block_table, seq_lens, sm_scale, out=None, return_lse=False):
         """Decode attention; returns ``out [bs, Hq, D]`` (and the natural-log LSE ``[bs, Hq]``, a
         plan-owned buffer overwritten by the next call, when ``return_lse``)."""
-        bs, e_rows = self.batch_size, self.block_size * self.head_dim // 256
         if out is None:
             out = torch.empty_like(q)
-        k_meta = self._or_dummy(k_meta, "meta").reshape(-1, e_rows, 16)
-        v_meta = self._or_dummy(v_meta, "meta").reshape(-1, e_rows, 16)
-        k_index = self._or_dummy(k_index, "index")
-        v_index = self._or_dummy(v_index, "index")
-        if k_index.shape[1] != v_index.shape[1]:  # one of them empty: both must be dummies then
-            k_index = v_index = self._dummy["index"]
         self.kernel(
             q, k_cache, v_cache,
-            self._or_dummy(k_dense, "dense"), self._or_dummy(k_values, "k_values"), k_meta,
-            self._or_dummy(v_dense, "dense"), self._or_dummy(v_values, "v_values"), v_meta,
-            k_index, v_index, block_table, seq_lens, float(sm_scale),
+            *self.pools(k_dense, k_values, k_meta, v_dense, v_values, v_meta, k_index, v_index),
+            block_table, seq_lens, float(sm_scale),
             self.o_part, self.lse_part, out, self.lse, self.counter,
         )
         return (out, self.lse) if return_lse else out

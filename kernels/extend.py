@@ -80,9 +80,16 @@ here so that the decode kernel is untouched:
   zero-length tensor). Not CUDA-graph safe across changing batch shapes (the grid and scratch views
   follow ``q.shape`` and ``bs``); one call at a time per plan (scratch and tickets are per plan).
 
-Not measured yet: written and compiled for sm_90a on a machine without a GPU (``wgmma``/``wgmma.sp``,
-fences and barriers checked in the generated CUDA); ``tests/test_kernels_extend.py`` and
-``python -m sglang_hs.kernels.bench --kernel extend`` are the GPU checks.
+Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 18/18 on the GPU; ``python -m
+sglang_hs.kernels.bench --kernel extend --quick``, batch 8 x 32K prefix, 32/8 heads, d 128, fp16,
+against FlashInfer's paged prefill (fa2) over the same pruned KV in the same process;
+``launch/results/kernels_h100.json``): **slower than FlashInfer**. S_K = 0, S_V = 1: 0.97x at 16 new
+tokens, 0.72x at 64, 0.49x at 256, 0.60x at 1024, 0.61x at 2048; S_K = S_V = 1: 0.63x, 0.64x, 0.48x,
+0.58x, 0.60x. It reads fewer bytes but reaches ~210 TFLOP/s where FlashInfer reaches ~350: the
+per-block softmax through shared memory (four CTA barriers a block), no warp specialisation (producer
+and consumers share the warps), and the n128 tile's single CTA per SM leave the tensor cores idle
+much of each step. These are the next things to change (FA3-style producer/consumer warpgroups with
+register-resident P for the dense blocks, ping-pong between two consumer warpgroups).
 
 The module imports neither TileLang nor a GPU at import time; ``build_extend_kernel`` does.
 """
@@ -91,15 +98,9 @@ import functools
 
 import torch
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
-SMEM_PER_SM = 228 * 1024  # H100/H200: 228 KB per SM, 227 KB usable per CTA, 1 KB reserved per CTA
-
-PASS_CONFIGS = {
-    "tl.disable_warp_specialized": True,
-    "tl.disable_thread_storage_sync": True,
-}
+from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and tools build with them)
+    LN2, LOG2E, PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, PoolArgs, check_plan_shape,
+)
 
 # name -> (N columns per CTA, threads). Every shipped configuration is covered by the GPU tests.
 TILES = {"n64": (64, 128), "n128": (128, 256)}
@@ -529,12 +530,7 @@ class HieraSparseExtend:
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, tile: str = "auto", stages: int | None = None,
                  num_splits: int | None = None):
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
-        if q_heads % kv_heads:
-            raise ValueError("q_heads must be a multiple of kv_heads")
-        if head_dim not in (64, 128) or block_size != 64:
-            raise ValueError("head_dim must be 64 or 128 and block_size 64")
+        check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         group = q_heads // kv_heads
         if group not in (1, 2, 4, 8, 16):
             raise ValueError(f"GQA group {group} is not supported")
@@ -554,16 +550,7 @@ class HieraSparseExtend:
         self._cnt = torch.zeros(0, dtype=torch.int32, device=self.device)
         self._op_dummy = torch.zeros(1, q_heads, 1, head_dim, **f32)
         self._lp_dummy = torch.zeros(1, q_heads, 1, **f32)
-        e_rows = block_size * head_dim // 256
-        kw = dict(device=self.device)
-        # One-row stand-ins for empty pools / index maps (never read: no entry points at them).
-        self._dummy = {
-            "dense": torch.zeros(1, block_size, head_dim, dtype=dtype, **kw),
-            "k_values": torch.zeros(1, block_size, head_dim // 2, dtype=dtype, **kw),
-            "v_values": torch.zeros(1, head_dim, block_size // 2, dtype=dtype, **kw),
-            "meta": torch.zeros(1, e_rows, 16, dtype=torch.int16, **kw),
-            "index": torch.zeros(kv_heads, 1, dtype=torch.int32, **kw),
-        }
+        self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.last_config = None  # tile, stages, k_sparse, num_splits and tile ids of the last call
 
     # ------------------------------------------------------------------------------ configuration
@@ -587,9 +574,6 @@ class HieraSparseExtend:
         per_cta = smem_bytes(tile, self.head_dim, self.block_size, stages, k_sparse) + 1024
         ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 2048 // TILES[tile][1]))
         return choose_num_splits(tiles, self.kv_heads, blocks, self._sms, ctas_per_sm)
-
-    def _or_dummy(self, t: torch.Tensor, key: str) -> torch.Tensor:
-        return t if t.numel() else self._dummy[key]
 
     @staticmethod
     def _grow(buf: torch.Tensor, n: int, zero: bool = False) -> torch.Tensor:
@@ -629,18 +613,10 @@ class HieraSparseExtend:
             lp = self._lp[:total * hq * s].view(total, hq, s)
         else:
             op, lp = self._op_dummy, self._lp_dummy
-        e_rows = self.block_size * self.head_dim // 256
-        k_meta = self._or_dummy(k_meta, "meta").reshape(-1, e_rows, 16)
-        v_meta = self._or_dummy(v_meta, "meta").reshape(-1, e_rows, 16)
-        k_index = self._or_dummy(k_index, "index")
-        v_index = self._or_dummy(v_index, "index")
-        if k_index.shape[1] != v_index.shape[1]:  # one of them empty: both must be dummies then
-            k_index = v_index = self._dummy["index"]
         kernel(
             q, k_cache, v_cache,
-            self._or_dummy(k_dense, "dense"), self._or_dummy(k_values, "k_values"), k_meta,
-            self._or_dummy(v_dense, "dense"), self._or_dummy(v_values, "v_values"), v_meta,
-            k_index, v_index, qo_indptr, block_table, seq_lens, float(sm_scale),
+            *self.pools(k_dense, k_values, k_meta, v_dense, v_values, v_meta, k_index, v_index),
+            qo_indptr, block_table, seq_lens, float(sm_scale),
             op, lp, out, lse, cnt,
         )
         self.last_config = dict(tile=tile, stages=stages, k_sparse=k_sparse, num_splits=s, tile_ids=nt)

@@ -1,0 +1,65 @@
+"""Host-side pieces that the TileLang attention kernels (``decode`` and ``extend``) share: build
+constants, the plans' argument checks, and the stand-ins for empty pools.
+
+Importing this module needs neither TileLang nor a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+SMEM_PER_SM = 228 * 1024  # H100/H200: 228 KB per SM, 227 KB usable per CTA, 1 KB reserved per CTA
+
+PASS_CONFIGS = {
+    "tl.disable_warp_specialized": True,
+    "tl.disable_thread_storage_sync": True,
+}
+
+
+def check_plan_shape(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    """The shapes and dtypes the kernels are written for."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
+    if q_heads % kv_heads:
+        raise ValueError("q_heads must be a multiple of kv_heads")
+    if head_dim not in (64, 128) or block_size != 64:
+        raise ValueError("head_dim must be 64 or 128 and block_size 64")
+
+
+class PoolArgs:
+    """The store's pools and index maps as the kernels take them.
+
+    A TMA descriptor cannot describe a zero-length tensor, so an empty pool (no 2:4 K rows at
+    S_K = 0, say) or index map is replaced by a one-row stand-in; no block-table entry points at it,
+    so it is never read. Metadata pools are viewed as ``[rows, B*D/256, 16]`` int16.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device):
+        self.meta_rows = block_size * head_dim // 256
+        kw = dict(device=device)
+        self.dummy = {
+            "dense": torch.zeros(1, block_size, head_dim, dtype=dtype, **kw),
+            "k_values": torch.zeros(1, block_size, head_dim // 2, dtype=dtype, **kw),
+            "v_values": torch.zeros(1, head_dim, block_size // 2, dtype=dtype, **kw),
+            "meta": torch.zeros(1, self.meta_rows, 16, dtype=torch.int16, **kw),
+            "index": torch.zeros(kv_heads, 1, dtype=torch.int32, **kw),
+        }
+
+    def _or_dummy(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        return t if t.numel() else self.dummy[key]
+
+    def __call__(self, k_dense, k_values, k_meta, v_dense, v_values, v_meta, k_index, v_index) -> tuple:
+        """``(k_dense, k_values, k_meta, v_dense, v_values, v_meta, k_index, v_index)``, ready to launch."""
+        k_index, v_index = self._or_dummy(k_index, "index"), self._or_dummy(v_index, "index")
+        if k_index.shape[1] != v_index.shape[1]:  # one of them empty: both must be stand-ins then
+            k_index = v_index = self.dummy["index"]
+        return (
+            self._or_dummy(k_dense, "dense"), self._or_dummy(k_values, "k_values"),
+            self._or_dummy(k_meta, "meta").reshape(-1, self.meta_rows, 16),
+            self._or_dummy(v_dense, "dense"), self._or_dummy(v_values, "v_values"),
+            self._or_dummy(v_meta, "meta").reshape(-1, self.meta_rows, 16),
+            k_index, v_index,
+        )  # fmt: skip
