@@ -88,8 +88,8 @@ tokens, 0.72x at 64, 0.49x at 256, 0.60x at 1024, 0.61x at 2048; S_K = S_V = 1: 
 0.58x, 0.60x. It reads fewer bytes but reaches ~210 TFLOP/s where FlashInfer reaches ~350: the
 per-block softmax through shared memory (four CTA barriers a block), no warp specialisation (producer
 and consumers share the warps), and the n128 tile's single CTA per SM leave the tensor cores idle
-much of each step. These are the next things to change (FA3-style producer/consumer warpgroups with
-register-resident P for the dense blocks, ping-pong between two consumer warpgroups).
+much of each step. These are the next things to change (FA3-style producer/consumer warpgroups,
+ping-pong between two consumer warpgroups so one's softmax overlaps the other's GEMMs).
 
 The module imports neither TileLang nor a GPU at import time; ``build_extend_kernel`` does.
 """
