@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU runs behind launch/results/, one command each, on a Hopper machine with SGLang 0.5.17,
+# TileLang 0.1.11 and FlashInfer installed (or the offline bundle of ../shared/device extracted and on
+# PYTHONPATH) and this project installed with `pip install -e .`.
+#
+#   bash launch/h100.sh warm                 compile every kernel below into TileLang's cache, in parallel
+#   bash launch/h100.sh kernels OUT          kernel GPU tests, extend and compress benchmarks -> OUT/
+#   bash launch/h100.sh tiny OUT             tiny model, S = 0: greedy outputs identical to SGLang's triton
+#   bash launch/h100.sh prefix OUT SERVERS [STORE_FRACTION]
+#                                            Llama-3.1-8B-shaped prefix benchmark, e.g. SERVERS=triton,hs:1:1
+#
+# Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+step=${1:?usage: bash launch/h100.sh warm|kernels|tiny|prefix OUT ...}
+out=${2:-out}
+mkdir -p "$out"
+tiny=/tmp/hs_tiny
+llama=/tmp/hs_llama8b
+[ -f $tiny/config.json ] || python3 -m sglang_hs.launch.make_model tiny $tiny > /dev/null
+[ -f $llama/config.json ] || python3 -m sglang_hs.launch.make_model llama8b $llama > /dev/null
+# The prefix benchmark's servers (both dense and hierasparse get the same flags).
+PREFIX_ARGS=(--server-arg=--context-length=16384 --server-arg=--cuda-graph-max-bs=32
+             --server-arg=--hierasparse-dense-backend=triton)
+
+case "$step" in
+  warm)
+    python3 -m sglang_hs.launch.warm_kernels --model-path $tiny --cuda-graph-max-bs 4 &&
+    python3 -m sglang_hs.launch.warm_kernels --model-path $llama --context-length 16384 --cuda-graph-max-bs 32 \
+        --max-running-requests 64 &&
+    python3 -m sglang_hs.kernels.extend
+    ;;
+  kernels)
+    python3 -m pytest -q -m gpu tests/test_kernels_decode.py tests/test_kernels_extend.py tests/test_kernels_compress.py \
+        2>&1 | tee "$out/gpu_tests.log" | tail -3
+    python3 -m sglang_hs.kernels.bench --kernel extend --quick --out "$out" | tail -12
+    python3 -m sglang_hs.kernels.bench --kernel compress --merge "$out/kernels_h100.json" --out "$out" | tail -6
+    ;;
+  tiny)
+    python3 -m sglang_hs.launch.server_check --model-path $tiny --baseline triton \
+        --common-arg=--mem-fraction-static=0.3 --common-arg=--cuda-graph-max-bs=4 \
+        --common-arg=--sampling-backend=pytorch --common-arg=--grammar-backend=none \
+        --hs-arg=--hierasparse-dense-backend=triton --hs-arg=--hierasparse-sk-prefill=0 \
+        --hs-arg=--hierasparse-sv-prefill=0 --hs-arg=--hierasparse-sk-decode=0 --hs-arg=--hierasparse-sv-decode=0 \
+        --out "$out/server_check_s0_kernels_h100.json" --log-prefix "$out/tiny" | tail -25
+    ;;
+  prefix)
+    servers=${3:?SERVERS, e.g. triton,hs:1:1}
+    python3 -m sglang_hs.launch.bench_prefix --model-path $llama --load-format dummy --servers "$servers" \
+        --regimes g10x20,2 --context 8192 --question-len 256 --output-len 64 --max-concurrency 16 --request-rate 16 \
+        --mem-fraction-static 0.6 --store-fraction "${4:-0.5}" "${PREFIX_ARGS[@]}" \
+        --out "$out/prefix_bench_h100.json" 2>&1 | grep "\[bench\]" | cut -c1-300
+    ;;
+  *)
+    echo "unknown step $step; allowed: warm, kernels, tiny, prefix" >&2
+    exit 2
+    ;;
+esac
