@@ -8,12 +8,13 @@
 #   bash launch/h100.sh tiny OUT             tiny model, S = 0: greedy outputs identical to SGLang's triton
 #   bash launch/h100.sh prefix OUT SERVERS [STORE_FRACTION]
 #                                            Llama-3.1-8B-shaped prefix benchmark, e.g. SERVERS=triton,hs:1:1
+#   bash launch/h100.sh soak OUT [MINUTES]   soak with faults on the Llama-3.1-8B shape (default 8 minutes)
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-step=${1:?usage: bash launch/h100.sh warm|kernels|tiny|prefix OUT ...}
+step=${1:?usage: bash launch/h100.sh warm|kernels|tiny|prefix|soak OUT ...}
 out=${2:-out}
 mkdir -p "$out"
 tiny=/tmp/hs_tiny
@@ -52,8 +53,12 @@ case "$step" in
         --mem-fraction-static 0.6 --store-fraction "${4:-0.5}" "${PREFIX_ARGS[@]}" \
         --out "$out/prefix_bench_h100.json" 2>&1 | grep "\[bench\]" | cut -c1-300
     ;;
+  soak)
+    python3 -m sglang_hs.launch.soak --model-path $llama --load-format dummy --minutes "${3:-8}" \
+        --server-arg=--cuda-graph-max-bs=32 --server-arg=--mem-fraction-static=0.6 --out "$out/soak_h100.json" | tail -20
+    ;;
   *)
-    echo "unknown step $step; allowed: warm, kernels, tiny, prefix" >&2
+    echo "unknown step $step; allowed: warm, kernels, tiny, prefix, soak" >&2
     exit 2
     ;;
 esac
