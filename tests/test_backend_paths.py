@@ -1,0 +1,101 @@
+"""The backend's path choice and the arguments it hands the kernels, on CPU with stand-in kernels
+(the kernels themselves are checked on the GPU, and the server run on the H100 used these paths)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_hs.pools import CompressedStore, StoreCapacity
+from sglang_hs.radix.hook import VirtualSlots
+
+pytestmark = pytest.mark.sglang
+
+B, HKV, HQ, D, LAYERS = 64, 2, 8, 64, 1
+
+
+class RecordingPlan:
+    """Stands in for ``HieraSparseExtend``: records its arguments, returns q."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, q, *args):
+        self.calls.append((q, args))
+        return q
+
+
+def make_backend(extend_plan):
+    from sglang_hs.backend import HieraSparseAttnBackend
+
+    backend = HieraSparseAttnBackend.__new__(HieraSparseAttnBackend)
+    store = CompressedStore(StoreCapacity(8, 8, 0, 8, 0), LAYERS, HKV, D, B, torch.float16, "cpu")
+    store.allocate([False, False], [False, False])  # two compressed blocks in use: virtual blocks 0 and 1
+    virtual = VirtualSlots(base=1024, block_size=B)
+    req_to_token = torch.zeros(3, 512, dtype=torch.int32)
+    # Request 0: sink page 1, virtual blocks 0-1, then page 2 (its new tokens). Request 1: pages only.
+    req_to_token[0, :256] = torch.cat([torch.arange(64, 128), virtual.slots_of([0, 1], "cpu"), torch.arange(128, 192)])
+    req_to_token[1, :128] = torch.arange(192, 320)
+    k_buffer = torch.randn(1024, HKV, D).half()
+    pool = SimpleNamespace(get_key_buffer=lambda layer: k_buffer, get_value_buffer=lambda layer: k_buffer + 1,
+                           set_kv_buffer=lambda *a: None)  # fmt: skip
+    dense = SimpleNamespace(forward_extend=lambda *a, **k: "dense extend", forward_decode=lambda *a, **k: "dense decode")
+    backend.__dict__.update(store=store, virtual=virtual, req_to_token=req_to_token, extend_plan=extend_plan,
+                            use_decode_kernel=False, token_to_kv_pool=pool, forward_metadata=None, dense=dense)  # fmt: skip
+    return backend
+
+
+def extend_batch(rows, seq_lens, new_lens):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor(rows), seq_lens_cpu=torch.tensor(seq_lens),
+        seq_lens=torch.tensor(seq_lens), extend_seq_lens=torch.tensor(new_lens), extend_seq_lens_cpu=new_lens,
+        out_cache_loc=torch.arange(sum(new_lens)),
+    )  # fmt: skip
+
+
+def test_extend_over_compressed_blocks_uses_the_kernel_with_gpu_side_offsets():
+    from sglang_hs.backend import Path
+
+    plan = RecordingPlan()
+    backend = make_backend(plan)
+    batch = extend_batch([0, 1], [256, 128], [64, 32])
+    meta = backend._compressed_metadata(batch)
+    assert meta.path is Path.EXTEND_KERNEL
+    assert meta.qo_indptr_gpu.tolist() == [0, 64, 96] and meta.qo_indptr_gpu.dtype == torch.int32
+    assert meta.seq_lens_gpu.tolist() == [256, 128] and meta.seq_lens_gpu.dtype == torch.int32
+    assert meta.block_table[0].tolist() == [1, ~0, ~1, 2] and meta.block_table[1, :2].tolist() == [3, 4]
+    backend.forward_metadata = meta
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=HQ, head_dim=D, v_head_dim=D, scaling=0.125,
+                            k_scale=None, v_scale=None)  # fmt: skip
+    q = torch.randn(96, HQ * D)
+    out = backend.forward_extend(q, None, None, layer, batch, save_kv_cache=False)
+    assert out.shape == (96, HQ * D) and torch.equal(out, q)
+    (q_arg, args), = plan.calls
+    assert q_arg.shape == (96, HQ, D)
+    pools = backend.store.layer_pools(0)
+    expected = [pools.k_dense, pools.k_values, pools.k_meta, pools.v_dense, pools.v_values, pools.v_meta,
+                backend.store.k_index, backend.store.v_index]  # fmt: skip
+    assert args[0] is meta.qo_indptr_gpu and all(a is e for a, e in zip(args[3:11], expected))
+    assert args[11] is meta.block_table and args[12] is meta.seq_lens_gpu and args[13] == 0.125
+
+
+def test_other_batches_take_the_dense_or_pytorch_paths():
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_hs.backend import Path
+
+    backend = make_backend(None)
+    meta = backend._compressed_metadata(extend_batch([0, 1], [256, 128], [64, 32]))
+    assert meta.path is Path.FALLBACK and meta.qo_indptr == [0, 64, 96] and meta.seq_lens == [256, 128]
+    dense_only = make_backend(RecordingPlan())
+    batch = extend_batch([1], [128], [32])
+    dense_only.forward_metadata = dense_only._compressed_metadata(batch)
+    assert dense_only.forward_metadata.path is Path.DENSE
+    assert dense_only.forward_extend(torch.zeros(32, HQ * D), None, None, None, batch) == "dense extend"
+    decode = extend_batch([0], [256], [1])
+    decode.forward_mode = ForwardMode.DECODE
+    assert backend._compressed_metadata(decode).path is Path.FALLBACK
