@@ -442,9 +442,7 @@ class PrefixGeometry:
 
 # ===================================================================================== compression
 def operand_loss(pruner: Pruner, blocks: torch.Tensor, operand: str) -> torch.Tensor:
-    keep = pruner.element_mask(blocks, operand)
-    own = getattr(pruner, "operand_loss", None)
-    return own(blocks, operand, keep) if own else pruner.block_loss(blocks, keep)
+    return pruner.operand_loss(blocks, operand, pruner.element_mask(blocks, operand))
 
 
 def compress_prefix_layers(

@@ -81,6 +81,10 @@ class Pruner(ABC):
         """float32 ``[..., n]``: the L1 magnitude each ``[B, D]`` block loses when pruned."""
         return (blocks.float().abs() * ~keep).sum(dim=(-1, -2))
 
+    def operand_loss(self, blocks: torch.Tensor, operand: Operand, keep: torch.Tensor) -> torch.Tensor:
+        """float32 ``[..., n]``: the ranking key of each block (here its L1 loss, ``block_loss``)."""
+        return self.block_loss(blocks, keep)
+
     def __call__(
         self,
         blocks: torch.Tensor,
@@ -90,7 +94,7 @@ class Pruner(ABC):
     ) -> PruneResult:
         """Masks and per-head ranking for ``[H, n, B, D]`` blocks."""
         keep = self.element_mask(blocks, operand)
-        loss = self.block_loss(blocks, keep)
+        loss = self.operand_loss(blocks, operand, keep)
         if prunable is None:
             prunable = torch.ones(blocks.shape[1], dtype=torch.bool, device=blocks.device)
         return PruneResult(keep=keep, sparse=rank_sparse(loss, prunable, sparsity), loss=loss)
@@ -145,19 +149,6 @@ class OutputAwarePruner(Pruner):
     def operand_loss(self, blocks: torch.Tensor, operand: Operand, keep: torch.Tensor) -> torch.Tensor:
         """float32 ``[..., n]``: the score each block loses when pruned (its ranking key)."""
         return (self.element_scores(blocks, operand) * ~keep).sum(dim=(-1, -2))
-
-    def __call__(
-        self,
-        blocks: torch.Tensor,
-        operand: Operand,
-        sparsity: float,
-        prunable: torch.Tensor | None = None,
-    ) -> PruneResult:
-        keep = self.element_mask(blocks, operand)
-        loss = self.operand_loss(blocks, operand, keep)
-        if prunable is None:
-            prunable = torch.ones(blocks.shape[1], dtype=torch.bool, device=blocks.device)
-        return PruneResult(keep=keep, sparse=rank_sparse(loss, prunable, sparsity), loss=loss)
 
 
 PRUNERS: dict[str, type[Pruner]] = {
