@@ -34,12 +34,12 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 import torch
 
 from sglang_hs.format import pack_2to4, sparse_count, unpack_2to4
+from sglang_hs.plotting import pyplot
 
 CHUNK = 2048  # blocks per chunk when packing / unpacking large pools
 
@@ -721,14 +721,7 @@ def bench_extend(args, on_record=None):
 
 
 def plot_extend(records, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not available: no PNG", file=sys.stderr)
-        return False
+    plt = pyplot()
     recs = [r for r in records if r.get("kernel") == "extend" and r.get("ours_us")]
     if not recs:
         return False
@@ -738,7 +731,8 @@ def plot_extend(records, path):
         x = [r["new_tokens"] for r in rs]
         a1.plot(x, [r["speedup"] for r in rs], marker="o", label=f"S_K={sk:g}, S_V={sv:g}")
         a2.plot(x, [r["ours_us"] for r in rs], marker="o", label=f"ours S_K={sk:g}, S_V={sv:g}")
-    rs = sorted((r for r in recs if (r["S_K"], r["S_V"]) == (0.0, 0.0)) or recs, key=lambda r: r["new_tokens"])
+    # FlashInfer's time over the (0, 0) points when there are some, else over the last setting's points.
+    rs = sorted([r for r in recs if (r["S_K"], r["S_V"]) == (0.0, 0.0)] or rs, key=lambda r: r["new_tokens"])
     a2.plot([r["new_tokens"] for r in rs], [r["flashinfer_us"] for r in rs], "k--", marker="x", label="FlashInfer")
     for a in (a1, a2):
         a.set_xscale("log", base=2)
@@ -784,14 +778,7 @@ def extend_main(args):
 
 
 def plot(records, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not available: no PNG", file=sys.stderr)
-        return False
+    plt = pyplot()
     records = [r for r in records if r.get("kernel", "decode") == "decode"]
     recs = [r for r in records if r.get("ours_us") and r.get("layout", "natural") == records[0].get("layout", "natural")]
     labels = [f"S_K={r['S_K']:g}\nS_V={r['S_V']:g}" for r in recs]

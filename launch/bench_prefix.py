@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 
 from sglang_hs.launch.server import SGLangServer, ServerStartError, http_json
+from sglang_hs.plotting import pyplot
 
 REGIME_WORKING_SET = {1: 0.5, 2: 1.4, 3: 2.5}
 DENSE_SERVERS = ("flashinfer", "triton")  # plain SGLang servers: their KV capacity sizes the regimes
@@ -199,11 +200,7 @@ def plot(records: list[dict], png_path: str) -> None:
     loaded = [r for r in records if isinstance(r.get("regime"), int)]
     if not loaded:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for label in sorted({r["server"] for r in loaded}):
         rows = sorted((r for r in loaded if r["server"] == label), key=lambda r: r["working_set_tokens"])

@@ -96,6 +96,7 @@ from typing import Any, Iterable
 import torch
 
 from sglang_hs.format import SAVING_PER_SPARSE_SIDE, sparse_count, unpack_2to4
+from sglang_hs.plotting import pyplot
 from sglang_hs.pools import CompressedStore, StoreCapacity, compress_prefix
 from sglang_hs.pruner import OutputAwarePruner, Pruner, make_pruner, rank_sparse
 
@@ -1101,11 +1102,7 @@ def checks(rows: list[dict]) -> list[str]:
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     by = {(r["pruner"], r["sk"], r["sv"]): r for r in rows}
     dense = by.get(("dense", 0.0, 0.0))
     pruners = [p for p in dict.fromkeys(r["pruner"] for r in rows) if p != "dense"]
