@@ -185,10 +185,11 @@ class HieraSparseRadixCache(RadixCache):
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Like ``RadixCache.evict``, but ``num_tokens`` counts dense tokens (the request is for dense
-        pool pages; compressed blocks free store slots instead), and leaves without compressed blocks
-        go first, least recently used first: a compressed leaf gives back only its sink and window
-        pages but discards a whole compressed prefix, which is what the store exists to keep."""
-        first = self._evict_leaves(params.num_tokens, dense_tokens, eligible=lambda node: not virtual_tokens(node))
+        pool pages; compressed blocks free store slots instead), and leaves that hold at least as many
+        dense tokens as compressed ones go first, least recently used first: a compressed prefix gives
+        back only its sink and window pages but discards the whole prefix, which is what the store
+        exists to keep (a request's own suffix, mostly dense, is the cheaper victim)."""
+        first = self._evict_leaves(params.num_tokens, dense_tokens, eligible=mostly_dense)
         missing = params.num_tokens - first.num_tokens_evicted
         if missing <= 0:
             return first
@@ -366,6 +367,10 @@ def virtual_tokens(node: TreeNode) -> int:
 
 def dense_tokens(node: TreeNode) -> int:
     return len(node.value) - virtual_tokens(node)
+
+
+def mostly_dense(node: TreeNode) -> bool:
+    return dense_tokens(node) >= virtual_tokens(node)
 
 
 def node_start(node: TreeNode) -> int:

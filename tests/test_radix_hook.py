@@ -148,8 +148,8 @@ def test_split_lock_evict_and_flush_return_every_slot(env):
 
 
 def test_eviction_for_dense_pages_spares_compressed_prefixes(env):
-    """Dense-only leaves go before compressed ones, even more recent ones: evicting a compressed leaf
-    returns only its sink and window pages but discards the whole compressed prefix."""
+    """Mostly dense leaves go before compressed ones, even more recent ones: evicting a compressed
+    prefix returns only its sink and window pages but discards the whole prefix."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     e = env()
@@ -164,6 +164,23 @@ def test_eviction_for_dense_pages_spares_compressed_prefixes(env):
     result = e.tree.evict(EvictParams(num_tokens=64))
     assert result.num_tokens_evicted == 320 and e.store.used_blocks() == 0
     assert e.allocator.available_size() == start_free and e.store.free_counts() == start_store and balanced(e)
+
+
+def test_eviction_prefers_a_mostly_dense_suffix_to_a_compressed_prefix(env):
+    """A request's suffix below a shared prefix (320 tokens: one block compressed, 256 dense) goes
+    before an older compressed prefix."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e = env()
+    older, shared = list(range(100, 1124)), list(range(3000, 4024))
+    insert(e, older)
+    insert(e, shared)
+    insert(e, shared + list(range(8000, 8320)))  # the suffix leaf: 1 compressed block + 256 dense tokens
+    used = e.store.used_blocks()
+    result = e.tree.evict(EvictParams(num_tokens=64))
+    assert result.num_tokens_evicted == 256 and e.store.used_blocks() == used - 1
+    assert len(match(e, older).device_indices) == 1024 and len(match(e, shared).device_indices) == 1024
+    assert balanced(e)
 
 
 def test_finished_request_rows_and_generated_blocks(env):
