@@ -269,21 +269,28 @@ def time_graph(fn, iters=20, reps=5, warmup=3):
     return times[len(times) // 2]
 
 
-def time_plain(fn, iters=30, warmup=5):
-    """Median time (us) of single launches timed with CUDA events."""
+def time_stream(fn, iters=20, reps=5, warmup=2):
+    """Median time (us) of one call, from CUDA events around ``iters`` back-to-back eager calls (the host
+    runs ahead of the GPU when a call takes longer on the GPU than to launch)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
+    for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(iters):
+            fn()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
+        times.append(a.elapsed_time(b) * 1000 / iters)
     times.sort()
     return times[len(times) // 2]
+
+
+def time_plain(fn, iters=30, warmup=5):
+    """Median time (us) of single launches timed with CUDA events."""
+    return time_stream(fn, iters=1, reps=iters, warmup=warmup)
 
 
 def kv_bytes(case):
@@ -604,25 +611,6 @@ def flashinfer_extend(case, paged, workspace=None, backend="fa2"):
     out = torch.empty_like(q)
     kv = (paged["k"], paged["v"])
     return lambda: w.run(q, kv, out=out)
-
-
-def time_stream(fn, iters=20, reps=5, warmup=2):
-    """Median time (us) of one call, from CUDA events around ``iters`` back-to-back eager calls (the host
-    runs ahead of the GPU when a call takes longer on the GPU than to launch)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / iters)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def extend_flops(case):

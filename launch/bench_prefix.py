@@ -126,6 +126,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     return {name: float(value) for name, value in _METRIC_LINE.findall(text)}
 
 
+def read_metrics(base_url: str) -> dict[str, float]:
+    """A server's ``sglang:*`` metrics now (it runs with ``--enable-metrics``)."""
+    return parse_metrics(http_json(base_url + "/metrics", method="GET"))
+
+
 def metrics_fields(metrics: dict[str, float]) -> dict[str, float | None]:
     """The compressed-cache gauges (absent on dense servers) and SGLang's own cache hit rate."""
     fields = {"metrics_cache_hit_rate": metrics.get("sglang:cache_hit_rate")}
@@ -176,7 +181,7 @@ def flush_check(server: SGLangServer) -> dict:
     flushed = server.post("/flush_cache")
     time.sleep(3)
     log = server.log_text()
-    metrics = parse_metrics(http_json(server.base_url + "/metrics", method="GET"))
+    metrics = read_metrics(server.base_url)
     return {
         "flush_answer": str(flushed).strip()[:80],
         "store_used_blocks_after_flush": metrics.get("sglang:hierasparse_store_used_blocks"),
@@ -323,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     if os.path.exists(result_path):
                         os.remove(result_path)  # bench_serving appends
                     result = run_bench_serving(server, args, groups, per_group, result_path)
-                    metrics = parse_metrics(http_json(server.base_url + "/metrics", method="GET"))
+                    metrics = read_metrics(server.base_url)
                     record = {
                         "regime": regime, "api": args.api, **server_fields, "working_set_tokens": groups * args.context,
                         "req_throughput": result["request_throughput"],

@@ -36,7 +36,7 @@ import time
 from collections import defaultdict
 from urllib.parse import urlparse
 
-from sglang_hs.launch.bench_prefix import parse_metrics
+from sglang_hs.launch.bench_prefix import read_metrics
 from sglang_hs.launch.server import SGLangServer, ServerStartError, http_json
 
 KINDS = ("generate", "generate_stream", "openai", "openai_stream", "disconnect", "abort", "too_long", "empty",
@@ -233,7 +233,7 @@ def run_shared_prefix_loads(server: SGLangServer, args, deadline: float, results
 
 
 def store_gauges(server: SGLangServer) -> dict:
-    metrics = parse_metrics(http_json(server.base_url + "/metrics", method="GET"))
+    metrics = read_metrics(server.base_url)
     return {key: metrics.get(f"sglang:hierasparse_{key}") for key in ("store_used_blocks", "store_capacity_blocks",
                                                                      "compressed_tokens", "blocks_compressed_total")}
 

@@ -191,11 +191,11 @@ def apply_backend_defaults(_result, server_args) -> None:
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
-    if find_spec("tilelang") is None:
+    has_tilelang = find_spec("tilelang") is not None
+    if not has_tilelang:
         logger.warning("hierasparse: TileLang is not installed; the compressed paths run on PyTorch, decode "
                        "without CUDA graphs")
-        server_args.cuda_graph_config.decode.backend = Backend.DISABLED
-    elif not config.uses_kernel("decode"):
+    if not (has_tilelang and config.uses_kernel("decode")):
         server_args.cuda_graph_config.decode.backend = Backend.DISABLED
     if not server_args.disable_radix_cache:
         if server_args.radix_cache_backend not in (None, BACKEND_NAME) or server_args.enable_hierarchical_cache:
