@@ -41,6 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from sglang_hs.format import dense_block_bytes, sparse_block_bytes
 from sglang_hs.launch.server import SGLangServer, ServerStartError, http_json
 from sglang_hs.plotting import pyplot
 
@@ -59,6 +60,7 @@ class ServerSpec:
     args: list[str]
     sk: float | None = None
     sv: float | None = None
+    store_fraction: float | str | None = None
 
     @classmethod
     def parse(cls, text: str, store_fraction: float) -> "ServerSpec":
@@ -67,16 +69,51 @@ class ServerSpec:
         if text == "hicache":
             return cls("hicache", "flashinfer+hicache", ["--attention-backend", "flashinfer",
                                                          "--enable-hierarchical-cache", "--page-size", "64"])  # fmt: skip
-        match = re.fullmatch(r"hs:([0-9.]+):([0-9.]+)(?::([0-9.]+))?", text)
+        match = re.fullmatch(r"hs:([0-9.]+):([0-9.]+)(?::([0-9.]+|auto))?", text)
         if not match:
             raise SystemExit(f"error: --servers entry {text!r}; allowed: flashinfer, triton, hicache, hs:SK:SV[:F] "
-                             "(F: this server's store fraction)")
+                             "(F: this server's store fraction, or auto)")
         sk, sv = float(match.group(1)), float(match.group(2))
-        store_fraction = float(match.group(3) or store_fraction)
-        args = ["--attention-backend", "hierasparse", f"--hierasparse-store-fraction={store_fraction}"]
+        args = ["--attention-backend", "hierasparse"]
         for phase in ("prefill", "decode"):
             args += [f"--hierasparse-sk-{phase}={sk}", f"--hierasparse-sv-{phase}={sv}"]
-        return cls(text, "hierasparse", args, sk, sv)
+        spec = cls(text, "hierasparse", args, sk, sv)
+        spec.store_fraction = match.group(3) or store_fraction
+        return spec
+
+    def server_args(self, dense_capacity: int | None, context: int, head_dim: int) -> list[str]:
+        """The launch flags; an ``auto`` store fraction is sized for prefixes of ``context`` tokens."""
+        if self.backend != "hierasparse":
+            return self.args
+        fraction = self.store_fraction
+        if fraction == "auto":
+            if not dense_capacity:
+                raise SystemExit("error: hs:SK:SV:auto needs the dense capacity: run a dense server first")
+            fraction, prefixes = auto_store_fraction(dense_capacity, context, self.sk, self.sv, head_dim)
+            print(f"[bench] {self.label}: store fraction {fraction:.4f} (room for {prefixes} prefixes of {context} "
+                  f"tokens; dense holds {dense_capacity // context})", flush=True)
+        self.store_fraction = float(fraction)
+        return [*self.args, f"--hierasparse-store-fraction={self.store_fraction}"]
+
+
+def auto_store_fraction(
+    dense_tokens: int, context: int, sk: float, sv: float, head_dim: int = 128,
+    sink: int = 64, window: int = 256, block: int = 64,
+) -> tuple[float, int]:  # fmt: skip
+    """The store fraction that holds the most cached prefixes of ``context`` tokens at this KV budget.
+
+    A cached prefix keeps its sink and its last ``window`` tokens in SGLang's dense pool and the
+    blocks between them in the store, which costs ``ratio`` dense-token equivalents per token. The
+    dense pool also needs room for one prompt being prefilled (``context`` tokens and one output
+    page) before its blocks are compressed. Returns the fraction and the prefixes it has room for.
+    """
+    compressed = max(0, (context - window) // block - sink // block) * block
+    ratio = ((1 - sk) + sk * sparse_block_bytes(block, head_dim) / dense_block_bytes(block, head_dim)
+             + (1 - sv) + sv * sparse_block_bytes(block, head_dim) / dense_block_bytes(block, head_dim)) / 2  # fmt: skip
+    reserve = context + block
+    prefixes = int((dense_tokens - reserve) // (context - compressed + compressed * ratio))
+    store_tokens = prefixes * compressed * ratio + block  # one block of slack for rounding
+    return min(0.95, store_tokens / dense_tokens), prefixes
 
 
 def random_prompt_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -117,8 +154,11 @@ def kv_budget_gib(log_text: str, kv_tokens: int, model_config: dict) -> float:
     if match:
         return float(match.group(1))
     heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
-    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
-    return kv_tokens * 2 * model_config["num_hidden_layers"] * heads * head_dim * 2 / 2**30
+    return kv_tokens * 2 * model_config["num_hidden_layers"] * heads * model_head_dim(model_config) * 2 / 2**30
+
+
+def model_head_dim(model_config: dict) -> int:
+    return model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -298,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for spec in specs:
             log_path = os.path.join(out_dir, f"server_{spec.label.replace(':', '_')}.log")
-            with SGLangServer(args.model_path, spec.args + common, args.port, log_path) as server:
+            with SGLangServer(args.model_path, spec.server_args(dense_capacity, args.context, model_head_dim(model_config)) + common, args.port,
+                              log_path) as server:
                 info = http_json(server.base_url + "/get_server_info")
                 kv_tokens = int(info.get("max_total_num_tokens", 0))
                 if spec.label in DENSE_SERVERS:
@@ -314,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                     "backend": spec.backend, "server": spec.label, "S_K": spec.sk, "S_V": spec.sv,
                     "context": args.context, "resident_prefix_tokens": resident, "dense_kv_tokens": kv_tokens,
                     "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config),
-                    "mem_fraction_static": args.mem_fraction_static, "device": device_name(),
+                    "mem_fraction_static": args.mem_fraction_static, "store_fraction": spec.store_fraction,
+                    "device": device_name(),
                 }  # fmt: skip
                 server_records = []
                 if not regimes:

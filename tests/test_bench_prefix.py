@@ -4,17 +4,42 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_hs.launch.bench_prefix import ServerSpec, hit_rate, kv_budget_gib
+from sglang_hs.format import dense_block_bytes
+from sglang_hs.launch.bench_prefix import ServerSpec, auto_store_fraction, hit_rate, kv_budget_gib
+from sglang_hs.pools import StoreCapacity
 
 
 def test_server_specs():
     hs = ServerSpec.parse("hs:0.5:1", store_fraction=0.9)
     assert hs.backend == "hierasparse" and (hs.sk, hs.sv) == (0.5, 1.0)
-    assert "--hierasparse-sk-decode=0.5" in hs.args and "--hierasparse-store-fraction=0.9" in hs.args
+    args = hs.server_args(None, 8192, 128)
+    assert "--hierasparse-sk-decode=0.5" in args and "--hierasparse-store-fraction=0.9" in args
     assert ServerSpec.parse("hicache", 0.9).args[-2:] == ["--page-size", "64"]
-    assert "--hierasparse-store-fraction=0.6" in ServerSpec.parse("hs:1:1:0.6", store_fraction=0.9).args
+    assert "--hierasparse-store-fraction=0.6" in ServerSpec.parse("hs:1:1:0.6", 0.9).server_args(None, 8192, 128)
+    auto = ServerSpec.parse("hs:1:1:auto", 0.9)
+    with pytest.raises(SystemExit, match="dense capacity"):
+        auto.server_args(None, 8192, 128)
+    assert 0.85 < float(auto.server_args(400_000, 8192, 128)[-1].split("=")[1]) < 0.95
     with pytest.raises(SystemExit, match="allowed"):
         ServerSpec.parse("hs:one", 0.9)
+
+
+@pytest.mark.parametrize("dense_tokens", [262_144, 400_000, 811_000])
+@pytest.mark.parametrize("context", [8192, 32768])
+def test_auto_store_fraction_fits_the_most_prefixes(dense_tokens, context):
+    """The store built from the fraction (the server's own sizing) holds the compressed blocks of the
+    prefixes it promises, the dense pool their sinks and windows plus one prompt in flight, and one
+    more prefix would not fit at any split."""
+    layers, heads, d, block = 32, 8, 128, 64
+    fraction, prefixes = auto_store_fraction(dense_tokens, context, 1.0, 1.0, d)
+    token_bytes = 2 * dense_block_bytes(block, d) // block * heads * layers
+    store = StoreCapacity.from_budget(int(dense_tokens * token_bytes * fraction), layers, heads, d, block, 1.0, 1.0)
+    blocks_per_prefix = context // block - 5  # sink 64 = 1 block, window 256 = 4 blocks
+    assert store.virtual_blocks >= prefixes * blocks_per_prefix
+    dense_pool = int(dense_tokens * (1 - fraction))
+    assert dense_pool >= prefixes * 5 * block + context + block
+    one_more = (prefixes + 1) * (5 * block + blocks_per_prefix * block * 0.5625) + context + block
+    assert one_more > dense_tokens
 
 
 def test_hit_rate_and_kv_budget_from_logs():
