@@ -6,8 +6,10 @@
 #   bash launch/h100.sh warm                 compile every kernel below into TileLang's cache, in parallel
 #   bash launch/h100.sh kernels OUT          kernel GPU tests, extend and compress benchmarks -> OUT/
 #   bash launch/h100.sh tiny OUT             tiny model, S = 0: greedy outputs identical to SGLang's triton
-#   bash launch/h100.sh prefix OUT SERVERS [STORE_FRACTION]
-#                                            Llama-3.1-8B-shaped prefix benchmark, e.g. SERVERS=triton,hs:1:1
+#   bash launch/h100.sh prefix OUT SERVERS [REGIMES] [API]
+#                                            Llama-3.1-8B-shaped prefix benchmark, e.g. SERVERS=triton,hs:1:1:auto,
+#                                            REGIMES=g10x20 (default: 200 requests over 10 prefixes), 1,2,3 (sized
+#                                            from the dense capacity, no capacity probe); API=sglang-oai (default)
 #   bash launch/h100.sh soak OUT [MINUTES]   soak with faults on the Llama-3.1-8B shape (default 8 minutes)
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
@@ -22,7 +24,7 @@ llama=/tmp/hs_llama8b
 [ -f $tiny/config.json ] || python3 -m sglang_hs.launch.make_model tiny $tiny > /dev/null
 [ -f $llama/config.json ] || python3 -m sglang_hs.launch.make_model llama8b $llama > /dev/null
 # The prefix benchmark's servers (both dense and hierasparse get the same flags).
-PREFIX_ARGS=(--server-arg=--context-length=16384 --server-arg=--cuda-graph-max-bs=32
+PREFIX_ARGS=(--server-arg=--context-length=16384 --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64
              --server-arg=--hierasparse-dense-backend=triton)
 
 case "$step" in
@@ -47,15 +49,19 @@ case "$step" in
         --out "$out/server_check_s0_kernels_h100.json" --log-prefix "$out/tiny" | tail -25
     ;;
   prefix)
-    servers=${3:?SERVERS, e.g. triton,hs:1:1}
+    servers=${3:?SERVERS, e.g. triton,hs:1:1:auto}
+    regimes=${4:-g10x20}
+    probe=()
+    [[ $regimes == g* ]] || probe=(--skip-capacity-probe)
     python3 -m sglang_hs.launch.bench_prefix --model-path $llama --load-format dummy --servers "$servers" \
-        --regimes g10x20,2 --context 8192 --question-len 256 --output-len 64 --max-concurrency 16 --request-rate 16 \
-        --mem-fraction-static 0.6 --store-fraction "${4:-0.5}" "${PREFIX_ARGS[@]}" \
-        --out "$out/prefix_bench_h100.json" 2>&1 | grep "\[bench\]" | cut -c1-300
+        --regimes "$regimes" --api "${5:-sglang-oai}" --context 8192 --question-len 256 --output-len 64 \
+        --max-concurrency 16 --request-rate 16 --mem-fraction-static 0.85 "${probe[@]}" "${PREFIX_ARGS[@]}" \
+        --out "$out/prefix_bench_h100.json" 2>&1 | grep "\[bench\]" | cut -c1-400
     ;;
   soak)
-    python3 -m sglang_hs.launch.soak --model-path $llama --load-format dummy --minutes "${3:-8}" \
-        --server-arg=--cuda-graph-max-bs=32 --server-arg=--mem-fraction-static=0.6 --out "$out/soak_h100.json" | tail -20
+    python3 -m sglang_hs.launch.soak --model-path $llama --load-format dummy --minutes "${3:-8}" --context-length 16384 \
+        --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64 \
+        --server-arg=--mem-fraction-static=0.6 --out "$out/soak_h100.json" | tail -20
     ;;
   *)
     echo "unknown step $step; allowed: warm, kernels, tiny, prefix, soak" >&2
