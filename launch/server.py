@@ -53,6 +53,7 @@ class SGLangServer:
             sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
             "--host", "127.0.0.1", "--port", str(port), *args,
         ]  # fmt: skip
+        self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.start_timeout = start_timeout
@@ -117,14 +118,33 @@ class SGLangServer:
         return http_json(self.base_url + path, payload, timeout, method="POST")
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """Stop every process of the server's group and wait until they are gone and the port is free:
+        a scheduler process that outlives the launcher still holds GPU memory, which would shrink the
+        KV cache of the next server started on this GPU (and keep the port)."""
+        if self.process is None:
             return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
-        except ProcessLookupError:
-            pass
+        pgid = self.process.pid
+        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            if self._wait_group_gone(grace):
+                break
+        self.process.wait(timeout=30)
+        deadline = time.time() + 30
+        while port_in_use(self.port) and time.time() < deadline:
+            time.sleep(0.5)
+        self.process = None
         print("[server] stopped", flush=True)
+
+    def _wait_group_gone(self, timeout: float) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.process.poll()  # reap the launcher: a zombie would keep its group alive
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                return True
+            time.sleep(0.5)
+        return False

@@ -1,0 +1,61 @@
+"""The server helper's shutdown: every process of the server's group is gone and its port is free
+before the next server starts (a leftover scheduler would hold GPU memory and the port)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sglang_hs.launch.server import SGLangServer, ServerStartError, port_in_use
+
+# A stand-in launcher: a child (like SGLang's scheduler) listens on the port and needs a second to
+# shut down after SIGTERM; the launcher itself exits at once.
+_LAUNCHER = textwrap.dedent("""
+    import os, signal, socket, sys, time
+    port = int(sys.argv[1])
+    if os.fork() == 0:
+        sock = socket.socket(); sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port)); sock.listen()
+        signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), os._exit(0)))
+        while True:
+            time.sleep(0.1)
+    time.sleep(60)
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_stop_waits_for_the_whole_process_group_and_the_port(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    port = free_port()
+    server = SGLangServer(str(tmp_path), [], port, str(tmp_path / "log"))
+    server.command = [sys.executable, "-c", _LAUNCHER, str(port)]
+    server._wait_healthy = lambda: None
+    with server:
+        for _ in range(100):
+            if port_in_use(port):
+                break
+            time.sleep(0.05)
+        assert port_in_use(port)
+        pgid = server.process.pid
+    assert not port_in_use(port)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+
+
+def test_refuses_a_port_in_use(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        with pytest.raises(ServerStartError, match="already in use"):
+            SGLangServer(str(tmp_path), [], sock.getsockname()[1], str(tmp_path / "log"))
