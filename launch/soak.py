@@ -290,9 +290,18 @@ def main(argv: list[str] | None = None) -> int:
             after_flush = store_gauges(server) if healthy else {}
             leak_reports = server.log_text().count("memory leak detected")
             healthy = healthy and server.healthy()
+            # Written before the server stops: SGLang's shutdown can take a minute, and a caller's time
+            # limit must not cost the report.
+            problems = write_report(args, drivers, bench_results, before, after_load, after_flush, leak_reports,
+                                    healthy)  # fmt: skip
     except ServerStartError as exc:
         print(f"[soak] server failed to start:\n{exc}", file=sys.stderr)
         return 1
+    return 0 if not problems else 1
+
+
+def write_report(args, drivers, bench_results, before, after_load, after_flush, leak_reports, healthy) -> list[str]:
+    """Write the JSON report, print its summary, return the failed pass criteria."""
     records = [row for d in drivers for row in d.records]
     by_kind = summarize(records)
     problems = passed(by_kind, healthy, leak_reports, after_flush.get("store_used_blocks"))
@@ -303,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    print(json.dumps({k: report[k] for k in ("requests", "healthy", "leak_reports", "passed", "problems")}, indent=1))
-    return 0 if not problems else 1
+    print(json.dumps({k: report[k] for k in ("requests", "healthy", "leak_reports", "passed", "problems")}, indent=1),
+          flush=True)  # fmt: skip
+    return problems
 
 
 if __name__ == "__main__":
