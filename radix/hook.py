@@ -275,6 +275,12 @@ class HieraSparseRadixCache(RadixCache):
             self._evict_leaves(missing * self.config.block_size, virtual_tokens, exclude=keep)
 
 
+    def enable_metrics(self, gauges: "PrometheusGauges") -> None:
+        """Export the status as Prometheus gauges, from now on: a scrape before the first request
+        already reads the empty store's figures (a soak's "before" counts)."""
+        self.prometheus = gauges
+        self.publish_metrics()
+
     def publish_metrics(self) -> None:
         if self.prometheus is not None:
             self.prometheus.publish(self.status())
@@ -402,6 +408,6 @@ def create_radix_cache(ctx) -> HieraSparseRadixCache:
         backend.compress_prefix,
     )
     if ctx.params.enable_metrics:
-        tree.prometheus = PrometheusGauges({"cache_type": type(tree).__name__})
+        tree.enable_metrics(PrometheusGauges({"cache_type": type(tree).__name__}))
     _active_trees.append(tree)
     return tree

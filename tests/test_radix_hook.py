@@ -221,9 +221,10 @@ def test_prometheus_gauges_follow_the_store(env):
 
     e = env()
     registry = CollectorRegistry()
-    e.tree.prometheus = PrometheusGauges({"cache_type": "test"}, registry=registry)
-    insert(e, list(range(1000, 2024)))
+    e.tree.enable_metrics(PrometheusGauges({"cache_type": "test"}, registry=registry))
     value = lambda name: registry.get_sample_value(f"sglang:hierasparse_{name}", {"cache_type": "test"})
+    assert value("store_used_blocks") == 0 and value("store_capacity_blocks") == e.tree.store.capacity.virtual_blocks
+    insert(e, list(range(1000, 2024)))
     assert value("compressed_tokens") == 11 * 64 and value("blocks_compressed_total") == 11
     assert value("bytes_saved") > 0
     e.tree.reset()
