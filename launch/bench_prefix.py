@@ -41,6 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from sglang_hs.config import HieraSparseConfig
 from sglang_hs.format import dense_block_bytes, sparse_block_bytes
 from sglang_hs.launch.server import SGLangServer, ServerStartError, http_json
 from sglang_hs.plotting import pyplot
@@ -98,7 +99,8 @@ class ServerSpec:
 
 def auto_store_fraction(
     dense_tokens: int, context: int, sk: float, sv: float, head_dim: int = 128,
-    sink: int = 64, window: int = 256, block: int = 64,
+    sink: int = HieraSparseConfig.sink_tokens, window: int = HieraSparseConfig.window_tokens,
+    block: int = HieraSparseConfig.block_size,
 ) -> tuple[float, int]:  # fmt: skip
     """The store fraction that holds the most cached prefixes of ``context`` tokens at this KV budget.
 
@@ -108,8 +110,8 @@ def auto_store_fraction(
     page) before its blocks are compressed. Returns the fraction and the prefixes it has room for.
     """
     compressed = max(0, (context - window) // block - sink // block) * block
-    ratio = ((1 - sk) + sk * sparse_block_bytes(block, head_dim) / dense_block_bytes(block, head_dim)
-             + (1 - sv) + sv * sparse_block_bytes(block, head_dim) / dense_block_bytes(block, head_dim)) / 2  # fmt: skip
+    sparse_share = sparse_block_bytes(block, head_dim) / dense_block_bytes(block, head_dim)
+    ratio = 1 - (sk + sv) / 2 * (1 - sparse_share)  # stored bytes per dense byte of K and V
     reserve = context + block
     prefixes = int((dense_tokens - reserve) // (context - compressed + compressed * ratio))
     store_tokens = prefixes * compressed * ratio + block  # one block of slack for rounding
@@ -338,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for spec in specs:
             log_path = os.path.join(out_dir, f"server_{spec.label.replace(':', '_')}.log")
-            with SGLangServer(args.model_path, spec.server_args(dense_capacity, args.context, model_head_dim(model_config)) + common, args.port,
-                              log_path) as server:
+            launch_args = spec.server_args(dense_capacity, args.context, model_head_dim(model_config)) + common
+            with SGLangServer(args.model_path, launch_args, args.port, log_path) as server:
                 info = http_json(server.base_url + "/get_server_info")
                 kv_tokens = int(info.get("max_total_num_tokens", 0))
                 if spec.label in DENSE_SERVERS:

@@ -274,7 +274,6 @@ class HieraSparseRadixCache(RadixCache):
         if missing > 0:
             self._evict_leaves(missing * self.config.block_size, virtual_tokens, exclude=keep)
 
-
     def enable_metrics(self, gauges: "PrometheusGauges") -> None:
         """Export the status as Prometheus gauges, from now on: a scrape before the first request
         already reads the empty store's figures (a soak's "before" counts)."""
