@@ -12,7 +12,8 @@
 #                                            from the dense capacity, no capacity probe); API=sglang-oai (default)
 #   bash launch/h100.sh soak OUT [MINUTES]   soak with faults on the Llama-3.1-8B shape (default 8 minutes)
 #   bash launch/h100.sh quality OUT          SmolLM2-135M quality through real servers: dense and S_V=1, S_K=1,
-#                                            S_K=S_V=1; needs /tmp/smollm2.gguf and .whl/ (launch/README.md)
+#                                            S_K=S_V=1; needs /tmp/smollm2.gguf and .whl/ (launch/README.md);
+#                                            compressor kernel only (SmolLM2's GQA group 3: decode/extend in PyTorch)
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
 set -uo pipefail
@@ -74,6 +75,7 @@ case "$step" in
     python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" \
         --lengths 1024 2048 4096 8192 --samples 2 --fidelity-windows 4 --dense-backend triton \
         --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=0.5 \
+        --server-arg=--hierasparse-kernels=compress \
         --settings magnitude:sk=0,sv=1 magnitude:sk=1,sv=0 magnitude:sk=1,sv=1 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
     ;;
   *)

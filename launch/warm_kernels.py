@@ -23,6 +23,8 @@ import os
 import time
 from types import SimpleNamespace
 
+from sglang_hs.config import KERNEL_GQA_GROUPS
+
 BLOCK_SIZE = 64
 H100_SMS = 132  # H100 SXM and H200
 
@@ -70,21 +72,24 @@ def decode_batch_sizes(cuda_graph_max_bs: int, max_running_requests: int) -> lis
 
 
 def kernel_jobs(shape: dict, max_blocks: int, batch_sizes: list[int], num_sms: int) -> list[tuple]:
-    """``(kind, args)`` of every kernel: the decode plans, the extend tiles, the compressor."""
+    """``(kind, args)`` of every kernel: the decode plans, the extend tiles, the compressor. A model
+    whose GQA group the decode and extend kernels do not take serves with the compressor alone."""
     from sglang_hs.kernels.decode import plan_num_splits
     from sglang_hs.kernels.extend import TILES, default_stages
 
     hq, hkv, d, dt = shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["dtype"]
-    jobs = [
-        ("decode", (bs, hq, hkv, d, BLOCK_SIZE, max_blocks,
-                    plan_num_splits(bs, hq, hkv, d, BLOCK_SIZE, max_blocks, 2, num_sms), dt))
-        for bs in batch_sizes
-    ]  # fmt: skip
-    jobs += [
-        ("extend", (hq, hkv, d, BLOCK_SIZE, dt, tile, default_stages(tile), k_sparse))
-        for tile in TILES
-        for k_sparse in (False, True)
-    ]
+    jobs = []
+    if hq // hkv in KERNEL_GQA_GROUPS:
+        jobs += [
+            ("decode", (bs, hq, hkv, d, BLOCK_SIZE, max_blocks,
+                        plan_num_splits(bs, hq, hkv, d, BLOCK_SIZE, max_blocks, 2, num_sms), dt))
+            for bs in batch_sizes
+        ]  # fmt: skip
+        jobs += [
+            ("extend", (hq, hkv, d, BLOCK_SIZE, dt, tile, default_stages(tile), k_sparse))
+            for tile in TILES
+            for k_sparse in (False, True)
+        ]
     jobs += [("pack", (hkv, d, BLOCK_SIZE)), ("loss", ("k", hkv, d, BLOCK_SIZE, dt)), ("loss", ("v", hkv, d, BLOCK_SIZE, dt))]
     return jobs
 

@@ -24,6 +24,9 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 DENSE_BACKENDS = ("flashinfer", "triton")
 # TileLang kernels the backend can use; each one left out runs on the PyTorch path instead.
 KERNELS = ("decode", "extend", "compress")
+# Query heads per KV head (on one tensor-parallel rank) that the decode and extend kernels' GPU tests
+# cover; the extend tiles also need the group to divide their N (64, 128).
+KERNEL_GQA_GROUPS = (1, 2, 4, 8)
 # wgmma.sp (sparse tensor cores with Hopper's warpgroup MMA) needs compute capability 9.0.
 REQUIRED_COMPUTE_CAPABILITY = (9, 0)
 
@@ -109,8 +112,16 @@ class HieraSparseConfig:
         """Whether the TileLang kernel ``name`` (one of ``KERNELS``) is enabled by the settings."""
         return name in self.kernels.split(",")
 
-    def validate_model(self, head_dim: int, dtype: str, kv_cache_dtype: str) -> None:
-        """Check the model shape and cache dtype against what the kernels support."""
+    def validate_model(self, head_dim: int, dtype: str, kv_cache_dtype: str, gqa_group: int) -> None:
+        """Check the model shape (``gqa_group``: query heads per KV head on one rank) and the cache
+        dtype against what the kernels support."""
+        _require(
+            gqa_group in KERNEL_GQA_GROUPS or not (self.uses_kernel("decode") or self.uses_kernel("extend")),
+            cli_flag("kernels"),
+            self.kernels,
+            f"'compress' or 'none' for this model: its {gqa_group} query heads per KV head are not a GQA "
+            f"group of the decode and extend kernels ({list(KERNEL_GQA_GROUPS)})",
+        )
         _require(
             head_dim in SUPPORTED_HEAD_DIMS,
             "the model's head_dim",

@@ -211,6 +211,8 @@ def apply_backend_defaults(_result, server_args) -> None:
         head_dim=model_config.head_dim,
         dtype=str(model_config.dtype).removeprefix("torch."),
         kv_cache_dtype=server_args.kv_cache_dtype,
+        gqa_group=model_config.get_num_attention_heads(server_args.tp_size)
+        // model_config.get_num_kv_heads(server_args.tp_size),
     )
     if server_args.device != "cuda":
         raise HieraSparseConfigError(f"hierasparse: --device={server_args.device} is invalid; allowed: cuda")

@@ -42,13 +42,19 @@ def test_kernel_selection():
 
 def test_model_and_gpu_checks():
     config = HieraSparseConfig()
-    config.validate_model(head_dim=128, dtype="bfloat16", kv_cache_dtype="auto")
+    config.validate_model(head_dim=128, dtype="bfloat16", kv_cache_dtype="auto", gqa_group=4)
     with pytest.raises(HieraSparseConfigError, match="head_dim=96"):
-        config.validate_model(head_dim=96, dtype="float16", kv_cache_dtype="auto")
+        config.validate_model(head_dim=96, dtype="float16", kv_cache_dtype="auto", gqa_group=4)
     with pytest.raises(HieraSparseConfigError, match="--dtype='float32'"):
-        config.validate_model(head_dim=64, dtype="float32", kv_cache_dtype="auto")
+        config.validate_model(head_dim=64, dtype="float32", kv_cache_dtype="auto", gqa_group=4)
     with pytest.raises(HieraSparseConfigError, match="kv-cache-dtype"):
-        config.validate_model(head_dim=64, dtype="float16", kv_cache_dtype="fp8_e4m3")
+        config.validate_model(head_dim=64, dtype="float16", kv_cache_dtype="fp8_e4m3", gqa_group=4)
+    # SmolLM2: 9 query / 3 KV heads. The decode and extend kernels take groups 1, 2, 4, 8 only.
+    with pytest.raises(HieraSparseConfigError, match="--hierasparse-kernels='decode,extend,compress'.*3 query heads"):
+        config.validate_model(head_dim=64, dtype="float16", kv_cache_dtype="auto", gqa_group=3)
+    for kernels in ("compress", "none"):
+        HieraSparseConfig(kernels=kernels).validate_model(head_dim=64, dtype="float16", kv_cache_dtype="auto",
+                                                          gqa_group=3)  # fmt: skip
     HieraSparseConfig.validate_gpu((9, 0), "H100")
     with pytest.raises(HieraSparseConfigError, match="compute capability 8.9"):
         HieraSparseConfig.validate_gpu((8, 9), "L40S")
@@ -93,4 +99,26 @@ def test_launcher_checks_page_size_and_device(tmp_path):
     )
     result = run_python(*base, cwd="/")
     assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: hierasparse: --device=cpu is invalid; allowed: cuda"
+
+
+def test_launcher_refuses_decode_and_extend_kernels_for_an_unsupported_gqa_group(tmp_path):
+    from sglang_hs.launch.make_model import write_llama8b_config
+
+    write_llama8b_config(str(tmp_path))
+    config_path = tmp_path / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(num_attention_heads=24, num_key_value_heads=8, hidden_size=3072, head_dim=128)  # group 3
+    config_path.write_text(json.dumps(config))
+    base = ["-m", "sglang.launch_server", "--model-path", str(tmp_path), "--attention-backend", "hierasparse",
+            "--device", "cpu"]
+    result = run_python(*base, cwd="/")
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: hierasparse: --hierasparse-kernels='decode,extend,compress' is invalid; allowed: 'compress' or "
+        "'none' for this model: its 3 query heads per KV head are not a GQA group of the decode and extend "
+        "kernels ([1, 2, 4, 8])"
+    )
+    # With the compressor alone the model passes the shape checks (and stops at the CPU device).
+    result = run_python(*base, "--hierasparse-kernels", "compress", cwd="/")
     assert result.stderr.strip().splitlines()[-1] == "error: hierasparse: --device=cpu is invalid; allowed: cuda"

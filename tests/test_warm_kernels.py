@@ -26,6 +26,8 @@ def test_model_shape_and_jobs(tmp_path):
     assert kinds == ["decode", "decode"] + ["extend"] * 4 + ["pack", "loss", "loss"]
     decode_args = jobs[1][1]
     assert decode_args[:6] == (8, 16, 4, 128, 64, 257) and decode_args[6] >= 1 and decode_args[7] == "bfloat16"
+    smollm2 = {"q_heads": 9, "kv_heads": 3, "head_dim": 64, "dtype": "float16"}  # group 3: compressor only
+    assert [kind for kind, _ in W.kernel_jobs(smollm2, 129, [1, 2, 4], 132)] == ["pack", "loss", "loss"]
     with pytest.raises(SystemExit, match="does not divide"):
         W.model_shape(str(tmp_path), tp_size=3)
     (tmp_path / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
