@@ -235,6 +235,15 @@ def build_pack_prim_func(kv_heads: int, head_dim: int, block_size: int, threads:
     return main
 
 
+def _tiling_threads(items: int, most: int) -> int:
+    """The most threads (whole warps, at most ``most``) that share ``items`` equally: 256 for the
+    common shapes, fewer where the heads' row does not split into 256 (3 KV heads of 64: 192)."""
+    for threads in range(min(most, items) // 32 * 32, 0, -32):
+        if items % threads == 0:
+            return threads
+    raise ValueError(f"{items} work items do not tile whole warps")
+
+
 def build_loss_prim_func(operand: str, kv_heads: int, head_dim: int, block_size: int, dtype: str = "float16",
                          threads: int = LOSS_THREADS, unroll: int = LOSS_UNROLL):
     """The loss kernel of one operand: grid ``(n, L)`` writes per-(layer, block) losses to ``LP [L, n]``,
@@ -251,9 +260,7 @@ def build_loss_prim_func(operand: str, kv_heads: int, head_dim: int, block_size:
         raise ValueError("head_dim must be a multiple of 8 and block_size of 4")
     C = H * D  # elements of one token row of the page (all heads)
     items = (B * C // 8) if operand == "k" else (B // 4) * (C // 8)
-    threads = min(threads, items)
-    if items % threads or threads % 32:
-        raise ValueError(f"{items} work items do not tile {threads} threads")
+    threads = _tiling_threads(items, threads)
     per_thread = items // threads
     unroll = max(1, min(unroll, per_thread))
     while per_thread % unroll:
