@@ -99,3 +99,24 @@ def test_other_batches_take_the_dense_or_pytorch_paths():
     decode = extend_batch([0], [256], [1])
     decode.forward_mode = ForwardMode.DECODE
     assert backend._compressed_metadata(decode).path is Path.FALLBACK
+
+
+@pytest.mark.parametrize("disable_radix_cache", [False, True])
+def test_kv_budget_split_only_with_the_radix_cache(disable_radix_cache, monkeypatch):
+    """With the radix cache on, the store is carved out of SGLang's KV budget; with
+    ``--disable-radix-cache`` nothing is ever cached, so the dense pool keeps the whole budget (the
+    hook leaves SGLang's figure alone), the store is empty and every batch runs on the dense path."""
+    from sglang_hs import pools
+    from sglang_hs.config import ENV_VAR, HieraSparseConfig
+    from sglang_hs.plugin import split_kv_budget
+
+    monkeypatch.setenv(ENV_VAR, HieraSparseConfig(store_fraction=0.25).to_json())
+    monkeypatch.setattr(pools, "_store_budget_bytes", 0)
+    server_args = SimpleNamespace(attention_backend="hierasparse", prefill_attention_backend=None,
+                                  decode_attention_backend=None, disable_radix_cache=disable_radix_cache)  # fmt: skip
+    configurator = SimpleNamespace(server_args=server_args, is_draft_worker=False)
+    dense = split_kv_budget(4 << 30, configurator)
+    if disable_radix_cache:
+        assert dense is None and pools.store_budget_bytes() == 0
+    else:
+        assert dense == 3 << 30 and pools.store_budget_bytes() == 1 << 30
