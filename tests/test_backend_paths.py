@@ -105,7 +105,8 @@ def test_other_batches_take_the_dense_or_pytorch_paths():
 def test_kv_budget_split_only_with_the_radix_cache(disable_radix_cache, monkeypatch):
     """With the radix cache on, the store is carved out of SGLang's KV budget; with
     ``--disable-radix-cache`` nothing is ever cached, so the dense pool keeps the whole budget (the
-    hook leaves SGLang's figure alone), the store is empty and every batch runs on the dense path."""
+    hook leaves SGLang's figure alone) and the store gets none. (A batch that reads no compressed
+    block takes the dense path: ``test_other_batches_take_the_dense_or_pytorch_paths``.)"""
     from sglang_hs import pools
     from sglang_hs.config import ENV_VAR, HieraSparseConfig
     from sglang_hs.plugin import split_kv_budget
