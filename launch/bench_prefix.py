@@ -176,7 +176,8 @@ def read_metrics(base_url: str) -> dict[str, float]:
 def metrics_fields(metrics: dict[str, float]) -> dict[str, float | None]:
     """The compressed-cache gauges (absent on dense servers) and SGLang's own cache hit rate."""
     fields = {"metrics_cache_hit_rate": metrics.get("sglang:cache_hit_rate")}
-    for key in ("compressed_tokens", "store_used_blocks", "blocks_compressed_total", "bytes_saved"):
+    for key in ("compressed_tokens", "store_used_blocks", "blocks_compressed_total", "bytes_saved",
+                "tails_trimmed_total", "blocks_evicted_for_dense_total", "blocks_evicted_for_store_total"):
         fields[f"hs_{key}"] = metrics.get(f"sglang:hierasparse_{key}")
     return fields
 

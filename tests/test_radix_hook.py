@@ -148,22 +148,49 @@ def test_split_lock_evict_and_flush_return_every_slot(env):
 
 
 def test_eviction_for_dense_pages_spares_compressed_prefixes(env):
-    """Mostly dense leaves go before compressed ones, even more recent ones: evicting a compressed
-    prefix returns only its sink and window pages but discards the whole prefix."""
+    """Mostly dense leaves go before compressed ones, even more recent ones; then compressed leaves
+    lose only their dense tail (the window); whole compressed leaves go last."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     e = env()
     start_free, start_store = e.allocator.available_size(), e.store.free_counts()
-    insert(e, list(range(100, 1124)))  # older: 11 compressed blocks + 320 dense tokens
+    prefix = list(range(100, 1124))
+    insert(e, prefix)  # older: sink page, 11 compressed blocks, 256-token window
     insert(e, list(range(9000, 9256)))  # newer: 256 tokens, all within sink + window: dense only
     result = e.tree.evict(EvictParams(num_tokens=64))
     assert result.num_tokens_evicted == 256
-    assert e.store.used_blocks() == 11 and len(match(e, list(range(100, 1124))).device_indices) == 1024
+    assert e.store.used_blocks() == 11 and len(match(e, prefix).device_indices) == 1024
     assert len(match(e, list(range(9000, 9256))).device_indices) == 0 and balanced(e)
-    # Only compressed leaves left: the next request for dense pages evicts them, least recent first.
+    # Only a compressed leaf left: its window is cut off; the sink and the compressed blocks stay.
     result = e.tree.evict(EvictParams(num_tokens=64))
-    assert result.num_tokens_evicted == 320 and e.store.used_blocks() == 0
+    assert result.num_tokens_evicted == 256 and e.store.used_blocks() == 11
+    hit = match(e, prefix).device_indices
+    assert len(hit) == 768 and int(e.virtual.mask(hit).sum()) == 11 * 64 and balanced(e)
+    status = e.tree.status()
+    assert status["tails_trimmed_total"] == 1 and status["blocks_evicted_for_dense_total"] == 0
+    # No tail left to cut: the next request for dense pages evicts the leaf and its blocks.
+    result = e.tree.evict(EvictParams(num_tokens=64))
+    assert result.num_tokens_evicted == 64 and e.store.used_blocks() == 0
+    assert e.tree.status()["blocks_evicted_for_dense_total"] == 11
     assert e.allocator.available_size() == start_free and e.store.free_counts() == start_store and balanced(e)
+
+
+def test_trimmed_prefix_keeps_its_age_and_is_extended_again(env):
+    """Cutting a tail is no use of the prefix: the compressed part keeps the leaf's access time, so
+    LRU order holds. A later hit prefills the cut window again, below the compressed part."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e = env()
+    prefix = list(range(3000, 4024))
+    insert(e, prefix)
+    leaf = next(iter(e.tree.root_node.children.values()))
+    accessed = leaf.last_access_time
+    e.tree.evict(EvictParams(num_tokens=256))
+    kept = next(iter(e.tree.root_node.children.values()))
+    assert kept is not leaf and len(kept.key) == 768 and kept.last_access_time == accessed
+    assert e.tree.dense_tail(kept) == 0 and kept in e.tree.evictable_leaves
+    insert(e, prefix + list(range(8000, 8128)))  # the hit's own window and tokens enter below it
+    assert len(match(e, prefix).device_indices) == 1024 and balanced(e) and e.store.check() is None
 
 
 def test_eviction_prefers_a_mostly_dense_suffix_to_a_compressed_prefix(env):
