@@ -149,12 +149,13 @@ def hit_rate(log_text: str) -> float:
     return cached / (new + cached) if new + cached else 0.0
 
 
-def kv_budget_gib(log_text: str, kv_tokens: int, model_config: dict) -> float:
-    """KV memory of a server: hierasparse logs its budget (dense pool + store); a dense server's is
-    its token capacity times the bytes of one token's K and V in every layer (16-bit)."""
+def kv_budget_gib(log_text: str, kv_tokens: int, model_config: dict, tp_size: int = 1) -> float:
+    """KV memory of a server, over all its GPUs: hierasparse logs each rank's budget (dense pool +
+    store); a dense server's is its token capacity (per rank, each rank holding its share of the KV
+    heads) times the bytes of one token's K and V in every layer and head (16-bit)."""
     match = _STORE_LINE.search(log_text)
     if match:
-        return float(match.group(1))
+        return float(match.group(1)) * tp_size
     heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
     return kv_tokens * 2 * model_config["num_hidden_layers"] * heads * model_head_dim(model_config) * 2 / 2**30
 
@@ -345,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             with SGLangServer(args.model_path, launch_args, args.port, log_path) as server:
                 info = http_json(server.base_url + "/get_server_info")
                 kv_tokens = int(info.get("max_total_num_tokens", 0))
+                tp_size = int(info.get("tp_size") or 1)
                 if spec.label in DENSE_SERVERS:
                     dense_capacity = kv_tokens
                 if not dense_capacity:
@@ -357,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                 server_fields = {
                     "backend": spec.backend, "server": spec.label, "S_K": spec.sk, "S_V": spec.sv,
                     "context": args.context, "resident_prefix_tokens": resident, "dense_kv_tokens": kv_tokens,
-                    "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config),
+                    "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config, tp_size),
+                    "tp_size": tp_size,
                     "mem_fraction_static": args.mem_fraction_static, "store_fraction": spec.store_fraction,
                     "device": device_name(),
                 }  # fmt: skip

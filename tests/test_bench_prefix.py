@@ -51,6 +51,9 @@ def test_hit_rate_and_kv_budget_from_logs():
     config = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
     assert kv_budget_gib(log, 2**20, config) == pytest.approx(128.0)  # 128 KiB per token
     assert kv_budget_gib("hierasparse: KV budget 53.61 GiB = dense pool", 0, config) == 53.61
+    # Tensor parallelism: each rank logs its own budget; a dense rank holds its share of the heads.
+    assert kv_budget_gib("hierasparse: KV budget 20.5 GiB = dense pool", 0, config, tp_size=2) == 41.0
+    assert kv_budget_gib(log, 2**20, config, tp_size=2) == pytest.approx(128.0)
 
 
 def test_regimes_and_groups():
