@@ -230,7 +230,9 @@ def flush_check(server: SGLangServer) -> dict:
         "flush_answer": str(flushed).strip()[:80],
         "store_used_blocks_after_flush": metrics.get("sglang:hierasparse_store_used_blocks"),
         "compressed_tokens_after_flush": metrics.get("sglang:hierasparse_compressed_tokens"),
-        "leak_reports": log.count("memory leak detected"),
+        "leak_reports": server.leak_reports(),
+        # One line per rank and flush (the radix hook's ownership check; hierasparse servers only).
+        "store_reset_lines": [line[-160:] for line in log.splitlines() if "hierasparse: cache reset" in line][-4:],
         "healthy_after_flush": server.healthy(),
     }
 

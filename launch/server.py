@@ -114,6 +114,12 @@ class SGLangServer:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def leak_reports(self) -> int:
+        """Leaks reported in the log so far: SGLang's idle memory check (which the plugin extends with
+        the compressed store) and the radix hook's store-ownership check at each cache reset."""
+        log = self.log_text()
+        return log.count("memory leak detected") + log.count("compressed store leak")
+
     def post(self, path: str, payload: dict | None = None, timeout: float = 600) -> Any:
         return http_json(self.base_url + path, payload, timeout, method="POST")
 

@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             server.post("/flush_cache")
             time.sleep(3)
             after_flush = store_gauges(server) if healthy else {}
-            leak_reports = server.log_text().count("memory leak detected")
+            leak_reports = server.leak_reports()
             healthy = healthy and server.healthy()
             # Written before the server stops: SGLang's shutdown can take a minute, and a caller's time
             # limit must not cost the report.

@@ -143,12 +143,25 @@ class HieraSparseRadixCache(RadixCache):
 
     # ----------------------------------------------------------------------------- accounting
     def reset(self):
+        if hasattr(self, "_virtual_evictable"):  # not on the first reset, inside RadixCache.__init__
+            self._log_store_ownership()
         super().reset()
         self._virtual_evictable = 0
         self._virtual_protected = 0
-        if hasattr(self, "store"):  # reset() also runs inside RadixCache.__init__
-            self.store.clear()
-            self.publish_metrics()
+        self.store.clear()
+        self.publish_metrics()
+
+    def _log_store_ownership(self) -> None:
+        """Before a flush empties the store: every block in use must belong to a tree node (under
+        tensor parallelism each rank logs its own line). A block no node holds is a leak that the
+        store's own check cannot see; it is logged with SGLang's leak wording."""
+        held = (self._virtual_evictable + self._virtual_protected) // self.config.block_size
+        used = self.store.used_blocks()
+        if held == used:
+            logger.info("hierasparse: cache reset; the store held %d compressed blocks, all owned by the tree (%d "
+                        "compressed since start)", used, self.stats.compressed_blocks)  # fmt: skip
+        else:
+            logger.error("hierasparse: compressed store leak: %d blocks in use at reset, the tree held %d", used, held)
 
     def evictable_size(self):
         return self.evictable_size_ - self._virtual_evictable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from array import array
 from types import SimpleNamespace
 
@@ -120,7 +121,7 @@ def test_matching_request_reads_compressed_copy(env):
         assert torch.allclose(lse, expected_lse, atol=1e-4)
 
 
-def test_split_lock_evict_and_flush_return_every_slot(env):
+def test_split_lock_evict_and_flush_return_every_slot(env, caplog):
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     e = env()
@@ -142,9 +143,17 @@ def test_split_lock_evict_and_flush_return_every_slot(env):
     assert e.store.check() is None
     # /flush_cache: reset + allocator.clear also empties the store.
     insert(e, base)
-    e.tree.reset()
+    with caplog.at_level(logging.INFO, logger="sglang_hs.radix.hook"):
+        e.tree.reset()
+    assert "the store held 11 compressed blocks, all owned by the tree" in caplog.text
     e.allocator.clear()
     assert e.allocator.available_size() == start_free and e.store.free_counts() == start_store
+    # A store block that no tree node holds is reported as a leak at the next reset.
+    insert(e, base)
+    e.store.allocate([True], [True])
+    with caplog.at_level(logging.INFO, logger="sglang_hs.radix.hook"):
+        e.tree.reset()
+    assert "compressed store leak: 12 blocks in use at reset, the tree held 11" in caplog.text
 
 
 def test_eviction_for_dense_pages_spares_compressed_prefixes(env):

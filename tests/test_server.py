@@ -59,3 +59,14 @@ def test_refuses_a_port_in_use(tmp_path):
         sock.listen()
         with pytest.raises(ServerStartError, match="already in use"):
             SGLangServer(str(tmp_path), [], sock.getsockname()[1], str(tmp_path / "log"))
+
+
+def test_leak_reports_count_sglang_and_store_ownership_lines(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    server = SGLangServer(str(tmp_path), [], free_port(), str(tmp_path / "log"))
+    (tmp_path / "log").write_text(
+        "[TP0] hierasparse: cache reset; the store held 3 compressed blocks, all owned by the tree\n"
+        "[TP1] hierasparse: compressed store leak: 4 blocks in use at reset, the tree held 3\n"
+        "token_to_kv_pool_allocator memory leak detected! available_size=1\n"
+    )
+    assert server.leak_reports() == 2
