@@ -17,7 +17,9 @@ For each server (started one after another on the same GPU with the same --mem-f
    between 1× and 1.78×) or 2.5× (regime 3: beyond both) of it; a regime ``gN`` runs N groups
    (``gNxM``: N groups of M questions). The dense flashinfer server must therefore run first, in this
    run or an earlier one whose records are in ``--out`` (or a triton one), or ``--dense-capacity`` must
-   be given.
+   be given. Prompt lengths are calibrated so that the server sees ``--context`` and
+   ``--question-len`` tokens (bench_serving's random text re-encodes to more tokens than it asked
+   for: about 1.5x with the random-weight models' tokenizers; ``prompt_tokens_mean`` records it).
 3. **Flush check.** After its loads a server's cache is flushed (``/flush_cache``) and its metrics
    read again: a hierasparse store must be empty then. SGLang checks its pools' accounting every
    time the scheduler goes idle (the plugin adds the compressed store to that check) and stops the
@@ -120,6 +122,25 @@ def auto_store_fraction(
 
 def random_prompt_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(length)]
+
+
+def calibrated_prompt_len(tokenizer_path: str, tokens: int, sample: int = 2048) -> int:
+    """The token count to ask bench_serving for so that the server sees about ``tokens`` tokens.
+
+    bench_serving builds an N-token prompt by decoding N random token ids; the server encodes that
+    text again (so does bench_serving's own count), which can give many more tokens: the
+    random-weight models' tokenizers give about 1.5x. Measured with bench_serving's own prompt
+    generator on the model's tokenizer.
+    """
+    from sglang.benchmark.datasets.common import gen_prompt
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    state = random.getstate()
+    random.seed(0)
+    encoded = len(tokenizer.encode(gen_prompt(tokenizer, sample), add_special_tokens=False))
+    random.setstate(state)
+    return max(1, round(tokens * sample / encoded))
 
 
 def probe_capacity(server: SGLangServer, context: int, count: int, vocab: int) -> int:
@@ -279,7 +300,7 @@ def run_bench_serving(server: SGLangServer, args, groups: int, per_group: int, r
         "--base-url", server.base_url, "--model", args.model_path, "--tokenizer", args.model_path,
         "--dataset-name", "generated-shared-prefix",
         "--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(per_group),
-        "--gsp-system-prompt-len", str(args.context), "--gsp-question-len", str(args.question_len),
+        "--gsp-system-prompt-len", str(args.gsp_prompt_len), "--gsp-question-len", str(args.gsp_question_len),
         "--gsp-output-len", str(args.output_len), "--num-prompts", str(groups * per_group),
         "--request-rate", str(args.request_rate), "--max-concurrency", str(args.max_concurrency),
         "--flush-cache", "--seed", "1", "--output-file", result_path, "--disable-tqdm", "--output-details",
@@ -337,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         (r["dense_kv_tokens"] for r in records if r.get("server") in DENSE_SERVERS and r.get("context") == args.context),
         None,
     )
+    if regimes:
+        args.gsp_prompt_len = calibrated_prompt_len(args.model_path, args.context)
+        args.gsp_question_len = calibrated_prompt_len(args.model_path, args.question_len)
+        print(f"[bench] bench_serving prompt lengths {args.gsp_prompt_len} + {args.gsp_question_len} tokens re-encode "
+              f"to about {args.context} + {args.question_len} (the server's tokens)", flush=True)  # fmt: skip
     common = ["--mem-fraction-static", str(args.mem_fraction_static), "--sampling-backend", "pytorch",
               "--grammar-backend", "none", "--enable-metrics", *args.server_arg]  # fmt: skip
     if args.load_format:
@@ -381,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                     metrics = read_metrics(server.base_url)
                     record = {
                         "regime": regime, "api": args.api, **server_fields, "working_set_tokens": groups * args.context,
+                        "prompt_tokens_mean": result["total_input_tokens"] / max(1, result["completed"]),
                         "req_throughput": result["request_throughput"],
                         "output_tok_throughput": result["output_throughput"],
                         "total_tok_throughput": result["total_throughput"],

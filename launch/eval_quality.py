@@ -898,6 +898,7 @@ class ServerBackend:
         for setting in runnable:
             log = f"{self.log_prefix}_{setting.name.replace(':', '_').replace(',', '_')}.log"
             with SGLangServer(self.model_path, self.launch_args(setting), self.port, log) as server:
+                check_prompt_lengths(server, samples, windows)
                 for sample in samples:
                     self._prime(server, sample.prefix_ids)
                     for qi, question in enumerate(sample.questions):
@@ -961,6 +962,19 @@ class ServerBackend:
             "top1": sum(a == b for a, b in zip(top1, p_top1)) / n, "nll": sum(nll) / n,
             "kl_support": len(self.support[window.name]),
         }  # fmt: skip
+
+
+def check_prompt_lengths(server, samples: list[Sample], windows: list[Window]) -> None:
+    """Refuse before any request when the longest prompt exceeds what the server takes (its
+    context length less a few tokens): SGLang would answer that request with HTTP 400."""
+    from sglang_hs.launch.server import http_json
+
+    limit = http_json(server.base_url + "/server_info", method="GET").get("max_req_input_len")
+    prompts = [len(s.prefix_ids) + len(q.suffix_ids) for s in samples for q in s.questions]
+    prompts += [len(w.prefix_ids) + len(w.continuation_ids) for w in windows]
+    if limit and prompts and max(prompts) > limit:
+        raise MissingInput(f"the longest prompt has {max(prompts)} tokens, the server takes {limit}: "
+                           "pass --lengths below the model's context length")  # fmt: skip
 
 
 def coarse_kl(p: dict[int, float], q: dict[int, float]) -> float:
@@ -1303,7 +1317,11 @@ def main(argv: list[str] | None = None) -> int:
     windows = make_windows(tokenizer, heldout, args.lengths, args.fidelity_windows, args.fidelity_tokens, args.seed)
     print(f"[eval] {len(samples)} haystacks ({sum(len(s.questions) for s in samples)} questions), "
           f"{len(windows)} fidelity windows, backend {args.backend}", flush=True)  # fmt: skip
-    records = backend.evaluate(settings, samples, windows)
+    try:
+        records = backend.evaluate(settings, samples, windows)
+    except MissingInput as exc:
+        print(f"eval_quality: {exc}", file=sys.stderr)
+        return 2
 
     rows = summarize(records, settings, geometry)
     tag = args.tag or ("cpu" if args.backend == "reference" else "server")

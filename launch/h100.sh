@@ -95,7 +95,7 @@ case "$step" in
   quality)
     tag=${3:?TAG}
     python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" --tag "$tag" \
-        --lengths 1024 2048 4096 8192 --samples 2 --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
+        --lengths 1024 2048 4096 8128 --samples 2 --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
         --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=0.5 \
         --server-arg=--hierasparse-kernels=compress --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
     ;;

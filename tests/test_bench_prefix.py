@@ -89,3 +89,20 @@ def test_metrics_and_request_fields():
     result = {"completed": 2, "errors": ["", "HTTP 500: boom"], "cached_tokens": [0, 900], "input_lens": [1000, 1000]}
     assert request_fields(result) == {"num_prompts": 2, "completed": 2, "errors": 1, "first_error": "HTTP 500: boom",
                                       "cached_token_rate": 0.45}
+
+
+def test_calibrated_prompt_len_gives_the_servers_token_count(tmp_path):
+    """bench_serving's random prompts re-encode to more tokens with the benchmark model's tokenizer;
+    asking for the calibrated count gives about the wanted count."""
+    from sglang.benchmark.datasets.common import gen_prompt
+    from transformers import AutoTokenizer
+
+    from sglang_hs.launch.bench_prefix import calibrated_prompt_len
+    from sglang_hs.launch.make_model import write_llama8b_config
+
+    write_llama8b_config(str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    asked = calibrated_prompt_len(str(tmp_path), 8192)
+    assert asked < 8192 * 0.9  # the expansion is real for this tokenizer
+    got = len(tokenizer.encode(gen_prompt(tokenizer, asked), add_special_tokens=False))
+    assert abs(got - 8192) < 8192 * 0.03
