@@ -306,3 +306,14 @@ def test_smollm2_gguf_is_found():
 
     path = convert_gguf.find_smollm2_gguf()
     assert path.endswith(convert_gguf.SMOLLM2_FILE) and os.path.getsize(path) > 50_000_000
+
+
+def test_prompts_longer_than_the_server_takes_are_refused(monkeypatch):
+    from sglang_hs.launch import server as server_module
+
+    monkeypatch.setattr(server_module, "http_json", lambda url, *a, **k: {"max_req_input_len": 100})
+    stand_in = type("Server", (), {"base_url": "http://127.0.0.1:1"})()
+    fits = [eq.Window(128, 0, list(range(80)), list(range(20)))]
+    eq.check_prompt_lengths(stand_in, [], fits)
+    with pytest.raises(eq.MissingInput, match="101 tokens, the server takes 100"):
+        eq.check_prompt_lengths(stand_in, [], [eq.Window(128, 0, list(range(81)), list(range(20)))])
