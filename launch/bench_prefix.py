@@ -294,6 +294,36 @@ def save(records: list[dict], out: str) -> None:
     plot(records, os.path.splitext(out)[0] + ".png")
 
 
+# (record key, label, True where higher is better); ratios are stated so that > 1 favours hierasparse.
+RATIO_FIELDS = (("req_throughput", "req/s", True), ("output_tok_throughput", "output tok/s", True),
+                ("ttft_p50_ms", "TTFT p50", False), ("tpot_p50_ms", "TPOT p50", False),
+                ("resident_prefix_tokens", "resident prefix tokens", True))  # fmt: skip
+
+
+def ratio_lines(records: list[dict]) -> list[str]:
+    """Each hierasparse record against the dense record of the same load, context and KV memory
+    (the same ``--out``, so measured in the same sweep): higher-is-better fields as ours / dense,
+    latencies as dense / ours."""
+    lines = []
+    dense = [r for r in records if r["server"] in DENSE_SERVERS]
+    for ours in (r for r in records if r["backend"] == "hierasparse"):
+        base = next((d for d in reversed(dense) if d["regime"] == ours["regime"] and d["context"] == ours["context"]
+                     and d.get("api") == ours.get("api") and d["mem_fraction_static"] == ours["mem_fraction_static"]
+                     and d.get("tp_size", 1) == ours.get("tp_size", 1)), None)  # fmt: skip
+        if base is None:
+            continue
+        parts = [
+            f"{label} {(ours[key] / base[key]) if higher else (base[key] / ours[key]):.2f}x"
+            for key, label, higher in RATIO_FIELDS
+            if ours.get(key) and base.get(key)
+        ]
+        line = f"regime {ours['regime']}, {ours['server']} vs {base['server']}: " + ", ".join(parts)
+        if ours.get("cache_hit_rate") is not None and base.get("cache_hit_rate") is not None:
+            line += f" (cache hit rate {ours['cache_hit_rate']:.2f} vs {base['cache_hit_rate']:.2f})"
+        lines.append(line)
+    return lines
+
+
 def run_bench_serving(server: SGLangServer, args, groups: int, per_group: int, result_path: str) -> dict:
     command = [
         sys.executable, "-m", "sglang.benchmark.serving", "--backend", args.api,
@@ -319,7 +349,8 @@ def run_bench_serving(server: SGLangServer, args, groups: int, per_group: int, r
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--model-path")
+    parser.add_argument("--report-only", metavar="JSON", help="print an earlier run's ratios and redraw its PNG")
     parser.add_argument("--load-format", default=None, help="e.g. dummy for random weights")
     parser.add_argument("--servers", default="flashinfer,hs:1:1,hs:0:1,hicache")
     parser.add_argument("--regimes", default="1,2,3", help="comma list of 1, 2, 3, gN (N groups); empty: capacity probe only")
@@ -340,7 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench-timeout", type=float, default=900)
     parser.add_argument("--out", default="launch/results/prefix_bench_h100.json")
     args = parser.parse_args(argv)
-    if not os.path.exists(os.path.join(args.model_path, "config.json")):
+    if args.report_only:
+        with open(args.report_only) as f:
+            records = json.load(f)
+        save(records, args.report_only)
+        print_ratios(records)
+        return 0
+    if not args.model_path or not os.path.exists(os.path.join(args.model_path, "config.json")):
         raise SystemExit(f"error: --model-path {args.model_path} has no config.json")
     specs = [ServerSpec.parse(s, args.store_fraction) for s in args.servers.split(",")]
     regimes = parse_regimes(args.regimes)
@@ -434,7 +471,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("[bench] interrupted; servers stopped", file=sys.stderr)
         return 130
+    print_ratios(records)
     return 0
+
+
+def print_ratios(records: list[dict]) -> None:
+    for line in ratio_lines(records):
+        print(f"[bench] ratio: {line}", flush=True)
 
 
 if __name__ == "__main__":

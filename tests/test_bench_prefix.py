@@ -106,3 +106,16 @@ def test_calibrated_prompt_len_gives_the_servers_token_count(tmp_path):
     assert asked < 8192 * 0.9  # the expansion is real for this tokenizer
     got = len(tokenizer.encode(gen_prompt(tokenizer, asked), add_special_tokens=False))
     assert abs(got - 8192) < 8192 * 0.03
+
+
+def test_ratios_pair_each_hierasparse_record_with_its_dense_load():
+    from sglang_hs.launch.bench_prefix import ratio_lines
+
+    common = {"context": 8192, "api": "sglang-oai", "mem_fraction_static": 0.85, "tp_size": 1}
+    dense = {**common, "server": "triton", "backend": "triton", "regime": 2, "req_throughput": 2.0,
+             "ttft_p50_ms": 900.0, "cache_hit_rate": 0.5}  # fmt: skip
+    ours = {**common, "server": "hs:1:1:0.8", "backend": "hierasparse", "regime": 2, "req_throughput": 3.0,
+            "ttft_p50_ms": 300.0, "cache_hit_rate": 0.8}  # fmt: skip
+    other_memory = {**ours, "mem_fraction_static": 0.6}
+    lines = ratio_lines([dense, ours, other_memory])
+    assert lines == ["regime 2, hs:1:1:0.8 vs triton: req/s 1.50x, TTFT p50 3.00x (cache hit rate 0.80 vs 0.50)"]
