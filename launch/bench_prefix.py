@@ -124,13 +124,13 @@ def random_prompt_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(length)]
 
 
-def calibrated_prompt_len(tokenizer_path: str, tokens: int, sample: int = 2048) -> int:
-    """The token count to ask bench_serving for so that the server sees about ``tokens`` tokens.
+def calibrated_prompt_lens(tokenizer_path: str, *tokens: int, sample: int = 2048) -> list[int]:
+    """The token counts to ask bench_serving for so that the server sees about ``tokens`` tokens.
 
     bench_serving builds an N-token prompt by decoding N random token ids; the server encodes that
     text again (so does bench_serving's own count), which can give many more tokens: the
-    random-weight models' tokenizers give about 1.5x. Measured with bench_serving's own prompt
-    generator on the model's tokenizer.
+    random-weight models' tokenizers give about 1.5x. The expansion is measured once, with
+    bench_serving's own prompt generator on the model's tokenizer.
     """
     from sglang.benchmark.datasets.common import gen_prompt
     from transformers import AutoTokenizer
@@ -140,7 +140,7 @@ def calibrated_prompt_len(tokenizer_path: str, tokens: int, sample: int = 2048) 
     random.seed(0)
     encoded = len(tokenizer.encode(gen_prompt(tokenizer, sample), add_special_tokens=False))
     random.setstate(state)
-    return max(1, round(tokens * sample / encoded))
+    return [max(1, round(n * sample / encoded)) for n in tokens]
 
 
 def probe_capacity(server: SGLangServer, context: int, count: int, vocab: int) -> int:
@@ -396,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         None,
     )
     if regimes:
-        args.gsp_prompt_len = calibrated_prompt_len(args.model_path, args.context)
-        args.gsp_question_len = calibrated_prompt_len(args.model_path, args.question_len)
+        args.gsp_prompt_len, args.gsp_question_len = calibrated_prompt_lens(args.model_path, args.context,
+                                                                            args.question_len)  # fmt: skip
         print(f"[bench] bench_serving prompt lengths {args.gsp_prompt_len} + {args.gsp_question_len} tokens re-encode "
               f"to about {args.context} + {args.question_len} (the server's tokens)", flush=True)  # fmt: skip
     common = ["--mem-fraction-static", str(args.mem_fraction_static), "--sampling-backend", "pytorch",

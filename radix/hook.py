@@ -237,12 +237,10 @@ class HieraSparseRadixCache(RadixCache):
             self.stats.evicted_blocks["store" if freed_by is virtual_tokens else "dense"] += (
                 virtual_tokens(node) // self.config.block_size
             )
-            self.token_to_kv_pool_allocator.free(node.value)
-            self._delete_leaf(node)
+            self._remove_leaf(node)
             parent = node.parent
             if not parent.children and parent.lock_ref == 0 and candidate(parent):
                 heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
-            self._record_remove_event(node)
         self.update_eviction_metrics(evicted_tokens, start)
         self.publish_metrics()
         return EvictResult(num_tokens_evicted=evicted_tokens)
@@ -269,13 +267,17 @@ class HieraSparseRadixCache(RadixCache):
             # The compressed part keeps the leaf's age: being cut is no use of the prefix.
             kept.last_access_time, kept.creation_time = node.last_access_time, node.creation_time
             freed += tail
-            self.token_to_kv_pool_allocator.free(node.value)
-            self._delete_leaf(node)
-            self._record_remove_event(node)
+            self._remove_leaf(node)
             self.stats.trimmed_tails += 1
         self.update_eviction_metrics(freed, start)
         self.publish_metrics()
         return freed
+
+    def _remove_leaf(self, node: TreeNode) -> None:
+        """Free an unlocked leaf's slots (dense pages and store blocks) and drop it from the tree."""
+        self.token_to_kv_pool_allocator.free(node.value)
+        self._delete_leaf(node)
+        self._record_remove_event(node)
 
     def dense_tail(self, node: TreeNode) -> int:
         """Tokens of ``node`` after its last compressed one (its whole length if it has none); a

@@ -97,15 +97,16 @@ def test_calibrated_prompt_len_gives_the_servers_token_count(tmp_path):
     from sglang.benchmark.datasets.common import gen_prompt
     from transformers import AutoTokenizer
 
-    from sglang_hs.launch.bench_prefix import calibrated_prompt_len
+    from sglang_hs.launch.bench_prefix import calibrated_prompt_lens
     from sglang_hs.launch.make_model import write_llama8b_config
 
     write_llama8b_config(str(tmp_path))
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
-    asked = calibrated_prompt_len(str(tmp_path), 8192)
+    asked, asked_question = calibrated_prompt_lens(str(tmp_path), 8192, 256)
     assert asked < 8192 * 0.9  # the expansion is real for this tokenizer
     got = len(tokenizer.encode(gen_prompt(tokenizer, asked), add_special_tokens=False))
     assert abs(got - 8192) < 8192 * 0.03
+    assert asked_question == round(256 * asked / 8192)  # one expansion for every length
 
 
 def test_ratios_pair_each_hierasparse_record_with_its_dense_load():
