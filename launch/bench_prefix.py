@@ -50,6 +50,7 @@ from sglang_hs.plotting import pyplot
 
 REGIME_WORKING_SET = {1: 0.5, 2: 1.4, 3: 2.5}
 DENSE_SERVERS = ("flashinfer", "triton")  # plain SGLang servers: their KV capacity sizes the regimes
+BASELINES = (*DENSE_SERVERS, "hicache")  # what hierasparse records are compared with
 _PREFILL_LINE = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
 _STORE_LINE = re.compile(r"hierasparse: KV budget ([0-9.]+) GiB")
 _METRIC_LINE = re.compile(r"^(sglang:\w+)(?:\{[^}]*\})? ([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
@@ -300,27 +301,32 @@ RATIO_FIELDS = (("req_throughput", "req/s", True), ("output_tok_throughput", "ou
                 ("resident_prefix_tokens", "resident prefix tokens", True))  # fmt: skip
 
 
+def same_setup(a: dict, b: dict) -> bool:
+    """Records measured at the same context, KV memory and tensor-parallel size (comparable servers)."""
+    return (a.get("context") == b.get("context") and a.get("mem_fraction_static") == b.get("mem_fraction_static")
+            and a.get("tp_size", 1) == b.get("tp_size", 1))  # fmt: skip
+
+
 def ratio_lines(records: list[dict]) -> list[str]:
-    """Each hierasparse record against the dense record of the same load, context and KV memory
-    (the same ``--out``, so measured in the same sweep): higher-is-better fields as ours / dense,
-    latencies as dense / ours."""
+    """Each hierasparse record against the latest record of every baseline server (flashinfer, triton,
+    hicache) of the same load, context and KV memory: higher-is-better fields as ours / theirs,
+    latencies as theirs / ours."""
     lines = []
-    dense = [r for r in records if r["server"] in DENSE_SERVERS]
     for ours in (r for r in records if r["backend"] == "hierasparse"):
-        base = next((d for d in reversed(dense) if d["regime"] == ours["regime"] and d["context"] == ours["context"]
-                     and d.get("api") == ours.get("api") and d["mem_fraction_static"] == ours["mem_fraction_static"]
-                     and d.get("tp_size", 1) == ours.get("tp_size", 1)), None)  # fmt: skip
-        if base is None:
-            continue
-        parts = [
-            f"{label} {(ours[key] / base[key]) if higher else (base[key] / ours[key]):.2f}x"
-            for key, label, higher in RATIO_FIELDS
-            if ours.get(key) and base.get(key)
-        ]
-        line = f"regime {ours['regime']}, {ours['server']} vs {base['server']}: " + ", ".join(parts)
-        if ours.get("cache_hit_rate") is not None and base.get("cache_hit_rate") is not None:
-            line += f" (cache hit rate {ours['cache_hit_rate']:.2f} vs {base['cache_hit_rate']:.2f})"
-        lines.append(line)
+        for name in BASELINES:
+            base = next((r for r in reversed(records) if r["server"] == name and r["regime"] == ours["regime"]
+                         and r.get("api") == ours.get("api") and same_setup(r, ours)), None)  # fmt: skip
+            if base is None:
+                continue
+            parts = [
+                f"{label} {(ours[key] / base[key]) if higher else (base[key] / ours[key]):.2f}x"
+                for key, label, higher in RATIO_FIELDS
+                if ours.get(key) and base.get(key)
+            ]
+            line = f"regime {ours['regime']}, {ours['server']} vs {base['server']}: " + ", ".join(parts)
+            if ours.get("cache_hit_rate") is not None and base.get("cache_hit_rate") is not None:
+                line += f" (cache hit rate {ours['cache_hit_rate']:.2f} vs {base['cache_hit_rate']:.2f})"
+            lines.append(line)
     return lines
 
 
@@ -366,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="hierasparse store fraction unless a server gives its own (hs:SK:SV:F)")
     parser.add_argument("--dense-capacity", type=int, default=None, help="dense KV tokens, if flashinfer is not run first")
     parser.add_argument("--skip-capacity-probe", action="store_true")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size of every server")
+    parser.add_argument("--hicache-size", type=int, default=None,
+                        help="hicache server: host KV pool in GB (SGLang's default, 2x the GPU pool, may not fit the host)")
     parser.add_argument("--server-arg", action="append", default=[], help="extra flag for every server")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--bench-timeout", type=float, default=900)
@@ -390,9 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(args.out):
         with open(args.out) as f:
             records = json.load(f)
-    # The dense capacity sizes the regimes; an earlier run's flashinfer record can provide it.
+    # The dense capacity sizes the regimes; an earlier run's dense record at the same context, memory
+    # and TP size can provide it.
+    setup = {"context": args.context, "mem_fraction_static": args.mem_fraction_static, "tp_size": args.tp_size}
     dense_capacity = args.dense_capacity or next(
-        (r["dense_kv_tokens"] for r in records if r.get("server") in DENSE_SERVERS and r.get("context") == args.context),
+        (r["dense_kv_tokens"] for r in reversed(records) if r.get("server") in DENSE_SERVERS and same_setup(r, setup)),
         None,
     )
     if regimes:
@@ -400,14 +411,16 @@ def main(argv: list[str] | None = None) -> int:
                                                                             args.question_len)  # fmt: skip
         print(f"[bench] bench_serving prompt lengths {args.gsp_prompt_len} + {args.gsp_question_len} tokens re-encode "
               f"to about {args.context} + {args.question_len} (the server's tokens)", flush=True)  # fmt: skip
-    common = ["--mem-fraction-static", str(args.mem_fraction_static), "--sampling-backend", "pytorch",
-              "--grammar-backend", "none", "--enable-metrics", *args.server_arg]  # fmt: skip
+    common = ["--mem-fraction-static", str(args.mem_fraction_static), "--tp-size", str(args.tp_size),
+              "--sampling-backend", "pytorch", "--grammar-backend", "none", "--enable-metrics", *args.server_arg]  # fmt: skip
     if args.load_format:
         common += ["--load-format", args.load_format]
     try:
         for spec in specs:
             log_path = os.path.join(out_dir, f"server_{spec.label.replace(':', '_')}.log")
             launch_args = spec.server_args(dense_capacity, args.context, model_head_dim(model_config)) + common
+            if spec.label == "hicache" and args.hicache_size:
+                launch_args += ["--hicache-size", str(args.hicache_size)]
             with SGLangServer(args.model_path, launch_args, args.port, log_path) as server:
                 info = http_json(server.base_url + "/get_server_info")
                 kv_tokens = int(info.get("max_total_num_tokens", 0))

@@ -10,6 +10,7 @@
 #                                            Llama-3.1-8B-shaped prefix benchmark, e.g. SERVERS=triton,hs:1:1:auto,
 #                                            REGIMES=g10x20 (default: 200 requests over 10 prefixes), 1,2,3 (sized
 #                                            from the dense capacity, no capacity probe); API=sglang-oai (default)
+#   bash launch/h100.sh warmfi               FlashInfer's JIT kernels for the flashinfer and hicache servers
 #   bash launch/h100.sh soak OUT [MINUTES]   soak with faults on the Llama-3.1-8B shape (default 8 minutes)
 #   bash launch/h100.sh sanitize OUT         a short run of the kernels' GPU tests under compute-sanitizer memcheck
 #   bash launch/h100.sh smollm2              convert SmolLM2's GGUF (/tmp/smollm2.gguf, .whl/; launch/README.md)
@@ -20,22 +21,28 @@
 #                                            --merge; compressor kernel only (GQA group 3: decode/extend in PyTorch)
 #
 # TP=N runs the tiny and prefix steps with --tp-size N (the tiny step then writes
-# server_check_s0_kernels_tp2_h100.json); MEM sets the prefix step's --mem-fraction-static (0.85).
+# server_check_s0_kernels_tp2_h100.json). The prefix step also takes MEM (--mem-fraction-static, 0.85),
+# CONTEXT (prefix tokens, 8192), OUTLEN (output tokens, 64), PPG (questions per group, 8) and HICACHE_GB
+# (the hicache server's host pool; SGLang's default of twice the GPU pool exceeds the H100 host's free
+# memory at MEM 0.85).
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-step=${1:?usage: bash launch/h100.sh warm|kernels|tiny|prefix|soak|sanitize|smollm2|quality OUT ...}
+step=${1:?usage: bash launch/h100.sh warm|kernels|tiny|prefix|warmfi|soak|sanitize|smollm2|quality OUT ...}
 out=${2:-out}
 mkdir -p "$out"
 tiny=/tmp/hs_tiny
 llama=/tmp/hs_llama8b
 [ -f $tiny/config.json ] || python3 -m sglang_hs.launch.make_model tiny $tiny > /dev/null
 [ -f $llama/config.json ] || python3 -m sglang_hs.launch.make_model llama8b $llama > /dev/null
-# The prefix benchmark's servers (both dense and hierasparse get the same flags).
-PREFIX_ARGS=(--server-arg=--context-length=16384 --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64
-             --server-arg=--hierasparse-dense-backend=triton --server-arg=--tp-size=${TP:-1})
+# The prefix benchmark's servers (both dense and hierasparse get the same flags). CONTEXT: shared prefix
+# tokens (8192); the servers' --context-length is 16384, or CONTEXT + 1024 above 15K.
+context=${CONTEXT:-8192}
+ctxlen=$(( context > 15360 ? context + 1024 : 16384 ))
+PREFIX_ARGS=(--server-arg=--context-length=$ctxlen --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64
+             --server-arg=--hierasparse-dense-backend=triton --tp-size=${TP:-1})
 tp_tag=""
 [ "${TP:-1}" = 1 ] || tp_tag="_tp${TP}"
 smol=/tmp/smollm2
@@ -67,9 +74,17 @@ case "$step" in
     probe=()
     [[ $regimes == g* ]] || probe=(--skip-capacity-probe)
     python3 -m sglang_hs.launch.bench_prefix --model-path $llama --load-format dummy --servers "$servers" \
-        --regimes "$regimes" --api "${5:-sglang-oai}" --context 8192 --question-len 256 --output-len 64 \
-        --max-concurrency 16 --request-rate 16 --mem-fraction-static "${MEM:-0.85}" "${probe[@]}" "${PREFIX_ARGS[@]}" \
+        --regimes "$regimes" --api "${5:-sglang-oai}" --context $context --question-len 256 --output-len "${OUTLEN:-64}" \
+        --prompts-per-group "${PPG:-8}" --max-concurrency 16 --request-rate 16 --mem-fraction-static "${MEM:-0.85}" \
+        --hicache-size "${HICACHE_GB:-0}" "${probe[@]}" "${PREFIX_ARGS[@]}" \
         --out "$out/prefix_bench${tp_tag}_h100.json" 2>&1 | grep "\[bench\]" | cut -c1-400
+    ;;
+  warmfi)
+    # FlashInfer JIT-compiles its attention kernels on first use (minutes; ~/.cache/flashinfer keeps them
+    # while the machine is up): one flashinfer server answers one shared-prefix request, nothing is kept.
+    python3 -m sglang_hs.launch.bench_prefix --model-path $llama --load-format dummy --servers flashinfer \
+        --regimes g1x2 --skip-capacity-probe --context 1024 --question-len 64 --output-len 8 \
+        "${PREFIX_ARGS[@]}" --out /tmp/hs_warmfi/warm.json 2>&1 | grep "\[bench\]" | cut -c1-200 | tail -3
     ;;
   soak)
     python3 -m sglang_hs.launch.soak --model-path $llama --load-format dummy --minutes "${3:-8}" --context-length 16384 \
@@ -100,7 +115,7 @@ case "$step" in
         --server-arg=--hierasparse-kernels=compress --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
     ;;
   *)
-    echo "unknown step $step; allowed: warm, kernels, tiny, prefix, soak, sanitize, smollm2, quality" >&2
+    echo "unknown step $step; allowed: warm, kernels, tiny, prefix, warmfi, soak, sanitize, smollm2, quality" >&2
     exit 2
     ;;
 esac

@@ -120,3 +120,11 @@ def test_ratios_pair_each_hierasparse_record_with_its_dense_load():
     other_memory = {**ours, "mem_fraction_static": 0.6}
     lines = ratio_lines([dense, ours, other_memory])
     assert lines == ["regime 2, hs:1:1:0.8 vs triton: req/s 1.50x, TTFT p50 3.00x (cache hit rate 0.80 vs 0.50)"]
+    # Every baseline kind of the same load gets its own line, the latest record of each.
+    hicache = {**dense, "server": "hicache", "backend": "flashinfer+hicache", "req_throughput": 4.0}
+    flashinfer = {**dense, "server": "flashinfer", "backend": "flashinfer", "req_throughput": 2.5}
+    newer = {**flashinfer, "req_throughput": 1.0}
+    lines = ratio_lines([dense, flashinfer, newer, hicache, ours])
+    assert [line.split(", TTFT")[0] for line in lines] == [
+        "regime 2, hs:1:1:0.8 vs flashinfer: req/s 3.00x", "regime 2, hs:1:1:0.8 vs triton: req/s 1.50x",
+        "regime 2, hs:1:1:0.8 vs hicache: req/s 0.75x"]
