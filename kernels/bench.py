@@ -240,6 +240,29 @@ def flashinfer_decode(case, paged, workspace=None):
     return lambda: w.run(q, kv, out=out)
 
 
+def share_prefixes(case, paged, bs, seed=0):
+    """Expand a case of G requests to ``bs`` requests where request ``r`` reads the KV of request
+    ``r % G`` (G shared prefixes, arrivals interleaved, as in a shared-prefix serving batch), with its
+    own query. Both kernels read the same blocks for requests of one group (ours through the block
+    table, FlashInfer through its page indices), so both can reuse them from L2."""
+    groups = case["block_table"].shape[0]
+    idx = torch.arange(bs, device=case["block_table"].device) % groups
+    shared = dict(case)
+    shared["block_table"] = case["block_table"][idx].contiguous()
+    shared["seq_lens"] = case["seq_lens"][idx].contiguous()
+    shared["seq_lens_list"] = [case["seq_lens_list"][g] for g in idx.tolist()]
+    gen = torch.Generator(device=case["q"].device).manual_seed(seed + 1)
+    q = case["q"]
+    shared["q"] = torch.randn(bs, *q.shape[1:], device=q.device, generator=gen, dtype=torch.float32).to(q.dtype)
+    indptr = paged["indptr"].tolist()
+    pages = [paged["indices"][indptr[g]:indptr[g + 1]] for g in idx.tolist()]
+    i32 = dict(dtype=torch.int32, device=q.device)
+    shared_paged = dict(paged, indices=torch.cat(pages).to(**i32),
+                        indptr=torch.tensor([0, *torch.tensor([len(p) for p in pages]).cumsum(0).tolist()], **i32),
+                        last_page_len=paged["last_page_len"][idx].contiguous())
+    return shared, shared_paged
+
+
 # ------------------------------------------------------------------------------------------- timing
 def time_graph(fn, iters=20, reps=5, warmup=3):
     """Median time (us) of one call, from CUDA-graph replays of ``iters`` back-to-back calls."""
@@ -324,8 +347,9 @@ def bench_decode(args):
     name = torch.cuda.get_device_name(dev)
     bs, L = args.batch, args.context
     Hq, Hkv, D = 32, 8, 128
-    dtype = torch.float16
-    seq_lens = [L - (37 * r) % 64 if args.ragged else L for r in range(bs)]
+    dtype = getattr(torch, args.dtype)
+    distinct = min(args.groups or bs, bs)  # requests with their own KV; the others share it
+    seq_lens = [L - (37 * r) % 64 if args.ragged else L for r in range(distinct)]
     points = [(0.0, 0.0), (0.0, 1.0), (0.5, 1.0), (1.0, 1.0)] if not args.quick else [(0.0, 1.0), (1.0, 1.0)]
     variants = [dict()]  # the default plan first: its time is the record's ours_us
     if args.variants:
@@ -336,18 +360,21 @@ def bench_decode(args):
     for layout, sk, sv in runs:
         t0 = time.time()
         case = make_case(seq_lens, Hq, Hkv, D, sk, sv, dtype, dev, seed=int(sk * 10 + sv), magnitude=False,
-                         shuffle=layout == "shuffled")
+                         shuffle=layout == "shuffled", max_blocks=args.max_blocks)
         var_list = variants if layout == runs[0][0] else [dict()]
+        nbytes = kv_bytes(case)  # distinct bytes: a shared prefix counts once
         paged = paged_dense(case)
+        if distinct < bs:
+            case, paged = share_prefixes(case, paged, bs, seed=int(sk * 10 + sv))
         fi = flashinfer_decode(case, paged, workspace)
         ref = fi().clone()
         fi_graph, fi_plain = time_graph(fi, args.iters), time_plain(fi)
-        nbytes = kv_bytes(case)
         del paged
         results = []
         for var in var_list:
             try:
-                plan = HieraSparseDecode(bs, Hq, Hkv, D, 64, case["max_blocks"], dtype, dev, **var)
+                plan = HieraSparseDecode(bs, Hq, Hkv, D, 64, case["max_blocks"], dtype, dev,
+                                         **{"num_splits": args.num_splits, **var})
             except Exception as e:  # a variant that does not build is reported, not fatal
                 lines.append(f"S_K={sk} S_V={sv} {var}: build failed: {str(e).splitlines()[-1][:200]}")
                 continue
@@ -371,7 +398,8 @@ def bench_decode(args):
         del case
         torch.cuda.empty_cache()
         ideal = 1.0 / (1.0 - 0.21875 * (sk + sv))
-        record = dict(kernel="decode", S_K=sk, S_V=sv, batch=bs, context=L, head_dim=D, dtype="float16", layout=layout,
+        record = dict(kernel="decode", S_K=sk, S_V=sv, batch=bs, context=L, head_dim=D, dtype=args.dtype, layout=layout,
+                      shared_prefixes=distinct if distinct < bs else None,
                       q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None, flashinfer_us=round(fi_graph, 2),
                       flashinfer_plain_us=round(fi_plain, 2), speedup=None, ideal_speedup=round(ideal, 4),
                       kv_bytes=nbytes, device=name, timing="CUDA-graph replay of 20 calls, median of 5",
@@ -803,6 +831,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="only S_K,S_V in {(0,1), (1,1)}")
     ap.add_argument("--variants", action="store_true", help="also time other stages / splits / softmax variants")
     ap.add_argument("--ragged", action="store_true", help="unequal lengths (last page partial)")
+    ap.add_argument("--groups", type=int, default=None,
+                    help="decode: only this many distinct requests' KV; request r reads request r %% G's (shared prefixes)")
+    ap.add_argument("--max-blocks", type=int, default=None,
+                    help="decode: block-table width (a server's: ceil((context length + 4) / 64)); default: the context's")
+    ap.add_argument("--num-splits", type=int, default=None, help="decode: force the split count (default: the plan's)")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"], help="decode: KV and query type")
     ap.add_argument("--layouts", default="natural,shuffled",
                     help="pool/page layouts to time: natural (allocation order) and/or shuffled (random rows)")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the PNG of an existing JSON")

@@ -74,6 +74,7 @@ The module imports neither TileLang nor a GPU at import time; ``build_decode_ker
 
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -476,18 +477,19 @@ def build_decode_kernel(batch, q_heads, kv_heads, head_dim, block_size, max_bloc
     return tilelang.compile(func, target=target or SM90_TARGET, pass_configs=PASS_CONFIGS)
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int, ctas_per_sm: int,
-                      max_splits: int = 128) -> int:
+def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
+                      ctas_per_sm: int | Callable[[int], int], max_splits: int = 128) -> int:
     """Splits per (request, KV head): the fewest that keep every resident CTA slot busy.
 
     Cost model: a CTA walks ``ceil(max_blocks / S)`` blocks; CTAs run in waves of
     ``num_sms * ctas_per_sm``; the combine pass adds a little per split. The smallest ``S`` within 2% of
-    the best modelled time wins (fewer splits: less scratch, cheaper combine).
+    the best modelled time wins (fewer splits: less scratch, cheaper combine). ``ctas_per_sm`` may
+    depend on ``S`` (a callable): a CTA's index maps hold its ``ceil(max_blocks / S)`` blocks.
     """
-    slots = max(1, num_sms * ctas_per_sm)
     pairs = batch * kv_heads
     best = []
     for s in range(1, min(max_splits, max_blocks) + 1):
+        slots = max(1, num_sms * (ctas_per_sm(s) if callable(ctas_per_sm) else ctas_per_sm))
         waves = -(-pairs * s // slots)
         cost = waves * -(-max_blocks // s) + 0.05 * s
         best.append((cost, s))
@@ -498,9 +500,16 @@ def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int, 
 def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                     stages: int, num_sms: int) -> int:
     """The split count a plan uses by default (a plan's kernel is compiled for it, so ahead-of-time
-    compilation needs it without a GPU: pass the target GPU's SM count)."""
-    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, max_blocks) + 1024  # bps <= max_blocks
-    ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 8))
+    compilation needs it without a GPU: pass the target GPU's SM count).
+
+    Occupancy is counted per candidate split count: at a 32K context (529 blocks) the index maps of an
+    unsplit CTA push it just past half an SM's shared memory, so one split would leave one CTA per SM
+    where two halves of the range fit two (and one CTA per SM hides less of a block step's latency)."""
+
+    def ctas_per_sm(splits: int) -> int:
+        per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, -(-max_blocks // splits)) + 1024
+        return max(1, min(SMEM_PER_SM // per_cta, 8))
+
     return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas_per_sm)
 
 

@@ -165,3 +165,41 @@ def test_num_splits_heuristic_fills_the_gpu():
     assert choose_num_splits(64, 8, 64, 132, 2) == 1
     plan = HieraSparseDecode(8, 32, 8, 128, 64, 512, torch.float16, "cuda")
     assert 8 * 8 * plan.num_splits >= torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def test_shared_prefix_case_reads_each_groups_blocks():
+    """The benchmark's shared-prefix batch (CPU): request r reads request r % G's blocks in both
+    layouts, ours (block table) and FlashInfer's (page indices), with a query of its own."""
+    case = bench.make_case([300, 64 * 5 + 7], 8, 4, 64, 1.0, 1.0, torch.float16, "cpu", window_blocks=1)
+    paged = bench.paged_dense(case)
+    shared, shared_paged = bench.share_prefixes(case, paged, 5)
+    assert shared["q"].shape[0] == 5 and not torch.equal(shared["q"][0], shared["q"][2])
+    indptr, shared_indptr = paged["indptr"].tolist(), shared_paged["indptr"].tolist()
+    for r in range(5):
+        g = r % 2
+        assert torch.equal(shared["block_table"][r], case["block_table"][g])
+        assert shared["seq_lens_list"][r] == case["seq_lens_list"][g] == int(shared["seq_lens"][r])
+        assert torch.equal(shared_paged["indices"][shared_indptr[r]:shared_indptr[r + 1]],
+                           paged["indices"][indptr[g]:indptr[g + 1]])
+        assert int(shared_paged["last_page_len"][r]) == int(paged["last_page_len"][g])
+    # The oracle over the shared batch gives request r its query's attention over group r % G's KV.
+    out, _ = _reference(shared)
+    alone, _ = _reference({**case, "q": shared["q"][3:4], "block_table": case["block_table"][1:2],
+                           "seq_lens_list": case["seq_lens_list"][1:2]})
+    torch.testing.assert_close(out[3:4], alone)
+
+
+def test_split_count_counts_occupancy_per_split():
+    """CPU: at a 32K server context (529 blocks), an unsplit CTA's index maps make it too large for two
+    CTAs per SM; the plan must see that two splits fit two (it chose one split, one CTA per SM, before)."""
+    from sglang_hs.kernels.common import SMEM_PER_SM
+    from sglang_hs.kernels.decode import plan_num_splits, smem_bytes
+
+    def ctas(blocks_per_split):
+        return SMEM_PER_SM // (smem_bytes(128, 64, 2, 4, blocks_per_split) + 1024)
+
+    assert ctas(529) == 1 and ctas(265) == 2
+    for bs in (8, 16, 32):
+        s = plan_num_splits(bs, 32, 8, 128, 64, 529, 2, 132)
+        assert ctas(-(-529 // s)) == 2, (bs, s)
+        assert bs * 8 * s <= 2 * 132 * 2  # at most two waves of CTAs
