@@ -797,9 +797,18 @@ def plot(records, path):
     plt = pyplot()
     records = [r for r in records if r.get("kernel", "decode") == "decode"]
     recs = [r for r in records if r.get("ours_us") and r.get("layout", "natural") == records[0].get("layout", "natural")]
-    labels = [f"S_K={r['S_K']:g}\nS_V={r['S_V']:g}" for r in recs]
+    r0 = recs[0] if recs else {}
+
+    def label(r):
+        text = f"S_K={r['S_K']:g}\nS_V={r['S_V']:g}"
+        if (r["batch"], r.get("dtype"), r.get("shared_prefixes")) != (r0["batch"], r0.get("dtype"), None):
+            text += f"\nbs {r['batch']} {'bf16' if r.get('dtype') == 'bfloat16' else 'fp16'}"
+            text += f"\n{r['shared_prefixes']} prefixes" if r.get("shared_prefixes") else "\ndistinct"
+        return text
+
+    labels = [label(r) for r in recs]
     x = range(len(recs))
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(4 + 1.1 * len(recs), 4.4))
     a1.bar([i - 0.2 for i in x], [r["flashinfer_us"] for r in recs], 0.4, label="FlashInfer (dense)")
     a1.bar([i + 0.2 for i in x], [r["ours_us"] for r in recs], 0.4, label="HieraSparse (TileLang)")
     a1.set_xticks(list(x), labels)
@@ -813,8 +822,8 @@ def plot(records, path):
     a2.set_ylabel("speedup vs FlashInfer")
     a2.set_ylim(0, 1.3 * max([r["ideal_speedup"] for r in recs] + [1]))
     a2.legend(loc="upper left", ncol=2)
-    r0 = recs[0] if recs else {}
-    fig.suptitle(f"Decode, batch {r0.get('batch')}, {r0.get('context')} tokens, 32/8 heads, d=128, fp16 "
+    fig.suptitle(f"Decode, batch {r0.get('batch')} (unless noted), {r0.get('context')} tokens, 32/8 heads, d=128, "
+                 f"{r0.get('dtype', 'float16')} "
                  f"- {r0.get('device', '')}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -269,22 +269,35 @@ def device_name() -> str:
 
 
 def plot(records: list[dict], png_path: str) -> None:
-    """Throughput and cache-hit TTFT against working-set size, one line per server."""
-    loaded = [r for r in records if isinstance(r.get("regime"), int)]
+    """Request throughput, median TTFT and median TPOT per load (regime, context, KV memory), one bar
+    per server: loads of different contexts or memory are not points of one curve."""
+    loaded = [r for r in records if r.get("regime") is not None]
     if not loaded:
         return
+    loads = list(dict.fromkeys(
+        (str(r["regime"]), r["context"], r["mem_fraction_static"], r.get("working_set_tokens")) for r in loaded))
+    servers = list(dict.fromkeys(r["server"] for r in loaded))
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for label in sorted({r["server"] for r in loaded}):
-        rows = sorted((r for r in loaded if r["server"] == label), key=lambda r: r["working_set_tokens"])
-        x = [r["working_set_tokens"] / 1000 for r in rows]
-        axes[0].plot(x, [r["req_throughput"] for r in rows], marker="o", label=label)
-        axes[1].plot(x, [r["ttft_p50_ms"] for r in rows], marker="o", label=label)
-    axes[0].set(xlabel="working set (K prefix tokens)", ylabel="requests / s", title="throughput")
-    axes[1].set(xlabel="working set (K prefix tokens)", ylabel="TTFT p50 (ms)", title="time to first token")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    width = 0.8 / len(servers)
+    panels = (("req_throughput", "requests / s"), ("ttft_p50_ms", "TTFT p50 (ms)"), ("tpot_p50_ms", "TPOT p50 (ms)"))
+    for ax, (key, label) in zip(axes, panels):
+        for i, server in enumerate(servers):
+            xs, ys = [], []
+            for x, load in enumerate(loads):
+                row = next((r for r in reversed(loaded) if r["server"] == server and
+                            (str(r["regime"]), r["context"], r["mem_fraction_static"], r.get("working_set_tokens")) == load),
+                           None)  # fmt: skip
+                if row is not None and row.get(key) is not None:
+                    xs.append(x + (i - (len(servers) - 1) / 2) * width)
+                    ys.append(row[key])
+            ax.bar(xs, ys, width, label=server)
+        ax.set_xticks(range(len(loads)))
+        ax.set_xticklabels([f"regime {g}\n{c // 1024}K ctx, mem {m}\n{(w or 0) // 1000}K prefix tok"
+                            for g, c, m, w in loads], fontsize=7)  # fmt: skip
+        ax.set(ylabel=label)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
 
