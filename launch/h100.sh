@@ -22,9 +22,10 @@
 #
 # TP=N runs the tiny and prefix steps with --tp-size N (the tiny step then writes
 # server_check_s0_kernels_tp2_h100.json). The prefix step also takes MEM (--mem-fraction-static, 0.85),
-# CONTEXT (prefix tokens, 8192), OUTLEN (output tokens, 64), PPG (questions per group, 8) and HICACHE_GB
+# CONTEXT (prefix tokens, 8192), OUTLEN (output tokens, 64), PPG (questions per group, 8), HICACHE_GB
 # (the hicache server's host pool; SGLang's default of twice the GPU pool exceeds the H100 host's free
-# memory at MEM 0.85).
+# memory at MEM 0.85) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
+# run, or flashinfer, which needs the warmfi step first).
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
 set -uo pipefail
@@ -42,7 +43,7 @@ llama=/tmp/hs_llama8b
 context=${CONTEXT:-8192}
 ctxlen=$(( context > 15360 ? context + 1024 : 16384 ))
 PREFIX_ARGS=(--server-arg=--context-length=$ctxlen --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64
-             --server-arg=--hierasparse-dense-backend=triton --tp-size=${TP:-1})
+             --server-arg=--hierasparse-dense-backend=${HS_DENSE:-triton} --tp-size=${TP:-1})
 tp_tag=""
 [ "${TP:-1}" = 1 ] || tp_tag="_tp${TP}"
 smol=/tmp/smollm2
