@@ -31,6 +31,7 @@ and ``DIR/bench_extend.log``.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -258,7 +259,7 @@ def share_prefixes(case, paged, bs, seed=0):
     pages = [paged["indices"][indptr[g]:indptr[g + 1]] for g in idx.tolist()]
     i32 = dict(dtype=torch.int32, device=q.device)
     shared_paged = dict(paged, indices=torch.cat(pages).to(**i32),
-                        indptr=torch.tensor([0, *torch.tensor([len(p) for p in pages]).cumsum(0).tolist()], **i32),
+                        indptr=torch.tensor([0, *itertools.accumulate(len(p) for p in pages)], **i32),
                         last_page_len=paged["last_page_len"][idx].contiguous())
     return shared, shared_paged
 

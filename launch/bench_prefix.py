@@ -274,9 +274,12 @@ def plot(records: list[dict], png_path: str) -> None:
     loaded = [r for r in records if r.get("regime") is not None]
     if not loaded:
         return
-    loads = list(dict.fromkeys(
-        (str(r["regime"]), r["context"], r["mem_fraction_static"], r.get("working_set_tokens")) for r in loaded))
-    servers = list(dict.fromkeys(r["server"] for r in loaded))
+    def load_of(r: dict) -> tuple:
+        return str(r["regime"]), r["context"], r["mem_fraction_static"], r.get("working_set_tokens")
+
+    latest = {(r["server"], load_of(r)): r for r in loaded}  # a later record of a load replaces an earlier one
+    loads = list(dict.fromkeys(load for _, load in latest))
+    servers = list(dict.fromkeys(server for server, _ in latest))
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     width = 0.8 / len(servers)
@@ -285,9 +288,7 @@ def plot(records: list[dict], png_path: str) -> None:
         for i, server in enumerate(servers):
             xs, ys = [], []
             for x, load in enumerate(loads):
-                row = next((r for r in reversed(loaded) if r["server"] == server and
-                            (str(r["regime"]), r["context"], r["mem_fraction_static"], r.get("working_set_tokens")) == load),
-                           None)  # fmt: skip
+                row = latest.get((server, load))
                 if row is not None and row.get(key) is not None:
                     xs.append(x + (i - (len(servers) - 1) / 2) * width)
                     ys.append(row[key])
