@@ -1,10 +1,14 @@
 """Benchmark of the HieraSparse kernels against FlashInfer, plus the input builders the GPU tests share.
 
     python -m sglang_hs.kernels.bench --kernel decode --out DIR [--quick] [--variants] [--layouts ...]
+        [--batch N] [--groups G] [--dtype bfloat16] [--max-blocks W] [--num-splits S]
 
 writes ``DIR/kernels_h100.json`` (one record per layout and (S_K, S_V): the default plan vs FlashInfer,
 same process, same timing method; ``--variants`` adds the other kernel options under ``variants``)
 and ``DIR/kernels_h100.png`` (first layout). ``--plot JSON`` only redraws the PNG from a JSON.
+``--groups G``: only G requests have their own KV and request r reads request r % G's, as requests
+sharing prefixes do in a serving batch (``share_prefixes``); ``--max-blocks``: a server's block-table
+width (``ceil((context length + 4) / 64)``); ``--num-splits``: force the plan's split count.
 
 Decode workload (the paper's and anchors.md's): batch 8, 32K tokens per request, Llama-3.1-8B
 attention (32 query heads, 8 KV heads, head_dim 128, fp16), block size 64. A request's block table
@@ -857,6 +861,9 @@ def main(argv=None):
                     "instead of measuring FlashInfer")
     ap.add_argument("--merge", default=COMPRESS_JSON, help="compress: results JSON whose other records are kept")
     args = ap.parse_args(argv)
+    for flag in ("groups", "max_blocks", "num_splits"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.plot:
         recs = json.load(open(args.plot))
         plot(recs, os.path.splitext(args.plot)[0] + ".png")
