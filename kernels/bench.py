@@ -31,7 +31,15 @@ for n in ``--new-tokens``; S in {(0,0), (0,1), (1,1)}; ``HieraSparseExtend`` aga
 SGLang) over the same pruned KV, both timed as ``--iters`` back-to-back eager calls (CUDA events,
 median of 5; a quarter of the calls above 256 new tokens). Writes ``DIR/kernels_h100.json`` (the
 committed results' other records plus one extend record per (n, S)), ``DIR/kernels_h100_extend.png``
-and ``DIR/bench_extend.log``.
+and ``DIR/bench_extend.log``. ``--variants`` also times the other tiles, stages and synchronisations.
+
+    python -m sglang_hs.kernels.bench --kernel prefill --out DIR [--quick] [--variants] [--context L] [--batch N]
+
+Full-prefill workload (issue 3's third regime): N (default 1) sequences of L tokens whose KV has the
+compressed layout over the whole sequence (1 sink page, compressed blocks, 4 window pages), every
+position a query (causal), as a chunked prefill that prunes its chunks would see; the same kernel
+(``HieraSparseExtend``) and the same FlashInfer baseline as extend. Records ``kernel: "prefill"``;
+``kernels_h100_prefill.png`` and ``bench_prefill.log``.
 """
 
 import argparse
@@ -591,15 +599,17 @@ EXTEND_RUN_KEYS = ("q", "qo_indptr", "k_cache", "v_cache", "k_dense", "k_values"
 
 def make_extend_case(prefix_lens, new_lens, q_heads=32, kv_heads=8, head_dim=128, sk=0.0, sv=0.0,
                      dtype=torch.float16, device="cuda", max_blocks=None, seed=0, magnitude=True, shuffle=True,
-                     **kw):
+                     compress_new=False, **kw):
     """Inputs of ``HieraSparseExtend.run``: request r has a cached prefix of ``prefix_lens[r]`` tokens (1 sink
     page, compressed virtual blocks, 4 window pages: :func:`make_case`'s layout over the prefix) and
     ``new_lens[r]`` new tokens in cache pages after it; ``q`` is packed ``[sum(new_lens), Hq, D]`` with
-    ``qo_indptr``. Returns :func:`make_case`'s dict plus ``qo_indptr`` (GPU int32), ``qo_indptr_list``,
-    ``new_lens`` and ``prefix_lens``."""
+    ``qo_indptr``. ``compress_new`` (full prefill over compressed KV, as chunked prefill with pruning
+    sees it): the layout covers the whole sequence, new tokens included. Returns :func:`make_case`'s
+    dict plus ``qo_indptr`` (GPU int32), ``qo_indptr_list``, ``new_lens`` and ``prefix_lens``."""
     seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+    layout = seq_lens if compress_new else prefix_lens
     case = make_case(seq_lens, q_heads, kv_heads, head_dim, sk, sv, dtype, device, max_blocks=max_blocks,
-                     seed=seed, magnitude=magnitude, shuffle=shuffle, prefix_lens=list(prefix_lens), **kw)
+                     seed=seed, magnitude=magnitude, shuffle=shuffle, prefix_lens=list(layout), **kw)
     gen = torch.Generator(device=device).manual_seed(seed + 7919)
     total = sum(new_lens)
     case["q"] = torch.randn(total, q_heads, head_dim, device=device, generator=gen, dtype=torch.float32).to(dtype)
@@ -658,19 +668,25 @@ def bench_extend(args, on_record=None):
     page, compressed blocks, 4 window pages) plus n new tokens for n in ``--new-tokens``; Llama-3.1-8B
     heads (32/8, d 128, fp16); against FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (causal, page
     64, backend ``--fi-backend``) over the same pruned KV, in one process, same timing method.
-    ``on_record(records, lines)`` runs after every point (partial results survive a time limit)."""
+    ``--kernel prefill``: the full-prefill regime instead: ``--batch`` sequences of ``--context`` tokens, each
+    query attending causally to the whole sequence, whose KV has the compressed layout (1 sink page,
+    compressed blocks, 4 window pages). ``on_record(records, lines)`` runs after every point (partial
+    results survive a time limit)."""
     from sglang_hs.kernels.extend import HieraSparseExtend
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
-    bs, P = args.batch, args.context
+    prefill = args.kernel == "prefill"
+    bs, P = args.batch, (0 if prefill else args.context)
     Hq, Hkv, D = 32, 8, 128
     dtype = torch.float16
-    new_list = [int(x) for x in args.new_tokens.split(",")]
+    new_list = [args.context] if prefill else [int(x) for x in args.new_tokens.split(",")]
     points = [(0.0, 0.0), (0.0, 1.0), (1.0, 1.0)] if not args.quick else [(0.0, 1.0), (1.0, 1.0)]
     variants = [dict()]  # the default plan first: its time is the record's ours_us
     if args.variants:
-        variants += [dict(tile="n64"), dict(tile="n128"), dict(tile="n128", stages=2)]
+        variants += [dict(tile="n64"), dict(tile="n128"), dict(tile="n128", stages=2),
+                     dict(tile="n64", sync="warpgroup"), dict(tile="n128", sync="warpgroup"),
+                     dict(tile="n128", stages=2, sync="warpgroup")]
     records, lines = [], []
 
     def log(msg):
@@ -683,7 +699,7 @@ def bench_extend(args, on_record=None):
         for sk, sv in points:
             t0 = time.time()
             case = make_extend_case([P] * bs, [n] * bs, Hq, Hkv, D, sk, sv, dtype, dev, seed=int(sk * 10 + sv) + n,
-                                    magnitude=False, shuffle=False)
+                                    magnitude=False, shuffle=False, compress_new=prefill)
             paged = paged_dense(case)
             fi = flashinfer_extend(case, paged, workspace, args.fi_backend)
             t1 = time.time()
@@ -717,13 +733,15 @@ def bench_extend(args, on_record=None):
             del case, paged, ref
             torch.cuda.empty_cache()
             s = sk + sv
-            record = dict(kernel="extend", S_K=sk, S_V=sv, batch=bs, context=P, new_tokens=n, head_dim=D,
+            record = dict(kernel=args.kernel, S_K=sk, S_V=sv, batch=bs, context=n if prefill else P, new_tokens=n, head_dim=D,
                           dtype="float16", q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None,
                           flashinfer_us=round(fi_us, 2), speedup=None, flashinfer_backend=args.fi_backend,
                           ideal_speedup_bytes=round(1.0 / (1.0 - 0.21875 * s), 4),
                           ideal_speedup_compute=round(4.0 / (4.0 - s), 4), kv_bytes=nbytes, flops=flops,
                           device=name, timing=f"{iters} back-to-back eager calls, CUDA events, median of 5",
                           flashinfer_first_call_s=round(fi_first_s, 1), setup_s=round(t1 - t0, 1))
+            if prefill:
+                del record["new_tokens"]  # the queries are the whole sequence: context says it all
             default = [r for r in results if r["default"] and r["rel_err_vs_flashinfer"] < 2e-2]
             if default:
                 d0 = default[0]
@@ -741,59 +759,62 @@ def bench_extend(args, on_record=None):
     return records, lines
 
 
-def plot_extend(records, path):
+def plot_extend(records, path, kernel="extend"):
+    """Speedup and times against the new tokens per request (extend) or the sequence length (prefill)."""
     plt = pyplot()
-    recs = [r for r in records if r.get("kernel") == "extend" and r.get("ours_us")]
+    recs = [r for r in records if r.get("kernel") == kernel and r.get("ours_us")]
     if not recs:
         return False
+    key = "context" if kernel == "prefill" else "new_tokens"
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for sk, sv in sorted({(r["S_K"], r["S_V"]) for r in recs}):
-        rs = sorted((r for r in recs if (r["S_K"], r["S_V"]) == (sk, sv)), key=lambda r: r["new_tokens"])
-        x = [r["new_tokens"] for r in rs]
+        rs = sorted((r for r in recs if (r["S_K"], r["S_V"]) == (sk, sv)), key=lambda r: r[key])
+        x = [r[key] for r in rs]
         a1.plot(x, [r["speedup"] for r in rs], marker="o", label=f"S_K={sk:g}, S_V={sv:g}")
         a2.plot(x, [r["ours_us"] for r in rs], marker="o", label=f"ours S_K={sk:g}, S_V={sv:g}")
     # FlashInfer's time over the (0, 0) points when there are some, else over the last setting's points.
-    rs = sorted([r for r in recs if (r["S_K"], r["S_V"]) == (0.0, 0.0)] or rs, key=lambda r: r["new_tokens"])
-    a2.plot([r["new_tokens"] for r in rs], [r["flashinfer_us"] for r in rs], "k--", marker="x", label="FlashInfer")
+    rs = sorted([r for r in recs if (r["S_K"], r["S_V"]) == (0.0, 0.0)] or rs, key=lambda r: r[key])
+    a2.plot([r[key] for r in rs], [r["flashinfer_us"] for r in rs], "k--", marker="x", label="FlashInfer")
     for a in (a1, a2):
         a.set_xscale("log", base=2)
-        a.set_xlabel("new tokens per request")
+        a.set_xlabel("sequence length (queries = keys)" if kernel == "prefill" else "new tokens per request")
         a.legend(loc="best", fontsize=8)
     a1.axhline(1.0, color="k", lw=0.8)
     a1.set_ylabel("speedup vs FlashInfer")
     a2.set_yscale("log")
-    a2.set_ylabel("extend attention time (us)")
+    a2.set_ylabel(f"{kernel} attention time (us)")
     r0 = recs[0]
-    fig.suptitle(f"Extend over a cached prefix, batch {r0['batch']}, {r0['context']}-token prefix, 32/8 heads, d=128, "
-                 f"fp16 - {r0.get('device', '')}")
+    what = (f"Full prefill over compressed KV, batch {r0['batch']}" if kernel == "prefill" else
+            f"Extend over a cached prefix, batch {r0['batch']}, {r0['context']}-token prefix")
+    fig.suptitle(f"{what}, 32/8 heads, d=128, fp16 - {r0.get('device', '')}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
 
 
 def extend_main(args):
-    """``--kernel extend``: run, then write ``OUT/kernels_h100.json`` = the records of the results JSON
-    (``--merge`` when given, else the committed ``launch/results/kernels_h100.json``) other than extend
-    ones, plus these; ``OUT/kernels_h100_extend.png`` and ``OUT/bench_extend.log``."""
+    """``--kernel extend`` (or ``prefill``): run, then write ``OUT/kernels_h100.json`` = the records of the
+    results JSON (``--merge`` when given, else the committed ``launch/results/kernels_h100.json``) other
+    than this kernel's, plus these; ``OUT/kernels_h100_<kernel>.png`` and ``OUT/bench_<kernel>.log``."""
     os.makedirs(args.out, exist_ok=True)
     merge = getattr(args, "merge", None) or EXTEND_RESULTS_JSON
     base = []
     if os.path.exists(merge):
         with open(merge) as f:
-            base = [r for r in json.load(f) if r.get("kernel") != "extend"]
+            base = [r for r in json.load(f) if r.get("kernel") != args.kernel]
 
     def save(records, lines):
         with open(os.path.join(args.out, "kernels_h100.json"), "w") as f:
             json.dump(base + records, f, indent=1)
-        with open(os.path.join(args.out, "bench_extend.log"), "w") as f:
+        with open(os.path.join(args.out, f"bench_{args.kernel}.log"), "w") as f:
             f.write("\n".join(lines) + "\n")
 
     records, lines = bench_extend(args, on_record=save)
     save(records, lines)
-    plot_extend(records, os.path.join(args.out, "kernels_h100_extend.png"))
-    print(f"{'new':>5} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>9} {'speedup':>8} {'ideal_B':>7} {'ideal_C':>7}")
+    plot_extend(records, os.path.join(args.out, f"kernels_h100_{args.kernel}.png"), args.kernel)
+    print(f"{'tokens':>6} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>9} {'speedup':>8} {'ideal_B':>7} {'ideal_C':>7}")
     for r in records:
-        print(f"{r['new_tokens']:5d} {r['S_K']:4g} {r['S_V']:4g} {r['ours_us'] or float('nan'):9.1f} "
+        print(f"{r.get('new_tokens', r['context']):6d} {r['S_K']:4g} {r['S_V']:4g} {r['ours_us'] or float('nan'):9.1f} "
               f"{r['flashinfer_us']:9.1f} {r['speedup'] or float('nan'):8.3f} {r['ideal_speedup_bytes']:7.3f} "
               f"{r['ideal_speedup_compute']:7.3f}")
 
@@ -837,9 +858,9 @@ def plot(records, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", default="decode", choices=["decode", "compress", "extend"])
+    ap.add_argument("--kernel", default="decode", choices=["decode", "compress", "extend", "prefill"])
     ap.add_argument("--out", default="out")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=None, help="requests (default 8; prefill: 1)")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="only S_K,S_V in {(0,1), (1,1)}")
@@ -861,7 +882,9 @@ def main(argv=None):
                     "instead of measuring FlashInfer")
     ap.add_argument("--merge", default=COMPRESS_JSON, help="compress: results JSON whose other records are kept")
     args = ap.parse_args(argv)
-    for flag in ("groups", "max_blocks", "num_splits"):
+    if args.batch is None:
+        args.batch = 1 if args.kernel == "prefill" else 8
+    for flag in ("batch", "groups", "max_blocks", "num_splits"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.plot:
@@ -870,7 +893,7 @@ def main(argv=None):
         return
     if args.kernel == "compress":
         return compress_main(args)
-    if args.kernel == "extend":
+    if args.kernel in ("extend", "prefill"):
         return extend_main(args)
     os.makedirs(args.out, exist_ok=True)
     records, lines = bench_decode(args)

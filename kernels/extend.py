@@ -104,6 +104,8 @@ from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and too
 
 # name -> (N columns per CTA, threads). Every shipped configuration is covered by the GPU tests.
 TILES = {"n64": (64, 128), "n128": (128, 256)}
+# How the phases of a block step synchronise (see the module docstring): CTA barriers, or per warpgroup.
+SYNCS = ("cta", "warpgroup")
 
 
 def default_stages(tile: str) -> int:
@@ -137,6 +139,7 @@ def build_extend_prim_func(
     tile: str = "n128",
     stages: int = 3,
     k_sparse: bool = True,
+    wg_sync: bool = False,
 ):
     """The TileLang ``prim_func`` of one configuration (every batch dimension is dynamic).
 
@@ -177,8 +180,9 @@ def build_extend_prim_func(
             vd = T.alloc_shared([B, D], dtype)
             vs = T.alloc_shared([D, B // 2], dtype)
             ve = T.alloc_shared([e_rows, 16], "int16")
-            bar = T.alloc_barrier(threads)
-            out.append((kd, ks, ke, vd, vs, ve, bar))
+            bar = T.alloc_barrier(threads)  # full: the block's loads landed
+            ebar = T.alloc_barrier(threads) if wg_sync else None  # empty: every thread is done with it
+            out.append((kd, ks, ke, vd, vs, ve, bar, ebar))
         return out
 
     @T.macro
@@ -201,7 +205,8 @@ def build_extend_prim_func(
                     vrow_s[slot] = T.if_then_else(ve_ >= 0, ve_, -ve_ - 1)
 
     @T.macro
-    def issue(i, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM):
+    def load(i, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM):
+        # The TMA loads of block i into one stage (issued by one elected thread); the caller arrives.
         md = mode_s[i % RB]
         kr = krow_s[i % RB]
         vr = vrow_s[i % RB]
@@ -225,7 +230,15 @@ def build_extend_prim_func(
         else:
             T.tma_copy(VV[vr, :, :], vs, barrier=bar)
             T.tma_copy(VM[vr, :, :], ve, barrier=bar)
-        T.barrier_arrive(bar)
+
+    @T.macro
+    def group_barrier():
+        # Between the phases of one block step, only the threads that share columns must meet: the
+        # whole CTA, or (warpgroup sync) the warpgroup that owns the columns, on its own named barrier.
+        if wg_sync:
+            T.sync_threads(8 + T.get_thread_binding() // 128, 128)
+        else:
+            T.sync_threads()
 
     @T.macro
     def compute(jj, jm, qlast, tv, scale2, md, Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs,
@@ -246,7 +259,7 @@ def build_extend_prim_func(
         # for the softmax: the same offset scales P, the row sums and the rescale.
         for i, c in T.Parallel(B, N):
             P_s[i, c] = T.cast(T.max(T.min(sT[i, c], CLAMP), -CLAMP), dtype)
-        T.sync_threads()
+        group_barrier()
         tx = T.get_thread_binding()
         cc = tx // TPC
         mx[0] = -CLAMP
@@ -259,7 +272,7 @@ def build_extend_prim_func(
             rs_sh[cc] = T.exp2(m_run[0] * scale2 - m_new * scale2)
             msc_sh[cc] = m_new * scale2
         m_run[0] = m_new
-        T.sync_threads()
+        group_barrier()
         for c in T.Parallel(N):
             msc[c] = msc_sh[c]
             rs[c] = rs_sh[c]
@@ -270,34 +283,57 @@ def build_extend_prim_func(
             oT[d, c] *= rs[c]
         T.copy(sT, P_s)
         T.fence_proxy_async()  # #2634: generic writes of P^T before the (sparse) wgmma reads them
-        T.sync_threads()
+        group_barrier()
         if (md >> 2) == 2:
             T.gemm_sp(vs, T.view(ve, [D, B // 16]), P_s, oT)
         else:
             T.gemm(vd, P_s, oT, transpose_A=True)
 
     @T.macro
-    def guarded_issue(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM):
+    def guarded_issue(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, ebar,
+                      KC, VC, KD, KV, KM, VD, VV, VM):
         if i < n:
-            issue(i, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
+            load(i, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
+            T.barrier_arrive(bar)
 
     @T.macro
-    def step(j, parity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s, Q_s, P_s,
-             kd, ks, ke, vd, vs, ve, bar, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
+    def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
+             Q_s, P_s, kd, ks, ke, vd, vs, ve, bar, ebar, kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2,
              KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
         if j < n:
-            # WAR: the stage refilled below, P_s and the ring half resolved below were read before.
-            T.sync_threads()
-            if j % HALF == 0:
-                # Next chunk of index entries; first issued >= HALF - stages + 1 steps from now, after
-                # that step's barrier (the half it overwrites was last read before this step's barrier).
-                resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
+            if wg_sync:
+                if j % HALF == 0:
+                    # The ring half resolved below was last read at step j - HALF - 1 or before: the
+                    # first barrier waits for every thread to be past it, the second publishes the
+                    # entries to the issuing warp (first issued HALF - stages + 1 steps from now).
+                    T.sync_threads()
+                    resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
+                    T.sync_threads()
+            else:
+                # WAR: the stage refilled below, P_s and the ring half resolved below were read before.
+                T.sync_threads()
+                if j % HALF == 0:
+                    # Next chunk of index entries; first issued >= HALF - stages + 1 steps from now, after
+                    # that step's barrier (the half it overwrites was last read before this step's barrier).
+                    resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
             if j + stages - 1 < n:
-                issue(j + stages - 1, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
-                      KC, VC, KD, KV, KM, VD, VV, VM)
+                if wg_sync:
+                    # Warp 0 refills the stage of block j - 1 once every thread has released it; the
+                    # other warps go on (a warpgroup may run up to a step ahead of the other).
+                    if T.get_thread_binding() < 32:
+                        if j >= 1:
+                            T.barrier_wait(ebar2, eparity)
+                        load(j + stages - 1, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
+                             KC, VC, KD, KV, KM, VD, VV, VM)
+                else:
+                    load(j + stages - 1, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
+                         KC, VC, KD, KV, KM, VD, VV, VM)
+                T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
             compute(start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s, kd, ks, ke, vd, vs, ve,
                     sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
+            if wg_sync:
+                T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl):
@@ -307,7 +343,10 @@ def build_extend_prim_func(
     def emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags):
         for s in range(stages):
             nxt = (s + stages - 1) % stages
-            step(it * stages + s, it & 1, n, r, start, jm, qlast, tv, scale2, h, *idx, Q_s, P_s,
+            # Step j = it * stages + s refills stage nxt, which held block j - 1: the release of that
+            # block is completion (j - 1) // stages of the stage's empty barrier.
+            eparity = (it + 1) & 1 if s == 0 else it & 1
+            step(it * stages + s, it & 1, eparity, n, r, start, jm, qlast, tv, scale2, h, *idx, Q_s, P_s,
                  *st[s], *st[nxt], *gl, *frags)
 
     @T.prim_func
@@ -410,6 +449,8 @@ def build_extend_prim_func(
                 emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
                 for it in T.serial(T.ceildiv(n, stages)):
                     emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
+                if wg_sync:
+                    T.sync_threads()  # the warpgroups meet again before the CTA-wide reduction
 
                 T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
                 if tid % TPC == 0:
@@ -468,11 +509,11 @@ def build_extend_prim_func(
 
 @functools.lru_cache(maxsize=None)
 def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=3,
-                        k_sparse=True, target=None):
+                        k_sparse=True, wg_sync=False, target=None):
     """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU."""
     import tilelang
 
-    func = build_extend_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse)
+    func = build_extend_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, wg_sync)
     return tilelang.compile(func, target=target or SM90_TARGET, pass_configs=PASS_CONFIGS)
 
 
@@ -517,9 +558,12 @@ class HieraSparseExtend:
 
     ``tile``: ``"auto"`` (n64 when the batch averages at most 64 query columns (tokens x GQA group) per
     request, else n128), or a key of ``TILES``. ``stages``: pipeline depth (default per tile).
-    ``num_splits``: force a split count (else chosen per call from the shapes). ``max_blocks`` is only
-    advisory (block tables of any width are accepted). Kernels are compiled, or loaded from TileLang's
-    disk cache, on first use of a configuration (tile, stages, whether the call has 2:4 K rows).
+    ``num_splits``: force a split count (else chosen per call from the shapes). ``sync``: ``"cta"`` (every
+    phase of a block step meets at a CTA barrier) or ``"warpgroup"`` (each warpgroup meets only itself,
+    the stages are released through mbarriers, so one warpgroup's softmax can overlap the other's GEMMs;
+    see the module docstring). ``max_blocks`` is only advisory (block tables of any width are accepted).
+    Kernels are compiled, or loaded from TileLang's disk cache, on first use of a configuration (tile,
+    stages, sync, whether the call has 2:4 K rows).
 
     For the backend: ``qo_indptr``, ``block_table``, ``seq_lens`` and the index maps are int32 on the
     GPU; ``q`` may be a strided view (it is packed here); nothing else is needed (no tile table, no
@@ -529,17 +573,19 @@ class HieraSparseExtend:
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, tile: str = "auto", stages: int | None = None,
-                 num_splits: int | None = None):
+                 num_splits: int | None = None, sync: str = "cta"):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         group = q_heads // kv_heads
         if group not in (1, 2, 4, 8, 16):
             raise ValueError(f"GQA group {group} is not supported")
         if tile != "auto" and tile not in TILES:
             raise ValueError(f"tile must be 'auto' or one of {sorted(TILES)}")
+        if sync not in SYNCS:
+            raise ValueError(f"sync must be one of {SYNCS}, got {sync!r}")
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
         self.block_size, self.max_blocks, self.group = block_size, max_blocks, group
         self.dtype, self.device = dtype, torch.device(device)
-        self.tile, self.stages, self.num_splits = tile, stages, num_splits
+        self.tile, self.stages, self.num_splits, self.sync = tile, stages, num_splits, sync
         self._dt = "float16" if dtype == torch.float16 else "bfloat16"
         self._sms = None
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -551,7 +597,7 @@ class HieraSparseExtend:
         self._op_dummy = torch.zeros(1, q_heads, 1, head_dim, **f32)
         self._lp_dummy = torch.zeros(1, q_heads, 1, **f32)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
-        self.last_config = None  # tile, stages, k_sparse, num_splits and tile ids of the last call
+        self.last_config = None  # tile, stages, k_sparse, num_splits, tile ids and sync of the last call
 
     # ------------------------------------------------------------------------------ configuration
     def pick_tile(self, total_tokens: int, batch: int) -> str:
@@ -563,7 +609,7 @@ class HieraSparseExtend:
     def kernel(self, tile: str, k_sparse: bool):
         stages = self.stages or default_stages(tile)
         k = build_extend_kernel(self.q_heads, self.kv_heads, self.head_dim, self.block_size, self._dt, tile,
-                                stages, k_sparse)
+                                stages, k_sparse, self.sync == "warpgroup")
         return k, stages
 
     def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int) -> int:
@@ -619,7 +665,8 @@ class HieraSparseExtend:
             qo_indptr, block_table, seq_lens, float(sm_scale),
             op, lp, out, lse, cnt,
         )
-        self.last_config = dict(tile=tile, stages=stages, k_sparse=k_sparse, num_splits=s, tile_ids=nt)
+        self.last_config = dict(tile=tile, stages=stages, k_sparse=k_sparse, num_splits=s, tile_ids=nt,
+                                sync=self.sync)
         if target is not None and target is not out:
             target.copy_(out)
             out = target
@@ -627,21 +674,25 @@ class HieraSparseExtend:
 
 
 # The configurations the GPU tests and the benchmark compile: (q_heads, kv_heads, head_dim, dtype, tile,
-# stages, k_sparse). ``python -m sglang_hs.kernels.extend [--jobs N]`` compiles them into TileLang's cache
-# (``TILELANG_CACHE_DIR``) on any machine, GPU or not, so that a device run only loads them.
+# stages, k_sparse, warpgroup sync). ``python -m sglang_hs.kernels.extend [--jobs N]`` compiles them into
+# TileLang's cache (``TILELANG_CACHE_DIR``) on any machine, GPU or not, so that a device run only loads them.
 PRECOMPILE = [
-    (32, 8, 128, "float16", "n128", 3, True), (32, 8, 128, "float16", "n64", 2, True),
-    (32, 8, 128, "float16", "n128", 3, False), (32, 8, 128, "float16", "n64", 2, False),
-    (32, 8, 128, "float16", "n128", 2, True), (32, 8, 128, "float16", "n128", 2, False),
-    (16, 2, 128, "bfloat16", "n128", 3, True), (16, 2, 128, "float16", "n64", 2, False),
-    (8, 4, 128, "float16", "n128", 3, False), (4, 4, 64, "float16", "n64", 2, True),
-    (4, 4, 64, "bfloat16", "n128", 3, False), (8, 2, 64, "bfloat16", "n128", 3, True),
+    (32, 8, 128, "float16", "n128", 3, True, False), (32, 8, 128, "float16", "n64", 2, True, False),
+    (32, 8, 128, "float16", "n128", 3, False, False), (32, 8, 128, "float16", "n64", 2, False, False),
+    (32, 8, 128, "float16", "n128", 2, True, False), (32, 8, 128, "float16", "n128", 2, False, False),
+    (16, 2, 128, "bfloat16", "n128", 3, True, False), (16, 2, 128, "float16", "n64", 2, False, False),
+    (8, 4, 128, "float16", "n128", 3, False, False), (4, 4, 64, "float16", "n64", 2, True, False),
+    (4, 4, 64, "bfloat16", "n128", 3, False, False), (8, 2, 64, "bfloat16", "n128", 3, True, False),
+    (32, 8, 128, "float16", "n128", 3, True, True), (32, 8, 128, "float16", "n128", 3, False, True),
+    (32, 8, 128, "float16", "n64", 2, True, True), (32, 8, 128, "float16", "n64", 2, False, True),
+    (32, 8, 128, "float16", "n128", 2, True, True), (32, 8, 128, "float16", "n128", 2, False, True),
+    (16, 2, 128, "bfloat16", "n128", 3, True, True),
 ]
 
 
 def _precompile_one(cfg):
-    hq, hkv, d, dt, tile, stages, k_sparse = cfg
-    build_extend_kernel(hq, hkv, d, 64, dt, tile, stages, k_sparse)
+    hq, hkv, d, dt, tile, stages, k_sparse, wg_sync = cfg
+    build_extend_kernel(hq, hkv, d, 64, dt, tile, stages, k_sparse, wg_sync)
     return cfg
 
 
