@@ -5,6 +5,9 @@
 #
 #   bash launch/h100.sh warm                 compile every kernel below into TileLang's cache, in parallel
 #   bash launch/h100.sh kernels OUT          kernel GPU tests, extend and compress benchmarks -> OUT/
+#   bash launch/h100.sh extend OUT [PART]    the extend kernel: PART tests (its GPU tests, one synchronisation at a
+#                                            time), bench (extend at NEW new tokens (64), then full prefill at L
+#                                            (32768), every tile / stages / synchronisation variant) or all
 #   bash launch/h100.sh tiny OUT             tiny model, S = 0: greedy outputs identical to SGLang's triton
 #   bash launch/h100.sh prefix OUT SERVERS [REGIMES] [API]
 #                                            Llama-3.1-8B-shaped prefix benchmark, e.g. SERVERS=triton,hs:1:1:auto,
@@ -31,7 +34,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-step=${1:?usage: bash launch/h100.sh warm|kernels|tiny|prefix|warmfi|soak|sanitize|smollm2|quality OUT ...}
+step=${1:?usage: bash launch/h100.sh warm|kernels|extend|tiny|prefix|warmfi|soak|sanitize|smollm2|quality OUT ...}
 out=${2:-out}
 mkdir -p "$out"
 tiny=/tmp/hs_tiny
@@ -60,6 +63,24 @@ case "$step" in
         2>&1 | tee "$out/gpu_tests.log" | tail -3
     python3 -m sglang_hs.kernels.bench --kernel extend --quick --out "$out" | tail -12
     python3 -m sglang_hs.kernels.bench --kernel compress --merge "$out/kernels_h100.json" --out "$out" | tail -6
+    ;;
+  extend)
+    part=${3:-all}
+    if [ "$part" != bench ]; then
+      # Each synchronisation's tests in their own bounded run: a hang in one does not take the others.
+      for sel in "not warpgroup and not overlap" warpgroup overlap; do
+        echo "== extend tests: $sel"
+        timeout 420 python3 -m pytest -q -m gpu tests/test_kernels_extend.py -k "$sel" 2>&1 \
+            | tee -a "$out/gpu_tests_extend.log" | tail -3
+      done
+    fi
+    if [ "$part" != tests ]; then
+      timeout 300 python3 -m sglang_hs.kernels.bench --kernel extend --new-tokens "${NEW:-64}" --quick --variants \
+          --out "$out" | tail -4
+      timeout 300 python3 -m sglang_hs.kernels.bench --kernel prefill --context "${L:-32768}" --quick --variants \
+          --merge "$out/kernels_h100.json" --out "$out" | tail -4
+      grep -h "speedup" "$out/bench_extend.log" "$out/bench_prefill.log" | cut -c1-220
+    fi
     ;;
   tiny)
     python3 -m sglang_hs.launch.server_check --model-path $tiny --baseline triton --common-arg=--tp-size=${TP:-1} \
@@ -116,7 +137,7 @@ case "$step" in
         --server-arg=--hierasparse-kernels=compress --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
     ;;
   *)
-    echo "unknown step $step; allowed: warm, kernels, tiny, prefix, warmfi, soak, sanitize, smollm2, quality" >&2
+    echo "unknown step $step; allowed: warm, kernels, extend, tiny, prefix, warmfi, soak, sanitize, smollm2, quality" >&2
     exit 2
     ;;
 esac
