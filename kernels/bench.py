@@ -686,7 +686,8 @@ def bench_extend(args, on_record=None):
     if args.variants:
         variants += [dict(tile="n64"), dict(tile="n128"), dict(tile="n128", stages=2),
                      dict(tile="n64", sync="warpgroup"), dict(tile="n128", sync="warpgroup"),
-                     dict(tile="n128", stages=2, sync="warpgroup"), dict(tile="n128", sync="overlap")]
+                     dict(tile="n128", stages=2, sync="warpgroup"), dict(tile="n128", sync="overlap"),
+                     dict(tile="n64", sync="warp"), dict(tile="n128", sync="warp"), dict(tile="n128", stages=2, sync="warp")]
     records, lines = [], []
 
     def log(msg):

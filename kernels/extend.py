@@ -105,7 +105,7 @@ from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and too
 # name -> (N columns per CTA, threads). Every shipped configuration is covered by the GPU tests.
 TILES = {"n64": (64, 128), "n128": (128, 256)}
 # How the phases of a block step synchronise (see the module docstring): CTA barriers, or per warpgroup.
-SYNCS = ("cta", "warpgroup", "overlap")
+SYNCS = ("cta", "warpgroup", "overlap", "warp")
 
 
 def default_stages(tile: str, sync: str = "cta") -> int:
@@ -156,8 +156,12 @@ def build_extend_prim_func(
     import tilelang.language as T
 
     assert sync in SYNCS, sync
-    wg_sync = sync != "cta"  # phases meet per warpgroup
+    wg_sync = sync != "cta"  # phases meet per warpgroup (per warp with "warp")
     overlap = sync == "overlap"  # O^T GEMM of block j - 1 in flight during block j's softmax
+    warp = sync == "warp"  # each warp owns its columns across all of a block's tokens (mma.sync)
+    # warp: all warps side by side along the N (query) columns, so that a column's softmax never leaves
+    # its warp; wgmma cannot split M = 64 across one warp, so this schedule compiles to mma(.sp).sync.
+    POL = T.GemmWarpPolicy.FullCol if warp else T.GemmWarpPolicy.Square
     B, D = block_size, head_dim
     N, threads = TILES[tile]
     G = q_heads // kv_heads
@@ -191,7 +195,7 @@ def build_extend_prim_func(
             ve = T.alloc_shared([e_rows, 16], "int16")
             # full: the block's loads landed (overlap: the issuing warp arrives, else every thread)
             bar = T.alloc_barrier(32 if overlap else threads)
-            ebar = T.alloc_barrier(threads) if sync == "warpgroup" else None  # empty: every thread is done
+            ebar = T.alloc_barrier(threads) if sync in ("warpgroup", "warp") else None  # empty: all are done
             out.append((kd, ks, ke, vd, vs, ve, bar, ebar))
         return out
 
@@ -245,7 +249,9 @@ def build_extend_prim_func(
     def group_barrier():
         # Between the phases of one block step, only the threads that share columns must meet: the
         # whole CTA, or (warpgroup sync) the warpgroup that owns the columns, on its own named barrier.
-        if wg_sync:
+        if warp:
+            T.sync_warp()
+        elif wg_sync:
             T.sync_threads(8 + T.get_thread_binding() // 128, 128)
         else:
             T.sync_threads()
@@ -255,7 +261,7 @@ def build_extend_prim_func(
         if issue_only:
             T.wgmma_gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True)
         else:
-            T.gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True)
+            T.gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
 
     @T.macro
     def gemm_s(md, Q_s, kd, ks, ke, sT, issue_only):
@@ -266,7 +272,7 @@ def build_extend_prim_func(
                 if issue_only:
                     T.wgmma_gemm_sp(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True)
                 else:
-                    T.gemm_sp(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True)
+                    T.gemm_sp(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
             else:
                 gemm_dense_s(Q_s, kd, sT, issue_only)
         else:
@@ -279,20 +285,15 @@ def build_extend_prim_func(
             if issue_only:
                 T.wgmma_gemm_sp(vs, T.view(ve, [D, B // 16]), P_s, oT)
             else:
-                T.gemm_sp(vs, T.view(ve, [D, B // 16]), P_s, oT)
+                T.gemm_sp(vs, T.view(ve, [D, B // 16]), P_s, oT, policy=POL)
         else:
             if issue_only:
                 T.wgmma_gemm(vd, P_s, oT, transpose_A=True)
             else:
-                T.gemm(vd, P_s, oT, transpose_A=True)
+                T.gemm(vd, P_s, oT, transpose_A=True, policy=POL)
 
     @T.macro
-    def softmax(jj, jm, qlast, tv, scale2, S_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
-        # Mask the block, update the running column max, turn S^T into unnormalised P^T (in sT) and
-        # accumulate the row sums; leaves the rescale factors in rs (O^T is not touched here).
-        if jj >= jm:  # the block reaches past the tile's first query position: causal mask
-            for i, c in T.Parallel(B, N):
-                sT[i, c] = T.if_then_else(jj * B + i <= qlast - T.max(tv - 1 - c // G, 0), sT[i, c], NEG)
+    def lane_max_stats(scale2, S_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx):
         # Column max over the block's tokens: S^T goes through S_s (in the kernel's 16-bit type,
         # clamped to +-CLAMP so that masked keys are finite there and fp16 cannot overflow), then TPC
         # consecutive lanes own a column (decode's lane softmax). Any offset close to the max is exact
@@ -316,6 +317,25 @@ def build_extend_prim_func(
         for c in T.Parallel(N):
             msc[c] = msc_sh[c]
             rs[c] = rs_sh[c]
+
+    @T.macro
+    def softmax(jj, jm, qlast, tv, scale2, S_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
+        # Mask the block, update the running column max, turn S^T into unnormalised P^T (in sT) and
+        # accumulate the row sums; leaves the rescale factors in rs (O^T is not touched here).
+        if jj >= jm:  # the block reaches past the tile's first query position: causal mask
+            for i, c in T.Parallel(B, N):
+                sT[i, c] = T.if_then_else(jj * B + i <= qlast - T.max(tv - 1 - c // G, 0), sT[i, c], NEG)
+        if warp:
+            # A column's tokens are all in one warp: its max is a shuffle reduction (no shared memory,
+            # no barrier). Offsets are kept >= -CLAMP so that a fully masked column stays finite.
+            T.reduce_max(sT, mx, dim=0, clear=True)
+            for c in T.Parallel(N):
+                msc[c] = T.max(T.max(m_run[c], mx[c]), -CLAMP)  # the new max, for now
+                rs[c] = T.exp2(m_run[c] * scale2 - msc[c] * scale2)
+                m_run[c] = msc[c]
+                msc[c] = msc[c] * scale2
+        else:
+            lane_max_stats(scale2, S_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
         for i, c in T.Parallel(B, N):
             sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
             lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
@@ -525,8 +545,10 @@ def build_extend_prim_func(
             l = T.alloc_fragment([N], accum)
             rs = T.alloc_fragment([N], accum)
             msc = T.alloc_fragment([N], accum)
-            m_run = T.alloc_local([1], accum)
-            mx = T.alloc_local([1], accum)
+            # The running column max (and the block's): per column fragments in the warp schedule, else
+            # the one column of each lane's pair.
+            m_run = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
+            mx = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
             tid = T.get_thread_binding()
             # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
             # with their bounds checks, at every use).
@@ -574,7 +596,10 @@ def build_extend_prim_func(
                         c // G < tv, Q[q0 + t0 + T.min(c // G, tv - 1), h * G + c % G, d], T.cast(0, dtype))
                 T.fill(oT, 0)
                 T.fill(lacc, 0)
-                m_run[0] = NEG
+                if warp:
+                    T.fill(m_run, NEG)
+                else:
+                    m_run[0] = NEG
                 if overlap:
                     if tid < stages:
                         ov[1][tid] = 0  # release counters
@@ -593,7 +618,10 @@ def build_extend_prim_func(
                     T.sync_threads()  # the warpgroups meet again before the CTA-wide reduction
 
                 T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
-                if tid % TPC == 0:
+                if warp:
+                    for c in T.Parallel(N):
+                        m_sh[c] = m_run[c]
+                elif tid % TPC == 0:
                     m_sh[tid // TPC] = m_run[0]
                 T.sync_threads()
                 if S == 1:
@@ -654,7 +682,8 @@ def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float
     import tilelang
 
     func = build_extend_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, sync)
-    return tilelang.compile(func, target=target or SM90_TARGET, pass_configs=PASS_CONFIGS)
+    configs = {**PASS_CONFIGS, "tl.disable_wgmma": True} if sync == "warp" else PASS_CONFIGS
+    return tilelang.compile(func, target=target or SM90_TARGET, pass_configs=configs)
 
 
 def tile_count(total_tokens: int, batch: int, tokens_per_tile: int) -> int:
@@ -829,6 +858,10 @@ PRECOMPILE = [
     (16, 2, 128, "bfloat16", "n128", 3, True, "warpgroup"),
     (32, 8, 128, "float16", "n128", 3, True, "overlap"), (32, 8, 128, "float16", "n128", 3, False, "overlap"),
     (32, 8, 128, "float16", "n64", 3, True, "overlap"), (16, 2, 128, "bfloat16", "n128", 3, True, "overlap"),
+    (32, 8, 128, "float16", "n128", 3, True, "warp"), (32, 8, 128, "float16", "n128", 3, False, "warp"),
+    (32, 8, 128, "float16", "n128", 2, True, "warp"), (32, 8, 128, "float16", "n128", 2, False, "warp"),
+    (32, 8, 128, "float16", "n64", 2, True, "warp"), (32, 8, 128, "float16", "n64", 2, False, "warp"),
+    (16, 2, 128, "bfloat16", "n128", 3, True, "warp"), (8, 2, 64, "bfloat16", "n128", 3, True, "warp"),
 ]
 
 

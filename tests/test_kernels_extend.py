@@ -25,7 +25,7 @@ SMALL_MAX_BLOCKS = 30  # > the longest request's 27 blocks: the table has unused
 
 # (q_heads, kv_heads, head_dim, dtype, S_K, S_V, plan options). GQA groups 4, 8, 1, 2; d 128 and 64;
 # fp16 and bf16; S in {0, 0.5, 1} mixes; both tiles, n128 with 2 stages; with (S_K > 0) and without
-# (S_K = 0) the 2:4 K buffers; each synchronisation (CTA, warpgroup, overlap).
+# (S_K = 0) the 2:4 K buffers; each synchronisation (CTA, warpgroup, overlap, warp).
 SMALL = [
     (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n128")),
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n64")),
@@ -46,6 +46,13 @@ SMALL = [
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
     (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64", sync="overlap")),
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="overlap")),
+    # One warp per column group (mma.sync): both tiles, with and without 2:4 K buffers, d 128 and 64.
+    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warp")),
+    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warp")),
+    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64", sync="warp")),
+    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n64", sync="warp")),
+    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="warp")),
+    (8, 2, 64, torch.bfloat16, 1.0, 0.5, dict(tile="n128", sync="warp")),
 ]
 MID_PREFIX = [4096, 2500, 8192, 77]
 MID_NEW = [64, 300, 129, 1000]
@@ -153,10 +160,11 @@ def test_dense_equals_dense_attention_and_flashinfer(tile):
 @pytest.mark.parametrize("sk,sv,tile,sync", [(1.0, 1.0, "n128", "cta"), (1.0, 1.0, "n64", "cta"),
                                              (0.0, 1.0, "n128", "cta"), (0.5, 0.5, "n128", "cta"),
                                              (1.0, 1.0, "n128", "warpgroup"), (0.0, 1.0, "n64", "warpgroup"),
-                                             (1.0, 1.0, "n128", "overlap"), (0.0, 1.0, "n128", "overlap")])
+                                             (1.0, 1.0, "n128", "overlap"), (0.0, 1.0, "n128", "overlap"),
+                                             (1.0, 1.0, "n128", "warp"), (0.0, 1.0, "n64", "warp")])
 def test_sparse_matches_decompressed(sk, sv, tile, sync):
     """Mixed dense/sparse blocks at a few thousand tokens: dense attention and FlashInfer over the pruned
-    KV. The warpgroup and overlap cases run one split, so that a CTA walks up to 130 blocks: past the
+    KV. The cases with another synchronisation than CTA barriers run one split, so that a CTA walks up to 130 blocks: past the
     index ring's first pass (128 entries at n128, 64 at n64), where their CTA barriers are."""
     case = bench.make_extend_case(MID_PREFIX, MID_NEW, 32, 8, 128, sk, sv, torch.float16, "cuda",
                                   max_blocks=MID_MAX_BLOCKS, seed=3)
