@@ -663,6 +663,12 @@ def extend_flops(case):
     return 4 * D * Hq * keys
 
 
+# (tile, stages, sync) of the extend kernel that ``--variants`` times besides the default plan.
+EXTEND_VARIANTS = [("n64", 2, "cta"), ("n128", 3, "cta"), ("n128", 2, "cta"), ("n64", 2, "warpgroup"),
+                   ("n128", 3, "warpgroup"), ("n128", 2, "warpgroup"), ("n128", 3, "overlap"), ("n64", 2, "warp"),
+                   ("n128", 3, "warp"), ("n128", 2, "warp")]
+
+
 def bench_extend(args, on_record=None):
     """The extend regime of issue 3: ``--batch`` requests, each a ``--context``-token cached prefix (1 sink
     page, compressed blocks, 4 window pages) plus n new tokens for n in ``--new-tokens``; Llama-3.1-8B
@@ -684,10 +690,7 @@ def bench_extend(args, on_record=None):
     points = [(0.0, 0.0), (0.0, 1.0), (1.0, 1.0)] if not args.quick else [(0.0, 1.0), (1.0, 1.0)]
     variants = [dict()]  # the default plan first: its time is the record's ours_us
     if args.variants:
-        variants += [dict(tile="n64"), dict(tile="n128"), dict(tile="n128", stages=2),
-                     dict(tile="n64", sync="warpgroup"), dict(tile="n128", sync="warpgroup"),
-                     dict(tile="n128", stages=2, sync="warpgroup"), dict(tile="n128", sync="overlap"),
-                     dict(tile="n64", sync="warp"), dict(tile="n128", sync="warp"), dict(tile="n128", stages=2, sync="warp")]
+        variants += [dict(tile=t, stages=st, sync=sy) for t, st, sy in EXTEND_VARIANTS]
     records, lines = [], []
 
     def log(msg):

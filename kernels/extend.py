@@ -67,13 +67,35 @@ here so that the decode kernel is untouched:
 * **Why not merge the new tokens separately**: the new tokens' K/V are cache pages like the window's,
   so they are read in the same launch and the same block loop (no second kernel, no LSE merge); only
   the blocks on the tile's causal diagonal are masked.
+* **Synchronisation schedules** (``sync``; ``HieraSparseExtend`` picks with ``default_sync``):
+
+  - ``"cta"``: the description above; 4 CTA barriers a block step.
+  - ``"warpgroup"``: the phases meet on a named barrier per warpgroup (``bar.sync 8 + wg, 128``: a
+    warpgroup owns its columns, so no other warpgroup needs to wait); the stages are released through
+    per-stage "empty" mbarriers that every thread arrives on after its O^T GEMM, and warp 0 waits on
+    one before it refills the stage; CTA barriers only every ``threads / 2`` steps, around the index
+    resolve. One warpgroup may run up to a step ahead of the other, so one's softmax can overlap the
+    other's GEMMs.
+  - ``"overlap"``: as warpgroup, and the O^T GEMM of block ``j - 1`` is issued (``T.wgmma_gemm``, no
+    wait) right after block ``j``'s S^T GEMM and runs through block ``j``'s softmax (FA3's intra-
+    warpgroup overlap). S^T is staged in its own buffer (``P_s`` still feeds that GEMM); a stage is
+    refilled by the last warpgroup to release it (a per-stage counter in shared memory, taken by each
+    warpgroup's first warp: TileLang elects the TMA thread only inside a thread range it can see).
+    Measured slower than warpgroup: the held stage leaves one block fewer in flight.
+  - ``"warp"``: all warps side by side along the query columns (``GemmWarpPolicy.FullCol``), so each
+    warp holds all 64 tokens of its 16 columns: the column max is a shuffle reduction in the warp
+    (``T.reduce_max``, no shared memory), ``P^T`` is written and read back by the same warp
+    (``__syncwarp``), and the block loop has no CTA or warpgroup barrier at all. wgmma cannot split
+    M = 64 over one warp, so this schedule compiles with ``tl.disable_wgmma`` to ``mma.sp.sync``
+    (m16n8k32) / ``mma.sync``: the paper's Ada design. Same 2:4 metadata layout as ``wgmma.sp``.
 * **Bug work-arounds (0.1.11)**, as decode: ``T.fence_proxy_async()`` after ``P^T`` and ``Q`` are written
   to shared memory (#2634); automatic thread-sync insertion is disabled (it deadlocks in the elected-
   thread TMA branches) and the kernel places its barriers itself: at the top of each block step (WAR on
   the refilled stage, ``P_s`` and the index ring), after ``S^T`` is stored, after the column statistics
-  are published, after ``P^T`` is written.
+  are published, after ``P^T`` is written (the other schedules: see above).
 * **Occupancy** (shared memory, d 128): n128 with 3 stages ~205 KB (one CTA, 8 warps per SM; 202
-  registers, no spills); n64 with 2 stages ~128 KB, or ~110 KB without 2:4 K buffers (two CTAs per SM).
+  registers, no spills; 244 in the warp schedule); n64 with 2 stages ~128 KB, or ~110 KB without 2:4 K
+  buffers (two CTAs per SM). Registers hold n128 to one CTA per SM in every schedule.
 * One launch per call, no host synchronisation: tile ids, splits, masks and empty splits are computed in
   the kernel from ``qo_indptr`` and ``seq_lens`` on the GPU; scratch grows on demand (``torch.empty`` /
   ``torch.zeros`` only). Empty pools are replaced by one-row dummies (a TMA descriptor cannot describe a
@@ -104,15 +126,27 @@ from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and too
 
 # name -> (N columns per CTA, threads). Every shipped configuration is covered by the GPU tests.
 TILES = {"n64": (64, 128), "n128": (128, 256)}
-# How the phases of a block step synchronise (see the module docstring): CTA barriers, or per warpgroup.
+# How the phases of a block step synchronise (see the module docstring): CTA barriers, per warpgroup,
+# per warpgroup with the O^T GEMM overlapped, or per warp (mma.sync).
 SYNCS = ("cta", "warpgroup", "overlap", "warp")
 
 
+def default_sync(tile: str, k_sparse: bool) -> str:
+    """The schedule ``sync="auto"`` takes, the fastest measured on the H100 (``--variants`` of the extend
+    and prefill benchmarks): n128 per warp when K has 2:4 rows, else per warpgroup; n64 CTA barriers."""
+    if tile == "n64":
+        return "cta"
+    return "warp" if k_sparse else "warpgroup"
+
+
 def default_stages(tile: str, sync: str = "cta") -> int:
-    """n128: 3 stages (one CTA per SM is all that fits at d 128 anyway); n64: 2 (two CTAs per SM fit
-    when the call has no 2:4 K rows, as decode found best); overlap: 3 (the stage of block j - 1 is
-    held until its O^T GEMM completes in step j, so 2 stages would leave no block in flight)."""
-    return 3 if tile == "n128" or sync == "overlap" else 2
+    """n128 with CTA barriers: 3 stages (one CTA per SM is all that fits at d 128 anyway); n128 per warp
+    or warpgroup: 2 (measured faster than 3); n64: 2 (two CTAs per SM fit when the call has no 2:4 K
+    rows, as decode found best); overlap: 3 (the stage of block j - 1 is held until its O^T GEMM
+    completes in step j, so 2 stages would leave no block in flight)."""
+    if sync == "overlap":
+        return 3
+    return 3 if tile == "n128" and sync == "cta" else 2
 
 
 def resolve_chunk(tile: str) -> int:
@@ -727,10 +761,9 @@ class HieraSparseExtend:
 
     ``tile``: ``"auto"`` (n64 when the batch averages at most 64 query columns (tokens x GQA group) per
     request, else n128), or a key of ``TILES``. ``stages``: pipeline depth (default per tile).
-    ``num_splits``: force a split count (else chosen per call from the shapes). ``sync``: ``"cta"`` (every
-    phase of a block step meets at a CTA barrier) or ``"warpgroup"`` (each warpgroup meets only itself,
-    the stages are released through mbarriers, so one warpgroup's softmax can overlap the other's GEMMs;
-    see the module docstring). ``max_blocks`` is only advisory (block tables of any width are accepted).
+    ``num_splits``: force a split count (else chosen per call from the shapes). ``sync``: how a block
+    step's phases meet (``SYNCS``, see the module docstring), or ``"auto"``: :func:`default_sync` of the
+    call's tile and K pools. ``max_blocks`` is only advisory (block tables of any width are accepted).
     Kernels are compiled, or loaded from TileLang's disk cache, on first use of a configuration (tile,
     stages, sync, whether the call has 2:4 K rows).
 
@@ -742,15 +775,15 @@ class HieraSparseExtend:
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, tile: str = "auto", stages: int | None = None,
-                 num_splits: int | None = None, sync: str = "cta"):
+                 num_splits: int | None = None, sync: str = "auto"):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         group = q_heads // kv_heads
         if group not in (1, 2, 4, 8, 16):
             raise ValueError(f"GQA group {group} is not supported")
         if tile != "auto" and tile not in TILES:
             raise ValueError(f"tile must be 'auto' or one of {sorted(TILES)}")
-        if sync not in SYNCS:
-            raise ValueError(f"sync must be one of {SYNCS}, got {sync!r}")
+        if sync != "auto" and sync not in SYNCS:
+            raise ValueError(f"sync must be 'auto' or one of {SYNCS}, got {sync!r}")
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
         self.block_size, self.max_blocks, self.group = block_size, max_blocks, group
         self.dtype, self.device = dtype, torch.device(device)
@@ -775,18 +808,23 @@ class HieraSparseExtend:
         cols = -(-total_tokens // max(batch, 1)) * self.group
         return "n64" if cols <= 64 else "n128"
 
-    def kernel(self, tile: str, k_sparse: bool):
-        stages = self.stages or default_stages(tile, self.sync)
-        k = build_extend_kernel(self.q_heads, self.kv_heads, self.head_dim, self.block_size, self._dt, tile,
-                                stages, k_sparse, self.sync)
-        return k, stages
+    def pick_sync(self, tile: str, k_sparse: bool) -> str:
+        return default_sync(tile, k_sparse) if self.sync == "auto" else self.sync
 
-    def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int) -> int:
+    def kernel(self, tile: str, k_sparse: bool):
+        """``(kernel, stages, sync)`` of a call's configuration."""
+        sync = self.pick_sync(tile, k_sparse)
+        stages = self.stages or default_stages(tile, sync)
+        k = build_extend_kernel(self.q_heads, self.kv_heads, self.head_dim, self.block_size, self._dt, tile,
+                                stages, k_sparse, sync)
+        return k, stages, sync
+
+    def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int, sync: str) -> int:
         if self.num_splits is not None:
             return max(1, int(self.num_splits))
         if self._sms is None:
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        per_cta = smem_bytes(tile, self.head_dim, self.block_size, stages, k_sparse, self.sync) + 1024
+        per_cta = smem_bytes(tile, self.head_dim, self.block_size, stages, k_sparse, sync) + 1024
         ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 2048 // TILES[tile][1]))
         return choose_num_splits(tiles, self.kv_heads, blocks, self._sms, ctas_per_sm)
 
@@ -815,10 +853,10 @@ class HieraSparseExtend:
             return (out, lse) if return_lse else out
         k_sparse = k_values.numel() > 0
         tile = self.pick_tile(total, bs)
-        kernel, stages = self.kernel(tile, k_sparse)
+        kernel, stages, sync = self.kernel(tile, k_sparse)
         tq = TILES[tile][0] // self.group
         nt = tile_count(total, bs, tq)
-        s = self.splits(tile, stages, k_sparse, -(-total // tq), block_table.shape[1])
+        s = self.splits(tile, stages, k_sparse, -(-total // tq), block_table.shape[1], sync)
         self._cnt = self._grow(self._cnt, nt * self.kv_heads, zero=True)
         cnt = self._cnt[:nt * self.kv_heads].view(nt, self.kv_heads)
         if s > 1:
@@ -834,8 +872,7 @@ class HieraSparseExtend:
             qo_indptr, block_table, seq_lens, float(sm_scale),
             op, lp, out, lse, cnt,
         )
-        self.last_config = dict(tile=tile, stages=stages, k_sparse=k_sparse, num_splits=s, tile_ids=nt,
-                                sync=self.sync)
+        self.last_config = dict(tile=tile, stages=stages, k_sparse=k_sparse, num_splits=s, tile_ids=nt, sync=sync)
         if target is not None and target is not out:
             target.copy_(out)
             out = target
@@ -855,13 +892,13 @@ PRECOMPILE = [
     (32, 8, 128, "float16", "n128", 3, True, "warpgroup"), (32, 8, 128, "float16", "n128", 3, False, "warpgroup"),
     (32, 8, 128, "float16", "n64", 2, True, "warpgroup"), (32, 8, 128, "float16", "n64", 2, False, "warpgroup"),
     (32, 8, 128, "float16", "n128", 2, True, "warpgroup"), (32, 8, 128, "float16", "n128", 2, False, "warpgroup"),
-    (16, 2, 128, "bfloat16", "n128", 3, True, "warpgroup"),
+    (16, 2, 128, "bfloat16", "n128", 2, True, "warpgroup"),
     (32, 8, 128, "float16", "n128", 3, True, "overlap"), (32, 8, 128, "float16", "n128", 3, False, "overlap"),
     (32, 8, 128, "float16", "n64", 3, True, "overlap"), (16, 2, 128, "bfloat16", "n128", 3, True, "overlap"),
     (32, 8, 128, "float16", "n128", 3, True, "warp"), (32, 8, 128, "float16", "n128", 3, False, "warp"),
     (32, 8, 128, "float16", "n128", 2, True, "warp"), (32, 8, 128, "float16", "n128", 2, False, "warp"),
     (32, 8, 128, "float16", "n64", 2, True, "warp"), (32, 8, 128, "float16", "n64", 2, False, "warp"),
-    (16, 2, 128, "bfloat16", "n128", 3, True, "warp"), (8, 2, 64, "bfloat16", "n128", 3, True, "warp"),
+    (16, 2, 128, "bfloat16", "n128", 2, True, "warp"), (8, 2, 64, "bfloat16", "n128", 2, True, "warp"),
 ]
 
 

@@ -75,7 +75,7 @@ def kernel_jobs(shape: dict, max_blocks: int, batch_sizes: list[int], num_sms: i
     """``(kind, args)`` of every kernel: the decode plans, the extend tiles, the compressor. A model
     whose GQA group the decode and extend kernels do not take serves with the compressor alone."""
     from sglang_hs.kernels.decode import plan_num_splits
-    from sglang_hs.kernels.extend import TILES, default_stages
+    from sglang_hs.kernels.extend import TILES, default_stages, default_sync
 
     hq, hkv, d, dt = shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["dtype"]
     jobs = []
@@ -86,9 +86,10 @@ def kernel_jobs(shape: dict, max_blocks: int, batch_sizes: list[int], num_sms: i
             for bs in batch_sizes
         ]  # fmt: skip
         jobs += [
-            ("extend", (hq, hkv, d, BLOCK_SIZE, dt, tile, default_stages(tile), k_sparse))
+            ("extend", (hq, hkv, d, BLOCK_SIZE, dt, tile, default_stages(tile, sync), k_sparse, sync))
             for tile in TILES
             for k_sparse in (False, True)
+            for sync in [default_sync(tile, k_sparse)]
         ]
     jobs += [("pack", (hkv, d, BLOCK_SIZE)), ("loss", ("k", hkv, d, BLOCK_SIZE, dt)), ("loss", ("v", hkv, d, BLOCK_SIZE, dt))]
     return jobs

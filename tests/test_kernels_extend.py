@@ -14,7 +14,9 @@ import torch
 
 from sglang_hs import reference as R
 from sglang_hs.kernels import bench
-from sglang_hs.kernels.extend import TILES, HieraSparseExtend, choose_num_splits, tile_count, tile_ids
+from sglang_hs.kernels.extend import (
+    PRECOMPILE, TILES, HieraSparseExtend, choose_num_splits, default_stages, default_sync, tile_count, tile_ids,
+)
 
 # Ragged batch: a partial last page, a block-aligned one, a request without compressed blocks (prefix
 # 300 = sink + window only), a single new token, a request with no prefix at all, a long chunk whose
@@ -27,15 +29,15 @@ SMALL_MAX_BLOCKS = 30  # > the longest request's 27 blocks: the table has unused
 # fp16 and bf16; S in {0, 0.5, 1} mixes; both tiles, n128 with 2 stages; with (S_K > 0) and without
 # (S_K = 0) the 2:4 K buffers; each synchronisation (CTA, warpgroup, overlap, warp).
 SMALL = [
-    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n128")),
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n64")),
-    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n128", stages=2)),
-    (16, 2, 128, torch.bfloat16, 1.0, 1.0, dict(tile="n128")),
-    (16, 2, 128, torch.float16, 0.0, 1.0, dict(tile="n64")),
-    (8, 4, 128, torch.float16, 0.0, 1.0, dict(tile="n128")),
-    (4, 4, 64, torch.float16, 1.0, 0.0, dict(tile="n64")),
-    (4, 4, 64, torch.bfloat16, 0.0, 0.0, dict(tile="n128")),
-    (8, 2, 64, torch.bfloat16, 0.5, 1.0, dict(tile="n128")),
+    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n128", sync="cta")),
+    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n64", sync="cta")),
+    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n128", stages=2, sync="cta")),
+    (16, 2, 128, torch.bfloat16, 1.0, 1.0, dict(tile="n128", sync="cta")),
+    (16, 2, 128, torch.float16, 0.0, 1.0, dict(tile="n64", sync="cta")),
+    (8, 4, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="cta")),
+    (4, 4, 64, torch.float16, 1.0, 0.0, dict(tile="n64", sync="cta")),
+    (4, 4, 64, torch.bfloat16, 0.0, 0.0, dict(tile="n128", sync="cta")),
+    (8, 2, 64, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="cta")),
     # Per-warpgroup synchronisation: both tiles, with and without 2:4 K buffers, fp16 and bf16.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warpgroup")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warpgroup")),
@@ -222,3 +224,18 @@ def test_tile_ids_and_split_heuristic():
     assert choose_num_splits(512 * 8, 8, 544, 132, 1) == 1
     plan = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda")
     assert plan.pick_tile(8 * 16, 8) == "n64" and plan.pick_tile(8 * 64, 8) == "n128"
+
+
+def test_default_configurations_are_precompiled():
+    """What ``sync="auto"`` picks for the benchmark's shape is in PRECOMPILE (a device run loads it from
+    TileLang's cache), and the picks follow the measured order: n128 per warp with 2:4 K rows, per
+    warpgroup without, 2 stages; n64 with CTA barriers."""
+    picks = {}
+    for tile in TILES:
+        for k_sparse in (False, True):
+            sync = default_sync(tile, k_sparse)
+            picks[tile, k_sparse] = (sync, default_stages(tile, sync))
+            assert (32, 8, 128, "float16", tile, default_stages(tile, sync), k_sparse, sync) in PRECOMPILE
+    assert picks == {("n64", False): ("cta", 2), ("n64", True): ("cta", 2),
+                     ("n128", False): ("warpgroup", 2), ("n128", True): ("warp", 2)}
+    assert default_stages("n128", "cta") == 3 and default_stages("n128", "overlap") == 3
