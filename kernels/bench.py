@@ -715,7 +715,8 @@ def bench_extend(args, on_record=None):
             results = []
             for var in variants:
                 try:
-                    plan = HieraSparseExtend(Hq, Hkv, D, 64, case["max_blocks"], dtype, dev, **var)
+                    plan = HieraSparseExtend(Hq, Hkv, D, 64, case["max_blocks"], dtype, dev,
+                                             **{"num_splits": args.num_splits, **var})
                     out = torch.empty_like(case["q"])
                     a = extend_run_args(case)
                     fn = lambda: plan.run(*a, out=out)  # noqa: E731
@@ -874,7 +875,8 @@ def main(argv=None):
                     help="decode: only this many distinct requests' KV; request r reads request r %% G's (shared prefixes)")
     ap.add_argument("--max-blocks", type=int, default=None,
                     help="decode: block-table width (a server's: ceil((context length + 4) / 64)); default: the context's")
-    ap.add_argument("--num-splits", type=int, default=None, help="decode: force the split count (default: the plan's)")
+    ap.add_argument("--num-splits", type=int, default=None,
+                    help="decode, extend, prefill: force the split count (default: the plan's)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"], help="decode: KV and query type")
     ap.add_argument("--layouts", default="natural,shuffled",
                     help="pool/page layouts to time: natural (allocation order) and/or shuffled (random rows)")

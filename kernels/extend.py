@@ -133,10 +133,8 @@ SYNCS = ("cta", "warpgroup", "overlap", "warp")
 
 def default_sync(tile: str, k_sparse: bool) -> str:
     """The schedule ``sync="auto"`` takes, the fastest measured on the H100 (``--variants`` of the extend
-    and prefill benchmarks): n128 per warp when K has 2:4 rows, else per warpgroup; n64 CTA barriers."""
-    if tile == "n64":
-        return "cta"
-    return "warp" if k_sparse else "warpgroup"
+    and prefill benchmarks): per warp, except n128 without 2:4 K rows: per warpgroup."""
+    return "warp" if k_sparse or tile == "n64" else "warpgroup"
 
 
 def default_stages(tile: str, sync: str = "cta") -> int:
@@ -737,20 +735,22 @@ def tile_ids(qo_indptr: list[int], tokens_per_tile: int) -> list[tuple[int, int,
 
 
 def choose_num_splits(tiles: int, kv_heads: int, blocks: int, num_sms: int, ctas_per_sm: int,
-                      max_splits: int = 64) -> int:
+                      max_splits: int = 64, cta_overhead_blocks: float = 8.0) -> int:
     """Splits per (tile, KV head): the fewest that keep every resident CTA slot busy.
 
-    Same cost model as the decode kernel: a CTA walks ``ceil(blocks / S)`` blocks, CTAs run in waves of
-    ``num_sms * ctas_per_sm``, each split adds a little (partials and merge). ``tiles`` and ``blocks``
-    are the host's estimates from shapes alone (tiles: ``ceil(total / TQ)``; blocks: the block table's
-    width), so no device value is read.
+    A CTA costs ``ceil(blocks / S)`` block steps plus ``cta_overhead_blocks`` (its query tile, the
+    pipeline fill, the partial output and the merge: at 18 splits over 32K the extend kernel ran 2.5x
+    slower than at one, where a per-split cost of a twentieth of a block, decode's, predicted a tie);
+    CTAs run in waves of ``num_sms * ctas_per_sm``. ``tiles`` and ``blocks`` are the host's estimates
+    from shapes alone (tiles: ``ceil(total / TQ)``; blocks: the block table's width), so no device
+    value is read.
     """
     slots = max(1, num_sms * ctas_per_sm)
     pairs = max(1, tiles * kv_heads)
     best = []
     for s in range(1, max(1, min(max_splits, blocks)) + 1):
         waves = -(-pairs * s // slots)
-        cost = waves * -(-blocks // s) + 0.05 * s
+        cost = waves * (-(-blocks // s) + cta_overhead_blocks) + 0.05 * s
         best.append((cost, s))
     lo = min(c for c, _ in best)
     return min(s for c, s in best if c <= lo * 1.02)

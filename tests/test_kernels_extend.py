@@ -229,13 +229,13 @@ def test_tile_ids_and_split_heuristic():
 def test_default_configurations_are_precompiled():
     """What ``sync="auto"`` picks for the benchmark's shape is in PRECOMPILE (a device run loads it from
     TileLang's cache), and the picks follow the measured order: n128 per warp with 2:4 K rows, per
-    warpgroup without, 2 stages; n64 with CTA barriers."""
+    warpgroup without, 2 stages; n64 per warp."""
     picks = {}
     for tile in TILES:
         for k_sparse in (False, True):
             sync = default_sync(tile, k_sparse)
             picks[tile, k_sparse] = (sync, default_stages(tile, sync))
             assert (32, 8, 128, "float16", tile, default_stages(tile, sync), k_sparse, sync) in PRECOMPILE
-    assert picks == {("n64", False): ("cta", 2), ("n64", True): ("cta", 2),
+    assert picks == {("n64", False): ("warp", 2), ("n64", True): ("warp", 2),
                      ("n128", False): ("warpgroup", 2), ("n128", True): ("warp", 2)}
     assert default_stages("n128", "cta") == 3 and default_stages("n128", "overlap") == 3
