@@ -209,10 +209,6 @@ def build_extend_prim_func(
     e_rows = B * D // 16 // 16  # metadata tile as [e_rows, 16] int16 (contiguous 2*B*D/16 bytes)
     NEG = -T.infinity(accum)
     CLAMP = 6.0e4 if dtype == "float16" else 1.0e30  # finite in the 16-bit type
-    # The softmax offset of a column moves only when the block max passes it by more than 2^LAZY (log2
-    # units; FA4's conditional rescale): exact for softmax (P, the sums and O^T share the offset), P <=
-    # 2^LAZY stays far inside fp16, and most block steps skip the O^T rescale.
-    LAZY = 8.0
     TPC = threads // N  # lane max: threads per column (consecutive lanes)
     RPT = B // TPC  # rows per thread (interleaved: row i * TPC + lane % TPC)
     SHUF = [TPC >> k for k in range(1, TPC.bit_length()) if TPC >> k]  # xor offsets TPC/2 .. 1
@@ -344,11 +340,9 @@ def build_extend_prim_func(
             mx[0] = T.max(mx[0], T.cast(S_s[i * TPC + tx % TPC, cc], accum))
         for k in T.unroll(len(SHUF)):
             mx[0] = T.max(mx[0], T.shfl_xor(mx[0], TPC >> (k + 1)))
-        # Lazy offset: it moves only when the column max passes it by more than 2^LAZY (m_run starts at
-        # -inf, so the first block sets it, finite as mx >= -CLAMP, and rs = 0).
-        m_new = T.if_then_else((mx[0] - m_run[0]) * scale2 > LAZY, mx[0], m_run[0])
-        if tx % TPC == 0:  # an unmoved offset gives exactly 1 (no FMA-contracted residue)
-            rs_sh[cc] = T.if_then_else(m_new == m_run[0], 1.0, T.exp2(m_run[0] * scale2 - m_new * scale2))
+        m_new = T.max(m_run[0], mx[0])  # finite (>= -CLAMP); m_run starts at -inf, so rs = 0 first
+        if tx % TPC == 0:
+            rs_sh[cc] = T.exp2(m_run[0] * scale2 - m_new * scale2)
             msc_sh[cc] = m_new * scale2
         m_run[0] = m_new
         group_barrier()
@@ -367,9 +361,9 @@ def build_extend_prim_func(
             # A column's tokens are all in one warp: its max is a shuffle reduction (no shared memory,
             # no barrier). Offsets are kept >= -CLAMP so that a fully masked column stays finite.
             T.reduce_max(sT, mx, dim=0, clear=True)
-            for c in T.Parallel(N):  # the lazy offset, as lane_max_stats
-                msc[c] = T.max(T.if_then_else((mx[c] - m_run[c]) * scale2 > LAZY, mx[c], m_run[c]), -CLAMP)
-                rs[c] = T.if_then_else(msc[c] == m_run[c], 1.0, T.exp2(m_run[c] * scale2 - msc[c] * scale2))
+            for c in T.Parallel(N):
+                msc[c] = T.max(T.max(m_run[c], mx[c]), -CLAMP)  # the new max, for now
+                rs[c] = T.exp2(m_run[c] * scale2 - msc[c] * scale2)
                 m_run[c] = msc[c]
                 msc[c] = msc[c] * scale2
         else:
@@ -379,26 +373,20 @@ def build_extend_prim_func(
             lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
 
     @T.macro
-    def rescale_store_p(P_s, sT, oT, rs, need):
-        # O^T *= rescale (skipped by a thread whose columns all kept their offset: the lazy offset
-        # makes that the common case), then P^T to shared memory as the B operand of the next O^T GEMM.
-        need[0] = 0
-        for c in T.Parallel(N):
-            if rs[c] != 1.0:
-                need[0] = 1
-        if need[0] != 0:
-            for d, c in T.Parallel(D, N):
-                oT[d, c] *= rs[c]
+    def rescale_store_p(P_s, sT, oT, rs):
+        # O^T *= rescale, then P^T to shared memory as the B operand of the next O^T GEMM.
+        for d, c in T.Parallel(D, N):
+            oT[d, c] *= rs[c]
         T.copy(sT, P_s)
         T.fence_proxy_async()  # #2634: generic writes of P^T before the (sparse) wgmma reads them
         group_barrier()
 
     @T.macro
     def compute(jj, jm, qlast, tv, scale2, md, Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs,
-                msc_sh, rs_sh, m_run, mx, need):
+                msc_sh, rs_sh, m_run, mx):
         gemm_s(md, Q_s, kd, ks, ke, sT, False)
         softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
-        rescale_store_p(P_s, sT, oT, rs, need)
+        rescale_store_p(P_s, sT, oT, rs)
         gemm_o(md >> 2, P_s, vd, vs, ve, oT, False)
 
     @T.macro
@@ -425,7 +413,7 @@ def build_extend_prim_func(
     @T.macro
     def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
              Q_s, P_s, kd, ks, ke, vd, vs, ve, bar, ebar, kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2,
-             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, need):
+             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
         if j < n:
             if wg_sync:
                 if j % HALF == 0:
@@ -457,7 +445,7 @@ def build_extend_prim_func(
                 T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
             compute(start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s, kd, ks, ke, vd, vs, ve,
-                    sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, need)
+                    sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
             if wg_sync:
                 T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
@@ -486,7 +474,7 @@ def build_extend_prim_func(
     def step_overlap(j, parity, nxt, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
                      Q_s, P_s, S_s, rel_s, vprev, rprev, kd, ks, ke, vd, vs, ve, bar, ebar,
                      kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2,
-                     KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, need):
+                     KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
         # Block j with the O^T GEMM of block j - 1 (stage 2 holds it) in flight during block j's softmax;
         # then block j - 1's stage is released and refilled with block j + stages - 1.
         if j < n:
@@ -506,7 +494,7 @@ def build_extend_prim_func(
                 T.wait_wgmma(0)
             softmax(start + j, jm, qlast, tv, scale2, S_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
             T.wait_wgmma(0)  # O^T of block j - 1 is complete: O^T and P_s are free
-            rescale_store_p(P_s, sT, oT, rs, need)
+            rescale_store_p(P_s, sT, oT, rs)
             vprev[0] = md >> 2
             if j >= 1:
                 if j + stages - 1 < n:
@@ -581,7 +569,6 @@ def build_extend_prim_func(
             msc_sh = T.alloc_shared([N], accum)
             rs_sh = T.alloc_shared([N], accum)
             m_sh = T.alloc_shared([N], accum)
-            need = T.alloc_local([1], "int32")  # this thread must rescale O^T
             cm = T.alloc_local([4], accum)
             st = alloc_stage_buffers()
             sT = T.alloc_fragment([B, N], accum)
@@ -653,7 +640,7 @@ def build_extend_prim_func(
                 T.sync_threads()
 
                 gl = (KC, VC, KD, KV, KM, VD, VV, VM)
-                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, need)
+                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
                 emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
                 for it in T.serial(T.ceildiv(n, stages)):
                     emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, ov, st, gl, frags)
