@@ -102,16 +102,22 @@ here so that the decode kernel is untouched:
   zero-length tensor). Not CUDA-graph safe across changing batch shapes (the grid and scratch views
   follow ``q.shape`` and ``bs``); one call at a time per plan (scratch and tickets are per plan).
 
-Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 18/18 on the GPU; ``python -m
-sglang_hs.kernels.bench --kernel extend --quick``, batch 8 x 32K prefix, 32/8 heads, d 128, fp16,
-against FlashInfer's paged prefill (fa2) over the same pruned KV in the same process;
-``launch/results/kernels_h100.json``): **slower than FlashInfer**. S_K = 0, S_V = 1: 0.97x at 16 new
-tokens, 0.72x at 64, 0.49x at 256, 0.60x at 1024, 0.61x at 2048; S_K = S_V = 1: 0.63x, 0.64x, 0.48x,
-0.58x, 0.60x. It reads fewer bytes but reaches ~210 TFLOP/s where FlashInfer reaches ~350: the
-per-block softmax through shared memory (four CTA barriers a block), no warp specialisation (producer
-and consumers share the warps), and the n128 tile's single CTA per SM leave the tensor cores idle
-much of each step. These are the next things to change (FA3-style producer/consumer warpgroups,
-ping-pong between two consumer warpgroups so one's softmax overlaps the other's GEMMs).
+Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 38/38 on the GPU; ``python -m
+sglang_hs.kernels.bench --kernel extend --quick`` (and ``--kernel prefill``), batch 8 x 32K prefix,
+32/8 heads, d 128, fp16, against FlashInfer's paged prefill (fa2) over the same pruned KV in the same
+process; ``launch/results/kernels_h100.json``): **still slower than FlashInfer**, with the default
+schedules (n128: warp with 2:4 K rows, warpgroup without; n64: warp; 2 stages). S_K = 0, S_V = 1:
+1.01x at 16 new tokens, 0.76x at 64, 0.76x at 256, 0.74x at 1024 and 2048; S_K = S_V = 1: 0.78x,
+0.76x, 0.74x, 0.73x, 0.73x; full prefill of 32K tokens over compressed KV 0.70x / 0.73x. (With CTA
+barriers everywhere and decode's split costs the same points were 0.97 / 0.72 / 0.49 / 0.60 / 0.61x
+and 0.63 / 0.64 / 0.48 / 0.58 / 0.60x.) The kernel runs at ~250 TFLOP/s dense-equivalent where
+FlashInfer runs at ~340: ncu at 64 new tokens shows one CTA (8 warps) per SM, held there by
+registers (202-244 a thread), no eligible warp in ~60% of the scheduler cycles and the tensor pipe
+active 13% (warpgroup, wgmma) to 29% (warp, mma.sync) of the time, so it is bound by the latency of
+each block step's chain (GEMM, column max, exponentials, O^T rescale, P^T store, GEMM) at low
+occupancy, not by bytes or tensor throughput. Tried and measured slower: the overlapped O^T GEMM
+(above), n64 tiles with 2:4 K rows (one CTA per SM by shared memory), and a lazy softmax offset
+that skips most O^T rescales (``bench_extend_lazy_offset_h100.log``).
 
 The module imports neither TileLang nor a GPU at import time; ``build_extend_kernel`` does.
 """
