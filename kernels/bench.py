@@ -663,12 +663,6 @@ def extend_flops(case):
     return 4 * D * Hq * keys
 
 
-# (tile, stages, sync) of the extend kernel that ``--variants`` times besides the default plan.
-EXTEND_VARIANTS = [("n64", 2, "cta"), ("n128", 3, "cta"), ("n128", 2, "cta"), ("n64", 2, "warpgroup"),
-                   ("n128", 3, "warpgroup"), ("n128", 2, "warpgroup"), ("n128", 3, "overlap"), ("n64", 2, "warp"),
-                   ("n128", 3, "warp"), ("n128", 2, "warp")]
-
-
 def bench_extend(args, on_record=None):
     """The extend regime of issue 3: ``--batch`` requests, each a ``--context``-token cached prefix (1 sink
     page, compressed blocks, 4 window pages) plus n new tokens for n in ``--new-tokens``; Llama-3.1-8B
@@ -678,7 +672,7 @@ def bench_extend(args, on_record=None):
     query attending causally to the whole sequence, whose KV has the compressed layout (1 sink page,
     compressed blocks, 4 window pages). ``on_record(records, lines)`` runs after every point (partial
     results survive a time limit)."""
-    from sglang_hs.kernels.extend import HieraSparseExtend
+    from sglang_hs.kernels.extend import BENCH_VARIANTS, HieraSparseExtend
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
@@ -690,7 +684,7 @@ def bench_extend(args, on_record=None):
     points = [(0.0, 0.0), (0.0, 1.0), (1.0, 1.0)] if not args.quick else [(0.0, 1.0), (1.0, 1.0)]
     variants = [dict()]  # the default plan first: its time is the record's ours_us
     if args.variants:
-        variants += [dict(tile=t, stages=st, sync=sy) for t, st, sy in EXTEND_VARIANTS]
+        variants += [dict(tile=t, stages=st, sync=sy) for t, st, sy in BENCH_VARIANTS]
     records, lines = [], []
 
     def log(msg):

@@ -885,26 +885,28 @@ class HieraSparseExtend:
         return (out, lse) if return_lse else out
 
 
+# (tile, stages, sync) of the extend kernel that the benchmark's ``--variants`` time besides the default
+# plan (whose choices are among them).
+BENCH_VARIANTS = [("n64", 2, "cta"), ("n128", 3, "cta"), ("n128", 2, "cta"), ("n64", 2, "warpgroup"),
+                  ("n128", 3, "warpgroup"), ("n128", 2, "warpgroup"), ("n128", 3, "overlap"), ("n64", 2, "warp"),
+                  ("n128", 3, "warp"), ("n128", 2, "warp")]
+
 # The configurations the GPU tests and the benchmark compile: (q_heads, kv_heads, head_dim, dtype, tile,
-# stages, k_sparse, sync). ``python -m sglang_hs.kernels.extend [--jobs N]`` compiles them into
-# TileLang's cache (``TILELANG_CACHE_DIR``) on any machine, GPU or not, so that a device run only loads them.
+# stages, k_sparse, sync): the benchmark's shape (Llama-3.1-8B heads, fp16) in every variant, with and
+# without 2:4 K rows, then the tests' other shapes. ``python -m sglang_hs.kernels.extend [--jobs N]``
+# compiles them into TileLang's cache (``TILELANG_CACHE_DIR``) on any machine, GPU or not, so that a
+# device run only loads them.
 PRECOMPILE = [
-    (32, 8, 128, "float16", "n128", 3, True, "cta"), (32, 8, 128, "float16", "n64", 2, True, "cta"),
-    (32, 8, 128, "float16", "n128", 3, False, "cta"), (32, 8, 128, "float16", "n64", 2, False, "cta"),
-    (32, 8, 128, "float16", "n128", 2, True, "cta"), (32, 8, 128, "float16", "n128", 2, False, "cta"),
-    (16, 2, 128, "bfloat16", "n128", 3, True, "cta"), (16, 2, 128, "float16", "n64", 2, False, "cta"),
+    (32, 8, 128, "float16", tile, stages, k_sparse, sync)
+    for tile, stages, sync in BENCH_VARIANTS
+    for k_sparse in (True, False)
+] + [
+    (32, 8, 128, "float16", "n64", 3, True, "overlap"), (16, 2, 128, "float16", "n64", 2, False, "cta"),
+    (16, 2, 128, "bfloat16", "n128", 3, True, "cta"), (16, 2, 128, "bfloat16", "n128", 2, True, "warpgroup"),
+    (16, 2, 128, "bfloat16", "n128", 3, True, "overlap"), (16, 2, 128, "bfloat16", "n128", 2, True, "warp"),
     (8, 4, 128, "float16", "n128", 3, False, "cta"), (4, 4, 64, "float16", "n64", 2, True, "cta"),
     (4, 4, 64, "bfloat16", "n128", 3, False, "cta"), (8, 2, 64, "bfloat16", "n128", 3, True, "cta"),
-    (32, 8, 128, "float16", "n128", 3, True, "warpgroup"), (32, 8, 128, "float16", "n128", 3, False, "warpgroup"),
-    (32, 8, 128, "float16", "n64", 2, True, "warpgroup"), (32, 8, 128, "float16", "n64", 2, False, "warpgroup"),
-    (32, 8, 128, "float16", "n128", 2, True, "warpgroup"), (32, 8, 128, "float16", "n128", 2, False, "warpgroup"),
-    (16, 2, 128, "bfloat16", "n128", 2, True, "warpgroup"),
-    (32, 8, 128, "float16", "n128", 3, True, "overlap"), (32, 8, 128, "float16", "n128", 3, False, "overlap"),
-    (32, 8, 128, "float16", "n64", 3, True, "overlap"), (16, 2, 128, "bfloat16", "n128", 3, True, "overlap"),
-    (32, 8, 128, "float16", "n128", 3, True, "warp"), (32, 8, 128, "float16", "n128", 3, False, "warp"),
-    (32, 8, 128, "float16", "n128", 2, True, "warp"), (32, 8, 128, "float16", "n128", 2, False, "warp"),
-    (32, 8, 128, "float16", "n64", 2, True, "warp"), (32, 8, 128, "float16", "n64", 2, False, "warp"),
-    (16, 2, 128, "bfloat16", "n128", 2, True, "warp"), (8, 2, 64, "bfloat16", "n128", 2, True, "warp"),
+    (8, 2, 64, "bfloat16", "n128", 2, True, "warp"),
 ]
 
 
