@@ -76,12 +76,6 @@ here so that the decode kernel is untouched:
     one before it refills the stage; CTA barriers only every ``threads / 2`` steps, around the index
     resolve. One warpgroup may run up to a step ahead of the other, so one's softmax can overlap the
     other's GEMMs.
-  - ``"overlap"``: as warpgroup, and the O^T GEMM of block ``j - 1`` is issued (``T.wgmma_gemm``, no
-    wait) right after block ``j``'s S^T GEMM and runs through block ``j``'s softmax (FA3's intra-
-    warpgroup overlap). S^T is staged in its own buffer (``P_s`` still feeds that GEMM); a stage is
-    refilled by the last warpgroup to release it (a per-stage counter in shared memory, taken by each
-    warpgroup's first warp: TileLang elects the TMA thread only inside a thread range it can see).
-    Measured slower than warpgroup: the held stage leaves one block fewer in flight.
   - ``"warp"``: all warps side by side along the query columns (``GemmWarpPolicy.FullCol``), so each
     warp holds all 64 tokens of its 16 columns: the column max is a shuffle reduction in the warp
     (``T.reduce_max``, no shared memory), ``P^T`` is written and read back by the same warp
@@ -102,7 +96,8 @@ here so that the decode kernel is untouched:
   zero-length tensor). Not CUDA-graph safe across changing batch shapes (the grid and scratch views
   follow ``q.shape`` and ``bs``); one call at a time per plan (scratch and tickets are per plan).
 
-Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 38/38 on the GPU; ``python -m
+Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 38/38 on the GPU, 6 of them of an overlap
+schedule since removed; ``python -m
 sglang_hs.kernels.bench --kernel extend --quick`` (and ``--kernel prefill``), batch 8 x 32K prefix,
 32/8 heads, d 128, fp16, against FlashInfer's paged prefill (fa2) over the same pruned KV in the same
 process; ``launch/results/kernels_h100.json``): **still slower than FlashInfer**, with the default
@@ -115,9 +110,11 @@ FlashInfer runs at ~340: ncu at 64 new tokens shows one CTA (8 warps) per SM, he
 registers (202-244 a thread), no eligible warp in ~60% of the scheduler cycles and the tensor pipe
 active 13% (warpgroup, wgmma) to 29% (warp, mma.sync) of the time, so it is bound by the latency of
 each block step's chain (GEMM, column max, exponentials, O^T rescale, P^T store, GEMM) at low
-occupancy, not by bytes or tensor throughput. Tried and measured slower: the overlapped O^T GEMM
-(above), n64 tiles with 2:4 K rows (one CTA per SM by shared memory), and a lazy softmax offset
-that skips most O^T rescales (``bench_extend_lazy_offset_h100.log``).
+occupancy, not by bytes or tensor throughput. Tried and measured slower: FA3's intra-warpgroup
+overlap (the O^T GEMM of block ``j - 1`` left in flight through block ``j``'s softmax, S^T staged in
+its own buffer, a stage refilled by the last warpgroup to release it: 0.59x at 64 new tokens,
+S = 1/1; commit 49860d9, removed since), n64 tiles with 2:4 K rows (one CTA per SM by shared
+memory), and a lazy softmax offset that skips most O^T rescales (``bench_extend_lazy_offset_h100.log``).
 
 The module imports neither TileLang nor a GPU at import time; ``build_extend_kernel`` does.
 """
@@ -133,8 +130,8 @@ from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and too
 # name -> (N columns per CTA, threads). Every shipped configuration is covered by the GPU tests.
 TILES = {"n64": (64, 128), "n128": (128, 256)}
 # How the phases of a block step synchronise (see the module docstring): CTA barriers, per warpgroup,
-# per warpgroup with the O^T GEMM overlapped, or per warp (mma.sync).
-SYNCS = ("cta", "warpgroup", "overlap", "warp")
+# or per warp (mma.sync).
+SYNCS = ("cta", "warpgroup", "warp")
 
 
 def default_sync(tile: str, k_sparse: bool) -> str:
@@ -146,10 +143,7 @@ def default_sync(tile: str, k_sparse: bool) -> str:
 def default_stages(tile: str, sync: str = "cta") -> int:
     """n128 with CTA barriers: 3 stages (one CTA per SM is all that fits at d 128 anyway); n128 per warp
     or warpgroup: 2 (measured faster than 3); n64: 2 (two CTAs per SM fit when the call has no 2:4 K
-    rows, as decode found best); overlap: 3 (the stage of block j - 1 is held until its O^T GEMM
-    completes in step j, so 2 stages would leave no block in flight)."""
-    if sync == "overlap":
-        return 3
+    rows, as decode found best)."""
     return 3 if tile == "n128" and sync == "cta" else 2
 
 
@@ -158,8 +152,7 @@ def resolve_chunk(tile: str) -> int:
     return TILES[tile][1] // 2
 
 
-def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, k_sparse: bool = True,
-               sync: str = "cta") -> int:
+def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, k_sparse: bool = True) -> int:
     """Shared memory of one CTA (bytes), matching the buffers of :func:`build_extend_prim_func`."""
     n, threads = TILES[tile]
     elems = block_size * head_dim
@@ -167,8 +160,6 @@ def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, 
     v_stage = elems * 2 + elems + elems // 8
     maps = 3 * 2 * resolve_chunk(tile) * 4
     other = n * head_dim * 2 + block_size * n * 2 + maps + 3 * n * 4 + threads * 4 + 1024  # Q, P, maps, stats
-    if sync == "overlap":
-        other += block_size * n * 2  # S^T's own buffer
     return stages * (k_stage + v_stage) + other
 
 
@@ -195,7 +186,6 @@ def build_extend_prim_func(
 
     assert sync in SYNCS, sync
     wg_sync = sync != "cta"  # phases meet per warpgroup (per warp with "warp")
-    overlap = sync == "overlap"  # O^T GEMM of block j - 1 in flight during block j's softmax
     warp = sync == "warp"  # each warp owns its columns across all of a block's tokens (mma.sync)
     # warp: all warps side by side along the N (query) columns, so that a column's softmax never leaves
     # its warp; wgmma cannot split M = 64 across one warp, so this schedule compiles to mma(.sp).sync.
@@ -206,8 +196,6 @@ def build_extend_prim_func(
     assert q_heads % kv_heads == 0 and N % G == 0, "GQA group must divide the tile's N"
     assert D % 32 == 0 and B % 32 == 0 and stages >= 2
     TQ = N // G  # query tokens per tile
-    WGS = threads // 128  # warpgroups per CTA
-    assert WGS in (1, 2)
     HALF = resolve_chunk(tile)  # index entries resolved per pass; the ring holds two passes
     RB = 2 * HALF
     assert HALF >= stages and RB & (RB - 1) == 0
@@ -231,9 +219,8 @@ def build_extend_prim_func(
             vd = T.alloc_shared([B, D], dtype)
             vs = T.alloc_shared([D, B // 2], dtype)
             ve = T.alloc_shared([e_rows, 16], "int16")
-            # full: the block's loads landed (overlap: the issuing warp arrives, else every thread)
-            bar = T.alloc_barrier(32 if overlap else threads)
-            ebar = T.alloc_barrier(threads) if sync in ("warpgroup", "warp") else None  # empty: all are done
+            bar = T.alloc_barrier(threads)  # full: the block's loads landed
+            ebar = T.alloc_barrier(threads) if wg_sync else None  # empty: every thread is done with it
             out.append((kd, ks, ke, vd, vs, ve, bar, ebar))
         return out
 
@@ -295,55 +282,38 @@ def build_extend_prim_func(
             T.sync_threads()
 
     @T.macro
-    def gemm_dense_s(Q_s, kd, sT, issue_only):
-        if issue_only:
-            T.wgmma_gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True)
+    def gemm_s(md, Q_s, kd, ks, ke, sT):
+        # S^T = K·Q^T for one block, dense or 2:4 by the block's K mode.
+        if k_sparse:
+            if (md & 3) == 2:
+                T.gemm_sp(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+            else:
+                T.gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
         else:
             T.gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
 
     @T.macro
-    def gemm_s(md, Q_s, kd, ks, ke, sT, issue_only):
-        # S^T = K·Q^T for one block, dense or 2:4 by the block's K mode; issue_only: no wait (the
-        # caller waits with T.wait_wgmma).
-        if k_sparse:
-            if (md & 3) == 2:
-                if issue_only:
-                    T.wgmma_gemm_sp(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True)
-                else:
-                    T.gemm_sp(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
-            else:
-                gemm_dense_s(Q_s, kd, sT, issue_only)
-        else:
-            gemm_dense_s(Q_s, kd, sT, issue_only)
-
-    @T.macro
-    def gemm_o(vmode, P_s, vd, vs, ve, oT, issue_only):
-        # O^T += V^T·P^T for one block, dense or 2:4 by the block's V mode; issue_only as gemm_s.
+    def gemm_o(vmode, P_s, vd, vs, ve, oT):
+        # O^T += V^T·P^T for one block, dense or 2:4 by the block's V mode.
         if vmode == 2:
-            if issue_only:
-                T.wgmma_gemm_sp(vs, T.view(ve, [D, B // 16]), P_s, oT)
-            else:
-                T.gemm_sp(vs, T.view(ve, [D, B // 16]), P_s, oT, policy=POL)
+            T.gemm_sp(vs, T.view(ve, [D, B // 16]), P_s, oT, policy=POL)
         else:
-            if issue_only:
-                T.wgmma_gemm(vd, P_s, oT, transpose_A=True)
-            else:
-                T.gemm(vd, P_s, oT, transpose_A=True, policy=POL)
+            T.gemm(vd, P_s, oT, transpose_A=True, policy=POL)
 
     @T.macro
-    def lane_max_stats(scale2, S_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx):
-        # Column max over the block's tokens: S^T goes through S_s (in the kernel's 16-bit type,
+    def lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx):
+        # Column max over the block's tokens: S^T goes through P_s (in the kernel's 16-bit type,
         # clamped to +-CLAMP so that masked keys are finite there and fp16 cannot overflow), then TPC
         # consecutive lanes own a column (decode's lane softmax). Any offset close to the max is exact
         # for the softmax: the same offset scales P, the row sums and the rescale.
         for i, c in T.Parallel(B, N):
-            S_s[i, c] = T.cast(T.max(T.min(sT[i, c], CLAMP), -CLAMP), dtype)
+            P_s[i, c] = T.cast(T.max(T.min(sT[i, c], CLAMP), -CLAMP), dtype)
         group_barrier()
         tx = T.get_thread_binding()
         cc = tx // TPC
         mx[0] = -CLAMP
         for i in T.unroll(RPT):
-            mx[0] = T.max(mx[0], T.cast(S_s[i * TPC + tx % TPC, cc], accum))
+            mx[0] = T.max(mx[0], T.cast(P_s[i * TPC + tx % TPC, cc], accum))
         for k in T.unroll(len(SHUF)):
             mx[0] = T.max(mx[0], T.shfl_xor(mx[0], TPC >> (k + 1)))
         m_new = T.max(m_run[0], mx[0])  # finite (>= -CLAMP); m_run starts at -inf, so rs = 0 first
@@ -357,7 +327,7 @@ def build_extend_prim_func(
             rs[c] = rs_sh[c]
 
     @T.macro
-    def softmax(jj, jm, qlast, tv, scale2, S_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
+    def softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
         # Mask the block, update the running column max, turn S^T into unnormalised P^T (in sT) and
         # accumulate the row sums; leaves the rescale factors in rs (O^T is not touched here).
         if jj >= jm:  # the block reaches past the tile's first query position: causal mask
@@ -373,7 +343,7 @@ def build_extend_prim_func(
                 m_run[c] = msc[c]
                 msc[c] = msc[c] * scale2
         else:
-            lane_max_stats(scale2, S_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
+            lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
         for i, c in T.Parallel(B, N):
             sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
             lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
@@ -390,24 +360,10 @@ def build_extend_prim_func(
     @T.macro
     def compute(jj, jm, qlast, tv, scale2, md, Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs,
                 msc_sh, rs_sh, m_run, mx):
-        gemm_s(md, Q_s, kd, ks, ke, sT, False)
+        gemm_s(md, Q_s, kd, ks, ke, sT)
         softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
         rescale_store_p(P_s, sT, oT, rs)
-        gemm_o(md >> 2, P_s, vd, vs, ve, oT, False)
-
-    @T.macro
-    def first_warp_issue(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, ebar,
-                         KC, VC, KD, KV, KM, VD, VV, VM):
-        if i < n:
-            if T.get_thread_binding() < 32:
-                load(i, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
-                T.barrier_arrive(bar)
-
-    @T.macro
-    def final_o(n, s, vprev, P_s, vd, vs, ve, oT):
-        if n >= 1:
-            if (n - 1) % stages == s:
-                gemm_o(vprev[0], P_s, vd, vs, ve, oT, False)
+        gemm_o(md >> 2, P_s, vd, vs, ve, oT)
 
     @T.macro
     def guarded_issue(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, ebar,
@@ -455,87 +411,19 @@ def build_extend_prim_func(
             if wg_sync:
                 T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
-    @T.macro
-    def refill_from(lo, i, slot, h, mode_s, krow_s, vrow_s, rel_s, rprev, kd, ks, ke, vd, vs, ve, bar,
-                    KC, VC, KD, KV, KM, VD, VV, VM):
-        # The first warp (threads lo .. lo + 31: a range TileLang sees, so that it elects the TMA
-        # thread in that warp) of a warpgroup that has finished with the stage (its barrier after P^T
-        # follows its last wait) counts its release on a per-stage counter that only grows; the last
-        # warpgroup to release it (count modulo the warpgroups) loads block i into it.
-        tx = T.get_thread_binding()
-        if tx >= lo:
-            if tx < lo + 32:
-                if WGS == 1:
-                    load(i, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
-                    T.barrier_arrive(bar)
-                else:
-                    rprev[0] = 0
-                    if tx == lo:
-                        rprev[0] = T.atomic_add(rel_s[slot], 1, return_prev=True)
-                    if T.shfl_sync(rprev[0], 0) % WGS == WGS - 1:
-                        load(i, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
-                        T.barrier_arrive(bar)
-
-    @T.macro
-    def step_overlap(j, parity, nxt, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
-                     Q_s, P_s, S_s, rel_s, vprev, rprev, kd, ks, ke, vd, vs, ve, bar, ebar,
-                     kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2,
-                     KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
-        # Block j with the O^T GEMM of block j - 1 (stage 2 holds it) in flight during block j's softmax;
-        # then block j - 1's stage is released and refilled with block j + stages - 1.
-        if j < n:
-            if j % HALF == 0:
-                # The ring half resolved below was last read before step j - 1 ended (block j - 1's
-                # V mode is kept in vprev): every thread is past that, then the entries are published.
-                T.sync_threads()
-                resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
-                T.sync_threads()
-            T.barrier_wait(bar, parity)
-            md = mode_s[j % RB]
-            gemm_s(md, Q_s, kd, ks, ke, sT, True)
-            if j >= 1:
-                gemm_o(vprev[0], P_s, vd2, vs2, ve2, oT, True)
-                T.wait_wgmma(1)  # S^T of block j is complete; O^T of block j - 1 may still run
-            else:
-                T.wait_wgmma(0)
-            softmax(start + j, jm, qlast, tv, scale2, S_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
-            T.wait_wgmma(0)  # O^T of block j - 1 is complete: O^T and P_s are free
-            rescale_store_p(P_s, sT, oT, rs)
-            vprev[0] = md >> 2
-            if j >= 1:
-                if j + stages - 1 < n:
-                    refill_from(0, j + stages - 1, nxt, h, mode_s, krow_s, vrow_s, rel_s, rprev, kd2, ks2, ke2, vd2,
-                                vs2, ve2, bar2, KC, VC, KD, KV, KM, VD, VV, VM)
-                    if WGS == 2:
-                        refill_from(128, j + stages - 1, nxt, h, mode_s, krow_s, vrow_s, rel_s, rprev, kd2, ks2, ke2,
-                                    vd2, vs2, ve2, bar2, KC, VC, KD, KV, KM, VD, VV, VM)
-
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl):
-        if overlap:  # every stage is free: load blocks 0 .. stages - 1 from warp 0
-            for s in range(stages):
-                first_warp_issue(s, n, h, mode_s, krow_s, vrow_s, *st[s], *gl)
-        else:
-            for s in range(stages - 1):
-                guarded_issue(s, n, h, mode_s, krow_s, vrow_s, *st[s], *gl)
+        for s in range(stages - 1):
+            guarded_issue(s, n, h, mode_s, krow_s, vrow_s, *st[s], *gl)
 
-    def emit_final_o(n, P_s, st, oT, vprev):
-        # overlap: the last block's O^T GEMM, left over by the ring
-        for s in range(stages):
-            final_o(n, s, vprev, P_s, st[s][3], st[s][4], st[s][5], oT)
-
-    def emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, ov, st, gl, frags):
+    def emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags):
         for s in range(stages):
             nxt = (s + stages - 1) % stages
-            if overlap:
-                step_overlap(it * stages + s, it & 1, nxt, n, r, start, jm, qlast, tv, scale2, h, *idx, Q_s, P_s,
-                             *ov, *st[s], *st[nxt], *gl, *frags)
-            else:
-                # Step j = it * stages + s refills stage nxt, which held block j - 1: the release of that
-                # block is completion (j - 1) // stages of the stage's empty barrier.
-                eparity = (it + 1) & 1 if s == 0 else it & 1
-                step(it * stages + s, it & 1, eparity, n, r, start, jm, qlast, tv, scale2, h, *idx, Q_s, P_s,
-                     *st[s], *st[nxt], *gl, *frags)
+            # Step j = it * stages + s refills stage nxt, which held block j - 1: the release of that
+            # block is completion (j - 1) // stages of the stage's empty barrier.
+            eparity = (it + 1) & 1 if s == 0 else it & 1
+            step(it * stages + s, it & 1, eparity, n, r, start, jm, qlast, tv, scale2, h, *idx, Q_s, P_s,
+                 *st[s], *st[nxt], *gl, *frags)
 
     @T.prim_func
     def main(
@@ -563,10 +451,6 @@ def build_extend_prim_func(
         with T.Kernel(nt, kv_heads, S, threads=threads) as (tile_id, h, sid):
             Q_s = T.alloc_shared([N, D], dtype)
             P_s = T.alloc_shared([B, N], dtype)  # S^T (for the column max), then P^T (GEMM2's B)
-            ov = ()
-            if overlap:  # S^T gets its own buffer: P_s still feeds the previous block's O^T GEMM
-                ov = (T.alloc_shared([B, N], dtype), T.alloc_shared([stages], "int32"),
-                      T.alloc_local([1], "int32"), T.alloc_local([1], "int32"))
             mode_s = T.alloc_shared([RB], "int32")
             krow_s = T.alloc_shared([RB], "int32")
             vrow_s = T.alloc_shared([RB], "int32")
@@ -638,10 +522,6 @@ def build_extend_prim_func(
                     T.fill(m_run, NEG)
                 else:
                     m_run[0] = NEG
-                if overlap:
-                    if tid < stages:
-                        ov[1][tid] = 0  # release counters
-                    ov[2][0] = 0  # V mode of the previous block
                 T.fence_proxy_async()  # #2634: Q_s written by generic stores before wgmma reads it
                 T.sync_threads()
 
@@ -649,9 +529,7 @@ def build_extend_prim_func(
                 frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
                 emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
                 for it in T.serial(T.ceildiv(n, stages)):
-                    emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, ov, st, gl, frags)
-                if overlap:
-                    emit_final_o(n, P_s, st, oT, ov[2])
+                    emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
                 if wg_sync:
                     T.sync_threads()  # the warpgroups meet again before the CTA-wide reduction
 
@@ -825,12 +703,12 @@ class HieraSparseExtend:
                                 stages, k_sparse, sync)
         return k, stages, sync
 
-    def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int, sync: str) -> int:
+    def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int) -> int:
         if self.num_splits is not None:
             return max(1, int(self.num_splits))
         if self._sms is None:
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        per_cta = smem_bytes(tile, self.head_dim, self.block_size, stages, k_sparse, sync) + 1024
+        per_cta = smem_bytes(tile, self.head_dim, self.block_size, stages, k_sparse) + 1024
         ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 2048 // TILES[tile][1]))
         return choose_num_splits(tiles, self.kv_heads, blocks, self._sms, ctas_per_sm)
 
@@ -862,7 +740,7 @@ class HieraSparseExtend:
         kernel, stages, sync = self.kernel(tile, k_sparse)
         tq = TILES[tile][0] // self.group
         nt = tile_count(total, bs, tq)
-        s = self.splits(tile, stages, k_sparse, -(-total // tq), block_table.shape[1], sync)
+        s = self.splits(tile, stages, k_sparse, -(-total // tq), block_table.shape[1])
         self._cnt = self._grow(self._cnt, nt * self.kv_heads, zero=True)
         cnt = self._cnt[:nt * self.kv_heads].view(nt, self.kv_heads)
         if s > 1:
@@ -888,7 +766,7 @@ class HieraSparseExtend:
 # (tile, stages, sync) of the extend kernel that the benchmark's ``--variants`` time besides the default
 # plan (whose choices are among them).
 BENCH_VARIANTS = [("n64", 2, "cta"), ("n128", 3, "cta"), ("n128", 2, "cta"), ("n64", 2, "warpgroup"),
-                  ("n128", 3, "warpgroup"), ("n128", 2, "warpgroup"), ("n128", 3, "overlap"), ("n64", 2, "warp"),
+                  ("n128", 3, "warpgroup"), ("n128", 2, "warpgroup"), ("n64", 2, "warp"),
                   ("n128", 3, "warp"), ("n128", 2, "warp")]
 
 # The configurations the GPU tests and the benchmark compile: (q_heads, kv_heads, head_dim, dtype, tile,
@@ -901,9 +779,9 @@ PRECOMPILE = [
     for tile, stages, sync in BENCH_VARIANTS
     for k_sparse in (True, False)
 ] + [
-    (32, 8, 128, "float16", "n64", 3, True, "overlap"), (16, 2, 128, "float16", "n64", 2, False, "cta"),
+    (16, 2, 128, "float16", "n64", 2, False, "cta"),
     (16, 2, 128, "bfloat16", "n128", 3, True, "cta"), (16, 2, 128, "bfloat16", "n128", 2, True, "warpgroup"),
-    (16, 2, 128, "bfloat16", "n128", 3, True, "overlap"), (16, 2, 128, "bfloat16", "n128", 2, True, "warp"),
+    (16, 2, 128, "bfloat16", "n128", 2, True, "warp"),
     (8, 4, 128, "float16", "n128", 3, False, "cta"), (4, 4, 64, "float16", "n64", 2, True, "cta"),
     (4, 4, 64, "bfloat16", "n128", 3, False, "cta"), (8, 2, 64, "bfloat16", "n128", 3, True, "cta"),
     (8, 2, 64, "bfloat16", "n128", 2, True, "warp"),

@@ -27,7 +27,7 @@ SMALL_MAX_BLOCKS = 30  # > the longest request's 27 blocks: the table has unused
 
 # (q_heads, kv_heads, head_dim, dtype, S_K, S_V, plan options). GQA groups 4, 8, 1, 2; d 128 and 64;
 # fp16 and bf16; S in {0, 0.5, 1} mixes; both tiles, n128 with 2 stages; with (S_K > 0) and without
-# (S_K = 0) the 2:4 K buffers; each synchronisation (CTA, warpgroup, overlap, warp).
+# (S_K = 0) the 2:4 K buffers; each synchronisation (CTA, warpgroup, warp).
 SMALL = [
     (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n128", sync="cta")),
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n64", sync="cta")),
@@ -43,11 +43,6 @@ SMALL = [
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warpgroup")),
     (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64", sync="warpgroup")),
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="warpgroup")),
-    # Overlapped O^T GEMM (the stage ring refilled by the last warpgroup to release a stage).
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="overlap")),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
-    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64", sync="overlap")),
-    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="overlap")),
     # One warp per column group (mma.sync): both tiles, with and without 2:4 K buffers, d 128 and 64.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warp")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warp")),
@@ -162,12 +157,12 @@ def test_dense_equals_dense_attention_and_flashinfer(tile):
 @pytest.mark.parametrize("sk,sv,tile,sync", [(1.0, 1.0, "n128", "cta"), (1.0, 1.0, "n64", "cta"),
                                              (0.0, 1.0, "n128", "cta"), (0.5, 0.5, "n128", "cta"),
                                              (1.0, 1.0, "n128", "warpgroup"), (0.0, 1.0, "n64", "warpgroup"),
-                                             (1.0, 1.0, "n128", "overlap"), (0.0, 1.0, "n128", "overlap"),
                                              (1.0, 1.0, "n128", "warp"), (0.0, 1.0, "n64", "warp")])
 def test_sparse_matches_decompressed(sk, sv, tile, sync):
     """Mixed dense/sparse blocks at a few thousand tokens: dense attention and FlashInfer over the pruned
-    KV. The cases with another synchronisation than CTA barriers run one split, so that a CTA walks up to 130 blocks: past the
-    index ring's first pass (128 entries at n128, 64 at n64), where their CTA barriers are."""
+    KV. The cases with another synchronisation than CTA barriers run one split, so that a CTA walks up
+    to 130 blocks: past the index ring's first pass (128 entries at n128, 64 at n64), where their CTA
+    barriers are."""
     case = bench.make_extend_case(MID_PREFIX, MID_NEW, 32, 8, 128, sk, sv, torch.float16, "cuda",
                                   max_blocks=MID_MAX_BLOCKS, seed=3)
     splits = 1 if sync != "cta" else None
@@ -238,4 +233,4 @@ def test_default_configurations_are_precompiled():
             assert (32, 8, 128, "float16", tile, default_stages(tile, sync), k_sparse, sync) in PRECOMPILE
     assert picks == {("n64", False): ("warp", 2), ("n64", True): ("warp", 2),
                      ("n128", False): ("warpgroup", 2), ("n128", True): ("warp", 2)}
-    assert default_stages("n128", "cta") == 3 and default_stages("n128", "overlap") == 3
+    assert default_stages("n128", "cta") == 3
