@@ -106,9 +106,10 @@ schedules (n128: warp with 2:4 K rows, warpgroup without; n64: warp; 2 stages). 
 0.76x, 0.74x, 0.73x, 0.73x; full prefill of 32K tokens over compressed KV 0.70x / 0.73x. (With CTA
 barriers everywhere and decode's split costs the same points were 0.97 / 0.72 / 0.49 / 0.60 / 0.61x
 and 0.63 / 0.64 / 0.48 / 0.58 / 0.60x.) The kernel runs at ~250 TFLOP/s dense-equivalent where
-FlashInfer runs at ~340: ncu at 64 new tokens shows one CTA (8 warps) per SM, held there by
-registers (202-244 a thread), no eligible warp in ~60% of the scheduler cycles and the tensor pipe
-active 13% (warpgroup, wgmma) to 29% (warp, mma.sync) of the time, so it is bound by the latency of
+FlashInfer runs at ~340: ncu at 64 new tokens (``python -m sglang_hs.launch.profile_extend``,
+``launch/results/ncu_extend_h100.txt``) shows 8 active warps per SM (one CTA: registers, 202-244 a
+thread, allow no second), no eligible warp in 58-62% of the scheduler cycles and the tensor pipe
+active 12-14% (cta, warpgroup: wgmma) to 29% (warp: mma.sync) of the time, so it is bound by the latency of
 each block step's chain (GEMM, column max, exponentials, O^T rescale, P^T store, GEMM) at low
 occupancy, not by bytes or tensor throughput. Tried and measured slower: FA3's intra-warpgroup
 overlap (the O^T GEMM of block ``j - 1`` left in flight through block ``j``'s softmax, S^T staged in
