@@ -732,15 +732,15 @@ def bench_extend(args, on_record=None):
             del case, paged, ref
             torch.cuda.empty_cache()
             s = sk + sv
-            record = dict(kernel=args.kernel, S_K=sk, S_V=sv, batch=bs, context=n if prefill else P, new_tokens=n, head_dim=D,
+            # prefill: the queries are the whole sequence, so its length (context) says it all
+            record = dict(kernel=args.kernel, S_K=sk, S_V=sv, batch=bs, context=n if prefill else P,
+                          **({} if prefill else {"new_tokens": n}), head_dim=D,
                           dtype="float16", q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None,
                           flashinfer_us=round(fi_us, 2), speedup=None, flashinfer_backend=args.fi_backend,
                           ideal_speedup_bytes=round(1.0 / (1.0 - 0.21875 * s), 4),
                           ideal_speedup_compute=round(4.0 / (4.0 - s), 4), kv_bytes=nbytes, flops=flops,
                           device=name, timing=f"{iters} back-to-back eager calls, CUDA events, median of 5",
                           flashinfer_first_call_s=round(fi_first_s, 1), setup_s=round(t1 - t0, 1))
-            if prefill:
-                del record["new_tokens"]  # the queries are the whole sequence: context says it all
             default = [r for r in results if r["default"] and r["rel_err_vs_flashinfer"] < 2e-2]
             if default:
                 d0 = default[0]

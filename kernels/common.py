@@ -6,6 +6,8 @@ Importing this module needs neither TileLang nor a GPU.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 LOG2E = 1.4426950408889634
@@ -27,6 +29,25 @@ def check_plan_shape(q_heads: int, kv_heads: int, head_dim: int, block_size: int
         raise ValueError("q_heads must be a multiple of kv_heads")
     if head_dim not in (64, 128) or block_size != 64:
         raise ValueError("head_dim must be 64 or 128 and block_size 64")
+
+
+def split_count(pairs: int, blocks: int, num_sms: int, ctas_per_sm: int | Callable[[int], int], max_splits: int,
+                cta_overhead_blocks: float = 0.0) -> int:
+    """The split-KV cost model of both attention kernels: the fewest splits ``S`` per (work item, KV
+    head) within 2% of the best modelled time (fewer splits: less scratch, cheaper merge).
+
+    ``pairs`` CTAs per split run in waves of ``num_sms * ctas_per_sm`` (``ctas_per_sm`` may depend on
+    ``S``: a callable); a CTA costs ``ceil(blocks / S)`` block steps plus ``cta_overhead_blocks``; each
+    split adds a twentieth of a block (its partial and its share of the merge).
+    """
+    best = []
+    for s in range(1, min(max_splits, blocks) + 1):
+        slots = max(1, num_sms * (ctas_per_sm(s) if callable(ctas_per_sm) else ctas_per_sm))
+        waves = -(-pairs * s // slots)
+        cost = waves * (-(-blocks // s) + cta_overhead_blocks) + 0.05 * s
+        best.append((cost, s))
+    lo = min(c for c, _ in best)
+    return min(s for c, s in best if c <= lo * 1.02)
 
 
 class PoolArgs:

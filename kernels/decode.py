@@ -83,7 +83,7 @@ from typing import Callable
 import torch
 
 from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and tools build with them)
-    LN2, LOG2E, PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, PoolArgs, check_plan_shape,
+    LN2, LOG2E, PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, PoolArgs, check_plan_shape, split_count,
 )
 
 
@@ -483,22 +483,11 @@ def build_decode_kernel(batch, q_heads, kv_heads, head_dim, block_size, max_bloc
 
 def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
                       ctas_per_sm: int | Callable[[int], int], max_splits: int = 128) -> int:
-    """Splits per (request, KV head): the fewest that keep every resident CTA slot busy.
-
-    Cost model: a CTA walks ``ceil(max_blocks / S)`` blocks; CTAs run in waves of
-    ``num_sms * ctas_per_sm``; the combine pass adds a little per split. The smallest ``S`` within 2% of
-    the best modelled time wins (fewer splits: less scratch, cheaper combine). ``ctas_per_sm`` may
-    depend on ``S`` (a callable): a CTA's index maps hold its ``ceil(max_blocks / S)`` blocks.
-    """
-    pairs = batch * kv_heads
-    best = []
-    for s in range(1, min(max_splits, max_blocks) + 1):
-        slots = max(1, num_sms * (ctas_per_sm(s) if callable(ctas_per_sm) else ctas_per_sm))
-        waves = -(-pairs * s // slots)
-        cost = waves * -(-max_blocks // s) + 0.05 * s
-        best.append((cost, s))
-    lo = min(c for c, _ in best)
-    return min(s for c, s in best if c <= lo * 1.02)
+    """Splits per (request, KV head): the fewest that keep every resident CTA slot busy
+    (:func:`sglang_hs.kernels.common.split_count`; a CTA costs just its ``ceil(max_blocks / S)`` blocks).
+    ``ctas_per_sm`` may depend on ``S`` (a callable): a CTA's index maps hold its ``ceil(max_blocks / S)``
+    blocks."""
+    return split_count(batch * kv_heads, max_blocks, num_sms, ctas_per_sm, max_splits)
 
 
 def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,

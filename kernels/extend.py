@@ -125,7 +125,7 @@ import functools
 import torch
 
 from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and tools build with them)
-    LN2, LOG2E, PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, PoolArgs, check_plan_shape,
+    LN2, LOG2E, PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, PoolArgs, check_plan_shape, split_count,
 )
 
 # name -> (N columns per CTA, threads). Every shipped configuration is covered by the GPU tests.
@@ -621,24 +621,16 @@ def tile_ids(qo_indptr: list[int], tokens_per_tile: int) -> list[tuple[int, int,
 
 def choose_num_splits(tiles: int, kv_heads: int, blocks: int, num_sms: int, ctas_per_sm: int,
                       max_splits: int = 64, cta_overhead_blocks: float = 8.0) -> int:
-    """Splits per (tile, KV head): the fewest that keep every resident CTA slot busy.
+    """Splits per (tile, KV head): the fewest that keep every resident CTA slot busy
+    (:func:`sglang_hs.kernels.common.split_count`, decode's cost model).
 
     A CTA costs ``ceil(blocks / S)`` block steps plus ``cta_overhead_blocks`` (its query tile, the
     pipeline fill, the partial output and the merge: at 18 splits over 32K the extend kernel ran 2.5x
-    slower than at one, where a per-split cost of a twentieth of a block, decode's, predicted a tie);
-    CTAs run in waves of ``num_sms * ctas_per_sm``. ``tiles`` and ``blocks`` are the host's estimates
-    from shapes alone (tiles: ``ceil(total / TQ)``; blocks: the block table's width), so no device
-    value is read.
+    slower than at one, where decode's model, with no per-CTA cost, predicted a tie). ``tiles`` and
+    ``blocks`` are the host's estimates from shapes alone (tiles: ``ceil(total / TQ)``; blocks: the block
+    table's width), so no device value is read.
     """
-    slots = max(1, num_sms * ctas_per_sm)
-    pairs = max(1, tiles * kv_heads)
-    best = []
-    for s in range(1, max(1, min(max_splits, blocks)) + 1):
-        waves = -(-pairs * s // slots)
-        cost = waves * (-(-blocks // s) + cta_overhead_blocks) + 0.05 * s
-        best.append((cost, s))
-    lo = min(c for c, _ in best)
-    return min(s for c, s in best if c <= lo * 1.02)
+    return split_count(max(1, tiles * kv_heads), max(1, blocks), num_sms, ctas_per_sm, max_splits, cta_overhead_blocks)
 
 
 class HieraSparseExtend:
