@@ -683,7 +683,9 @@ def bench_extend(args, on_record=None):
     new_list = [args.context] if prefill else [int(x) for x in args.new_tokens.split(",")]
     points = [(0.0, 0.0), (0.0, 1.0), (1.0, 1.0)] if not args.quick else [(0.0, 1.0), (1.0, 1.0)]
     variants = [dict()]  # the default plan first: its time is the record's ours_us
-    if args.variants:
+    if args.variant:
+        variants += [dict(tile=t, stages=int(st), sync=sy) for t, st, sy in (v.split(":") for v in args.variant)]
+    elif args.variants:
         variants += [dict(tile=t, stages=st, sync=sy) for t, st, sy in BENCH_VARIANTS]
     records, lines = [], []
 
@@ -864,6 +866,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="only S_K,S_V in {(0,1), (1,1)}")
     ap.add_argument("--variants", action="store_true", help="also time other stages / splits / softmax variants")
+    ap.add_argument("--variant", action="append", default=None, metavar="TILE:STAGES:SYNC",
+                    help="extend, prefill: time this variant besides the default plan (repeatable; with "
+                    "--variants instead of the built-in list)")
     ap.add_argument("--ragged", action="store_true", help="unequal lengths (last page partial)")
     ap.add_argument("--groups", type=int, default=None,
                     help="decode: only this many distinct requests' KV; request r reads request r %% G's (shared prefixes)")
@@ -887,6 +892,9 @@ def main(argv=None):
     for flag in ("batch", "groups", "max_blocks", "num_splits"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
+    for v in args.variant or ():
+        if len(v.split(":")) != 3 or not v.split(":")[1].isdigit():
+            ap.error(f"--variant {v!r}: expected TILE:STAGES:SYNC, e.g. n128:2:warp")
     if args.plot:
         recs = json.load(open(args.plot))
         plot(recs, os.path.splitext(args.plot)[0] + ".png")

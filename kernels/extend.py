@@ -129,7 +129,7 @@ from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and too
 )
 
 # name -> (N columns per CTA, threads). Every shipped configuration is covered by the GPU tests.
-TILES = {"n64": (64, 128), "n128": (128, 256)}
+TILES = {"n64": (64, 128), "n128": (128, 256), "n256": (256, 512)}
 # How the phases of a block step synchronise (see the module docstring): CTA barriers, per warpgroup,
 # or per warp (mma.sync).
 SYNCS = ("cta", "warpgroup", "warp")
@@ -138,7 +138,7 @@ SYNCS = ("cta", "warpgroup", "warp")
 def default_sync(tile: str, k_sparse: bool) -> str:
     """The schedule ``sync="auto"`` takes, the fastest measured on the H100 (``--variants`` of the extend
     and prefill benchmarks): per warp, except n128 without 2:4 K rows: per warpgroup."""
-    return "warp" if k_sparse or tile == "n64" else "warpgroup"
+    return "warp" if k_sparse or tile != "n128" else "warpgroup"
 
 
 def default_stages(tile: str, sync: str = "cta") -> int:
@@ -345,9 +345,18 @@ def build_extend_prim_func(
                 msc[c] = msc[c] * scale2
         else:
             lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
-        for i, c in T.Parallel(B, N):
-            sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
-            lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
+        if warp:
+            for i, c in T.Parallel(B, N):
+                sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
+            # The block's column sums: a shuffle reduction in the warp (a per-thread [B, N] sum would
+            # cost as many registers as S^T).
+            T.reduce_sum(sT, mx, dim=0, clear=True)
+            for c in T.Parallel(N):
+                lacc[c] = lacc[c] * rs[c] + mx[c]
+        else:
+            for i, c in T.Parallel(B, N):
+                sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
+                lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
 
     @T.macro
     def rescale_store_p(P_s, sT, oT, rs):
@@ -464,8 +473,9 @@ def build_extend_prim_func(
             st = alloc_stage_buffers()
             sT = T.alloc_fragment([B, N], accum)
             oT = T.alloc_fragment([D, N], accum)
-            lacc = T.alloc_fragment([B, N], accum)
-            l = T.alloc_fragment([N], accum)
+            # Row sums: per column (warp schedule), else per thread, reduced once at the end.
+            lacc = T.alloc_fragment([N] if warp else [B, N], accum)
+            l = lacc if warp else T.alloc_fragment([N], accum)
             rs = T.alloc_fragment([N], accum)
             msc = T.alloc_fragment([N], accum)
             # The running column max (and the block's): per column fragments in the warp schedule, else
@@ -534,7 +544,8 @@ def build_extend_prim_func(
                 if wg_sync:
                     T.sync_threads()  # the warpgroups meet again before the CTA-wide reduction
 
-                T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
+                if not warp:
+                    T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
                 if warp:
                     for c in T.Parallel(N):
                         m_sh[c] = m_run[c]
@@ -760,7 +771,7 @@ class HieraSparseExtend:
 # plan (whose choices are among them).
 BENCH_VARIANTS = [("n64", 2, "cta"), ("n128", 3, "cta"), ("n128", 2, "cta"), ("n64", 2, "warpgroup"),
                   ("n128", 3, "warpgroup"), ("n128", 2, "warpgroup"), ("n64", 2, "warp"),
-                  ("n128", 3, "warp"), ("n128", 2, "warp")]
+                  ("n128", 3, "warp"), ("n128", 2, "warp"), ("n256", 2, "warp")]
 
 # The configurations the GPU tests and the benchmark compile: (q_heads, kv_heads, head_dim, dtype, tile,
 # stages, k_sparse, sync): the benchmark's shape (Llama-3.1-8B heads, fp16) in every variant, with and

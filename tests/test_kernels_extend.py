@@ -50,6 +50,8 @@ SMALL = [
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n64", sync="warp")),
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="warp")),
     (8, 2, 64, torch.bfloat16, 1.0, 0.5, dict(tile="n128", sync="warp")),
+    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n256", sync="warp")),
+    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n256", sync="warp")),
 ]
 MID_PREFIX = [4096, 2500, 8192, 77]
 MID_NEW = [64, 300, 129, 1000]
@@ -232,5 +234,6 @@ def test_default_configurations_are_precompiled():
             picks[tile, k_sparse] = (sync, default_stages(tile, sync))
             assert (32, 8, 128, "float16", tile, default_stages(tile, sync), k_sparse, sync) in PRECOMPILE
     assert picks == {("n64", False): ("warp", 2), ("n64", True): ("warp", 2),
-                     ("n128", False): ("warpgroup", 2), ("n128", True): ("warp", 2)}
+                     ("n128", False): ("warpgroup", 2), ("n128", True): ("warp", 2),
+                     ("n256", False): ("warp", 2), ("n256", True): ("warp", 2)}
     assert default_stages("n128", "cta") == 3
