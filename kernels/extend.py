@@ -610,7 +610,11 @@ def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float
     import tilelang
 
     func = build_extend_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, sync)
-    configs = {**PASS_CONFIGS, "tl.disable_wgmma": True} if sync == "warp" else PASS_CONFIGS
+    # Fast math: exp2f becomes one MUFU.EX2 (the IEEE path adds a range test and two multiplies to each of a
+    # block step's exponentials: 96 of ~730 instructions a warp issued per step, ncu source counters).
+    configs = {**PASS_CONFIGS, "tl.enable_fast_math": True}
+    if sync == "warp":
+        configs["tl.disable_wgmma"] = True
     return tilelang.compile(func, target=target or SM90_TARGET, pass_configs=configs)
 
 
