@@ -129,7 +129,8 @@ from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and too
 )
 
 # name -> (N columns per CTA, threads). Every shipped configuration is covered by the GPU tests.
-TILES = {"n64": (64, 128), "n128": (128, 256), "n256": (256, 512)}
+# n256 only with the warp schedule: 8 warps of 32 columns each (255 registers a thread, no spills).
+TILES = {"n64": (64, 128), "n128": (128, 256), "n256": (256, 256)}
 # How the phases of a block step synchronise (see the module docstring): CTA barriers, per warpgroup,
 # or per warp (mma.sync).
 SYNCS = ("cta", "warpgroup", "warp")
@@ -186,6 +187,7 @@ def build_extend_prim_func(
     import tilelang.language as T
 
     assert sync in SYNCS, sync
+    assert tile != "n256" or sync == "warp", "n256 has one warp per 32 columns: sync='warp' only"
     wg_sync = sync != "cta"  # phases meet per warpgroup (per warp with "warp")
     warp = sync == "warp"  # each warp owns its columns across all of a block's tokens (mma.sync)
     # warp: all warps side by side along the N (query) columns, so that a column's softmax never leaves
@@ -695,10 +697,14 @@ class HieraSparseExtend:
 
     # ------------------------------------------------------------------------------ configuration
     def pick_tile(self, total_tokens: int, batch: int) -> str:
+        """The tile of a call: the smallest that holds the average request's query columns (tokens x GQA
+        group), n256 above 128 (n256 needs the warp schedule)."""
         if self.tile != "auto":
             return self.tile
         cols = -(-total_tokens // max(batch, 1)) * self.group
-        return "n64" if cols <= 64 else "n128"
+        if cols <= 64:
+            return "n64"
+        return "n128" if cols <= 128 or self.sync not in ("auto", "warp") else "n256"
 
     def pick_sync(self, tile: str, k_sparse: bool) -> str:
         return default_sync(tile, k_sparse) if self.sync == "auto" else self.sync
@@ -793,6 +799,7 @@ PRECOMPILE = [
     (8, 4, 128, "float16", "n128", 3, False, "cta"), (4, 4, 64, "float16", "n64", 2, True, "cta"),
     (4, 4, 64, "bfloat16", "n128", 3, False, "cta"), (8, 2, 64, "bfloat16", "n128", 3, True, "cta"),
     (8, 2, 64, "bfloat16", "n128", 2, True, "warp"),
+    (16, 2, 128, "bfloat16", "n256", 2, True, "warp"), (8, 2, 64, "bfloat16", "n256", 2, True, "warp"),
 ]
 
 

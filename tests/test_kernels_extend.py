@@ -50,8 +50,11 @@ SMALL = [
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n64", sync="warp")),
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="warp")),
     (8, 2, 64, torch.bfloat16, 1.0, 0.5, dict(tile="n128", sync="warp")),
+    # n256 (warp schedule only, 32 columns a warp): GQA 4 and 8, d 128 and 64, fp16 and bf16.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n256", sync="warp")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n256", sync="warp")),
+    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n256", sync="warp")),
+    (8, 2, 64, torch.bfloat16, 1.0, 0.5, dict(tile="n256", sync="warp")),
 ]
 MID_PREFIX = [4096, 2500, 8192, 77]
 MID_NEW = [64, 300, 129, 1000]
@@ -159,7 +162,8 @@ def test_dense_equals_dense_attention_and_flashinfer(tile):
 @pytest.mark.parametrize("sk,sv,tile,sync", [(1.0, 1.0, "n128", "cta"), (1.0, 1.0, "n64", "cta"),
                                              (0.0, 1.0, "n128", "cta"), (0.5, 0.5, "n128", "cta"),
                                              (1.0, 1.0, "n128", "warpgroup"), (0.0, 1.0, "n64", "warpgroup"),
-                                             (1.0, 1.0, "n128", "warp"), (0.0, 1.0, "n64", "warp")])
+                                             (1.0, 1.0, "n128", "warp"), (0.0, 1.0, "n64", "warp"),
+                                             (0.5, 0.5, "n256", "warp")])
 def test_sparse_matches_decompressed(sk, sv, tile, sync):
     """Mixed dense/sparse blocks at a few thousand tokens: dense attention and FlashInfer over the pruned
     KV. The cases with another synchronisation than CTA barriers run one split, so that a CTA walks up
@@ -181,7 +185,7 @@ def test_benchmark_shape_auto_plan():
                                   magnitude=False, shuffle=False)
     plan = _plan(case)
     out = plan.run(*bench.extend_run_args(case))
-    assert plan.last_config["tile"] == "n128"
+    assert plan.last_config["tile"] == "n256" and plan.last_config["sync"] == "warp"
     paged = _dense_check(case, out)
     _flashinfer_check(case, paged, out)
 
@@ -220,7 +224,10 @@ def test_tile_ids_and_split_heuristic():
     assert 16 * 8 * s >= 132 * 0.9
     assert choose_num_splits(512 * 8, 8, 544, 132, 1) == 1
     plan = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda")
-    assert plan.pick_tile(8 * 16, 8) == "n64" and plan.pick_tile(8 * 64, 8) == "n128"
+    assert plan.pick_tile(8 * 16, 8) == "n64" and plan.pick_tile(8 * 32, 8) == "n128"
+    assert plan.pick_tile(8 * 64, 8) == "n256" and plan.pick_tile(32768, 1) == "n256"
+    wg = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda", sync="warpgroup")
+    assert wg.pick_tile(8 * 64, 8) == "n128"
 
 
 def test_default_configurations_are_precompiled():
