@@ -330,7 +330,7 @@ def build_extend_prim_func(
             rs[c] = rs_sh[c]
 
     @T.macro
-    def softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
+    def softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew):
         # Mask the block, update the running column max, turn S^T into unnormalised P^T (in sT) and
         # accumulate the row sums; leaves the rescale factors in rs (O^T is not touched here).
         if jj >= jm:  # the block reaches past the tile's first query position: causal mask
@@ -340,8 +340,10 @@ def build_extend_prim_func(
             # A column's tokens are all in one warp: its max is a shuffle reduction (no shared memory,
             # no barrier). Offsets are kept >= -CLAMP so that a fully masked column stays finite.
             T.reduce_max(sT, mx, dim=0, clear=True)
+            grew[0] = 0
             for c in T.Parallel(N):
                 msc[c] = T.max(T.max(m_run[c], mx[c]), -CLAMP)  # the new max, for now
+                grew[0] = T.max(grew[0], T.if_then_else(msc[c] > m_run[c], 1, 0))
                 rs[c] = T.exp2(m_run[c] * scale2 - msc[c] * scale2)
                 m_run[c] = msc[c]
                 msc[c] = msc[c] * scale2
@@ -361,20 +363,27 @@ def build_extend_prim_func(
                 lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
 
     @T.macro
-    def rescale_store_p(P_s, sT, oT, rs):
-        # O^T *= rescale, then P^T to shared memory as the B operand of the next O^T GEMM.
-        for d, c in T.Parallel(D, N):
-            oT[d, c] *= rs[c]
+    def rescale_store_p(P_s, sT, oT, rs, grew):
+        # O^T *= rescale, then P^T to shared memory as the B operand of the next O^T GEMM. Per warp, the
+        # rescale is skipped when none of the warp's columns has a new max: every factor is then exactly 1
+        # (exp2(0)), and the D x 32 multiplies were a sixth of the instructions a warp issues per block.
+        if warp:
+            if T.any_sync(grew[0]):
+                for d, c in T.Parallel(D, N):
+                    oT[d, c] *= rs[c]
+        else:
+            for d, c in T.Parallel(D, N):
+                oT[d, c] *= rs[c]
         T.copy(sT, P_s)
         T.fence_proxy_async()  # #2634: generic writes of P^T before the (sparse) wgmma reads them
         group_barrier()
 
     @T.macro
     def compute(jj, jm, qlast, tv, scale2, md, Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs,
-                msc_sh, rs_sh, m_run, mx):
+                msc_sh, rs_sh, m_run, mx, grew):
         gemm_s(md, Q_s, kd, ks, ke, sT)
-        softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
-        rescale_store_p(P_s, sT, oT, rs)
+        softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew)
+        rescale_store_p(P_s, sT, oT, rs, grew)
         gemm_o(md >> 2, P_s, vd, vs, ve, oT)
 
     @T.macro
@@ -387,7 +396,7 @@ def build_extend_prim_func(
     @T.macro
     def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
              Q_s, P_s, kd, ks, ke, vd, vs, ve, bar, ebar, kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2,
-             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
+             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew):
         if j < n:
             if wg_sync:
                 if j % HALF == 0:
@@ -419,7 +428,7 @@ def build_extend_prim_func(
                 T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
             compute(start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s, kd, ks, ke, vd, vs, ve,
-                    sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
+                    sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew)
             if wg_sync:
                 T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
@@ -484,6 +493,7 @@ def build_extend_prim_func(
             # the one column of each lane's pair.
             m_run = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
             mx = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
+            grew = T.alloc_local([1], "int32")  # warp schedule: did a column of this thread get a new max?
             tid = T.get_thread_binding()
             # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
             # with their bounds checks, at every use).
@@ -539,7 +549,7 @@ def build_extend_prim_func(
                 T.sync_threads()
 
                 gl = (KC, VC, KD, KV, KM, VD, VV, VM)
-                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
+                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew)
                 emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
                 for it in T.serial(T.ceildiv(n, stages)):
                     emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)

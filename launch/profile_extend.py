@@ -1,10 +1,10 @@
 """Three launches of the extend kernel on the benchmark's shape, for Nsight Compute.
 
     ncu --launch-skip 2 --launch-count 1 -k regex:main --section SpeedOfLight --section WarpStateStats \
-        --section Occupancy python3 -m sglang_hs.launch.profile_extend --sync warp --stages 2 --new-tokens 64
+        --section Occupancy python3 -m sglang_hs.launch.profile_extend --tile n256 --sync warp --new-tokens 64
 
 Batch 8 x 32K prefix (S_K = S_V = 1, natural pool order) plus ``--new-tokens`` per request, 32/8
-heads, d 128, fp16, tile n128: the case behind the extend kernel's profile in its module doc. The
+heads, d 128, fp16, tile ``--tile`` (n128 by default): the case behind the extend kernel's profile in its module doc. The
 first two launches load or compile the kernel and warm the caches; profile the third.
 """
 
@@ -13,18 +13,19 @@ import argparse
 import torch
 
 from sglang_hs.kernels import bench
-from sglang_hs.kernels.extend import SYNCS, HieraSparseExtend
+from sglang_hs.kernels.extend import SYNCS, TILES, HieraSparseExtend
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tile", default="n128", choices=sorted(TILES))
     ap.add_argument("--sync", default="warp", choices=SYNCS)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args(argv)
     case = bench.make_extend_case([32768] * 8, [args.new_tokens] * 8, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda",
                                   seed=11, magnitude=False, shuffle=False)
-    plan = HieraSparseExtend(32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", tile="n128",
+    plan = HieraSparseExtend(32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", tile=args.tile,
                              stages=args.stages, sync=args.sync)
     run_args = bench.extend_run_args(case)
     for _ in range(3):
