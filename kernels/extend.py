@@ -22,8 +22,9 @@ here so that the decode kernel is untouched:
   CTA reads serves N columns. Tile configurations (``TILES``): ``"n64"`` = N 64, 128 threads (one
   warpgroup: ``wgmma m64n64``); ``"n128"`` = N 128, 256 threads (two warpgroups; TileLang's default
   (Square) warp partition gives both GEMMs ``m_warp = 4, n_warp = 2``: each warpgroup owns 64 columns
-  of ``S^T`` *and* of ``O^T``, so the softmax statistics of a column never leave its warpgroup). N is
-  a multiple of 16 in both (no N = 24/40, bug #2603).
+  of ``S^T`` *and* of ``O^T``, so the softmax statistics of a column never leave its warpgroup);
+  ``"n256"`` = N 256, 256 threads, warp schedule only (below): 8 warps of 32 columns. N is a multiple
+  of 16 in all (no N = 24/40, bug #2603).
 * **Per-block dispatch without losing the pipeline** (as decode): ``stages`` shared-memory stages with
   their own mbarriers; one elected thread issues the TMA loads of block ``j + stages - 1`` before the
   CTA waits on block ``j``, choosing per block between a cache page (3-D TMA box), a dense pool row and
@@ -77,41 +78,54 @@ here so that the decode kernel is untouched:
     resolve. One warpgroup may run up to a step ahead of the other, so one's softmax can overlap the
     other's GEMMs.
   - ``"warp"``: all warps side by side along the query columns (``GemmWarpPolicy.FullCol``), so each
-    warp holds all 64 tokens of its 16 columns: the column max is a shuffle reduction in the warp
-    (``T.reduce_max``, no shared memory), ``P^T`` is written and read back by the same warp
-    (``__syncwarp``), and the block loop has no CTA or warpgroup barrier at all. wgmma cannot split
-    M = 64 over one warp, so this schedule compiles with ``tl.disable_wgmma`` to ``mma.sp.sync``
-    (m16n8k32) / ``mma.sync``: the paper's Ada design. Same 2:4 metadata layout as ``wgmma.sp``.
+    warp holds all 64 tokens of its columns (16 at n64/n128, 32 at n256): the column max and the
+    column sums are shuffle reductions in the warp (``T.reduce_max`` / ``T.reduce_sum``, no shared
+    memory), ``P^T`` is written and read back by the same warp (``__syncwarp``), and the block loop
+    has no CTA or warpgroup barrier at all. The O^T rescale is skipped when no column of the warp got a
+    new max (a warp vote; every factor is then exactly 1). wgmma cannot split M = 64 over one warp, so
+    this schedule compiles with ``tl.disable_wgmma`` to ``mma.sp.sync`` (m16n8k32) / ``mma.sync``: the
+    paper's Ada design. Same 2:4 metadata layout as ``wgmma.sp``. 32 columns a warp halve the per-
+    column cost of what a warp does once per block whatever its width (the A operand and 2:4 metadata
+    loads, the stage wait, the step's control): n256 issues 1073 instructions a warp per block step
+    for 32 columns where n128 issued 728 for 16.
+* **Fast math** (``tl.enable_fast_math``): ``exp2f`` is then one ``MUFU.EX2``; the IEEE path added a
+  range test and two multiplies to every exponential (96 of 728 instructions a warp issued per step).
 * **Bug work-arounds (0.1.11)**, as decode: ``T.fence_proxy_async()`` after ``P^T`` and ``Q`` are written
   to shared memory (#2634); automatic thread-sync insertion is disabled (it deadlocks in the elected-
   thread TMA branches) and the kernel places its barriers itself: at the top of each block step (WAR on
   the refilled stage, ``P_s`` and the index ring), after ``S^T`` is stored, after the column statistics
   are published, after ``P^T`` is written (the other schedules: see above).
 * **Occupancy** (shared memory, d 128): n128 with 3 stages ~205 KB (one CTA, 8 warps per SM; 202
-  registers, no spills; 244 in the warp schedule); n64 with 2 stages ~128 KB, or ~110 KB without 2:4 K
-  buffers (two CTAs per SM). Registers hold n128 to one CTA per SM in every schedule.
+  registers, no spills; 222 in the warp schedule); n256 with 2 stages ~196 KB (one CTA, 8 warps; 255
+  registers, no spills); n64 with 2 stages ~128 KB, or ~110 KB without 2:4 K buffers (two CTAs per
+  SM). Registers hold n128 and n256 to one CTA per SM in every schedule.
 * One launch per call, no host synchronisation: tile ids, splits, masks and empty splits are computed in
   the kernel from ``qo_indptr`` and ``seq_lens`` on the GPU; scratch grows on demand (``torch.empty`` /
   ``torch.zeros`` only). Empty pools are replaced by one-row dummies (a TMA descriptor cannot describe a
   zero-length tensor). Not CUDA-graph safe across changing batch shapes (the grid and scratch views
   follow ``q.shape`` and ``bs``); one call at a time per plan (scratch and tickets are per plan).
 
-Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 38/38 on the GPU, 6 of them of an overlap
-schedule since removed; ``python -m
+Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 38/38 on the GPU; ``python -m
 sglang_hs.kernels.bench --kernel extend --quick`` (and ``--kernel prefill``), batch 8 x 32K prefix,
 32/8 heads, d 128, fp16, against FlashInfer's paged prefill (fa2) over the same pruned KV in the same
-process; ``launch/results/kernels_h100.json``): **still slower than FlashInfer**, with the default
-schedules (n128: warp with 2:4 K rows, warpgroup without; n64: warp; 2 stages). S_K = 0, S_V = 1:
-1.01x at 16 new tokens, 0.76x at 64, 0.76x at 256, 0.74x at 1024 and 2048; S_K = S_V = 1: 0.78x,
-0.76x, 0.74x, 0.73x, 0.73x; full prefill of 32K tokens over compressed KV 0.70x / 0.73x. (With CTA
-barriers everywhere and decode's split costs the same points were 0.97 / 0.72 / 0.49 / 0.60 / 0.61x
-and 0.63 / 0.64 / 0.48 / 0.58 / 0.60x.) The kernel runs at ~250 TFLOP/s dense-equivalent where
-FlashInfer runs at ~340: ncu at 64 new tokens (``python -m sglang_hs.launch.profile_extend``,
-``launch/results/ncu_extend_h100.txt``) shows 8 active warps per SM (one CTA: registers, 202-244 a
-thread, allow no second), no eligible warp in 58-62% of the scheduler cycles and the tensor pipe
-active 12-14% (cta, warpgroup: wgmma) to 29% (warp: mma.sync) of the time, so it is bound by the latency of
-each block step's chain (GEMM, column max, exponentials, O^T rescale, P^T store, GEMM) at low
-occupancy, not by bytes or tensor throughput. Tried and measured slower: FA3's intra-warpgroup
+process; ``launch/results/kernels_h100.json``): **still slower than FlashInfer** except at 16 new
+tokens with S_K = 0, with the default plans (n64 up to 64 query columns a request, n128 up to 128,
+n256 above; warp schedule, except n128 without 2:4 K rows: warpgroup; 2 stages). S_K = 0, S_V = 1:
+1.04x at 16 new tokens, 0.92x at 64, 0.91x at 256, 0.86x at 1024 and 2048; S_K = S_V = 1: 0.79x,
+0.90x, 0.96x, 0.93x, 0.92x; full prefill of 32K tokens over compressed KV 0.80x / 0.90x. (Before fast
+math, n256 and the rescale skip: 1.01 / 0.76 / 0.76 / 0.74 / 0.74x and 0.78 / 0.76 / 0.74 / 0.73 /
+0.73x, prefill 0.70x / 0.73x; the steps one by one are in ``bench_extend_tiles_h100.log``.) At 64
+new tokens, S = 1/1, the kernel runs at ~290 TFLOP/s dense-equivalent where FlashInfer runs at ~325:
+ncu (``python -m sglang_hs.launch.profile_extend --tile n256``, ``launch/results/ncu_extend_h100.txt``)
+shows 8 active warps per SM (one CTA, held there by registers: 255 a thread), no eligible warp in 64%
+of the scheduler cycles, and the tensor pipe active 35% of the time. Stalls on fixed-latency
+dependencies are the largest share (31%). So the kernel is bound by the latency of each block step's
+chain (GEMM, column max, exponentials, column sums, P^T store, GEMM): two warps a scheduler cannot
+hide it. It is not bound by bytes or by tensor throughput. Per block, a warp issues 1073 instructions
+for 32 columns, 127 of them sparse MMAs. About 480 are the softmax's arithmetic: max, scale, exponential,
+sums, conversions and shuffles, about 7 for each of the 64 scores a thread holds. Another 98 load the
+2:4 metadata, which TileLang reads one 16-bit element at a time. More warps did not help: n256 as 16 warps of 16 columns, capped at 128 registers, ran at
+0.81x against 0.88x. Tried and measured slower: FA3's intra-warpgroup
 overlap (the O^T GEMM of block ``j - 1`` left in flight through block ``j``'s softmax, S^T staged in
 its own buffer, a stage refilled by the last warpgroup to release it: 0.59x at 64 new tokens,
 S = 1/1; commit 49860d9, removed since), n64 tiles with 2:4 K rows (one CTA per SM by shared
