@@ -22,7 +22,7 @@ order (pool rows in (KV head, block) order, as ``sglang_hs.reference.compress_bl
 timed as replays of a CUDA graph of ``--iters`` back-to-back calls (CUDA events, median of 5
 replays), and also as single plain launches (``*_plain_us``, which include host launch overhead).
 
-    python -m sglang_hs.kernels.bench --kernel extend --out DIR [--quick] [--variants] [--new-tokens 16,64,...]
+    python -m sglang_hs.kernels.bench --kernel extend --out DIR [--quick] [--variants | --variant T:S:SYNC ...] [--new-tokens 16,64,...]
 
 Extend workload (issue 3's second regime): batch 8, each request a 32K-token cached prefix (the decode
 layout: 1 sink page, compressed blocks, 4 window pages; natural order) plus n new tokens in cache pages
@@ -31,7 +31,8 @@ for n in ``--new-tokens``; S in {(0,0), (0,1), (1,1)}; ``HieraSparseExtend`` aga
 SGLang) over the same pruned KV, both timed as ``--iters`` back-to-back eager calls (CUDA events,
 median of 5; a quarter of the calls above 256 new tokens). Writes ``DIR/kernels_h100.json`` (the
 committed results' other records plus one extend record per (n, S)), ``DIR/kernels_h100_extend.png``
-and ``DIR/bench_extend.log``. ``--variants`` also times the other tiles, stages and synchronisations.
+and ``DIR/bench_extend.log``. ``--variants`` also times the other tiles, stages and synchronisations;
+``--variant TILE:STAGES:SYNC`` (repeatable, e.g. ``n256:2:warp``) times just the ones named.
 
     python -m sglang_hs.kernels.bench --kernel prefill --out DIR [--quick] [--variants] [--context L] [--batch N]
 

@@ -244,3 +244,11 @@ def test_default_configurations_are_precompiled():
                      ("n128", False): ("warpgroup", 2), ("n128", True): ("warp", 2),
                      ("n256", False): ("warp", 2), ("n256", True): ("warp", 2)}
     assert default_stages("n128", "cta") == 3
+
+
+@pytest.mark.parametrize("bad", ["n128", "n128:two:warp", "n128:2"])
+def test_bench_rejects_malformed_variant(bad):
+    """``--variant`` takes TILE:STAGES:SYNC; anything else is a usage error before any GPU work."""
+    with pytest.raises(SystemExit) as err:
+        bench.main(["--kernel", "extend", "--variant", bad])
+    assert err.value.code == 2
