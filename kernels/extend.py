@@ -215,7 +215,6 @@ def build_extend_prim_func(
     TQ = N // G  # query tokens per tile
     HALF = resolve_chunk(tile)  # index entries resolved per pass; the ring holds two passes
     RB = 2 * HALF
-    ISSUER = threads // 64 if warp else 0  # the warp that refills stages (per warpgroup and per warp schedules)
     assert HALF >= stages and RB & (RB - 1) == 0
     accum = "float32"
     e_rows = B * D // 16 // 16  # metadata tile as [e_rows, 16] int16 (contiguous 2*B*D/16 bytes)
@@ -394,20 +393,11 @@ def build_extend_prim_func(
         group_barrier()
 
     @T.macro
-    def compute(first, jj, jm, qlast, tv, scale2, md, Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc,
-                rs, msc_sh, rs_sh, m_run, mx, grew, obar):
-        if warp and first:
-            # Warp schedule: the second half of the warps starts its first block once the first half is
-            # through that block's softmax, so that the two warps sharing a scheduler (w, w + W/2) run
-            # half a block step apart: one's MMAs beside the other's softmax.
-            if T.get_thread_binding() >= threads // 2:
-                T.barrier_wait(obar, 0)
+    def compute(jj, jm, qlast, tv, scale2, md, Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs,
+                msc_sh, rs_sh, m_run, mx, grew):
         gemm_s(md, Q_s, kd, ks, ke, sT)
         softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew)
         rescale_store_p(P_s, sT, oT, rs, grew)
-        if warp and first:
-            if T.get_thread_binding() < threads // 2:
-                T.barrier_arrive(obar)
         gemm_o(md >> 2, P_s, vd, vs, ve, oT)
 
     @T.macro
@@ -420,7 +410,7 @@ def build_extend_prim_func(
     @T.macro
     def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
              Q_s, P_s, kd, ks, ke, vd, vs, ve, bar, ebar, kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2,
-             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew, obar):
+             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew):
         if j < n:
             if wg_sync:
                 if j % HALF == 0:
@@ -439,10 +429,9 @@ def build_extend_prim_func(
                     resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
             if j + stages - 1 < n:
                 if wg_sync:
-                    # One warp refills the stage of block j - 1 once every thread has released it; the
-                    # other warps go on (a warpgroup may run up to a step ahead of the other). Warp
-                    # schedule: the first warp of the later half (see compute), which releases last.
-                    if T.get_thread_binding() >= ISSUER * 32 and T.get_thread_binding() < ISSUER * 32 + 32:
+                    # Warp 0 refills the stage of block j - 1 once every thread has released it; the
+                    # other warps go on (a warpgroup may run up to a step ahead of the other).
+                    if T.get_thread_binding() < 32:
                         if j >= 1:
                             T.barrier_wait(ebar2, eparity)
                         load(j + stages - 1, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
@@ -452,8 +441,8 @@ def build_extend_prim_func(
                          KC, VC, KD, KV, KM, VD, VV, VM)
                 T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
-            compute(j == 0, start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s, kd, ks, ke, vd, vs, ve,
-                    sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew, obar)
+            compute(start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s, kd, ks, ke, vd, vs, ve,
+                    sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew)
             if wg_sync:
                 T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
@@ -518,8 +507,7 @@ def build_extend_prim_func(
             # the one column of each lane's pair.
             m_run = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
             mx = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
-            grew = T.alloc_local([1], "int32")
-            obar = T.alloc_barrier(threads // 2) if warp else None  # warp schedule: the half-step offset  # warp schedule: did a column of this thread get a new max?
+            grew = T.alloc_local([1], "int32")  # warp schedule: did a column of this thread get a new max?
             tid = T.get_thread_binding()
             # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
             # with their bounds checks, at every use).
@@ -575,7 +563,7 @@ def build_extend_prim_func(
                 T.sync_threads()
 
                 gl = (KC, VC, KD, KV, KM, VD, VV, VM)
-                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew, obar)
+                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew)
                 emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
                 for it in T.serial(T.ceildiv(n, stages)):
                     emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
