@@ -54,7 +54,9 @@ here so that the decode kernel is untouched:
   ``qo_indptr[r] // TQ + r + i`` for ``i < ceil(n_r / TQ)``: increasing, disjoint, and all below
   ``total // TQ + bs + 1``, so the grid's x extent is known on the host from shapes alone (no device
   sync, no tile table). A CTA finds its request by a parallel scan of ``qo_indptr`` (each thread checks
-  some requests); ids that fall in the gaps (at most one per request) exit at once.
+  some requests); ids that fall in the gaps (at most one per request) exit at once. CTAs take the ids
+  in descending order (``tile_id = nt - 1 - blockIdx.x``): a request's later tiles see more blocks, so
+  in a long causal prefill the longest CTAs start first and the last wave is of short ones.
 * **Split-KV** over the blocks a tile sees (grid ``(tile ids, Hkv, splits)``; consecutive CTAs are the
   tiles of one request for the same KV head and split, so the KV they share is read from L2). The split
   count is chosen per call from shapes (tiles, KV heads, SMs, CTAs per SM) and passed as a dynamic grid
@@ -483,7 +485,10 @@ def build_extend_prim_func(
         LSE: T.Tensor([total, q_heads], accum),
         CNT: T.Tensor([nt, kv_heads], "int32"),
     ):
-        with T.Kernel(nt, kv_heads, S, threads=threads) as (tile_id, h, sid):
+        with T.Kernel(nt, kv_heads, S, threads=threads) as (bx, h, sid):
+            # Tile ids in descending order: a request's later tiles see more blocks (causal), so in a long
+            # prefill the longest CTAs start first instead of forming the last wave.
+            tile_id = nt - 1 - bx
             Q_s = T.alloc_shared([N, D], dtype)
             P_s = T.alloc_shared([B, N], dtype)  # S^T (for the column max), then P^T (GEMM2's B)
             mode_s = T.alloc_shared([RB], "int32")
