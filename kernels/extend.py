@@ -113,10 +113,11 @@ sglang_hs.kernels.bench --kernel extend --quick`` (and ``--kernel prefill``), ba
 process; ``launch/results/kernels_h100.json``): **still slower than FlashInfer** except at 16 new
 tokens with S_K = 0, with the default plans (n64 up to 64 query columns a request, n128 up to 128,
 n256 above; warp schedule, except n128 without 2:4 K rows: warpgroup; 2 stages). S_K = 0, S_V = 1:
-1.04x at 16 new tokens, 0.92x at 64, 0.91x at 256, 0.86x at 1024 and 2048; S_K = S_V = 1: 0.79x,
-0.90x, 0.96x, 0.93x, 0.92x; full prefill of 32K tokens over compressed KV 0.80x / 0.90x. (Before fast
-math, n256 and the rescale skip: 1.01 / 0.76 / 0.76 / 0.74 / 0.74x and 0.78 / 0.76 / 0.74 / 0.73 /
-0.73x, prefill 0.70x / 0.73x; the steps one by one are in ``bench_extend_tiles_h100.log``.) At 64
+1.04x at 16 new tokens, 0.89x at 64, 0.92x at 256, 0.87x at 1024 and 2048; S_K = S_V = 1: 0.78x,
+0.90x, 0.95x, 0.93x, 0.92x; full prefill of 32K tokens over compressed KV 0.83x / 0.92x. (Before fast
+math, n256, the rescale skip and the descending tile order: 1.01 / 0.76 / 0.76 / 0.74 / 0.74x and
+0.78 / 0.76 / 0.74 / 0.73 / 0.73x, prefill 0.70x / 0.73x; the steps one by one are in
+``bench_extend_tiles_h100.log``.) At 64
 new tokens, S = 1/1, the kernel runs at ~290 TFLOP/s dense-equivalent where FlashInfer runs at ~325:
 ncu (``python -m sglang_hs.launch.profile_extend --tile n256``, ``launch/results/ncu_extend_h100.txt``)
 shows 8 active warps per SM (one CTA, held there by registers: 255 a thread), no eligible warp in 64%
