@@ -5,7 +5,7 @@
 
 A hierasparse server compiles its kernels on first use, one after the other in the scheduler
 process: one decode plan per batch size it captures in a CUDA graph or pads an eager batch to (the
-plan is specialised to the batch size and the ``req_to_token`` width), both tiles of the extend
+plan is specialised to the batch size and the ``req_to_token`` width), every tile of the extend
 kernel and the compressor. Each takes about 20 s. TileLang keeps compiled kernels in its disk cache
 (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``), so a later start only loads them. This
 command fills that cache with the same kernels in parallel processes, on any machine that has
