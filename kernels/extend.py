@@ -684,7 +684,8 @@ class HieraSparseExtend:
     """Plan + run of the mixed dense/2:4-sparse extend kernel (see the module docstring).
 
     ``tile``: ``"auto"`` (n64 when the batch averages at most 64 query columns (tokens x GQA group) per
-    request, else n128), or a key of ``TILES``. ``stages``: pipeline depth (default per tile).
+    request, n128 up to 128, else n256, or n128 when ``sync`` names a schedule other than the warp one:
+    :meth:`pick_tile`), or a key of ``TILES``. ``stages``: pipeline depth (default per tile).
     ``num_splits``: force a split count (else chosen per call from the shapes). ``sync``: how a block
     step's phases meet (``SYNCS``, see the module docstring), or ``"auto"``: :func:`default_sync` of the
     call's tile and K pools. ``max_blocks`` is only advisory (block tables of any width are accepted).

@@ -26,7 +26,7 @@ NEW = [37, 64, 150, 1, 100, 200]
 SMALL_MAX_BLOCKS = 30  # > the longest request's 27 blocks: the table has unused (poisoned) columns
 
 # (q_heads, kv_heads, head_dim, dtype, S_K, S_V, plan options). GQA groups 4, 8, 1, 2; d 128 and 64;
-# fp16 and bf16; S in {0, 0.5, 1} mixes; both tiles, n128 with 2 stages; with (S_K > 0) and without
+# fp16 and bf16; S in {0, 0.5, 1} mixes; n64 and n128, n128 with 2 stages; with (S_K > 0) and without
 # (S_K = 0) the 2:4 K buffers; each synchronisation (CTA, warpgroup, warp).
 SMALL = [
     (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n128", sync="cta")),
@@ -38,12 +38,12 @@ SMALL = [
     (4, 4, 64, torch.float16, 1.0, 0.0, dict(tile="n64", sync="cta")),
     (4, 4, 64, torch.bfloat16, 0.0, 0.0, dict(tile="n128", sync="cta")),
     (8, 2, 64, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="cta")),
-    # Per-warpgroup synchronisation: both tiles, with and without 2:4 K buffers, fp16 and bf16.
+    # Per-warpgroup synchronisation: n64 and n128, with and without 2:4 K buffers, fp16 and bf16.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warpgroup")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warpgroup")),
     (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64", sync="warpgroup")),
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="warpgroup")),
-    # One warp per column group (mma.sync): both tiles, with and without 2:4 K buffers, d 128 and 64.
+    # One warp per column group (mma.sync): n64 and n128, with and without 2:4 K buffers, d 128 and 64.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warp")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warp")),
     (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64", sync="warp")),
