@@ -366,18 +366,16 @@ def build_extend_prim_func(
                 msc[c] = msc[c] * scale2
         else:
             lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
+        for i, c in T.Parallel(B, N):
+            sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
+            if not warp:
+                lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
         if warp:
-            for i, c in T.Parallel(B, N):
-                sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
             # The block's column sums: a shuffle reduction in the warp (a per-thread [B, N] sum would
             # cost as many registers as S^T).
             T.reduce_sum(sT, mx, dim=0, clear=True)
             for c in T.Parallel(N):
                 lacc[c] = lacc[c] * rs[c] + mx[c]
-        else:
-            for i, c in T.Parallel(B, N):
-                sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
-                lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
 
     @T.macro
     def rescale_store_p(P_s, sT, oT, rs, grew):
@@ -576,13 +574,13 @@ def build_extend_prim_func(
                 if wg_sync:
                     T.sync_threads()  # the warpgroups meet again before the CTA-wide reduction
 
-                if not warp:
-                    T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
                 if warp:
                     for c in T.Parallel(N):
                         m_sh[c] = m_run[c]
-                elif tid % TPC == 0:
-                    m_sh[tid // TPC] = m_run[0]
+                else:
+                    T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
+                    if tid % TPC == 0:
+                        m_sh[tid // TPC] = m_run[0]
                 T.sync_threads()
                 if S == 1:
                     for d, c in T.Parallel(D, N):
