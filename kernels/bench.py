@@ -684,10 +684,8 @@ def bench_extend(args, on_record=None):
     new_list = [args.context] if prefill else [int(x) for x in args.new_tokens.split(",")]
     points = [(0.0, 0.0), (0.0, 1.0), (1.0, 1.0)] if not args.quick else [(0.0, 1.0), (1.0, 1.0)]
     variants = [dict()]  # the default plan first: its time is the record's ours_us
-    if args.variant:
-        variants += [dict(tile=t, stages=int(st), sync=sy) for t, st, sy in (v.split(":") for v in args.variant)]
-    elif args.variants:
-        variants += [dict(tile=t, stages=st, sync=sy) for t, st, sy in BENCH_VARIANTS]
+    named = args.variant or (BENCH_VARIANTS if args.variants else [])  # (tile, stages, sync)
+    variants += [dict(tile=t, stages=st, sync=sy) for t, st, sy in named]
     records, lines = [], []
 
     def log(msg):
@@ -893,9 +891,13 @@ def main(argv=None):
     for flag in ("batch", "groups", "max_blocks", "num_splits"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
+    variants = []  # --variant, parsed once into (tile, stages, sync)
     for v in args.variant or ():
-        if len(v.split(":")) != 3 or not v.split(":")[1].isdigit():
+        parts = v.split(":")
+        if len(parts) != 3 or not parts[1].isdigit():
             ap.error(f"--variant {v!r}: expected TILE:STAGES:SYNC, e.g. n128:2:warp")
+        variants.append((parts[0], int(parts[1]), parts[2]))
+    args.variant = variants
     if args.plot:
         recs = json.load(open(args.plot))
         plot(recs, os.path.splitext(args.plot)[0] + ".png")
