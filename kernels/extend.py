@@ -707,6 +707,8 @@ class HieraSparseExtend:
             raise ValueError(f"tile must be 'auto' or one of {sorted(TILES)}")
         if sync != "auto" and sync not in SYNCS:
             raise ValueError(f"sync must be 'auto' or one of {SYNCS}, got {sync!r}")
+        if tile == "n256" and sync not in ("auto", "warp"):
+            raise ValueError(f"tile 'n256' runs only with sync='warp' (or 'auto'), got sync={sync!r}")
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
         self.block_size, self.max_blocks, self.group = block_size, max_blocks, group
         self.dtype, self.device = dtype, torch.device(device)

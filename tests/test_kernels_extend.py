@@ -252,3 +252,11 @@ def test_bench_rejects_malformed_variant(bad):
     with pytest.raises(SystemExit) as err:
         bench.main(["--kernel", "extend", "--variant", bad])
     assert err.value.code == 2
+
+
+def test_plan_rejects_n256_without_the_warp_schedule():
+    """n256 has one warp per 32 columns, so only the warp schedule builds it: the plan says so up front
+    (a one-line ValueError) instead of failing an assertion at the first call's compile."""
+    with pytest.raises(ValueError, match="n256"):
+        HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n256", sync="cta")
+    assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n256").sync == "auto"
