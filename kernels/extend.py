@@ -223,6 +223,7 @@ def build_extend_prim_func(
     e_rows = B * D // 16 // 16  # metadata tile as [e_rows, 16] int16 (contiguous 2*B*D/16 bytes)
     NEG = -T.infinity(accum)
     CLAMP = 6.0e4 if dtype == "float16" else 1.0e30  # finite in the 16-bit type
+    LAZY = 8.0  # warp schedule: a column's offset moves once one of its P would exceed 2^LAZY (softmax)
     TPC = threads // N  # lane max: threads per column (consecutive lanes)
     RPT = B // TPC  # rows per thread (interleaved: row i * TPC + lane % TPC)
     SHUF = [TPC >> k for k in range(1, TPC.bit_length()) if TPC >> k]  # xor offsets TPC/2 .. 1
@@ -347,46 +348,59 @@ def build_extend_prim_func(
             rs[c] = rs_sh[c]
 
     @T.macro
-    def softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew):
-        # Mask the block, update the running column max, turn S^T into unnormalised P^T (in sT) and
-        # accumulate the row sums; leaves the rescale factors in rs (O^T is not touched here).
+    def causal_mask(jj, jm, qlast, tv, sT):
         if jj >= jm:  # the block reaches past the tile's first query position: causal mask
             for i, c in T.Parallel(B, N):
                 sT[i, c] = T.if_then_else(jj * B + i <= qlast - T.max(tv - 1 - c // G, 0), sT[i, c], NEG)
+
+    @T.macro
+    def softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax):
+        # Turn S^T into the block's unnormalised P^T (in sT) and update the row sums (lacc). The O^T
+        # rescale factors go to rs: the warp schedule applies them here, the others in rescale_store_p.
+        causal_mask(jj, jm, qlast, tv, sT)
         if warp:
-            # A column's tokens are all in one warp: its max is a shuffle reduction (no shared memory,
-            # no barrier). Offsets are kept >= -CLAMP so that a fully masked column stays finite.
-            T.reduce_max(sT, mx, dim=0, clear=True)
-            grew[0] = 0
-            for c in T.Parallel(N):
-                msc[c] = T.max(T.max(m_run[c], mx[c]), -CLAMP)  # the new max, for now
-                grew[0] = T.max(grew[0], T.if_then_else(msc[c] > m_run[c], 1, 0))
-                rs[c] = T.exp2(m_run[c] * scale2 - msc[c] * scale2)
-                m_run[c] = msc[c]
-                msc[c] = msc[c] * scale2
-        else:
-            lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
-        for i, c in T.Parallel(B, N):
-            sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
-            if not warp:
-                lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
-        if warp:
+            # A column's tokens are all in one warp. Lazy offset (FA4's conditional rescale): the scores
+            # are first taken against the columns' current (scaled) offsets msc; only when one of the warp
+            # passes its offset by more than LAZY (log2 units), and on the CTA's first block, does the warp
+            # reduce the block's column max (shuffles) and move the offsets. Exact for softmax (P, the sums
+            # and O^T share the offset), P <= 2^LAZY stays far inside fp16, and the common block step has
+            # no max reduction, no per-column statistics and no O^T rescale.
+            pmax[0] = T.if_then_else(first, LAZY + LAZY, NEG)
+            for i, c in T.Parallel(B, N):
+                sT[i, c] = sT[i, c] * scale2 - msc[c]  # masked keys stay -inf
+                pmax[0] = T.max(pmax[0], sT[i, c])
+            if T.any_sync(T.if_then_else(pmax[0] > LAZY, 1, 0)) != 0:
+                T.reduce_max(sT, mx, dim=0, clear=True)
+                for c in T.Parallel(N):
+                    # mx becomes the offset's move: up to the block max (the first block sets the offset
+                    # there, kept >= -CLAMP so that a fully masked column stays finite).
+                    mx[c] = T.if_then_else(first, T.max(mx[c], -CLAMP * scale2 - msc[c]), T.max(mx[c], 0.0))
+                    rs[c] = T.if_then_else(first, 1.0, T.exp2(-mx[c]))  # O^T and the sums are still 0 first
+                    msc[c] = msc[c] + mx[c]
+                    lacc[c] = lacc[c] * rs[c]
+                for i, c in T.Parallel(B, N):
+                    sT[i, c] = T.exp2(sT[i, c] - mx[c])
+                for d, c in T.Parallel(D, N):
+                    oT[d, c] *= rs[c]
+            else:
+                for i, c in T.Parallel(B, N):
+                    sT[i, c] = T.exp2(sT[i, c])
             # The block's column sums: a shuffle reduction in the warp (a per-thread [B, N] sum would
             # cost as many registers as S^T).
             T.reduce_sum(sT, mx, dim=0, clear=True)
             for c in T.Parallel(N):
-                lacc[c] = lacc[c] * rs[c] + mx[c]
+                lacc[c] = lacc[c] + mx[c]
+        else:
+            lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
+            for i, c in T.Parallel(B, N):
+                sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
+                lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
 
     @T.macro
-    def rescale_store_p(P_s, sT, oT, rs, grew):
-        # O^T *= rescale, then P^T to shared memory as the B operand of the next O^T GEMM. Per warp, the
-        # rescale is skipped when none of the warp's columns has a new max: every factor is then exactly 1
-        # (exp2(0)), and the D x 32 multiplies were a sixth of the instructions a warp issues per block.
-        if warp:
-            if T.any_sync(grew[0]):
-                for d, c in T.Parallel(D, N):
-                    oT[d, c] *= rs[c]
-        else:
+    def rescale_store_p(P_s, sT, oT, rs):
+        # O^T *= rescale (the warp schedule rescales in softmax, only when its offsets move), then P^T to
+        # shared memory as the B operand of the next O^T GEMM.
+        if not warp:
             for d, c in T.Parallel(D, N):
                 oT[d, c] *= rs[c]
         T.copy(sT, P_s)
@@ -394,11 +408,11 @@ def build_extend_prim_func(
         group_barrier()
 
     @T.macro
-    def compute(jj, jm, qlast, tv, scale2, md, Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs,
-                msc_sh, rs_sh, m_run, mx, grew):
+    def compute(first, jj, jm, qlast, tv, scale2, md, Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs,
+                msc_sh, rs_sh, m_run, mx, pmax):
         gemm_s(md, Q_s, kd, ks, ke, sT)
-        softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew)
-        rescale_store_p(P_s, sT, oT, rs, grew)
+        softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
+        rescale_store_p(P_s, sT, oT, rs)
         gemm_o(md >> 2, P_s, vd, vs, ve, oT)
 
     @T.macro
@@ -411,7 +425,7 @@ def build_extend_prim_func(
     @T.macro
     def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
              Q_s, P_s, kd, ks, ke, vd, vs, ve, bar, ebar, kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2,
-             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew):
+             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax):
         if j < n:
             if wg_sync:
                 if j % HALF == 0:
@@ -442,8 +456,8 @@ def build_extend_prim_func(
                          KC, VC, KD, KV, KM, VD, VV, VM)
                 T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
-            compute(start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s, kd, ks, ke, vd, vs, ve,
-                    sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew)
+            compute((j == 0) if warp else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s, kd, ks, ke, vd, vs, ve,
+                    sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
             if wg_sync:
                 T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
@@ -507,11 +521,12 @@ def build_extend_prim_func(
             l = lacc if warp else T.alloc_fragment([N], accum)
             rs = T.alloc_fragment([N], accum)
             msc = T.alloc_fragment([N], accum)
-            # The running column max (and the block's): per column fragments in the warp schedule, else
-            # the one column of each lane's pair.
-            m_run = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
+            # The running column max (not kept by the warp schedule: its offsets, msc, are the max at their
+            # last move) and the block's: per column fragments in the warp schedule, else the one column of
+            # each lane's pair.
+            m_run = None if warp else T.alloc_local([1], accum)
             mx = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
-            grew = T.alloc_local([1], "int32")  # warp schedule: did a column of this thread get a new max?
+            pmax = T.alloc_local([1], accum) if warp else None  # warp schedule: this thread's largest P
             tid = T.get_thread_binding()
             # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
             # with their bounds checks, at every use).
@@ -560,14 +575,14 @@ def build_extend_prim_func(
                 T.fill(oT, 0)
                 T.fill(lacc, 0)
                 if warp:
-                    T.fill(m_run, NEG)
+                    T.fill(msc, 0)  # scaled offsets; the first block step sets them
                 else:
                     m_run[0] = NEG
                 T.fence_proxy_async()  # #2634: Q_s written by generic stores before wgmma reads it
                 T.sync_threads()
 
                 gl = (KC, VC, KD, KV, KM, VD, VV, VM)
-                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, grew)
+                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
                 emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
                 for it in T.serial(T.ceildiv(n, stages)):
                     emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
@@ -576,7 +591,7 @@ def build_extend_prim_func(
 
                 if warp:
                     for c in T.Parallel(N):
-                        m_sh[c] = m_run[c]
+                        m_sh[c] = msc[c] / scale2  # the LSE below scales it back
                 else:
                     T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
                     if tid % TPC == 0:

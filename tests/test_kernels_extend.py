@@ -178,6 +178,25 @@ def test_sparse_matches_decompressed(sk, sv, tile, sync):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["n64", "n128", "n256"])
+def test_warp_offsets_move_with_sharp_scores(tile):
+    """The warp schedule's lazy softmax offset moves only when a score passes it by more than 2^8. At
+    ten times the usual scale the scores have a standard deviation of about 14 in log2 units, so the
+    running max of most columns passes the first block's max by more than that in later blocks: the
+    offset moves (O^T and the sums rescaled) many times per CTA. Against the oracle, with the plan's
+    splits and with one split (a CTA walks every block of its tile)."""
+    case = bench.make_extend_case(PREFIX, NEW, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda",
+                                  max_blocks=SMALL_MAX_BLOCKS, seed=6)
+    case["sm_scale"] *= 10.0
+    ref_out, ref_lse = bench.extend_reference(case)
+    for splits in (None, 1):
+        plan = _plan(case, tile=tile, sync="warp", num_splits=splits)
+        got, lse = plan.run(*bench.extend_run_args(case), return_lse=True)
+        torch.cuda.synchronize()
+        _check_reference(case, got, lse, ref_out, ref_lse, torch.float16, f"{tile}, splits {splits}")
+
+
+@pytest.mark.gpu
 def test_benchmark_shape_auto_plan():
     """The benchmark's shape (Llama-3.1-8B heads, natural pool order) with the default plan at a shorter
     prefix: batch 8 x (8K prefix + 64 new tokens), S_K = S_V = 1, against FlashInfer."""
