@@ -80,11 +80,16 @@ here so that the decode kernel is untouched:
     resolve. One warpgroup may run up to a step ahead of the other, so one's softmax can overlap the
     other's GEMMs.
   - ``"warp"``: all warps side by side along the query columns (``GemmWarpPolicy.FullCol``), so each
-    warp holds all 64 tokens of its columns (16 at n64/n128, 32 at n256): the column max and the
-    column sums are shuffle reductions in the warp (``T.reduce_max`` / ``T.reduce_sum``, no shared
-    memory), ``P^T`` is written and read back by the same warp (``__syncwarp``), and the block loop
-    has no CTA or warpgroup barrier at all. The O^T rescale is skipped when no column of the warp got a
-    new max (a warp vote; every factor is then exactly 1). wgmma cannot split M = 64 over one warp, so
+    warp holds all 64 tokens of its columns (16 at n64/n128, 32 at n256), ``P^T`` is written and read
+    back by the same warp (``__syncwarp``), and the block loop has no CTA or warpgroup barrier at all.
+    Its softmax keeps a *lazy offset* per column (FA4's conditional rescale): a block's scores are
+    taken against the current offsets, and only when one of the warp's passes its offset by more than
+    2^8 (a warp vote), or on the CTA's first block, does the warp reduce the column max (shuffles, no
+    shared memory) and move its offsets, rescaling O^T and the sums. Any offset works for softmax as
+    long as P, the sums and O^T share it; P <= 2^8 stays far inside fp16. The row sums stay per lane
+    (``[8, N]``: the mma accumulator gives a lane the rows ``i % 8 == g`` of its columns) and are summed
+    over the lanes once, at the end. So the common block step has no reduction across lanes at all
+    (``test_warp_offsets_move_with_sharp_scores`` makes the offsets move). wgmma cannot split M = 64 over one warp, so
     this schedule compiles with ``tl.disable_wgmma`` to ``mma.sp.sync`` (m16n8k32) / ``mma.sync``: the
     paper's Ada design. Same 2:4 metadata layout as ``wgmma.sp``. 32 columns a warp halve the per-
     column cost of what a warp does once per block whatever its width (the A operand and 2:4 metadata
@@ -216,6 +221,7 @@ def build_extend_prim_func(
     assert q_heads % kv_heads == 0 and N % G == 0, "GQA group must divide the tile's N"
     assert D % 32 == 0 and B % 32 == 0 and stages >= 2
     TQ = N // G  # query tokens per tile
+    WC = N // (threads // 32)  # warp schedule: the columns of one warp
     HALF = resolve_chunk(tile)  # index entries resolved per pass; the ring holds two passes
     RB = 2 * HALF
     assert HALF >= stages and RB & (RB - 1) == 0
@@ -377,7 +383,8 @@ def build_extend_prim_func(
                     mx[c] = T.if_then_else(first, T.max(mx[c], -CLAMP * scale2 - msc[c]), T.max(mx[c], 0.0))
                     rs[c] = T.if_then_else(first, 1.0, T.exp2(-mx[c]))  # O^T and the sums are still 0 first
                     msc[c] = msc[c] + mx[c]
-                    lacc[c] = lacc[c] * rs[c]
+                for g, c in T.Parallel(8, N):
+                    lacc[g, c] = lacc[g, c] * rs[c]
                 for i, c in T.Parallel(B, N):
                     sT[i, c] = T.exp2(sT[i, c] - mx[c])
                 for d, c in T.Parallel(D, N):
@@ -385,11 +392,10 @@ def build_extend_prim_func(
             else:
                 for i, c in T.Parallel(B, N):
                     sT[i, c] = T.exp2(sT[i, c])
-            # The block's column sums: a shuffle reduction in the warp (a per-thread [B, N] sum would
-            # cost as many registers as S^T).
-            T.reduce_sum(sT, mx, dim=0, clear=True)
-            for c in T.Parallel(N):
-                lacc[c] = lacc[c] + mx[c]
+            # Row sums: each lane adds its own rows of a column (row group i % 8, see lacc) into its
+            # partial; the lanes' partials are summed once, at the end.
+            for i, c in T.Parallel(B, N):
+                lacc[i % 8, c] = lacc[i % 8, c] + sT[i, c]
         else:
             lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
             for i, c in T.Parallel(B, N):
@@ -516,9 +522,14 @@ def build_extend_prim_func(
             st = alloc_stage_buffers()
             sT = T.alloc_fragment([B, N], accum)
             oT = T.alloc_fragment([D, N], accum)
-            # Row sums: per column (warp schedule), else per thread, reduced once at the end.
-            lacc = T.alloc_fragment([N] if warp else [B, N], accum)
-            l = lacc if warp else T.alloc_fragment([N], accum)
+            # Row sums, per thread (reduced once at the end): [B, N] like S^T, or in the warp schedule
+            # [8, N]: the mma.sync accumulator gives lane (row group g, column pair) the rows i with
+            # i % 8 == g of its columns, and lacc[g, c] is that lane's partial sum.
+            lacc = T.alloc_fragment([8, N] if warp else [B, N], accum)
+            if warp:
+                T.annotate_layout({lacc: T.Fragment(
+                    [8, N], forward_fn=lambda g, c: (c // WC * 32 + g * 4 + c % 8 // 2, c % WC // 8 * 2 + c % 2))})
+            l = T.alloc_fragment([N], accum)
             rs = T.alloc_fragment([N], accum)
             msc = T.alloc_fragment([N], accum)
             # The running column max (not kept by the warp schedule: its offsets, msc, are the max at their
@@ -589,11 +600,11 @@ def build_extend_prim_func(
                 if wg_sync:
                     T.sync_threads()  # the warpgroups meet again before the CTA-wide reduction
 
+                T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
                 if warp:
                     for c in T.Parallel(N):
                         m_sh[c] = msc[c] / scale2  # the LSE below scales it back
                 else:
-                    T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
                     if tid % TPC == 0:
                         m_sh[tid // TPC] = m_run[0]
                 T.sync_threads()
@@ -660,6 +671,9 @@ def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float
     configs = {**PASS_CONFIGS, "tl.enable_fast_math": True}
     if sync == "warp":
         configs["tl.disable_wgmma"] = True
+        # The row-sum partials lacc[i % 8, c] are added to by each of a lane's rows in turn: a per-lane
+        # accumulation, which the data-race check reports as several iterations writing one element.
+        configs["tl.disable_data_race_check"] = True
     return tilelang.compile(func, target=target or SM90_TARGET, pass_configs=configs)
 
 
