@@ -222,6 +222,7 @@ def build_extend_prim_func(
     assert D % 32 == 0 and B % 32 == 0 and stages >= 2
     TQ = N // G  # query tokens per tile
     WC = N // (threads // 32)  # warp schedule: the columns of one warp
+    PCH = WC // 4  # warp schedule: columns of one lane
     HALF = resolve_chunk(tile)  # index entries resolved per pass; the ring holds two passes
     RB = 2 * HALF
     assert HALF >= stages and RB & (RB - 1) == 0
@@ -353,17 +354,20 @@ def build_extend_prim_func(
             msc[c] = msc_sh[c]
             rs[c] = rs_sh[c]
 
+    def causal_ok(jj, i, c, qlast, tv):
+        # Key i of block jj is visible to column c (positions past a partial tile's last token repeat it).
+        return jj * B + i <= qlast - T.max(tv - 1 - c // G, 0)
+
     @T.macro
     def causal_mask(jj, jm, qlast, tv, sT):
         if jj >= jm:  # the block reaches past the tile's first query position: causal mask
             for i, c in T.Parallel(B, N):
-                sT[i, c] = T.if_then_else(jj * B + i <= qlast - T.max(tv - 1 - c // G, 0), sT[i, c], NEG)
+                sT[i, c] = T.if_then_else(causal_ok(jj, i, c, qlast, tv), sT[i, c], NEG)
 
     @T.macro
     def softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax):
         # Turn S^T into the block's unnormalised P^T (in sT) and update the row sums (lacc). The O^T
         # rescale factors go to rs: the warp schedule applies them here, the others in rescale_store_p.
-        causal_mask(jj, jm, qlast, tv, sT)
         if warp:
             # A column's tokens are all in one warp. Lazy offset (FA4's conditional rescale): the scores
             # are first taken against the columns' current (scaled) offsets msc; only when one of the warp
@@ -371,10 +375,20 @@ def build_extend_prim_func(
             # reduce the block's column max (shuffles) and move the offsets. Exact for softmax (P, the sums
             # and O^T share the offset), P <= 2^LAZY stays far inside fp16, and the common block step has
             # no max reduction, no per-column statistics and no O^T rescale.
-            pmax[0] = T.if_then_else(first, LAZY + LAZY, NEG)
-            for i, c in T.Parallel(B, N):
-                sT[i, c] = sT[i, c] * scale2 - msc[c]  # masked keys stay -inf
-                pmax[0] = T.max(pmax[0], sT[i, c])
+            # The largest score of the lane, in PCH independent chains (one per column of the lane: lacc's
+            # index of the column).
+            for k in T.unroll(PCH):
+                pmax[k] = T.if_then_else(first, LAZY + LAZY, NEG)
+            if jj >= jm:  # the causal mask in its own copy of the loop (a select per score otherwise)
+                for i, c in T.Parallel(B, N):
+                    sT[i, c] = T.if_then_else(causal_ok(jj, i, c, qlast, tv), sT[i, c] * scale2 - msc[c], NEG)
+                    pmax[c % WC // 8 * 2 + c % 2] = T.max(pmax[c % WC // 8 * 2 + c % 2], sT[i, c])
+            else:
+                for i, c in T.Parallel(B, N):
+                    sT[i, c] = sT[i, c] * scale2 - msc[c]
+                    pmax[c % WC // 8 * 2 + c % 2] = T.max(pmax[c % WC // 8 * 2 + c % 2], sT[i, c])
+            for k in T.unroll(1, PCH):
+                pmax[0] = T.max(pmax[0], pmax[k])
             if T.any_sync(T.if_then_else(pmax[0] > LAZY, 1, 0)) != 0:
                 T.reduce_max(sT, mx, dim=0, clear=True)
                 for c in T.Parallel(N):
@@ -397,6 +411,7 @@ def build_extend_prim_func(
             for i, c in T.Parallel(B, N):
                 lacc[i % 8, c] = lacc[i % 8, c] + sT[i, c]
         else:
+            causal_mask(jj, jm, qlast, tv, sT)
             lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
             for i, c in T.Parallel(B, N):
                 sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
@@ -537,7 +552,7 @@ def build_extend_prim_func(
             # each lane's pair.
             m_run = None if warp else T.alloc_local([1], accum)
             mx = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
-            pmax = T.alloc_local([1], accum) if warp else None  # warp schedule: this thread's largest P
+            pmax = T.alloc_local([PCH], accum) if warp else None  # warp schedule: this lane's largest scores
             tid = T.get_thread_binding()
             # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
             # with their bounds checks, at every use).
