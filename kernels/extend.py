@@ -354,20 +354,17 @@ def build_extend_prim_func(
             msc[c] = msc_sh[c]
             rs[c] = rs_sh[c]
 
-    def causal_ok(jj, i, c, qlast, tv):
-        # Key i of block jj is visible to column c (positions past a partial tile's last token repeat it).
-        return jj * B + i <= qlast - T.max(tv - 1 - c // G, 0)
-
     @T.macro
     def causal_mask(jj, jm, qlast, tv, sT):
         if jj >= jm:  # the block reaches past the tile's first query position: causal mask
             for i, c in T.Parallel(B, N):
-                sT[i, c] = T.if_then_else(causal_ok(jj, i, c, qlast, tv), sT[i, c], NEG)
+                sT[i, c] = T.if_then_else(jj * B + i <= qlast - T.max(tv - 1 - c // G, 0), sT[i, c], NEG)
 
     @T.macro
     def softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax):
         # Turn S^T into the block's unnormalised P^T (in sT) and update the row sums (lacc). The O^T
         # rescale factors go to rs: the warp schedule applies them here, the others in rescale_store_p.
+        causal_mask(jj, jm, qlast, tv, sT)
         if warp:
             # A column's tokens are all in one warp. Lazy offset (FA4's conditional rescale): the scores
             # are first taken against the columns' current (scaled) offsets msc; only when one of the warp
@@ -379,14 +376,9 @@ def build_extend_prim_func(
             # index of the column).
             for k in T.unroll(PCH):
                 pmax[k] = T.if_then_else(first, LAZY + LAZY, NEG)
-            if jj >= jm:  # the causal mask in its own copy of the loop (a select per score otherwise)
-                for i, c in T.Parallel(B, N):
-                    sT[i, c] = T.if_then_else(causal_ok(jj, i, c, qlast, tv), sT[i, c] * scale2 - msc[c], NEG)
-                    pmax[c % WC // 8 * 2 + c % 2] = T.max(pmax[c % WC // 8 * 2 + c % 2], sT[i, c])
-            else:
-                for i, c in T.Parallel(B, N):
-                    sT[i, c] = sT[i, c] * scale2 - msc[c]
-                    pmax[c % WC // 8 * 2 + c % 2] = T.max(pmax[c % WC // 8 * 2 + c % 2], sT[i, c])
+            for i, c in T.Parallel(B, N):
+                sT[i, c] = sT[i, c] * scale2 - msc[c]  # masked keys stay -inf
+                pmax[c % WC // 8 * 2 + c % 2] = T.max(pmax[c % WC // 8 * 2 + c % 2], sT[i, c])
             for k in T.unroll(1, PCH):
                 pmax[0] = T.max(pmax[0], pmax[k])
             if T.any_sync(T.if_then_else(pmax[0] > LAZY, 1, 0)) != 0:
@@ -411,7 +403,6 @@ def build_extend_prim_func(
             for i, c in T.Parallel(B, N):
                 lacc[i % 8, c] = lacc[i % 8, c] + sT[i, c]
         else:
-            causal_mask(jj, jm, qlast, tv, sT)
             lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
             for i, c in T.Parallel(B, N):
                 sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
