@@ -89,12 +89,12 @@ here so that the decode kernel is untouched:
     long as P, the sums and O^T share it; P <= 2^8 stays far inside fp16. The row sums stay per lane
     (``[8, N]``: the mma accumulator gives a lane the rows ``i % 8 == g`` of its columns) and are summed
     over the lanes once, at the end. So the common block step has no reduction across lanes at all
-    (``test_warp_offsets_move_with_sharp_scores`` makes the offsets move). wgmma cannot split M = 64 over one warp, so
-    this schedule compiles with ``tl.disable_wgmma`` to ``mma.sp.sync`` (m16n8k32) / ``mma.sync``: the
-    paper's Ada design. Same 2:4 metadata layout as ``wgmma.sp``. 32 columns a warp halve the per-
+    (``test_warp_offsets_move_with_sharp_scores`` makes the offsets move). wgmma cannot split M = 64
+    over one warp, so this schedule compiles with ``tl.disable_wgmma`` to ``mma.sp.sync`` (m16n8k32) /
+    ``mma.sync``: the paper's Ada design. Same 2:4 metadata layout as ``wgmma.sp``. 32 columns a warp halve the per-
     column cost of what a warp does once per block whatever its width (the A operand and 2:4 metadata
-    loads, the stage wait, the step's control): n256 issues 1073 instructions a warp per block step
-    for 32 columns where n128 issued 728 for 16.
+    loads, the stage wait, the step's control): n256 issued 1073 instructions a warp per block step
+    for 32 columns where n128 issued 728 for 16 (both before the lazy offset; n256 now issues 861).
 * **Fast math** (``tl.enable_fast_math``): ``exp2f`` is then one ``MUFU.EX2``; the IEEE path added a
   range test and two multiplies to every exponential (96 of 728 instructions a warp issued per step).
 * **Bug work-arounds (0.1.11)**, as decode: ``T.fence_proxy_async()`` after ``P^T`` and ``Q`` are written
@@ -112,32 +112,34 @@ here so that the decode kernel is untouched:
   zero-length tensor). Not CUDA-graph safe across changing batch shapes (the grid and scratch views
   follow ``q.shape`` and ``bs``); one call at a time per plan (scratch and tickets are per plan).
 
-Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 38/38 on the GPU; ``python -m
+Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 41/41 on the GPU; ``python -m
 sglang_hs.kernels.bench --kernel extend --quick`` (and ``--kernel prefill``), batch 8 x 32K prefix,
 32/8 heads, d 128, fp16, against FlashInfer's paged prefill (fa2) over the same pruned KV in the same
-process; ``launch/results/kernels_h100.json``): **still slower than FlashInfer** except at 16 new
-tokens with S_K = 0, with the default plans (n64 up to 64 query columns a request, n128 up to 128,
-n256 above; warp schedule, except n128 without 2:4 K rows: warpgroup; 2 stages). S_K = 0, S_V = 1:
-1.04x at 16 new tokens, 0.89x at 64, 0.92x at 256, 0.87x at 1024 and 2048; S_K = S_V = 1: 0.78x,
-0.90x, 0.95x, 0.93x, 0.92x; full prefill of 32K tokens over compressed KV 0.83x / 0.92x. (Before fast
-math, n256, the rescale skip and the descending tile order: 1.01 / 0.76 / 0.76 / 0.74 / 0.74x and
-0.78 / 0.76 / 0.74 / 0.73 / 0.73x, prefill 0.70x / 0.73x; the steps one by one are in
-``bench_extend_tiles_h100.log``.) At 64
-new tokens, S = 1/1, the kernel runs at ~290 TFLOP/s dense-equivalent where FlashInfer runs at ~325:
-ncu (``python -m sglang_hs.launch.profile_extend --tile n256``, ``launch/results/ncu_extend_h100.txt``)
-shows 8 active warps per SM (one CTA, held there by registers: 255 a thread), no eligible warp in 64%
-of the scheduler cycles, and the tensor pipe active 35% of the time. Stalls on fixed-latency
-dependencies are the largest share (31%). So the kernel is bound by the latency of each block step's
-chain (GEMM, column max, exponentials, column sums, P^T store, GEMM): two warps a scheduler cannot
-hide it. It is not bound by bytes or by tensor throughput. Per block, a warp issues 1073 instructions
-for 32 columns, 127 of them sparse MMAs. About 480 are the softmax's arithmetic: max, scale, exponential,
-sums, conversions and shuffles, about 7 for each of the 64 scores a thread holds. Another 98 load the
-2:4 metadata, which TileLang reads one 16-bit element at a time. More warps did not help: n256 as 16 warps of 16 columns, capped at 128 registers, ran at
-0.81x against 0.88x. Tried and measured slower: FA3's intra-warpgroup
-overlap (the O^T GEMM of block ``j - 1`` left in flight through block ``j``'s softmax, S^T staged in
-its own buffer, a stage refilled by the last warpgroup to release it: 0.59x at 64 new tokens,
-S = 1/1; commit 49860d9, removed since), n64 tiles with 2:4 K rows (one CTA per SM by shared
-memory), and a lazy softmax offset that skips most O^T rescales (``bench_extend_lazy_offset_h100.log``).
+process, the two timed in alternation; ``launch/results/kernels_h100.json``), with the default plans
+(n64 up to 64 query columns a request, n128 up to 128, n256 above; warp schedule, except n128 without
+2:4 K rows: warpgroup; 2 stages). S_K = 0, S_V = 1: 1.05x at 16 new tokens, 0.92x at 64, 0.98x at
+256, 0.94x at 1024, 0.97x at 2048; S_K = S_V = 1: 0.83x, 0.98x, 1.04x, 1.01x, 1.02x; full prefill of
+32K tokens over compressed KV 0.95x / 1.01x (1.014x in two runs). So **at S_K = S_V = 1 the kernel
+is about level with FlashInfer from 64 new tokens up**, and slower with S_K = 0 or at 16 tokens. (The
+steps one by one, with the figures before each, are in ``bench_extend_tiles_h100.log``: fast math,
+n256, the warp-vote rescale skip and the descending tile order took S = 1/1 at 64 tokens from 0.76x
+to 0.90x and the prefill from 0.73x to 0.92x; the lazy offset and the per-lane row sums to 0.98x and
+1.01x.) At 64 new tokens, S = 1/1, the kernel runs at ~320 TFLOP/s dense-equivalent, FlashInfer at
+~326: ncu (``python -m sglang_hs.launch.profile_extend --tile n256``,
+``launch/results/ncu_extend_h100.txt``) shows 8 active warps per SM (one CTA, held there by
+registers: 255 a thread), no eligible warp in 67% of the scheduler cycles, and the tensor pipe
+active 40% of the time. So the kernel is bound by the latency of each block step's chain (GEMM,
+scores, exponentials, P^T store, GEMM): two warps a scheduler cannot hide it; it is not bound by
+bytes or by tensor throughput. Per block, a warp issues 861 instructions for 32 columns (1073 before
+the lazy offset), 127 of them sparse MMAs; the 2:4 metadata, which TileLang's ``gemm_sp`` reads one
+16-bit element at a time, costs about 100 more. More warps did not help: n256 as 16 warps of 16
+columns, capped at 128 registers, ran at 0.81x against 0.88x. Tried and measured slower: FA3's
+intra-warpgroup overlap (the O^T GEMM of block ``j - 1`` left in flight through block ``j``'s
+softmax, S^T staged in its own buffer, a stage refilled by the last warpgroup to release it: 0.59x at
+64 new tokens, S = 1/1; commit 49860d9, removed since), n64 tiles with 2:4 K rows (one CTA per SM by
+shared memory), and an earlier lazy offset that still reduced the column max every block and only
+skipped rescales (``bench_extend_lazy_offset_h100.log``): the present one gains because the common
+step has no reduction across lanes at all.
 
 The module imports neither TileLang nor a GPU at import time; ``build_extend_kernel`` does.
 """
