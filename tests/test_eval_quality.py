@@ -286,7 +286,9 @@ def test_coarse_kl_is_a_lower_bound_of_the_full_kl():
     assert eq.coarse_kl(p, p) == 0.0
     assert 0 < eq.coarse_kl(p, q) <= full + 1e-9
     every = {t: float(logp[t]) for t in range(50)}
-    assert abs(eq.coarse_kl(every, {t: float(logq[t]) for t in range(50)}) - full) < 1e-6
+    # Over every token the rest bin holds only float32 rounding (p_rest ~1e-7; q_rest may be floored at
+    # 1e-30, so the bin adds up to ~1e-7 * 69 nats): equal to the full KL within 1e-5.
+    assert abs(eq.coarse_kl(every, {t: float(logq[t]) for t in range(50)}) - full) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------ real inputs
