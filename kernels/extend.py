@@ -470,8 +470,9 @@ def build_extend_prim_func(
                          KC, VC, KD, KV, KM, VD, VV, VM)
                 T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
-            compute((j == 0) if warp else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s, kd, ks, ke, vd, vs, ve,
-                    sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
+            # First argument: the CTA's first block (only the warp schedule's softmax asks).
+            compute((j == 0) if warp else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s,
+                    kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
             if wg_sync:
                 T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
