@@ -91,9 +91,9 @@ here so that the decode kernel is untouched:
     over the lanes once, at the end. So the common block step has no reduction across lanes at all
     (``test_warp_offsets_move_with_sharp_scores`` makes the offsets move). wgmma cannot split M = 64
     over one warp, so this schedule compiles with ``tl.disable_wgmma`` to ``mma.sp.sync`` (m16n8k32) /
-    ``mma.sync``: the paper's Ada design. Same 2:4 metadata layout as ``wgmma.sp``. 32 columns a warp halve the per-
-    column cost of what a warp does once per block whatever its width (the A operand and 2:4 metadata
-    loads, the stage wait, the step's control): n256 issued 1073 instructions a warp per block step
+    ``mma.sync``: the paper's Ada design. Same 2:4 metadata layout as ``wgmma.sp``. 32 columns a warp
+    halve the per-column cost of what a warp does once per block whatever its width (the A operand and
+    2:4 metadata loads, the stage wait, the step's control): n256 issued 1073 instructions a warp per block step
     for 32 columns where n128 issued 728 for 16 (both before the lazy offset; n256 now issues 861).
 * **Fast math** (``tl.enable_fast_math``): ``exp2f`` is then one ``MUFU.EX2``; the IEEE path added a
   range test and two multiplies to every exponential (96 of 728 instructions a warp issued per step).
@@ -225,6 +225,11 @@ def build_extend_prim_func(
     TQ = N // G  # query tokens per tile
     WC = N // (threads // 32)  # warp schedule: the columns of one warp
     PCH = WC // 4  # warp schedule: columns of one lane
+
+    def lane_col(c):
+        # Warp schedule: which of its PCH columns column c is for the lane that holds it (the mma.sync
+        # accumulator gives a lane column pairs 8 apart: c % 8 // 2 == lane % 4).
+        return c % WC // 8 * 2 + c % 2
     HALF = resolve_chunk(tile)  # index entries resolved per pass; the ring holds two passes
     RB = 2 * HALF
     assert HALF >= stages and RB & (RB - 1) == 0
@@ -374,13 +379,12 @@ def build_extend_prim_func(
             # reduce the block's column max (shuffles) and move the offsets. Exact for softmax (P, the sums
             # and O^T share the offset), P <= 2^LAZY stays far inside fp16, and the common block step has
             # no max reduction, no per-column statistics and no O^T rescale.
-            # The largest score of the lane, in PCH independent chains (one per column of the lane: lacc's
-            # index of the column).
+            # The largest score of the lane, in PCH independent chains (one per column of the lane).
             for k in T.unroll(PCH):
                 pmax[k] = T.if_then_else(first, LAZY + LAZY, NEG)
             for i, c in T.Parallel(B, N):
                 sT[i, c] = sT[i, c] * scale2 - msc[c]  # masked keys stay -inf
-                pmax[c % WC // 8 * 2 + c % 2] = T.max(pmax[c % WC // 8 * 2 + c % 2], sT[i, c])
+                pmax[lane_col(c)] = T.max(pmax[lane_col(c)], sT[i, c])
             for k in T.unroll(1, PCH):
                 pmax[0] = T.max(pmax[0], pmax[k])
             if T.any_sync(T.if_then_else(pmax[0] > LAZY, 1, 0)) != 0:
@@ -537,7 +541,7 @@ def build_extend_prim_func(
             lacc = T.alloc_fragment([8, N] if warp else [B, N], accum)
             if warp:
                 T.annotate_layout({lacc: T.Fragment(
-                    [8, N], forward_fn=lambda g, c: (c // WC * 32 + g * 4 + c % 8 // 2, c % WC // 8 * 2 + c % 2))})
+                    [8, N], forward_fn=lambda g, c: (c // WC * 32 + g * 4 + c % 8 // 2, lane_col(c)))})
             l = T.alloc_fragment([N], accum)
             rs = T.alloc_fragment([N], accum)
             msc = T.alloc_fragment([N], accum)
