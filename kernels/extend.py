@@ -63,7 +63,12 @@ here so that the decode kernel is untouched:
   extent: one compiled kernel serves every batch. With one split the CTA writes ``out`` (and the LSE)
   directly; otherwise every split writes a partial ``O`` (fp32, normalised) and base-2 LSE, and the last
   CTA of a (tile, KV head) to finish (an acq_rel atomic ticket, reset by that CTA: decode's fused
-  combine) merges them. Splits that get no block write only ``-inf`` LSEs.
+  combine) merges them: one thread a column takes the largest split LSE and the sum of the weights;
+  then, split by split in index order, the split's weight per column goes to shared memory and every
+  thread adds that split's partial O to all of its O^T elements at once, in O^T's registers, with
+  loads that do not wait on each other (the merge of one output element at a time, each waiting on its
+  loads, cost ~9% of the 64-token extend: ``bench_extend_merge_h100.log``). Outputs are bitwise those of
+  a fixed split order, whichever CTA merges. Splits that get no block write only ``-inf`` LSEs.
 * **Specialisation**: ``k_sparse=False`` drops the 2:4 K buffers (9 KB a stage at d 128) when the call's
   K values pool is empty (known from its shape), e.g. S_K = 0, the recommended setting, so that more
   CTAs fit per SM. The backend decides nothing: ``run`` picks the kernel from the pool shapes.
@@ -98,7 +103,8 @@ here so that the decode kernel is untouched:
 * **Fast math** (``tl.enable_fast_math``): ``exp2f`` is then one ``MUFU.EX2``; the IEEE path added a
   range test and two multiplies to every exponential (96 of 728 instructions a warp issued per step).
 * **Bug work-arounds (0.1.11)**, as decode: ``T.fence_proxy_async()`` after ``P^T`` and ``Q`` are written
-  to shared memory (#2634); automatic thread-sync insertion is disabled (it deadlocks in the elected-
+  to shared memory (#2634; not after ``P^T`` in the warp schedule, whose ``mma.sync`` reads it with
+  ``ldmatrix``, in the generic proxy); automatic thread-sync insertion is disabled (it deadlocks in the elected-
   thread TMA branches) and the kernel places its barriers itself: at the top of each block step (WAR on
   the refilled stage, ``P_s`` and the index ring), after ``S^T`` is stored, after the column statistics
   are published, after ``P^T`` is written (the other schedules: see above).
@@ -117,14 +123,15 @@ sglang_hs.kernels.bench --kernel extend --quick`` (and ``--kernel prefill``), ba
 32/8 heads, d 128, fp16, against FlashInfer's paged prefill (fa2) over the same pruned KV in the same
 process, the two timed in alternation; ``launch/results/kernels_h100.json``), with the default plans
 (n64 up to 64 query columns a request, n128 up to 128, n256 above; warp schedule, except n128 without
-2:4 K rows: warpgroup; 2 stages). S_K = 0, S_V = 1: 1.05x at 16 new tokens, 0.92x at 64, 0.98x at
-256, 0.94x at 1024, 0.97x at 2048; S_K = S_V = 1: 0.83x, 0.98x, 1.04x, 1.01x, 1.02x; full prefill of
-32K tokens over compressed KV 0.95x / 1.01x (1.014x in two runs). So **at S_K = S_V = 1 the kernel
-is about level with FlashInfer from 64 new tokens up**, and slower with S_K = 0 or at 16 tokens. (The
+2:4 K rows: warpgroup; 2 stages). S_K = 0, S_V = 1: 1.03x at 16 new tokens, 1.00x at 64, 0.98x at
+256, 0.97x at 1024, 0.99x at 2048; S_K = S_V = 1: 0.87x, 1.03x, 1.04x, 1.01x, 1.01x; full prefill of
+32K tokens over compressed KV 0.98x / 1.02x (1.020x and 1.022x in two runs). So **at S_K = S_V = 1 the
+kernel is about level with FlashInfer from 64 new tokens up**, and slower at 16 tokens. (The
 steps one by one, with the figures before each, are in ``bench_extend_tiles_h100.log``: fast math,
 n256, the warp-vote rescale skip and the descending tile order took S = 1/1 at 64 tokens from 0.76x
 to 0.90x and the prefill from 0.73x to 0.92x; the lazy offset and the per-lane row sums to 0.98x and
-1.01x.) At 64 new tokens, S = 1/1, the kernel runs at ~320 TFLOP/s dense-equivalent, FlashInfer at
+1.01x; the parallel split merge to 1.03x at 64 tokens, 0.955x -> 1.041x in one process,
+``bench_extend_merge_h100.log``.) At 64 new tokens, S = 1/1, the kernel runs at ~320 TFLOP/s dense-equivalent, FlashInfer at
 ~326: ncu (``python -m sglang_hs.launch.profile_extend --tile n256``,
 ``launch/results/ncu_extend_h100.txt``) shows 8 active warps per SM (one CTA, held there by
 registers: 255 a thread), no eligible warp in 67% of the scheduler cycles, and the tensor pipe
@@ -137,9 +144,16 @@ columns, capped at 128 registers, ran at 0.81x against 0.88x. Tried and measured
 intra-warpgroup overlap (the O^T GEMM of block ``j - 1`` left in flight through block ``j``'s
 softmax, S^T staged in its own buffer, a stage refilled by the last warpgroup to release it: 0.59x at
 64 new tokens, S = 1/1; commit 49860d9, removed since), n64 tiles with 2:4 K rows (one CTA per SM by
-shared memory), and an earlier lazy offset that still reduced the column max every block and only
+shared memory), an earlier lazy offset that still reduced the column max every block and only
 skipped rescales (``bench_extend_lazy_offset_h100.log``): the present one gains because the common
-step has no reduction across lanes at all.
+step has no reduction across lanes at all; and FA3's ping-pong in the warp schedule (warps ``w`` and
+``w + 4``, which share a scheduler on the H100, taking turns at their GEMMs through named barriers:
+0.88x against 0.96x at 64 new tokens, S = 1/1, same process). One warp issuing ``mma.sp`` m16n8k32
+back to back nearly fills its scheduler's tensor pipe (8.5 cycles each alone, 8.2 with more warps;
+``launch/mma_rate.cu``, ``launch/results/mma_rate_h100.log``: ~955 dense-equivalent TFLOP/s against
+~641 for dense ``mma.sync`` m16n8k16, so 2:4 buys 1.49x, not 2x, on this path). Per block a warp of
+the n256 tile issues 128 of them: at least 1024 tensor-pipe cycles a warp step, 2048 for the two warps
+of a scheduler, against ~5600 measured (821 us / 256 blocks = 3.2 us a step; ~1.75 GHz assumed).
 
 The module imports neither TileLang nor a GPU at import time; ``build_extend_kernel`` does.
 """
@@ -422,7 +436,8 @@ def build_extend_prim_func(
             for d, c in T.Parallel(D, N):
                 oT[d, c] *= rs[c]
         T.copy(sT, P_s)
-        T.fence_proxy_async()  # #2634: generic writes of P^T before the (sparse) wgmma reads them
+        if not warp:  # (the warp schedule's mma.sync reads P^T with ldmatrix: no async proxy involved)
+            T.fence_proxy_async()  # #2634: generic writes of P^T before the (sparse) wgmma reads them
         group_barrier()
 
     @T.macro
@@ -531,7 +546,7 @@ def build_extend_prim_func(
             msc_sh = T.alloc_shared([N], accum)
             rs_sh = T.alloc_shared([N], accum)
             m_sh = T.alloc_shared([N], accum)
-            cm = T.alloc_local([4], accum)
+            cm = T.alloc_local([2], accum)  # merge: a column's max and sum of weights
             st = alloc_stage_buffers()
             sT = T.alloc_fragment([B, N], accum)
             oT = T.alloc_fragment([D, N], accum)
@@ -647,25 +662,46 @@ def build_extend_prim_func(
                         tk_sh[0] = T.atomic_add(CNT[tile_id, h], 1, memory_order="acq_rel", return_prev=True)
                     T.sync_threads()
                     if tk_sh[0] == S - 1:
-                        for it2 in T.serial(T.ceildiv(N * D, threads)):
-                            c = (it2 * threads + tid) // D
-                            d = (it2 * threads + tid) % D
-                            if c // G < tv:
-                                row = q0 + t0 + c // G
-                                hq = h * G + c % G
+                        # First per column (thread c): the largest split LSE (msc_sh) and the sum of the
+                        # splits' weights (m_sh); then every element of O^T at once, with O^T's registers
+                        # as the accumulator, so that a thread's loads do not wait on each other. Splits
+                        # are added in index order whichever CTA merges (deterministic). Empty splits
+                        # wrote an LSE of -inf and no partial O.
+                        if tid < N:
+                            if tid // G < tv:
+                                row_c = q0 + t0 + tid // G
                                 cm[0] = NEG
                                 for s2 in T.serial(S):
-                                    cm[0] = T.max(cm[0], LP[row, hq, s2])
+                                    cm[0] = T.max(cm[0], LP[row_c, h * G + tid % G, s2])
                                 cm[1] = 0.0
-                                cm[2] = 0.0
                                 for s2 in T.serial(S):
-                                    if LP[row, hq, s2] != NEG:  # empty splits wrote no partial O
-                                        cm[3] = T.exp2(LP[row, hq, s2] - cm[0])
-                                        cm[1] = cm[1] + cm[3]
-                                        cm[2] = cm[2] + cm[3] * OP[row, hq, s2, d]
-                                O[row, hq, d] = T.cast(T.if_then_else(cm[1] > 0, cm[2] / cm[1], 0.0), dtype)
-                                if d == 0:
-                                    LSE[row, hq] = T.if_then_else(cm[1] > 0, (T.log2(cm[1]) + cm[0]) * LN2, NEG)
+                                    if LP[row_c, h * G + tid % G, s2] != NEG:
+                                        cm[1] = cm[1] + T.exp2(LP[row_c, h * G + tid % G, s2] - cm[0])
+                                msc_sh[tid] = cm[0]
+                                m_sh[tid] = cm[1]
+                                LSE[row_c, h * G + tid % G] = T.if_then_else(
+                                    cm[1] > 0, (T.log2(cm[1]) + cm[0]) * LN2, NEG)
+                        T.fill(oT, 0)
+                        for s2 in T.serial(S):
+                            # The split's weight per column (0 for an empty split), then its partial O
+                            # for every element: unconditional loads (an empty split's rows hold stale
+                            # values, which the select drops).
+                            T.sync_threads()
+                            if tid < N:
+                                rs_sh[tid] = 0.0
+                                if tid // G < tv:
+                                    if LP[q0 + t0 + tid // G, h * G + tid % G, s2] != NEG:
+                                        rs_sh[tid] = T.exp2(LP[q0 + t0 + tid // G, h * G + tid % G, s2] - msc_sh[tid])
+                            T.sync_threads()
+                            for d, c in T.Parallel(D, N):
+                                oT[d, c] = T.if_then_else(
+                                    rs_sh[c] > 0,
+                                    oT[d, c] + rs_sh[c] * OP[q0 + t0 + T.min(c // G, tv - 1), h * G + c % G, s2, d],
+                                    oT[d, c])
+                        for d, c in T.Parallel(D, N):
+                            if c // G < tv:
+                                O[q0 + t0 + c // G, h * G + c % G, d] = T.cast(
+                                    T.if_then_else(m_sh[c] > 0, oT[d, c] / m_sh[c], 0.0), dtype)
                         if tid == 0:
                             CNT[tile_id, h] = 0
 
