@@ -131,8 +131,9 @@ steps one by one, with the figures before each, are in ``bench_extend_tiles_h100
 n256, the warp-vote rescale skip and the descending tile order took S = 1/1 at 64 tokens from 0.76x
 to 0.90x and the prefill from 0.73x to 0.92x; the lazy offset and the per-lane row sums to 0.98x and
 1.01x; the parallel split merge to 1.03x at 64 tokens, 0.955x -> 1.041x in one process,
-``bench_extend_merge_h100.log``.) At 64 new tokens, S = 1/1, the kernel runs at ~320 TFLOP/s dense-equivalent, FlashInfer at
-~326: ncu (``python -m sglang_hs.launch.profile_extend --tile n256``,
+``bench_extend_merge_h100.log``.) At 64 new tokens, S = 1/1, the kernel runs at ~335 TFLOP/s dense-equivalent, FlashInfer at
+~327. ncu of the kernel before the split merge (~320 TFLOP/s; ``python -m
+sglang_hs.launch.profile_extend --tile n256``,
 ``launch/results/ncu_extend_h100.txt``) shows 8 active warps per SM (one CTA, held there by
 registers: 255 a thread), no eligible warp in 67% of the scheduler cycles, and the tensor pipe
 active 40% of the time. So the kernel is bound by the latency of each block step's chain (GEMM,
