@@ -250,10 +250,6 @@ def build_extend_prim_func(
     assert HALF >= stages and RB & (RB - 1) == 0
     accum = "float32"
     e_rows = B * D // 16 // 16  # metadata tile as [e_rows, 16] int16 (contiguous 2*B*D/16 bytes)
-    # Warp schedule: S^T is computed, exponentiated and stored half a block (HB tokens) at a time, so a
-    # warp holds S^T of HB tokens beside O^T (at n256: 32 registers fewer, which GEMM1 spends on loading
-    # its operands ahead); GEMM2 still takes the whole block.
-    HB = B // 2
     NEG = -T.infinity(accum)
     CLAMP = 6.0e4 if dtype == "float16" else 1.0e30  # finite in the 16-bit type
     LAZY = 8.0  # warp schedule: a column's offset moves once one of its P would exceed 2^LAZY (softmax)
@@ -267,14 +263,9 @@ def build_extend_prim_func(
     def alloc_stage_buffers():
         out = []
         for _ in range(stages):
-            if warp:  # K as two halves of HB tokens: S^T is computed half a block at a time
-                kd = T.alloc_shared([2, HB, D], dtype)
-                ks = T.alloc_shared([2, HB, D // 2], dtype) if k_sparse else None
-                ke = T.alloc_shared([2, e_rows // 2, 16], "int16") if k_sparse else None
-            else:
-                kd = T.alloc_shared([B, D], dtype)
-                ks = T.alloc_shared([B, D // 2], dtype) if k_sparse else None
-                ke = T.alloc_shared([e_rows, 16], "int16") if k_sparse else None
+            kd = T.alloc_shared([B, D], dtype)
+            ks = T.alloc_shared([B, D // 2], dtype) if k_sparse else None
+            ke = T.alloc_shared([e_rows, 16], "int16") if k_sparse else None
             vd = T.alloc_shared([B, D], dtype)
             vs = T.alloc_shared([D, B // 2], dtype)
             ve = T.alloc_shared([e_rows, 16], "int16")
@@ -308,20 +299,7 @@ def build_extend_prim_func(
         md = mode_s[i % RB]
         kr = krow_s[i % RB]
         vr = vrow_s[i % RB]
-        if warp:
-            for hh in T.unroll(2):
-                if (md & 3) == 0:
-                    T.tma_copy(KC[kr * B + hh * HB:kr * B + (hh + 1) * HB, h, :], kd[hh, :, :], barrier=bar)
-                elif k_sparse:
-                    if (md & 3) == 1:
-                        T.tma_copy(KD[kr, hh * HB:(hh + 1) * HB, :], kd[hh, :, :], barrier=bar)
-                    else:
-                        T.tma_copy(KV[kr, hh * HB:(hh + 1) * HB, :], ks[hh, :, :], barrier=bar)
-                        T.tma_copy(KM[kr, hh * (e_rows // 2):(hh + 1) * (e_rows // 2), :], ke[hh, :, :],
-                                   barrier=bar)
-                else:
-                    T.tma_copy(KD[kr, hh * HB:(hh + 1) * HB, :], kd[hh, :, :], barrier=bar)
-        elif k_sparse:
+        if k_sparse:
             if (md & 3) == 0:
                 T.tma_copy(KC[kr * B:(kr + 1) * B, h, :], kd, barrier=bar)
             elif (md & 3) == 1:
@@ -365,18 +343,6 @@ def build_extend_prim_func(
             T.gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
 
     @T.macro
-    def gemm_s_half(md, Q_s, kd, ks, ke, sT, hh):
-        # Warp schedule: S^T = K·Q^T for tokens [hh * HB, (hh + 1) * HB) of the block.
-        if k_sparse:
-            if (md & 3) == 2:
-                T.gemm_sp(ks[hh, :, :], T.view(ke, [2, HB, D // 16])[hh, :, :], Q_s, sT, transpose_B=True,
-                          clear_accum=True, policy=POL)
-            else:
-                T.gemm(kd[hh, :, :], Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
-        else:
-            T.gemm(kd[hh, :, :], Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
-
-    @T.macro
     def gemm_o(vmode, P_s, vd, vs, ve, oT):
         # O^T += V^T·P^T for one block, dense or 2:4 by the block's V mode.
         if vmode == 2:
@@ -411,106 +377,76 @@ def build_extend_prim_func(
             rs[c] = rs_sh[c]
 
     @T.macro
-    def causal_mask(jj, r0, jm, qlast, tv, sT):
-        # Row i of sT is token r0 + i of block jj (r0: a Python int).
+    def causal_mask(jj, jm, qlast, tv, sT):
         if jj >= jm:  # the block reaches past the tile's first query position: causal mask
-            for i, c in T.Parallel(sT.shape[0], N):
-                sT[i, c] = T.if_then_else(jj * B + r0 + i <= qlast - T.max(tv - 1 - c // G, 0), sT[i, c], NEG)
+            for i, c in T.Parallel(B, N):
+                sT[i, c] = T.if_then_else(jj * B + i <= qlast - T.max(tv - 1 - c // G, 0), sT[i, c], NEG)
 
     @T.macro
-    def softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx):
-        # CTA and warpgroup schedules: turn S^T into the block's unnormalised P^T (in sT) and update the
-        # row sums (lacc); the O^T rescale factors go to rs (applied in rescale_store_p).
-        causal_mask(jj, 0, jm, qlast, tv, sT)
-        lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
-        for i, c in T.Parallel(B, N):
-            sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
-            lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
-
-    @T.macro
-    def softmax_lazy(first, jj, r0, jm, qlast, tv, scale2, sT, oT, lacc, msc, rs, mx, pmax, pT):
-        # Warp schedule, half a block: turn S^T into unnormalised P^T (in sT) and update the row sums.
-        # A column's tokens are all in one warp. Lazy offset (FA4's conditional rescale): the scores
-        # are first taken against the columns' current (scaled) offsets msc; only when one of the warp
-        # passes its offset by more than LAZY (log2 units), and on the CTA's first half block, does the
-        # warp reduce the column max (shuffles) and move the offsets, rescaling O^T and the sums here
-        # (and the first half's P^T, already in pT, when the second half moves them). Exact for softmax (P, the sums and
-        # O^T share the offset), P <= 2^LAZY stays far inside fp16, and the common step has no max
-        # reduction, no per-column statistics and no O^T rescale.
-        causal_mask(jj, r0, jm, qlast, tv, sT)
-        # The largest score of the lane, in PCH independent chains (one per column of the lane).
-        for k in T.unroll(PCH):
-            pmax[k] = T.if_then_else(first, LAZY + LAZY, NEG)
-        for i, c in T.Parallel(HB, N):
-            sT[i, c] = sT[i, c] * scale2 - msc[c]  # masked keys stay -inf
-            pmax[lane_col(c)] = T.max(pmax[lane_col(c)], sT[i, c])
-        for k in T.unroll(1, PCH):
-            pmax[0] = T.max(pmax[0], pmax[k])
-        if T.any_sync(T.if_then_else(pmax[0] > LAZY, 1, 0)) != 0:
-            T.reduce_max(sT, mx, dim=0, clear=True)
-            for c in T.Parallel(N):
-                # mx becomes the offset's move: up to the half block's max (the first sets the offset
-                # there, kept >= -CLAMP so that a fully masked column stays finite).
-                mx[c] = T.if_then_else(first, T.max(mx[c], -CLAMP * scale2 - msc[c]), T.max(mx[c], 0.0))
-                rs[c] = T.if_then_else(first, 1.0, T.exp2(-mx[c]))  # O^T and the sums are still 0 first
-                msc[c] = msc[c] + mx[c]
-            for g, c in T.Parallel(8, N):
-                lacc[g, c] = lacc[g, c] * rs[c]
-            for i, c in T.Parallel(HB, N):
-                sT[i, c] = T.exp2(sT[i, c] - mx[c])
-            for d, c in T.Parallel(D, N):
-                oT[d, c] *= rs[c]
-            if r0 > 0:
-                for i, c in T.Parallel(HB, N):
-                    pT[i, c] = T.cast(T.cast(pT[i, c], accum) * rs[c], dtype)
+    def softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax):
+        # Turn S^T into the block's unnormalised P^T (in sT) and update the row sums (lacc). The O^T
+        # rescale factors go to rs: the warp schedule applies them here, the others in rescale_store_p.
+        causal_mask(jj, jm, qlast, tv, sT)
+        if warp:
+            # A column's tokens are all in one warp. Lazy offset (FA4's conditional rescale): the scores
+            # are first taken against the columns' current (scaled) offsets msc; only when one of the warp
+            # passes its offset by more than LAZY (log2 units), and on the CTA's first block, does the warp
+            # reduce the block's column max (shuffles) and move the offsets. Exact for softmax (P, the sums
+            # and O^T share the offset), P <= 2^LAZY stays far inside fp16, and the common block step has
+            # no max reduction, no per-column statistics and no O^T rescale.
+            # The largest score of the lane, in PCH independent chains (one per column of the lane).
+            for k in T.unroll(PCH):
+                pmax[k] = T.if_then_else(first, LAZY + LAZY, NEG)
+            for i, c in T.Parallel(B, N):
+                sT[i, c] = sT[i, c] * scale2 - msc[c]  # masked keys stay -inf
+                pmax[lane_col(c)] = T.max(pmax[lane_col(c)], sT[i, c])
+            for k in T.unroll(1, PCH):
+                pmax[0] = T.max(pmax[0], pmax[k])
+            if T.any_sync(T.if_then_else(pmax[0] > LAZY, 1, 0)) != 0:
+                T.reduce_max(sT, mx, dim=0, clear=True)
+                for c in T.Parallel(N):
+                    # mx becomes the offset's move: up to the block max (the first block sets the offset
+                    # there, kept >= -CLAMP so that a fully masked column stays finite).
+                    mx[c] = T.if_then_else(first, T.max(mx[c], -CLAMP * scale2 - msc[c]), T.max(mx[c], 0.0))
+                    rs[c] = T.if_then_else(first, 1.0, T.exp2(-mx[c]))  # O^T and the sums are still 0 first
+                    msc[c] = msc[c] + mx[c]
+                for g, c in T.Parallel(8, N):
+                    lacc[g, c] = lacc[g, c] * rs[c]
+                for i, c in T.Parallel(B, N):
+                    sT[i, c] = T.exp2(sT[i, c] - mx[c])
+                for d, c in T.Parallel(D, N):
+                    oT[d, c] *= rs[c]
+            else:
+                for i, c in T.Parallel(B, N):
+                    sT[i, c] = T.exp2(sT[i, c])
+            # Row sums: each lane adds its own rows of a column (row group i % 8, see lacc) into its
+            # partial; the lanes' partials are summed once, at the end.
+            for i, c in T.Parallel(B, N):
+                lacc[i % 8, c] = lacc[i % 8, c] + sT[i, c]
         else:
-            for i, c in T.Parallel(HB, N):
-                sT[i, c] = T.exp2(sT[i, c])
-        # Row sums: each lane adds its own rows of a column (row group i % 8, see lacc) into its
-        # partial; the lanes' partials are summed once, at the end.
-        for i, c in T.Parallel(HB, N):
-            lacc[i % 8, c] = lacc[i % 8, c] + sT[i, c]
-
-    @T.macro
-    def keep_p_half(pT, sT, r0):
-        # Warp schedule: P of half a block into its rows of the 16-bit P^T fragment.
-        for i, c in T.Parallel(HB, N):
-            pT[r0 + i, c] = T.cast(sT[i, c], dtype)
-
-    @T.macro
-    def store_p(P_s, pT):
-        # Warp schedule: P^T of the block to shared memory (stmatrix) as GEMM2's B operand; the warp reads
-        # back only its own columns (mma.sync loads P^T with ldmatrix, in the generic proxy: no fence).
-        T.copy(pT, P_s)
-        group_barrier()
+            lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
+            for i, c in T.Parallel(B, N):
+                sT[i, c] = T.exp2(sT[i, c] * scale2 - msc[c])  # masked keys: exp2(-inf) = 0
+                lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]  # row sums stay per thread until the end
 
     @T.macro
     def rescale_store_p(P_s, sT, oT, rs):
-        # CTA and warpgroup schedules: O^T *= rescale, then P^T to shared memory as the B operand of the
-        # next O^T GEMM.
-        for d, c in T.Parallel(D, N):
-            oT[d, c] *= rs[c]
+        # O^T *= rescale (the warp schedule rescales in softmax, only when its offsets move), then P^T to
+        # shared memory as the B operand of the next O^T GEMM.
+        if not warp:
+            for d, c in T.Parallel(D, N):
+                oT[d, c] *= rs[c]
         T.copy(sT, P_s)
-        T.fence_proxy_async()  # #2634: generic writes of P^T before the (sparse) wgmma reads them
+        if not warp:  # (the warp schedule's mma.sync reads P^T with ldmatrix: no async proxy involved)
+            T.fence_proxy_async()  # #2634: generic writes of P^T before the (sparse) wgmma reads them
         group_barrier()
 
+    @T.macro
     def compute(first, jj, jm, qlast, tv, scale2, md, Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs,
-                msc_sh, rs_sh, m_run, mx, pmax, pT):
-        # One block step's GEMMs and softmax. A plain Python helper: it may only call macros (a bare
-        # statement such as T.copy here would be dropped, not emitted).
-        if warp:
-            # Two halves of HB tokens, each: S^T, softmax, P^T to its rows of P_s (mma.sync reads P^T
-            # with ldmatrix, in the generic proxy: no async-proxy fence); then O^T over the whole block.
-            for hh in range(2):
-                gemm_s_half(md, Q_s, kd, ks, ke, sT, hh)
-                softmax_lazy(first if hh == 0 else False, jj, hh * HB, jm, qlast, tv, scale2, sT, oT,
-                             lacc, msc, rs, mx, pmax, pT)
-                keep_p_half(pT, sT, hh * HB)
-            store_p(P_s, pT)
-        else:
-            gemm_s(md, Q_s, kd, ks, ke, sT)
-            softmax(jj, jm, qlast, tv, scale2, P_s, sT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx)
-            rescale_store_p(P_s, sT, oT, rs)
+                msc_sh, rs_sh, m_run, mx, pmax):
+        gemm_s(md, Q_s, kd, ks, ke, sT)
+        softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
+        rescale_store_p(P_s, sT, oT, rs)
         gemm_o(md >> 2, P_s, vd, vs, ve, oT)
 
     @T.macro
@@ -523,7 +459,7 @@ def build_extend_prim_func(
     @T.macro
     def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
              Q_s, P_s, kd, ks, ke, vd, vs, ve, bar, ebar, kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2,
-             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, pT):
+             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax):
         if j < n:
             if wg_sync:
                 if j % HALF == 0:
@@ -555,10 +491,8 @@ def build_extend_prim_func(
                 T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
             # First argument: the CTA's first block (only the warp schedule's softmax asks).
-            jj = start + j
-            md = mode_s[j % RB]
-            compute((j == 0) if warp else None, jj, jm, qlast, tv, scale2, md, Q_s, P_s,
-                    kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, pT)
+            compute((j == 0) if warp else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s,
+                    kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
             if wg_sync:
                 T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
@@ -615,7 +549,7 @@ def build_extend_prim_func(
             m_sh = T.alloc_shared([N], accum)
             cm = T.alloc_local([2], accum)  # merge: a column's max and sum of weights
             st = alloc_stage_buffers()
-            sT = T.alloc_fragment([HB if warp else B, N], accum)  # S^T, then P^T (warp schedule: half a block)
+            sT = T.alloc_fragment([B, N], accum)
             oT = T.alloc_fragment([D, N], accum)
             # Row sums, per thread (reduced once at the end): [B, N] like S^T, or in the warp schedule
             # [8, N]: the mma.sync accumulator gives lane (row group g, column pair) the rows i with
@@ -633,13 +567,6 @@ def build_extend_prim_func(
             m_run = None if warp else T.alloc_local([1], accum)
             mx = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
             pmax = T.alloc_local([PCH], accum) if warp else None  # warp schedule: this lane's largest scores
-            # Warp schedule: the block's P^T in the 16-bit type, written half by half, stored at once (stmatrix).
-            # Layout of the mma accumulator (lane: row group i % 8, column pair), two values a lane per 8x8.
-            pT = T.alloc_fragment([B, N], dtype) if warp else None
-            if warp:
-                T.annotate_layout({pT: T.Fragment(
-                    [B, N], forward_fn=lambda i, c: (c // WC * 32 + i % 8 * 4 + c % 8 // 2,
-                                                     i // 8 * (WC // 4) + c % WC // 8 * 2 + c % 2))})
             tid = T.get_thread_binding()
             # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
             # with their bounds checks, at every use).
@@ -695,7 +622,7 @@ def build_extend_prim_func(
                 T.sync_threads()
 
                 gl = (KC, VC, KD, KV, KM, VD, VV, VM)
-                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, pT)
+                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
                 emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
                 for it in T.serial(T.ceildiv(n, stages)):
                     emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
