@@ -204,6 +204,17 @@ def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, 
     return stages * (k_stage + v_stage) + other
 
 
+# Any of a warpgroup's threads (a warpgroup barrier that also ORs a predicate: bar.red.or, PTX ISA).
+WARPGROUP_ANY_SRC = r"""
+__device__ __forceinline__ int hs_warpgroup_any(int pred, int bar_id) {
+  int out;
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n barrier.cta.red.or.pred q, %2, 128, p;\n"
+               " selp.s32 %0, 1, 0, q;\n}\n" : "=r"(out) : "r"(pred), "r"(bar_id) : "memory");
+  return out;
+}
+"""
+
+
 def build_extend_prim_func(
     q_heads: int,
     kv_heads: int,
@@ -228,6 +239,7 @@ def build_extend_prim_func(
     assert sync in SYNCS, sync
     assert tile != "n256" or sync == "warp", "n256 has one warp per 32 columns: sync='warp' only"
     wg_sync = sync != "cta"  # phases meet per warpgroup (per warp with "warp")
+    lazy = sync == "warpgroup"  # wgmma with the lazy softmax offset, voted per warpgroup
     warp = sync == "warp"  # each warp owns its columns across all of a block's tokens (mma.sync)
     # warp: all warps side by side along the N (query) columns, so that a column's softmax never leaves
     # its warp; wgmma cannot split M = 64 across one warp, so this schedule compiles to mma(.sp).sync.
@@ -240,6 +252,7 @@ def build_extend_prim_func(
     TQ = N // G  # query tokens per tile
     WC = N // (threads // 32)  # warp schedule: the columns of one warp
     PCH = WC // 4  # warp schedule: columns of one lane
+    PCHW = 8  # lazy warpgroup schedule: max chains a lane keeps
 
     def lane_col(c):
         # Warp schedule: which of its PCH columns column c is for the lane that holds it (the mma.sync
@@ -423,6 +436,46 @@ def build_extend_prim_func(
             # partial; the lanes' partials are summed once, at the end.
             for i, c in T.Parallel(B, N):
                 lacc[i % 8, c] = lacc[i % 8, c] + sT[i, c]
+        elif lazy:
+            # The warp schedule's lazy offset, with a column's tokens spread over the 4 warps of a
+            # warpgroup: the vote is a warpgroup barrier reduction (bar.red.or), and the rare move takes
+            # the column max through P_s (lane max, as lane_max_stats).
+            for k in T.unroll(PCHW):
+                pmax[k] = T.if_then_else(first, LAZY + LAZY, NEG)
+            for i, c in T.Parallel(B, N):
+                sT[i, c] = sT[i, c] * scale2 - msc[c]  # masked keys stay -inf
+                pmax[c // 8 % (PCHW // 2) * 2 + c % 2] = T.max(pmax[c // 8 % (PCHW // 2) * 2 + c % 2], sT[i, c])
+            for k in T.unroll(1, PCHW):
+                pmax[0] = T.max(pmax[0], pmax[k])
+            if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(pmax[0] > LAZY, 1, 0),
+                             12 + T.get_thread_binding() // 128) != 0:
+                for i, c in T.Parallel(B, N):
+                    P_s[i, c] = T.cast(T.max(T.min(sT[i, c], CLAMP), -CLAMP), dtype)
+                group_barrier()
+                tx = T.get_thread_binding()
+                cc = tx // TPC
+                mx[0] = -CLAMP
+                for i in T.unroll(RPT):
+                    mx[0] = T.max(mx[0], T.cast(P_s[i * TPC + tx % TPC, cc], accum))
+                for k in T.unroll(len(SHUF)):
+                    mx[0] = T.max(mx[0], T.shfl_xor(mx[0], TPC >> (k + 1)))
+                if tx % TPC == 0:
+                    # The offset's move: up to the block max (the first block sets the offset there, kept
+                    # >= -CLAMP so that a fully masked column stays finite).
+                    msc_sh[cc] = T.if_then_else(first, mx[0], T.max(mx[0], 0.0))
+                group_barrier()
+                for c in T.Parallel(N):
+                    rs[c] = T.if_then_else(first, 1.0, T.exp2(-msc_sh[c]))  # O^T and the sums are 0 first
+                    msc[c] = msc[c] + msc_sh[c]
+                for i, c in T.Parallel(B, N):
+                    sT[i, c] = T.exp2(sT[i, c] - msc_sh[c])
+                    lacc[i, c] = lacc[i, c] * rs[c] + sT[i, c]
+                for d, c in T.Parallel(D, N):
+                    oT[d, c] *= rs[c]
+            else:
+                for i, c in T.Parallel(B, N):
+                    sT[i, c] = T.exp2(sT[i, c])
+                    lacc[i, c] = lacc[i, c] + sT[i, c]
         else:
             lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx)
             for i, c in T.Parallel(B, N):
@@ -433,7 +486,7 @@ def build_extend_prim_func(
     def rescale_store_p(P_s, sT, oT, rs):
         # O^T *= rescale (the warp schedule rescales in softmax, only when its offsets move), then P^T to
         # shared memory as the B operand of the next O^T GEMM.
-        if not warp:
+        if not warp and not lazy:
             for d, c in T.Parallel(D, N):
                 oT[d, c] *= rs[c]
         T.copy(sT, P_s)
@@ -491,7 +544,7 @@ def build_extend_prim_func(
                 T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
             # First argument: the CTA's first block (only the warp schedule's softmax asks).
-            compute((j == 0) if warp else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s,
+            compute((j == 0) if warp or lazy else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s,
                     kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
             if wg_sync:
                 T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
@@ -534,6 +587,8 @@ def build_extend_prim_func(
         CNT: T.Tensor([nt, kv_heads], "int32"),
     ):
         with T.Kernel(nt, kv_heads, S, threads=threads) as (bx, h, sid):
+            if lazy:
+                T.import_source(WARPGROUP_ANY_SRC)
             # Tile ids in descending order: a request's later tiles see more blocks (causal), so in a long
             # prefill the longest CTAs start first instead of forming the last wave.
             tile_id = nt - 1 - bx
@@ -564,9 +619,10 @@ def build_extend_prim_func(
             # The running column max (not kept by the warp schedule: its offsets, msc, are the max at their
             # last move) and the block's: per column fragments in the warp schedule, else the one column of
             # each lane's pair.
-            m_run = None if warp else T.alloc_local([1], accum)
+            m_run = None if warp or lazy else T.alloc_local([1], accum)
             mx = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
-            pmax = T.alloc_local([PCH], accum) if warp else None  # warp schedule: this lane's largest scores
+            # Lazy offsets: this lane's largest scores, in independent chains.
+            pmax = T.alloc_local([PCH], accum) if warp else (T.alloc_local([PCHW], accum) if lazy else None)
             tid = T.get_thread_binding()
             # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
             # with their bounds checks, at every use).
@@ -614,7 +670,7 @@ def build_extend_prim_func(
                         c // G < tv, Q[q0 + t0 + T.min(c // G, tv - 1), h * G + c % G, d], T.cast(0, dtype))
                 T.fill(oT, 0)
                 T.fill(lacc, 0)
-                if warp:
+                if warp or lazy:
                     T.fill(msc, 0)  # scaled offsets; the first block step sets them
                 else:
                     m_run[0] = NEG
@@ -630,7 +686,7 @@ def build_extend_prim_func(
                     T.sync_threads()  # the warpgroups meet again before the CTA-wide reduction
 
                 T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
-                if warp:
+                if warp or lazy:
                     for c in T.Parallel(N):
                         m_sh[c] = msc[c] / scale2  # the LSE below scales it back
                 else:
