@@ -178,10 +178,11 @@ def test_sparse_matches_decompressed(sk, sv, tile, sync):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["n64", "n128", "n256"])
-def test_warp_offsets_move_with_sharp_scores(tile):
-    """The warp schedule's lazy softmax offset moves only when a score passes it by more than 2^8. At
-    ten times the usual scale the scores have a standard deviation of about 14 in log2 units, so the
+@pytest.mark.parametrize("tile,sync", [("n64", "warp"), ("n128", "warp"), ("n256", "warp"),
+                                       ("n64", "warpgroup"), ("n128", "warpgroup")])
+def test_lazy_offsets_move_with_sharp_scores(tile, sync):
+    """The lazy softmax offset (warp and warpgroup schedules) moves only when a score passes it by more
+    than 2^8. At ten times the usual scale the scores have a standard deviation of about 14 in log2 units, so the
     running max of most columns passes the first block's max by more than that in later blocks: the
     offset moves (O^T and the sums rescaled) many times per CTA. Against the oracle, with the plan's
     splits and with one split (a CTA walks every block of its tile)."""
@@ -190,10 +191,10 @@ def test_warp_offsets_move_with_sharp_scores(tile):
     case["sm_scale"] *= 10.0
     ref_out, ref_lse = bench.extend_reference(case)
     for splits in (None, 1):
-        plan = _plan(case, tile=tile, sync="warp", num_splits=splits)
+        plan = _plan(case, tile=tile, sync=sync, num_splits=splits)
         got, lse = plan.run(*bench.extend_run_args(case), return_lse=True)
         torch.cuda.synchronize()
-        _check_reference(case, got, lse, ref_out, ref_lse, torch.float16, f"{tile}, splits {splits}")
+        _check_reference(case, got, lse, ref_out, ref_lse, torch.float16, f"{tile} {sync}, splits {splits}")
 
 
 @pytest.mark.gpu
