@@ -176,9 +176,9 @@ SYNCS = ("cta", "warpgroup", "warp")
 
 
 def default_sync(tile: str, k_sparse: bool) -> str:
-    """The schedule ``sync="auto"`` takes, the fastest measured on the H100 (``--variants`` of the extend
-    and prefill benchmarks): per warp, except n128 without 2:4 K rows: per warpgroup."""
-    return "warp" if k_sparse or tile != "n128" else "warpgroup"
+    """The schedule ``sync="auto"`` takes, the fastest measured on the H100 (``--variant`` runs of the
+    extend and prefill benchmarks): per warpgroup (lazy offsets), except n256: per warp (its only one)."""
+    return "warp" if tile == "n256" else "warpgroup"
 
 
 def default_stages(tile: str, sync: str = "cta") -> int:
@@ -862,13 +862,14 @@ class HieraSparseExtend:
         self.last_config = None  # tile, stages, k_sparse, num_splits, tile ids and sync of the last call
 
     # ------------------------------------------------------------------------------ configuration
-    def pick_tile(self, total_tokens: int, batch: int) -> str:
-        """The tile of a call: the smallest that holds the average request's query columns (tokens x GQA
+    def pick_tile(self, total_tokens: int, batch: int, k_sparse: bool = True) -> str:
+        """The tile of a call. Without 2:4 K rows: n64 (two CTAs per SM fit), measured fastest at every
+        length. With them: the smallest that holds the average request's query columns (tokens x GQA
         group), n256 above 128 (n256 needs the warp schedule)."""
         if self.tile != "auto":
             return self.tile
         cols = -(-total_tokens // max(batch, 1)) * self.group
-        if cols <= 64:
+        if cols <= 64 or not k_sparse:
             return "n64"
         return "n128" if cols <= 128 or self.sync not in ("auto", "warp") else "n256"
 
@@ -916,7 +917,7 @@ class HieraSparseExtend:
         if total == 0 or bs == 0:
             return (out, lse) if return_lse else out
         k_sparse = k_values.numel() > 0
-        tile = self.pick_tile(total, bs)
+        tile = self.pick_tile(total, bs, k_sparse)
         kernel, stages, sync = self.kernel(tile, k_sparse)
         tq = TILES[tile][0] // self.group
         nt = tile_count(total, bs, tq)

@@ -246,22 +246,23 @@ def test_tile_ids_and_split_heuristic():
     plan = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda")
     assert plan.pick_tile(8 * 16, 8) == "n64" and plan.pick_tile(8 * 32, 8) == "n128"
     assert plan.pick_tile(8 * 64, 8) == "n256" and plan.pick_tile(32768, 1) == "n256"
+    assert plan.pick_tile(8 * 64, 8, k_sparse=False) == "n64" and plan.pick_tile(32768, 1, False) == "n64"
     wg = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda", sync="warpgroup")
     assert wg.pick_tile(8 * 64, 8) == "n128"
 
 
 def test_default_configurations_are_precompiled():
     """What ``sync="auto"`` picks for the benchmark's shape is in PRECOMPILE (a device run loads it from
-    TileLang's cache), and the picks follow the measured order: n128 per warp with 2:4 K rows, per
-    warpgroup without, 2 stages; n64 per warp."""
+    TileLang's cache), and the picks follow the measured order: n64 and n128 per warpgroup, n256 per
+    warp, 2 stages."""
     picks = {}
     for tile in TILES:
         for k_sparse in (False, True):
             sync = default_sync(tile, k_sparse)
             picks[tile, k_sparse] = (sync, default_stages(tile, sync))
             assert (32, 8, 128, "float16", tile, default_stages(tile, sync), k_sparse, sync) in PRECOMPILE
-    assert picks == {("n64", False): ("warp", 2), ("n64", True): ("warp", 2),
-                     ("n128", False): ("warpgroup", 2), ("n128", True): ("warp", 2),
+    assert picks == {("n64", False): ("warpgroup", 2), ("n64", True): ("warpgroup", 2),
+                     ("n128", False): ("warpgroup", 2), ("n128", True): ("warpgroup", 2),
                      ("n256", False): ("warp", 2), ("n256", True): ("warp", 2)}
     assert default_stages("n128", "cta") == 3
 
