@@ -863,15 +863,21 @@ class HieraSparseExtend:
 
     # ------------------------------------------------------------------------------ configuration
     def pick_tile(self, total_tokens: int, batch: int, k_sparse: bool = True) -> str:
-        """The tile of a call. Without 2:4 K rows: n64 (two CTAs per SM fit), measured fastest at every
-        length. With them: the smallest that holds the average request's query columns (tokens x GQA
-        group), n256 above 128 (n256 needs the warp schedule)."""
+        """The tile of a call, by the average request's query columns (tokens x GQA group), as measured
+        fastest on the H100 (``--variant`` runs of the extend benchmark): n64 up to 64 columns; n128 up
+        to 256 (two tiles a request); above, n256 (warp schedule) with 2:4 K rows, else n64 (two CTAs
+        per SM fit). A forced ``sync`` keeps the tiles it can run: per warp, n128 up to 128 columns and
+        n256 above; per warpgroup or CTA, n128."""
         if self.tile != "auto":
             return self.tile
         cols = -(-total_tokens // max(batch, 1)) * self.group
-        if cols <= 64 or not k_sparse:
+        if cols <= 64:
             return "n64"
-        return "n128" if cols <= 128 or self.sync not in ("auto", "warp") else "n256"
+        if self.sync == "warp":
+            return "n128" if cols <= 128 else "n256"
+        if cols <= 256 or self.sync != "auto":
+            return "n128"
+        return "n256" if k_sparse else "n64"
 
     def pick_sync(self, tile: str, k_sparse: bool) -> str:
         return default_sync(tile, k_sparse) if self.sync == "auto" else self.sync
@@ -967,6 +973,7 @@ PRECOMPILE = [
     (4, 4, 64, "bfloat16", "n128", 3, False, "cta"), (8, 2, 64, "bfloat16", "n128", 3, True, "cta"),
     (8, 2, 64, "bfloat16", "n128", 2, True, "warp"),
     (16, 2, 128, "bfloat16", "n256", 2, True, "warp"), (8, 2, 64, "bfloat16", "n256", 2, True, "warp"),
+    (8, 2, 64, "float16", "n64", 2, False, "warpgroup"), (8, 2, 64, "bfloat16", "n128", 2, True, "warpgroup"),
 ]
 
 

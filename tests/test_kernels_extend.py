@@ -38,11 +38,14 @@ SMALL = [
     (4, 4, 64, torch.float16, 1.0, 0.0, dict(tile="n64", sync="cta")),
     (4, 4, 64, torch.bfloat16, 0.0, 0.0, dict(tile="n128", sync="cta")),
     (8, 2, 64, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="cta")),
-    # Per-warpgroup synchronisation: n64 and n128, with and without 2:4 K buffers, fp16 and bf16.
+    # Per-warpgroup synchronisation: n64 and n128, with and without 2:4 K buffers, d 128 and 64, fp16
+    # and bf16 (8/2 heads at d 64: the tiny server model's shape).
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warpgroup")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warpgroup")),
     (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64", sync="warpgroup")),
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="warpgroup")),
+    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64", sync="warpgroup")),
+    (8, 2, 64, torch.bfloat16, 1.0, 0.5, dict(tile="n128", sync="warpgroup")),
     # One warp per column group (mma.sync): n64 and n128, with and without 2:4 K buffers, d 128 and 64.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warp")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warp")),
@@ -205,7 +208,7 @@ def test_benchmark_shape_auto_plan():
                                   magnitude=False, shuffle=False)
     plan = _plan(case)
     out = plan.run(*bench.extend_run_args(case))
-    assert plan.last_config["tile"] == "n256" and plan.last_config["sync"] == "warp"
+    assert plan.last_config["tile"] == "n128" and plan.last_config["sync"] == "warpgroup"
     paged = _dense_check(case, out)
     _flashinfer_check(case, paged, out)
 
@@ -245,8 +248,10 @@ def test_tile_ids_and_split_heuristic():
     assert choose_num_splits(512 * 8, 8, 544, 132, 1) == 1
     plan = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda")
     assert plan.pick_tile(8 * 16, 8) == "n64" and plan.pick_tile(8 * 32, 8) == "n128"
-    assert plan.pick_tile(8 * 64, 8) == "n256" and plan.pick_tile(32768, 1) == "n256"
-    assert plan.pick_tile(8 * 64, 8, k_sparse=False) == "n64" and plan.pick_tile(32768, 1, False) == "n64"
+    assert plan.pick_tile(8 * 64, 8) == "n128" and plan.pick_tile(8 * 65, 8) == "n256"
+    assert plan.pick_tile(32768, 1) == "n256" and plan.pick_tile(32768, 1, k_sparse=False) == "n64"
+    warp = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda", sync="warp")
+    assert warp.pick_tile(8 * 32, 8) == "n128" and warp.pick_tile(8 * 64, 8, k_sparse=False) == "n256"
     wg = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda", sync="warpgroup")
     assert wg.pick_tile(8 * 64, 8) == "n128"
 
