@@ -34,8 +34,8 @@ here so that the decode kernel is untouched:
   resolves the first pass, and step ``j`` with ``j % (threads/2) == 0`` resolves the next one, which is
   first issued several steps later (after a barrier). The two dependent index loads are paid once per
   pass, and a CTA can walk any number of blocks (no split is forced by long prefixes).
-* **Softmax: lane max, fragment exponentials.** TileLang's fragment reductions over the token (M) axis
-  of ``S^T`` cost two CTA barriers per column held by a thread (16 columns at N = 64 per warpgroup), and
+* **Softmax (CTA schedule): lane max, fragment exponentials.** TileLang's fragment reductions over
+  the token (M) axis of ``S^T`` cost two CTA barriers per column held by a thread (16 columns at N = 64 per warpgroup), and
   their batched form indexes its workspace wrongly with two warpgroups (``workspace_stride`` = 128 for
   a 256-thread CTA: warpgroup 1's slot i is warpgroup 0's slot i + 1). So each block step stores
   ``S^T`` in ``P_s`` (the kernel's 16-bit type, clamped to +-6e4 (fp16) / 1e30 (bf16): masked keys stay
@@ -83,7 +83,15 @@ here so that the decode kernel is untouched:
     per-stage "empty" mbarriers that every thread arrives on after its O^T GEMM, and warp 0 waits on
     one before it refills the stage; CTA barriers only every ``threads / 2`` steps, around the index
     resolve. One warpgroup may run up to a step ahead of the other, so one's softmax can overlap the
-    other's GEMMs.
+    other's GEMMs. Its softmax keeps the warp schedule's *lazy offset* (below) although a column's 64
+    tokens are spread over the 4 warps of the warpgroup (``wgmma``): each thread takes the largest of
+    its scores against the offsets, and one ``barrier.cta.red.or`` over the warpgroup (a named barrier
+    that also ORs a predicate, ``hs_warpgroup_any``) decides whether any passed its offset by more
+    than 2^8; only then (and on the CTA's first block) does the column max go through ``P_s`` (the
+    lane max above, 2 more warpgroup barriers) and the offsets, ``O^T`` and the sums move. The common
+    block step has 2 warpgroup barriers (the vote, ``P^T`` written) and no ``S^T`` round trip through
+    shared memory, against 4 barriers and the round trip before (0.79x -> 1.05x at 64 new tokens,
+    S = 1/1, same process, ``bench_extend_variants_lazy_wg_h100.log``).
   - ``"warp"``: all warps side by side along the query columns (``GemmWarpPolicy.FullCol``), so each
     warp holds all 64 tokens of its columns (16 at n64/n128, 32 at n256), ``P^T`` is written and read
     back by the same warp (``__syncwarp``), and the block loop has no CTA or warpgroup barrier at all.
@@ -109,7 +117,7 @@ here so that the decode kernel is untouched:
   the refilled stage, ``P_s`` and the index ring), after ``S^T`` is stored, after the column statistics
   are published, after ``P^T`` is written (the other schedules: see above).
 * **Occupancy** (shared memory, d 128): n128 with 3 stages ~205 KB (one CTA, 8 warps per SM; 202
-  registers, no spills; 222 in the warp schedule); n256 with 2 stages ~196 KB (one CTA, 8 warps; 255
+  registers, no spills; 222 in the warp schedule, 234 per warpgroup); n256 with 2 stages ~196 KB (one CTA, 8 warps; 255
   registers, no spills); n64 with 2 stages ~128 KB, or ~110 KB without 2:4 K buffers (two CTAs per
   SM). Registers hold n128 and n256 to one CTA per SM in every schedule.
 * One launch per call, no host synchronisation: tile ids, splits, masks and empty splits are computed in
@@ -118,21 +126,27 @@ here so that the decode kernel is untouched:
   zero-length tensor). Not CUDA-graph safe across changing batch shapes (the grid and scratch views
   follow ``q.shape`` and ``bs``); one call at a time per plan (scratch and tickets are per plan).
 
-Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 41/41 on the GPU; ``python -m
+Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 45/45 on the GPU; ``python -m
 sglang_hs.kernels.bench --kernel extend --quick`` (and ``--kernel prefill``), batch 8 x 32K prefix,
 32/8 heads, d 128, fp16, against FlashInfer's paged prefill (fa2) over the same pruned KV in the same
 process, the two timed in alternation; ``launch/results/kernels_h100.json``), with the default plans
-(n64 up to 64 query columns a request, n128 up to 128, n256 above; warp schedule, except n128 without
-2:4 K rows: warpgroup; 2 stages). S_K = 0, S_V = 1: 1.03x at 16 new tokens, 1.00x at 64, 0.98x at
-256, 0.97x at 1024, 0.99x at 2048; S_K = S_V = 1: 0.87x, 1.03x, 1.04x, 1.01x, 1.01x; full prefill of
-32K tokens over compressed KV 0.98x / 1.02x (1.020x and 1.022x in two runs). So **at S_K = S_V = 1 the
-kernel is about level with FlashInfer from 64 new tokens up**, and slower at 16 tokens. (The
-steps one by one, with the figures before each, are in ``bench_extend_tiles_h100.log``: fast math,
-n256, the warp-vote rescale skip and the descending tile order took S = 1/1 at 64 tokens from 0.76x
-to 0.90x and the prefill from 0.73x to 0.92x; the lazy offset and the per-lane row sums to 0.98x and
-1.01x; the parallel split merge to 1.03x at 64 tokens, 0.955x -> 1.041x in one process,
-``bench_extend_merge_h100.log``.) At 64 new tokens, S = 1/1, the kernel runs at ~335 TFLOP/s dense-equivalent, FlashInfer at
-~327. ncu of the kernel before the split merge (~320 TFLOP/s; ``python -m
+(``HieraSparseExtend.pick_tile`` and ``default_sync``: n64 up to 64 query columns a request and n128
+up to 256, per warpgroup; above, n256 per warp with 2:4 K rows, n64 per warpgroup without; 2
+stages). S_K = 0, S_V = 1: 1.02x at 16 new tokens, 1.05x at 64, 1.03x at 256, 1.02x at 1024, 1.08x
+at 2048; S_K = S_V = 1: 0.95x, 1.03x, 1.03x, 1.00x, 1.01x; full prefill of 32K tokens over
+compressed KV 1.03x / 1.01x. So **the kernel is about level with FlashInfer at S_K = S_V = 1 from 64
+new tokens up, a few percent ahead at S_K = 0**, and 5% slower at 16 tokens, S = 1/1. The tiles and
+schedules were chosen from ``--variant`` runs that time them side by side
+(``bench_extend_variants_lazy_wg_h100.log``; variants are medians of 5 and vary by a few percent
+between runs: n128 per warpgroup at 64 tokens measured 1.070x / 1.137x there, 1.034x / 1.048x as the
+default in the final run). (The steps one by one, with the figures before each, are in
+``bench_extend_tiles_h100.log``: fast math, n256, the warp-vote rescale skip and the descending tile
+order took S = 1/1 at 64 tokens from 0.76x to 0.90x and the prefill from 0.73x to 0.92x; the lazy
+offset and the per-lane row sums to 0.98x and 1.01x; the parallel split merge to 1.03x at 64 tokens,
+0.955x -> 1.041x in one process, ``bench_extend_merge_h100.log``; the lazy offset in the warpgroup
+schedule then made n128 per warpgroup the fastest at 64 tokens.) The analysis below is of the n256
+warp schedule at 64 new tokens, S = 1/1 (~335 TFLOP/s dense-equivalent, FlashInfer ~327). ncu of the
+kernel before the split merge (~320 TFLOP/s; ``python -m
 sglang_hs.launch.profile_extend --tile n256``,
 ``launch/results/ncu_extend_h100.txt``) shows 8 active warps per SM (one CTA, held there by
 registers: 255 a thread), no eligible warp in 67% of the scheduler cycles, and the tensor pipe
@@ -149,7 +163,9 @@ shared memory), an earlier lazy offset that still reduced the column max every b
 skipped rescales (``bench_extend_lazy_offset_h100.log``): the present one gains because the common
 step has no reduction across lanes at all; and FA3's ping-pong in the warp schedule (warps ``w`` and
 ``w + 4``, which share a scheduler on the H100, taking turns at their GEMMs through named barriers:
-0.88x against 0.96x at 64 new tokens, S = 1/1, same process). One warp issuing ``mma.sp`` m16n8k32
+0.88x against 0.96x at 64 new tokens, S = 1/1, same process); computing ``S^T`` half a block at a time
+in the warp schedule, to free 32 registers for GEMM1's operand loads (0.934x against 0.996x, same
+process, ``bench_extend_halfblock_h100.log``, commit e3a1715). One warp issuing ``mma.sp`` m16n8k32
 back to back nearly fills its scheduler's tensor pipe (8.5 cycles each alone, 8.2 with more warps;
 ``launch/mma_rate.cu``, ``launch/results/mma_rate_h100.log``: ~955 dense-equivalent TFLOP/s against
 ~641 for dense ``mma.sync`` m16n8k16, so 2:4 buys 1.49x, not 2x, on this path). Per block a warp of
@@ -444,7 +460,8 @@ def build_extend_prim_func(
                 pmax[k] = T.if_then_else(first, LAZY + LAZY, NEG)
             for i, c in T.Parallel(B, N):
                 sT[i, c] = sT[i, c] * scale2 - msc[c]  # masked keys stay -inf
-                pmax[c // 8 % (PCHW // 2) * 2 + c % 2] = T.max(pmax[c // 8 % (PCHW // 2) * 2 + c % 2], sT[i, c])
+                pmax[c // 8 % (PCHW // 2) * 2 + c % 2] = T.max(pmax[c // 8 % (PCHW // 2) * 2 + c % 2],
+                                                               sT[i, c])
             for k in T.unroll(1, PCHW):
                 pmax[0] = T.max(pmax[0], pmax[k])
             if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(pmax[0] > LAZY, 1, 0),
