@@ -380,11 +380,12 @@ def build_extend_prim_func(
             T.gemm(vd, P_s, oT, transpose_A=True, policy=POL)
 
     @T.macro
-    def lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx):
+    def lane_column_max(P_s, sT, mx):
         # Column max over the block's tokens: S^T goes through P_s (in the kernel's 16-bit type,
         # clamped to +-CLAMP so that masked keys are finite there and fp16 cannot overflow), then TPC
-        # consecutive lanes own a column (decode's lane softmax). Any offset close to the max is exact
-        # for the softmax: the same offset scales P, the row sums and the rescale.
+        # consecutive lanes own a column (decode's lane softmax) and hold its max in mx[0]. Any offset
+        # close to the max is exact for the softmax: the same offset scales P, the row sums and the
+        # rescale. Returns the thread index and its column.
         for i, c in T.Parallel(B, N):
             P_s[i, c] = T.cast(T.max(T.min(sT[i, c], CLAMP), -CLAMP), dtype)
         group_barrier()
@@ -395,6 +396,13 @@ def build_extend_prim_func(
             mx[0] = T.max(mx[0], T.cast(P_s[i * TPC + tx % TPC, cc], accum))
         for k in T.unroll(len(SHUF)):
             mx[0] = T.max(mx[0], T.shfl_xor(mx[0], TPC >> (k + 1)))
+        return tx, cc
+
+    @T.macro
+    def lane_max_stats(scale2, P_s, sT, msc, rs, msc_sh, rs_sh, m_run, mx):
+        # CTA schedule: the column max (lane_column_max) joins the running max, and the scaled offset
+        # and the O^T rescale factor of each column are published through shared memory.
+        tx, cc = lane_column_max(P_s, sT, mx)
         m_new = T.max(m_run[0], mx[0])  # finite (>= -CLAMP); m_run starts at -inf, so rs = 0 first
         if tx % TPC == 0:
             rs_sh[cc] = T.exp2(m_run[0] * scale2 - m_new * scale2)
@@ -466,16 +474,7 @@ def build_extend_prim_func(
                 pmax[0] = T.max(pmax[0], pmax[k])
             if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(pmax[0] > LAZY, 1, 0),
                              12 + T.get_thread_binding() // 128) != 0:
-                for i, c in T.Parallel(B, N):
-                    P_s[i, c] = T.cast(T.max(T.min(sT[i, c], CLAMP), -CLAMP), dtype)
-                group_barrier()
-                tx = T.get_thread_binding()
-                cc = tx // TPC
-                mx[0] = -CLAMP
-                for i in T.unroll(RPT):
-                    mx[0] = T.max(mx[0], T.cast(P_s[i * TPC + tx % TPC, cc], accum))
-                for k in T.unroll(len(SHUF)):
-                    mx[0] = T.max(mx[0], T.shfl_xor(mx[0], TPC >> (k + 1)))
+                tx, cc = lane_column_max(P_s, sT, mx)
                 if tx % TPC == 0:
                     # The offset's move: up to the block max (the first block sets the offset there, kept
                     # >= -CLAMP so that a fully masked column stays finite).
