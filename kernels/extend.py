@@ -91,7 +91,7 @@ here so that the decode kernel is untouched:
     lane max above, 2 more warpgroup barriers) and the offsets, ``O^T`` and the sums move. The common
     block step has 2 warpgroup barriers (the vote, ``P^T`` written) and no ``S^T`` round trip through
     shared memory, against 4 barriers and the round trip before (0.79x -> 1.05x at 64 new tokens,
-    S = 1/1, same process, ``bench_extend_variants_lazy_wg_h100.log``).
+    S = 1/1, same process, ``bench_extend_lazy_wg_ab_h100.log``).
   - ``"warp"``: all warps side by side along the query columns (``GemmWarpPolicy.FullCol``), so each
     warp holds all 64 tokens of its columns (16 at n64/n128, 32 at n256), ``P^T`` is written and read
     back by the same warp (``__syncwarp``), and the block loop has no CTA or warpgroup barrier at all.
