@@ -188,7 +188,7 @@ from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and too
 TILES = {"n64": (64, 128), "n128": (128, 256), "n256": (256, 256)}
 # How the phases of a block step synchronise (see the module docstring): CTA barriers, per warpgroup,
 # or per warp (mma.sync).
-SYNCS = ("cta", "warpgroup", "warp")
+SYNCS = ("cta", "warpgroup", "warp", "overlap")
 
 
 def default_sync(tile: str, k_sparse: bool) -> str:
@@ -198,10 +198,11 @@ def default_sync(tile: str, k_sparse: bool) -> str:
 
 
 def default_stages(tile: str, sync: str = "cta") -> int:
-    """n128 with CTA barriers: 3 stages (one CTA per SM is all that fits at d 128 anyway); n128 per warp
-    or warpgroup: 2 (measured faster than 3); n64: 2 (two CTAs per SM fit when the call has no 2:4 K
-    rows, as decode found best)."""
-    return 3 if tile == "n128" and sync == "cta" else 2
+    """n128 with CTA barriers: 3 stages (one CTA per SM is all that fits at d 128 anyway); the overlap
+    schedule: 3 (block j - 1's V is still read while block j + 1 loads); n128 per warp or warpgroup: 2
+    (measured faster than 3); n64: 2 (two CTAs per SM fit when the call has no 2:4 K rows, as decode
+    found best)."""
+    return 3 if (tile == "n128" and sync == "cta") or sync == "overlap" else 2
 
 
 def resolve_chunk(tile: str) -> int:
@@ -255,7 +256,10 @@ def build_extend_prim_func(
     assert sync in SYNCS, sync
     assert tile != "n256" or sync == "warp", "n256 has one warp per 32 columns: sync='warp' only"
     wg_sync = sync != "cta"  # phases meet per warpgroup (per warp with "warp")
-    lazy = sync == "warpgroup"  # wgmma with the lazy softmax offset, voted per warpgroup
+    lazy = sync in ("warpgroup", "overlap")  # wgmma with the lazy softmax offset, voted per warpgroup
+    overlap = sync == "overlap"  # the O^T GEMM of block j - 1 runs under block j's softmax
+    lag = 1 if overlap else 0  # the stage of block j - 1 is still read at step j: refill one step later
+    assert stages >= 3 or not overlap, "the overlap schedule needs 3 stages"
     warp = sync == "warp"  # each warp owns its columns across all of a block's tokens (mma.sync)
     # warp: all warps side by side along the N (query) columns, so that a column's softmax never leaves
     # its warp; wgmma cannot split M = 64 across one warp, so this schedule compiles to mma(.sp).sync.
@@ -474,6 +478,9 @@ def build_extend_prim_func(
                 pmax[0] = T.max(pmax[0], pmax[k])
             if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(pmax[0] > LAZY, 1, 0),
                              12 + T.get_thread_binding() // 128) != 0:
+                if overlap:
+                    T.wait_wgmma(0)
+                    group_barrier()
                 tx, cc = lane_column_max(P_s, sT, mx)
                 if tx % TPC == 0:
                     # The offset's move: up to the block max (the first block sets the offset there, kept
@@ -519,6 +526,57 @@ def build_extend_prim_func(
         gemm_o(md >> 2, P_s, vd, vs, ve, oT)
 
     @T.macro
+    def gemm_s_async(md, Q_s, kd, ks, ke, sT):
+        # Overlap schedule: gemm_s issued without waiting (wgmma(.sp) committed as one group).
+        if k_sparse:
+            if (md & 3) == 2:
+                T.wgmma_gemm_sp(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True,
+                                policy=POL)
+            else:
+                T.wgmma_gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+        else:
+            T.wgmma_gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+
+    @T.macro
+    def gemm_o_async(vmode, P_s, vd, vs, ve, oT):
+        # Overlap schedule: gemm_o issued without waiting.
+        if vmode == 2:
+            T.wgmma_gemm_sp(vs, T.view(ve, [D, B // 16]), P_s, oT, policy=POL)
+        else:
+            T.wgmma_gemm(vd, P_s, oT, transpose_A=True, policy=POL)
+
+    @T.macro
+    def compute_overlap(first, jj, jm, qlast, tv, scale2, md, j, Q_s, P_s, kd, ks, ke, vdp, vsp, vep, ebarp,
+                        sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp):
+        # Overlap schedule (FA3's intra-warpgroup overlap), block j: issue S^T(j), then O^T += V^T·P^T of
+        # block j - 1 (P^T(j - 1) is in P_s, its mode in mdp), and wait for S^T only, so that the O^T GEMM
+        # runs under block j's softmax; the softmax's rare offset move waits for it first (it rescales
+        # O^T and reuses P_s). Then the O^T GEMM is waited for, block j - 1's stage released, and P^T(j)
+        # written once every warp's GEMM has read P_s. The last block's O^T GEMM follows the loop.
+        gemm_s_async(md, Q_s, kd, ks, ke, sT)
+        if j >= 1:
+            gemm_o_async(mdp[0] >> 2, P_s, vdp, vsp, vep, oT)
+            T.wait_wgmma(1)
+        else:
+            T.wait_wgmma(0)
+        softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
+        T.wait_wgmma(0)
+        if j >= 1:
+            T.barrier_arrive(ebarp)  # block j - 1's stage: this thread's O^T GEMM on it is complete
+        group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_s
+        T.copy(sT, P_s)
+        T.fence_proxy_async()
+        group_barrier()
+        mdp[0] = md
+
+    @T.macro
+    def final_gemm_if(n, s, P_s, vd, vs, ve, oT, mdp):
+        # After the loop: the O^T GEMM of the last block (its stage is s).
+        if n >= 1:
+            if (n - 1) % stages == s:
+                gemm_o(mdp[0] >> 2, P_s, vd, vs, ve, oT)
+
+    @T.macro
     def guarded_issue(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, ebar,
                       KC, VC, KD, KV, KM, VD, VV, VM):
         if i < n:
@@ -528,7 +586,8 @@ def build_extend_prim_func(
     @T.macro
     def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
              Q_s, P_s, kd, ks, ke, vd, vs, ve, bar, ebar, kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2,
-             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax):
+             kdp, ksp, kep, vdp, vsp, vep, barp, ebarp,
+             KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp):
         if j < n:
             if wg_sync:
                 if j % HALF == 0:
@@ -545,14 +604,14 @@ def build_extend_prim_func(
                     # Next chunk of index entries; first issued >= HALF - stages + 1 steps from now, after
                     # that step's barrier (the half it overwrites was last read before this step's barrier).
                     resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
-            if j + stages - 1 < n:
+            if j + stages - 1 - lag < n:
                 if wg_sync:
                     # Warp 0 refills the stage of block j - 1 once every thread has released it; the
                     # other warps go on (a warpgroup may run up to a step ahead of the other).
                     if T.get_thread_binding() < 32:
-                        if j >= 1:
+                        if j >= 1 + lag:
                             T.barrier_wait(ebar2, eparity)
-                        load(j + stages - 1, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
+                        load(j + stages - 1 - lag, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
                              KC, VC, KD, KV, KM, VD, VV, VM)
                 else:
                     load(j + stages - 1, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
@@ -560,24 +619,33 @@ def build_extend_prim_func(
                 T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
             # First argument: the CTA's first block (only the warp schedule's softmax asks).
-            compute((j == 0) if warp or lazy else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s, P_s,
-                    kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
-            if wg_sync:
-                T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
+            if overlap:
+                compute_overlap(j == 0, start + j, jm, qlast, tv, scale2, mode_s[j % RB], j, Q_s, P_s,
+                                kd, ks, ke, vdp, vsp, vep, ebarp, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run,
+                                mx, pmax, mdp)
+            else:
+                compute((j == 0) if warp or lazy else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s,
+                        P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
+                if wg_sync:
+                    T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl):
-        for s in range(stages - 1):
+        for s in range(stages - 1 - lag):
             guarded_issue(s, n, h, mode_s, krow_s, vrow_s, *st[s], *gl)
 
     def emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags):
         for s in range(stages):
-            nxt = (s + stages - 1) % stages
-            # Step j = it * stages + s refills stage nxt, which held block j - 1: the release of that
-            # block is completion (j - 1) // stages of the stage's empty barrier.
-            eparity = (it + 1) & 1 if s == 0 else it & 1
+            nxt = (s + stages - 1 - lag) % stages
+            # Step j = it * stages + s refills stage nxt, which held block j - 1 - lag: the release of that
+            # block is completion (j - 1 - lag) // stages of the stage's empty barrier.
+            eparity = (it + 1) & 1 if s < 1 + lag else it & 1
             step(it * stages + s, it & 1, eparity, n, r, start, jm, qlast, tv, scale2, h, *idx, Q_s, P_s,
-                 *st[s], *st[nxt], *gl, *frags)
+                 *st[s], *st[nxt], *st[(s - 1) % stages], *gl, *frags)
+
+    def emit_final(n, P_s, st, oT, mdp):
+        for s in range(stages):
+            final_gemm_if(n, s, P_s, *st[s][3:6], oT, mdp)
 
     @T.prim_func
     def main(
@@ -639,6 +707,7 @@ def build_extend_prim_func(
             mx = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
             # Lazy offsets: this lane's largest scores, in independent chains.
             pmax = T.alloc_local([PCH], accum) if warp else (T.alloc_local([PCHW], accum) if lazy else None)
+            mdp = T.alloc_local([1], "int32") if overlap else None  # the mode of the block whose O^T GEMM is pending
             tid = T.get_thread_binding()
             # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
             # with their bounds checks, at every use).
@@ -694,10 +763,12 @@ def build_extend_prim_func(
                 T.sync_threads()
 
                 gl = (KC, VC, KD, KV, KM, VD, VV, VM)
-                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
+                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp)
                 emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
                 for it in T.serial(T.ceildiv(n, stages)):
                     emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
+                if overlap:
+                    emit_final(n, P_s, st, oT, mdp)
                 if wg_sync:
                     T.sync_threads()  # the warpgroups meet again before the CTA-wide reduction
 
@@ -970,7 +1041,7 @@ class HieraSparseExtend:
 # plan (whose choices are among them).
 BENCH_VARIANTS = [("n64", 2, "cta"), ("n128", 3, "cta"), ("n128", 2, "cta"), ("n64", 2, "warpgroup"),
                   ("n128", 3, "warpgroup"), ("n128", 2, "warpgroup"), ("n64", 2, "warp"),
-                  ("n128", 3, "warp"), ("n128", 2, "warp"), ("n256", 2, "warp")]
+                  ("n128", 3, "warp"), ("n128", 2, "warp"), ("n256", 2, "warp"), ("n128", 3, "overlap")]
 
 # The configurations the GPU tests and the benchmark compile: (q_heads, kv_heads, head_dim, dtype, tile,
 # stages, k_sparse, sync): the benchmark's shape (Llama-3.1-8B heads, fp16) in every variant, with and

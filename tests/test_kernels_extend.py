@@ -46,6 +46,9 @@ SMALL = [
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="warpgroup")),
     (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64", sync="warpgroup")),
     (8, 2, 64, torch.bfloat16, 1.0, 0.5, dict(tile="n128", sync="warpgroup")),
+    # The overlap schedule (warpgroup, O^T GEMM of block j - 1 under block j's softmax, 3 stages).
+    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="overlap")),
+    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
     # One warp per column group (mma.sync): n64 and n128, with and without 2:4 K buffers, d 128 and 64.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warp")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warp")),
@@ -182,13 +185,13 @@ def test_sparse_matches_decompressed(sk, sv, tile, sync):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile,sync", [("n64", "warp"), ("n128", "warp"), ("n256", "warp"),
-                                       ("n64", "warpgroup"), ("n128", "warpgroup")])
+                                       ("n64", "warpgroup"), ("n128", "warpgroup"), ("n128", "overlap")])
 def test_lazy_offsets_move_with_sharp_scores(tile, sync):
-    """The lazy softmax offset (warp and warpgroup schedules) moves only when a score passes it by more
-    than 2^8. At ten times the usual scale the scores have a standard deviation of about 14 in log2 units, so the
-    running max of most columns passes the first block's max by more than that in later blocks: the
-    offset moves (O^T and the sums rescaled) many times per CTA. Against the oracle, with the plan's
-    splits and with one split (a CTA walks every block of its tile)."""
+    """The lazy softmax offset (warp, warpgroup and overlap schedules) moves only when a score passes it
+    by more than 2^8. At ten times the usual scale the scores have a standard deviation of about 14 in
+    log2 units, so the running max of most columns passes the first block's max by more than that in
+    later blocks: the offset moves (O^T and the sums rescaled) many times per CTA. Against the oracle,
+    with the plan's splits and with one split (a CTA walks every block of its tile)."""
     case = bench.make_extend_case(PREFIX, NEW, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda",
                                   max_blocks=SMALL_MAX_BLOCKS, seed=6)
     case["sm_scale"] *= 10.0
@@ -269,7 +272,7 @@ def test_default_configurations_are_precompiled():
     assert picks == {("n64", False): ("warpgroup", 2), ("n64", True): ("warpgroup", 2),
                      ("n128", False): ("warpgroup", 2), ("n128", True): ("warpgroup", 2),
                      ("n256", False): ("warp", 2), ("n256", True): ("warp", 2)}
-    assert default_stages("n128", "cta") == 3
+    assert default_stages("n128", "cta") == 3 and default_stages("n128", "overlap") == 3
 
 
 @pytest.mark.parametrize("bad", ["n128", "n128:two:warp", "n128:2"])
