@@ -102,12 +102,21 @@ here so that the decode kernel is untouched:
     long as P, the sums and O^T share it; P <= 2^8 stays far inside fp16. The row sums stay per lane
     (``[8, N]``: the mma accumulator gives a lane the rows ``i % 8 == g`` of its columns) and are summed
     over the lanes once, at the end. So the common block step has no reduction across lanes at all
-    (``test_warp_offsets_move_with_sharp_scores`` makes the offsets move). wgmma cannot split M = 64
+    (``test_lazy_offsets_move_with_sharp_scores`` makes the offsets move). wgmma cannot split M = 64
     over one warp, so this schedule compiles with ``tl.disable_wgmma`` to ``mma.sp.sync`` (m16n8k32) /
     ``mma.sync``: the paper's Ada design. Same 2:4 metadata layout as ``wgmma.sp``. 32 columns a warp
     halve the per-column cost of what a warp does once per block whatever its width (the A operand and
     2:4 metadata loads, the stage wait, the step's control): n256 issued 1073 instructions a warp per block step
     for 32 columns where n128 issued 728 for 16 (both before the lazy offset; n256 now issues 861).
+  - ``"overlap"`` (opt-in, 3 stages): the lazy warpgroup schedule with FA3's intra-warpgroup overlap.
+    Block step j issues ``S^T(j)`` and then block j - 1's ``O^T`` GEMM as asynchronous ``wgmma`` groups
+    (``T.wgmma_gemm(_sp)``) and waits for the first only (``wgmma.wait_group 1``), so the ``O^T`` GEMM
+    runs under block j's softmax; a rare offset move waits for it first. ``P^T(j)`` overwrites ``P_s``
+    once every warp's ``O^T`` GEMM has read it (one more warpgroup barrier), and a stage is refilled
+    one step later than in the other schedules (block j - 1's V is read during step j). Same-process
+    A/B at 64 new tokens: 1.090x (S = 1/1) and 1.142x (S_K = 0) against 1.027x / 1.025x for the default
+    plan (``bench_extend_overlap_ab_h100.log``). Not a default yet: its GPU tests have not run on the
+    device.
 * **Fast math** (``tl.enable_fast_math``): ``exp2f`` is then one ``MUFU.EX2``; the IEEE path added a
   range test and two multiplies to every exponential (96 of 728 instructions a warp issued per step).
 * **Bug work-arounds (0.1.11)**, as decode: ``T.fence_proxy_async()`` after ``P^T`` and ``Q`` are written
@@ -364,24 +373,29 @@ def build_extend_prim_func(
         else:
             T.sync_threads()
 
+    # The GEMM operators of a block: synchronous (T.gemm / T.gemm_sp), or issued without a wait (the
+    # overlap schedule: T.wgmma_gemm / T.wgmma_gemm_sp, one wgmma group each).
+    SYNC_GEMMS = (T.gemm, T.gemm_sp)
+    ASYNC_GEMMS = (T.wgmma_gemm, T.wgmma_gemm_sp)
+
     @T.macro
-    def gemm_s(md, Q_s, kd, ks, ke, sT):
+    def gemm_s(md, Q_s, kd, ks, ke, sT, dense, sparse):
         # S^T = K·Q^T for one block, dense or 2:4 by the block's K mode.
         if k_sparse:
             if (md & 3) == 2:
-                T.gemm_sp(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+                sparse(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
             else:
-                T.gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+                dense(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
         else:
-            T.gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+            dense(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
 
     @T.macro
-    def gemm_o(vmode, P_s, vd, vs, ve, oT):
+    def gemm_o(vmode, P_s, vd, vs, ve, oT, dense, sparse):
         # O^T += V^T·P^T for one block, dense or 2:4 by the block's V mode.
         if vmode == 2:
-            T.gemm_sp(vs, T.view(ve, [D, B // 16]), P_s, oT, policy=POL)
+            sparse(vs, T.view(ve, [D, B // 16]), P_s, oT, policy=POL)
         else:
-            T.gemm(vd, P_s, oT, transpose_A=True, policy=POL)
+            dense(vd, P_s, oT, transpose_A=True, policy=POL)
 
     @T.macro
     def lane_column_max(P_s, sT, mx):
@@ -520,30 +534,10 @@ def build_extend_prim_func(
     @T.macro
     def compute(first, jj, jm, qlast, tv, scale2, md, Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs,
                 msc_sh, rs_sh, m_run, mx, pmax):
-        gemm_s(md, Q_s, kd, ks, ke, sT)
+        gemm_s(md, Q_s, kd, ks, ke, sT, *SYNC_GEMMS)
         softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
         rescale_store_p(P_s, sT, oT, rs)
-        gemm_o(md >> 2, P_s, vd, vs, ve, oT)
-
-    @T.macro
-    def gemm_s_async(md, Q_s, kd, ks, ke, sT):
-        # Overlap schedule: gemm_s issued without waiting (wgmma(.sp) committed as one group).
-        if k_sparse:
-            if (md & 3) == 2:
-                T.wgmma_gemm_sp(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True,
-                                policy=POL)
-            else:
-                T.wgmma_gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
-        else:
-            T.wgmma_gemm(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
-
-    @T.macro
-    def gemm_o_async(vmode, P_s, vd, vs, ve, oT):
-        # Overlap schedule: gemm_o issued without waiting.
-        if vmode == 2:
-            T.wgmma_gemm_sp(vs, T.view(ve, [D, B // 16]), P_s, oT, policy=POL)
-        else:
-            T.wgmma_gemm(vd, P_s, oT, transpose_A=True, policy=POL)
+        gemm_o(md >> 2, P_s, vd, vs, ve, oT, *SYNC_GEMMS)
 
     @T.macro
     def compute_overlap(first, jj, jm, qlast, tv, scale2, md, j, Q_s, P_s, kd, ks, ke, vdp, vsp, vep, ebarp,
@@ -553,9 +547,9 @@ def build_extend_prim_func(
         # runs under block j's softmax; the softmax's rare offset move waits for it first (it rescales
         # O^T and reuses P_s). Then the O^T GEMM is waited for, block j - 1's stage released, and P^T(j)
         # written once every warp's GEMM has read P_s. The last block's O^T GEMM follows the loop.
-        gemm_s_async(md, Q_s, kd, ks, ke, sT)
+        gemm_s(md, Q_s, kd, ks, ke, sT, *ASYNC_GEMMS)
         if j >= 1:
-            gemm_o_async(mdp[0] >> 2, P_s, vdp, vsp, vep, oT)
+            gemm_o(mdp[0] >> 2, P_s, vdp, vsp, vep, oT, *ASYNC_GEMMS)
             T.wait_wgmma(1)
         else:
             T.wait_wgmma(0)
@@ -574,7 +568,7 @@ def build_extend_prim_func(
         # After the loop: the O^T GEMM of the last block (its stage is s).
         if n >= 1:
             if (n - 1) % stages == s:
-                gemm_o(mdp[0] >> 2, P_s, vd, vs, ve, oT)
+                gemm_o(mdp[0] >> 2, P_s, vd, vs, ve, oT, *SYNC_GEMMS)
 
     @T.macro
     def guarded_issue(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, ebar,
