@@ -35,8 +35,8 @@ here so that the decode kernel is untouched:
   first issued several steps later (after a barrier). The two dependent index loads are paid once per
   pass, and a CTA can walk any number of blocks (no split is forced by long prefixes).
 * **Softmax (CTA schedule): lane max, fragment exponentials.** TileLang's fragment reductions over
-  the token (M) axis of ``S^T`` cost two CTA barriers per column held by a thread (16 columns at N = 64 per warpgroup), and
-  their batched form indexes its workspace wrongly with two warpgroups (``workspace_stride`` = 128 for
+  the token (M) axis of ``S^T`` cost two CTA barriers per column held by a thread (16 columns at
+  N = 64 per warpgroup), and their batched form indexes its workspace wrongly with two warpgroups (``workspace_stride`` = 128 for
   a 256-thread CTA: warpgroup 1's slot i is warpgroup 0's slot i + 1). So each block step stores
   ``S^T`` in ``P_s`` (the kernel's 16-bit type, clamped to +-6e4 (fp16) / 1e30 (bf16): masked keys stay
   finite there, fp16 cannot overflow), two consecutive lanes own a column and take its max (32 rows
@@ -126,9 +126,10 @@ here so that the decode kernel is untouched:
   the refilled stage, ``P_s`` and the index ring), after ``S^T`` is stored, after the column statistics
   are published, after ``P^T`` is written (the other schedules: see above).
 * **Occupancy** (shared memory, d 128): n128 with 3 stages ~205 KB (one CTA, 8 warps per SM; 202
-  registers, no spills; 222 in the warp schedule, 234 per warpgroup); n256 with 2 stages ~196 KB (one CTA, 8 warps; 255
-  registers, no spills); n64 with 2 stages ~128 KB, or ~110 KB without 2:4 K buffers (two CTAs per
-  SM). Registers hold n128 and n256 to one CTA per SM in every schedule.
+  registers, no spills; 222 in the warp schedule, 234 per warpgroup, 240 overlapped); n256 with 2
+  stages ~196 KB (one CTA, 8 warps; 255 registers, no spills); n64 with 2 stages ~128 KB, or ~110 KB
+  without 2:4 K buffers (two CTAs per SM). Registers hold n128 and n256 to one CTA per SM in every
+  schedule.
 * One launch per call, no host synchronisation: tile ids, splits, masks and empty splits are computed in
   the kernel from ``qo_indptr`` and ``seq_lens`` on the GPU; scratch grows on demand (``torch.empty`` /
   ``torch.zeros`` only). Empty pools are replaced by one-row dummies (a TMA descriptor cannot describe a
@@ -605,8 +606,8 @@ def build_extend_prim_func(
                     if T.get_thread_binding() < 32:
                         if j >= 1 + lag:
                             T.barrier_wait(ebar2, eparity)
-                        load(j + stages - 1 - lag, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
-                             KC, VC, KD, KV, KM, VD, VV, VM)
+                        load(j + stages - 1 - lag, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2,
+                             bar2, KC, VC, KD, KV, KM, VD, VV, VM)
                 else:
                     load(j + stages - 1, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
                          KC, VC, KD, KV, KM, VD, VV, VM)
@@ -701,7 +702,8 @@ def build_extend_prim_func(
             mx = T.alloc_fragment([N], accum) if warp else T.alloc_local([1], accum)
             # Lazy offsets: this lane's largest scores, in independent chains.
             pmax = T.alloc_local([PCH], accum) if warp else (T.alloc_local([PCHW], accum) if lazy else None)
-            mdp = T.alloc_local([1], "int32") if overlap else None  # the mode of the block whose O^T GEMM is pending
+            # Overlap schedule: the mode of the block whose O^T GEMM is pending.
+            mdp = T.alloc_local([1], "int32") if overlap else None
             tid = T.get_thread_binding()
             # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
             # with their bounds checks, at every use).
