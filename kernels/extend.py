@@ -36,8 +36,9 @@ here so that the decode kernel is untouched:
   pass, and a CTA can walk any number of blocks (no split is forced by long prefixes).
 * **Softmax (CTA schedule): lane max, fragment exponentials.** TileLang's fragment reductions over
   the token (M) axis of ``S^T`` cost two CTA barriers per column held by a thread (16 columns at
-  N = 64 per warpgroup), and their batched form indexes its workspace wrongly with two warpgroups (``workspace_stride`` = 128 for
-  a 256-thread CTA: warpgroup 1's slot i is warpgroup 0's slot i + 1). So each block step stores
+  N = 64 per warpgroup), and their batched form indexes its workspace wrongly with two warpgroups
+  (``workspace_stride`` = 128 for a 256-thread CTA: warpgroup 1's slot i is warpgroup 0's slot i + 1).
+  So each block step stores
   ``S^T`` in ``P_s`` (the kernel's 16-bit type, clamped to +-6e4 (fp16) / 1e30 (bf16): masked keys stay
   finite there, fp16 cannot overflow), two consecutive lanes own a column and take its max (32 rows
   each + one shuffle, decode's lane softmax), and publish the scaled offset and the rescale factor in
