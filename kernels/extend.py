@@ -620,8 +620,8 @@ def build_extend_prim_func(
                                 kd, ks, ke, vdp, vsp, vep, ebarp, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run,
                                 mx, pmax, mdp)
             else:
-                compute((j == 0) if warp or lazy else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB], Q_s,
-                        P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
+                compute((j == 0) if warp or lazy else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB],
+                        Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
                 if wg_sync:
                     T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
