@@ -928,6 +928,9 @@ class HieraSparseExtend:
             raise ValueError(f"sync must be 'auto' or one of {SYNCS}, got {sync!r}")
         if tile == "n256" and sync not in ("auto", "warp"):
             raise ValueError(f"tile 'n256' runs only with sync='warp' (or 'auto'), got sync={sync!r}")
+        if sync == "overlap" and stages is not None and stages < 3:
+            raise ValueError(f"sync='overlap' needs 3 or more stages (a stage is read one step longer), "
+                             f"got {stages}")
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
         self.block_size, self.max_blocks, self.group = block_size, max_blocks, group
         self.dtype, self.device = dtype, torch.device(device)

@@ -283,9 +283,13 @@ def test_bench_rejects_malformed_variant(bad):
     assert err.value.code == 2
 
 
-def test_plan_rejects_n256_without_the_warp_schedule():
-    """n256 has one warp per 32 columns, so only the warp schedule builds it: the plan says so up front
-    (a one-line ValueError) instead of failing an assertion at the first call's compile."""
+def test_plan_rejects_schedules_it_cannot_build():
+    """n256 has one warp per 32 columns, so only the warp schedule builds it, and the overlap schedule
+    needs 3 stages: the plan says so up front (a one-line ValueError) instead of failing an assertion at
+    the first call's compile."""
     with pytest.raises(ValueError, match="n256"):
         HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n256", sync="cta")
     assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n256").sync == "auto"
+    with pytest.raises(ValueError, match="3 or more stages"):
+        HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", sync="overlap", stages=2)
+    assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", sync="overlap").stages is None
