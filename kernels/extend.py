@@ -440,9 +440,23 @@ def build_extend_prim_func(
                 sT[i, c] = T.if_then_else(jj * B + i <= qlast - T.max(tv - 1 - c // G, 0), sT[i, c], NEG)
 
     @T.macro
+    def lazy_scores(first, scale2, sT, msc, pmax, chains, chain_of):
+        # Lazy offset, first half: the scores against the columns' current (scaled) offsets msc, and
+        # the lane's largest of them in pmax[0] (kept in ``chains`` independent chains, chain_of(c) for
+        # column c; LAZY + LAZY on the CTA's first block, so that its offsets are always set).
+        for k in T.unroll(chains):
+            pmax[k] = T.if_then_else(first, LAZY + LAZY, NEG)
+        for i, c in T.Parallel(B, N):
+            sT[i, c] = sT[i, c] * scale2 - msc[c]  # masked keys stay -inf
+            pmax[chain_of(c)] = T.max(pmax[chain_of(c)], sT[i, c])
+        for k in T.unroll(1, chains):
+            pmax[0] = T.max(pmax[0], pmax[k])
+
+    @T.macro
     def softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax):
         # Turn S^T into the block's unnormalised P^T (in sT) and update the row sums (lacc). The O^T
-        # rescale factors go to rs: the warp schedule applies them here, the others in rescale_store_p.
+        # rescale factors go to rs: the lazy schedules (warp, warpgroup) apply them here, when their
+        # offsets move; the CTA schedule in rescale_store_p.
         causal_mask(jj, jm, qlast, tv, sT)
         if warp:
             # A column's tokens are all in one warp. Lazy offset (FA4's conditional rescale): the scores
@@ -452,13 +466,7 @@ def build_extend_prim_func(
             # and O^T share the offset), P <= 2^LAZY stays far inside fp16, and the common block step has
             # no max reduction, no per-column statistics and no O^T rescale.
             # The largest score of the lane, in PCH independent chains (one per column of the lane).
-            for k in T.unroll(PCH):
-                pmax[k] = T.if_then_else(first, LAZY + LAZY, NEG)
-            for i, c in T.Parallel(B, N):
-                sT[i, c] = sT[i, c] * scale2 - msc[c]  # masked keys stay -inf
-                pmax[lane_col(c)] = T.max(pmax[lane_col(c)], sT[i, c])
-            for k in T.unroll(1, PCH):
-                pmax[0] = T.max(pmax[0], pmax[k])
+            lazy_scores(first, scale2, sT, msc, pmax, PCH, lane_col)
             if T.any_sync(T.if_then_else(pmax[0] > LAZY, 1, 0)) != 0:
                 T.reduce_max(sT, mx, dim=0, clear=True)
                 for c in T.Parallel(N):
@@ -483,15 +491,8 @@ def build_extend_prim_func(
         elif lazy:
             # The warp schedule's lazy offset, with a column's tokens spread over the 4 warps of a
             # warpgroup: the vote is a warpgroup barrier reduction (bar.red.or), and the rare move takes
-            # the column max through P_s (lane max, as lane_max_stats).
-            for k in T.unroll(PCHW):
-                pmax[k] = T.if_then_else(first, LAZY + LAZY, NEG)
-            for i, c in T.Parallel(B, N):
-                sT[i, c] = sT[i, c] * scale2 - msc[c]  # masked keys stay -inf
-                pmax[c // 8 % (PCHW // 2) * 2 + c % 2] = T.max(pmax[c // 8 % (PCHW // 2) * 2 + c % 2],
-                                                               sT[i, c])
-            for k in T.unroll(1, PCHW):
-                pmax[0] = T.max(pmax[0], pmax[k])
+            # the column max through P_s (lane_column_max).
+            lazy_scores(first, scale2, sT, msc, pmax, PCHW, lambda c: c // 8 % (PCHW // 2) * 2 + c % 2)
             if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(pmax[0] > LAZY, 1, 0),
                              12 + T.get_thread_binding() // 128) != 0:
                 if overlap:
@@ -523,8 +524,8 @@ def build_extend_prim_func(
 
     @T.macro
     def rescale_store_p(P_s, sT, oT, rs):
-        # O^T *= rescale (the warp schedule rescales in softmax, only when its offsets move), then P^T to
-        # shared memory as the B operand of the next O^T GEMM.
+        # O^T *= rescale (the lazy schedules rescale in softmax, only when their offsets move), then P^T
+        # to shared memory as the B operand of the next O^T GEMM.
         if not warp and not lazy:
             for d, c in T.Parallel(D, N):
                 oT[d, c] *= rs[c]
@@ -560,9 +561,7 @@ def build_extend_prim_func(
         if j >= 1:
             T.barrier_arrive(ebarp)  # block j - 1's stage: this thread's O^T GEMM on it is complete
         group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_s
-        T.copy(sT, P_s)
-        T.fence_proxy_async()
-        group_barrier()
+        rescale_store_p(P_s, sT, oT, rs)
         mdp[0] = md
 
     @T.macro
@@ -614,7 +613,7 @@ def build_extend_prim_func(
                          KC, VC, KD, KV, KM, VD, VV, VM)
                 T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
-            # First argument: the CTA's first block (only the warp schedule's softmax asks).
+            # First argument: the CTA's first block (only the lazy schedules' softmax asks).
             if overlap:
                 compute_overlap(j == 0, start + j, jm, qlast, tv, scale2, mode_s[j % RB], j, Q_s, P_s,
                                 kd, ks, ke, vdp, vsp, vep, ebarp, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run,
