@@ -204,8 +204,10 @@ SYNCS = ("cta", "warpgroup", "warp", "overlap")
 
 def default_sync(tile: str, k_sparse: bool) -> str:
     """The schedule ``sync="auto"`` takes, the fastest measured on the H100 (``--variant`` runs of the
-    extend and prefill benchmarks): per warpgroup (lazy offsets), except n256: per warp (its only one)."""
-    return "warp" if tile == "n256" else "warpgroup"
+    extend and prefill benchmarks, ``bench_extend_variants_overlap_h100.log``): n128 overlapped (3
+    stages, one CTA per SM), n64 per warpgroup (2 stages, two CTAs per SM: its overlapped form with 3
+    stages fits one and ran at 0.6x), n256 per warp (its only schedule)."""
+    return {"n256": "warp", "n128": "overlap"}.get(tile, "warpgroup")
 
 
 def default_stages(tile: str, sync: str = "cta") -> int:
@@ -948,22 +950,18 @@ class HieraSparseExtend:
         self.last_config = None  # tile, stages, k_sparse, num_splits, tile ids and sync of the last call
 
     # ------------------------------------------------------------------------------ configuration
-    def pick_tile(self, total_tokens: int, batch: int, k_sparse: bool = True) -> str:
+    def pick_tile(self, total_tokens: int, batch: int) -> str:
         """The tile of a call, by the average request's query columns (tokens x GQA group), as measured
-        fastest on the H100 (``--variant`` runs of the extend benchmark): n64 up to 64 columns; n128 up
-        to 256 (two tiles a request); above, n256 (warp schedule) with 2:4 K rows, else n64 (two CTAs
-        per SM fit). A forced ``sync`` keeps the tiles it can run: per warp, n128 up to 128 columns and
-        n256 above; per warpgroup or CTA, n128."""
+        fastest on the H100 (``--variant`` runs of the extend and prefill benchmarks): n64 up to 64
+        columns (one tile a request), n128 above, with or without 2:4 K rows (overlapped, it beat n256
+        per warp and n64 per warpgroup from 256 columns to a 32K prefill). A forced ``sync="warp"``
+        takes n256 above 128 columns."""
         if self.tile != "auto":
             return self.tile
         cols = -(-total_tokens // max(batch, 1)) * self.group
         if cols <= 64:
             return "n64"
-        if self.sync == "warp":
-            return "n128" if cols <= 128 else "n256"
-        if cols <= 256 or self.sync != "auto":
-            return "n128"
-        return "n256" if k_sparse else "n64"
+        return "n256" if self.sync == "warp" and cols > 128 else "n128"
 
     def pick_sync(self, tile: str, k_sparse: bool) -> str:
         return default_sync(tile, k_sparse) if self.sync == "auto" else self.sync
@@ -1009,7 +1007,7 @@ class HieraSparseExtend:
         if total == 0 or bs == 0:
             return (out, lse) if return_lse else out
         k_sparse = k_values.numel() > 0
-        tile = self.pick_tile(total, bs, k_sparse)
+        tile = self.pick_tile(total, bs)
         kernel, stages, sync = self.kernel(tile, k_sparse)
         tq = TILES[tile][0] // self.group
         nt = tile_count(total, bs, tq)
@@ -1060,6 +1058,8 @@ PRECOMPILE = [
     (8, 2, 64, "bfloat16", "n128", 2, True, "warp"),
     (16, 2, 128, "bfloat16", "n256", 2, True, "warp"), (8, 2, 64, "bfloat16", "n256", 2, True, "warp"),
     (8, 2, 64, "float16", "n64", 2, False, "warpgroup"), (8, 2, 64, "bfloat16", "n128", 2, True, "warpgroup"),
+    (16, 2, 128, "bfloat16", "n128", 3, True, "overlap"), (8, 2, 64, "float16", "n128", 3, False, "overlap"),
+    (8, 2, 64, "float16", "n128", 3, True, "overlap"),
 ]
 
 

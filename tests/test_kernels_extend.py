@@ -46,9 +46,13 @@ SMALL = [
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="warpgroup")),
     (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64", sync="warpgroup")),
     (8, 2, 64, torch.bfloat16, 1.0, 0.5, dict(tile="n128", sync="warpgroup")),
-    # The overlap schedule (warpgroup, O^T GEMM of block j - 1 under block j's softmax, 3 stages).
+    # The overlap schedule (warpgroup, O^T GEMM of block j - 1 under block j's softmax, 3 stages; the
+    # default at n128): GQA 4 and 8, d 128 and 64 (the tiny server model's shape), fp16 and bf16.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="overlap")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
+    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="overlap")),
+    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
+    (8, 2, 64, torch.float16, 1.0, 0.5, dict(tile="n128", sync="overlap")),
     # One warp per column group (mma.sync): n64 and n128, with and without 2:4 K buffers, d 128 and 64.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warp")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warp")),
@@ -168,6 +172,7 @@ def test_dense_equals_dense_attention_and_flashinfer(tile):
 @pytest.mark.parametrize("sk,sv,tile,sync", [(1.0, 1.0, "n128", "cta"), (1.0, 1.0, "n64", "cta"),
                                              (0.0, 1.0, "n128", "cta"), (0.5, 0.5, "n128", "cta"),
                                              (1.0, 1.0, "n128", "warpgroup"), (0.0, 1.0, "n64", "warpgroup"),
+                                             (1.0, 1.0, "n128", "overlap"), (0.0, 1.0, "n128", "overlap"),
                                              (1.0, 1.0, "n128", "warp"), (0.0, 1.0, "n64", "warp"),
                                              (0.5, 0.5, "n256", "warp")])
 def test_sparse_matches_decompressed(sk, sv, tile, sync):
@@ -211,7 +216,7 @@ def test_benchmark_shape_auto_plan():
                                   magnitude=False, shuffle=False)
     plan = _plan(case)
     out = plan.run(*bench.extend_run_args(case))
-    assert plan.last_config["tile"] == "n128" and plan.last_config["sync"] == "warpgroup"
+    assert plan.last_config["tile"] == "n128" and plan.last_config["sync"] == "overlap"
     paged = _dense_check(case, out)
     _flashinfer_check(case, paged, out)
 
@@ -250,19 +255,18 @@ def test_tile_ids_and_split_heuristic():
     assert 16 * 8 * s >= 132 * 0.9
     assert choose_num_splits(512 * 8, 8, 544, 132, 1) == 1
     plan = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda")
-    assert plan.pick_tile(8 * 16, 8) == "n64" and plan.pick_tile(8 * 32, 8) == "n128"
-    assert plan.pick_tile(8 * 64, 8) == "n128" and plan.pick_tile(8 * 65, 8) == "n256"
-    assert plan.pick_tile(32768, 1) == "n256" and plan.pick_tile(32768, 1, k_sparse=False) == "n64"
+    assert plan.pick_tile(8 * 16, 8) == "n64" and plan.pick_tile(8 * 17, 8) == "n128"
+    assert plan.pick_tile(8 * 65, 8) == "n128" and plan.pick_tile(32768, 1) == "n128"
     warp = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda", sync="warp")
-    assert warp.pick_tile(8 * 32, 8) == "n128" and warp.pick_tile(8 * 64, 8, k_sparse=False) == "n256"
+    assert warp.pick_tile(8 * 32, 8) == "n128" and warp.pick_tile(8 * 33, 8) == "n256"
     wg = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda", sync="warpgroup")
     assert wg.pick_tile(8 * 64, 8) == "n128"
 
 
 def test_default_configurations_are_precompiled():
     """What ``sync="auto"`` picks for the benchmark's shape is in PRECOMPILE (a device run loads it from
-    TileLang's cache), and the picks follow the measured order: n64 and n128 per warpgroup, n256 per
-    warp, 2 stages."""
+    TileLang's cache), and the picks follow the measured order: n64 per warpgroup (2 stages), n128
+    overlapped (3 stages), n256 per warp (2 stages)."""
     picks = {}
     for tile in TILES:
         for k_sparse in (False, True):
@@ -270,7 +274,7 @@ def test_default_configurations_are_precompiled():
             picks[tile, k_sparse] = (sync, default_stages(tile, sync))
             assert (32, 8, 128, "float16", tile, default_stages(tile, sync), k_sparse, sync) in PRECOMPILE
     assert picks == {("n64", False): ("warpgroup", 2), ("n64", True): ("warpgroup", 2),
-                     ("n128", False): ("warpgroup", 2), ("n128", True): ("warpgroup", 2),
+                     ("n128", False): ("overlap", 3), ("n128", True): ("overlap", 3),
                      ("n256", False): ("warp", 2), ("n256", True): ("warp", 2)}
     assert default_stages("n128", "cta") == 3 and default_stages("n128", "overlap") == 3
 
