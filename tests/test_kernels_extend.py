@@ -46,10 +46,14 @@ SMALL = [
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="warpgroup")),
     (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64", sync="warpgroup")),
     (8, 2, 64, torch.bfloat16, 1.0, 0.5, dict(tile="n128", sync="warpgroup")),
-    # The overlap schedule (warpgroup, O^T GEMM of block j - 1 under block j's softmax, 3 stages; the
-    # default at n128): GQA 4 and 8, d 128 and 64 (the tiny server model's shape), fp16 and bf16.
+    # The overlap schedule (warpgroup, O^T GEMM of block j - 1 under block j's softmax; the default at
+    # n64 and n128, 2 stages, and n128 with 3): GQA 4 and 8, d 128 and 64 (the tiny server model's
+    # shape), fp16 and bf16.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="overlap")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
+    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", stages=3, sync="overlap")),
+    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64", sync="overlap")),
+    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64", sync="overlap")),
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="overlap")),
     (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
     (8, 2, 64, torch.float16, 1.0, 0.5, dict(tile="n128", sync="overlap")),
@@ -173,6 +177,7 @@ def test_dense_equals_dense_attention_and_flashinfer(tile):
                                              (0.0, 1.0, "n128", "cta"), (0.5, 0.5, "n128", "cta"),
                                              (1.0, 1.0, "n128", "warpgroup"), (0.0, 1.0, "n64", "warpgroup"),
                                              (1.0, 1.0, "n128", "overlap"), (0.0, 1.0, "n128", "overlap"),
+                                             (0.0, 1.0, "n64", "overlap"),
                                              (1.0, 1.0, "n128", "warp"), (0.0, 1.0, "n64", "warp"),
                                              (0.5, 0.5, "n256", "warp")])
 def test_sparse_matches_decompressed(sk, sv, tile, sync):
@@ -190,7 +195,8 @@ def test_sparse_matches_decompressed(sk, sv, tile, sync):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile,sync", [("n64", "warp"), ("n128", "warp"), ("n256", "warp"),
-                                       ("n64", "warpgroup"), ("n128", "warpgroup"), ("n128", "overlap")])
+                                       ("n64", "warpgroup"), ("n128", "warpgroup"), ("n64", "overlap"),
+                                       ("n128", "overlap")])
 def test_lazy_offsets_move_with_sharp_scores(tile, sync):
     """The lazy softmax offset (warp, warpgroup and overlap schedules) moves only when a score passes it
     by more than 2^8. At ten times the usual scale the scores have a standard deviation of about 14 in
@@ -265,18 +271,18 @@ def test_tile_ids_and_split_heuristic():
 
 def test_default_configurations_are_precompiled():
     """What ``sync="auto"`` picks for the benchmark's shape is in PRECOMPILE (a device run loads it from
-    TileLang's cache), and the picks follow the measured order: n64 per warpgroup (2 stages), n128
-    overlapped (3 stages), n256 per warp (2 stages)."""
+    TileLang's cache), and the picks follow the measured order: n64 and n128 overlapped, n256 per warp,
+    2 stages."""
     picks = {}
     for tile in TILES:
         for k_sparse in (False, True):
             sync = default_sync(tile, k_sparse)
             picks[tile, k_sparse] = (sync, default_stages(tile, sync))
             assert (32, 8, 128, "float16", tile, default_stages(tile, sync), k_sparse, sync) in PRECOMPILE
-    assert picks == {("n64", False): ("warpgroup", 2), ("n64", True): ("warpgroup", 2),
-                     ("n128", False): ("overlap", 3), ("n128", True): ("overlap", 3),
+    assert picks == {("n64", False): ("overlap", 2), ("n64", True): ("overlap", 2),
+                     ("n128", False): ("overlap", 2), ("n128", True): ("overlap", 2),
                      ("n256", False): ("warp", 2), ("n256", True): ("warp", 2)}
-    assert default_stages("n128", "cta") == 3 and default_stages("n128", "overlap") == 3
+    assert default_stages("n128", "cta") == 3 and default_stages("n128", "warpgroup") == 2
 
 
 @pytest.mark.parametrize("bad", ["n128", "n128:two:warp", "n128:2"])
@@ -288,12 +294,8 @@ def test_bench_rejects_malformed_variant(bad):
 
 
 def test_plan_rejects_schedules_it_cannot_build():
-    """n256 has one warp per 32 columns, so only the warp schedule builds it, and the overlap schedule
-    needs 3 stages: the plan says so up front (a one-line ValueError) instead of failing an assertion at
-    the first call's compile."""
+    """n256 has one warp per 32 columns, so only the warp schedule builds it: the plan says so up front
+    (a one-line ValueError) instead of failing an assertion at the first call's compile."""
     with pytest.raises(ValueError, match="n256"):
         HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n256", sync="cta")
     assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n256").sync == "auto"
-    with pytest.raises(ValueError, match="3 or more stages"):
-        HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", sync="overlap", stages=2)
-    assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", sync="overlap").stages is None
