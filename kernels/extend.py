@@ -109,17 +109,17 @@ here so that the decode kernel is untouched:
     halve the per-column cost of what a warp does once per block whatever its width (the A operand and
     2:4 metadata loads, the stage wait, the step's control): n256 issued 1073 instructions a warp per block step
     for 32 columns where n128 issued 728 for 16 (both before the lazy offset; n256 now issues 861).
-  - ``"overlap"`` (the default at n128, 3 stages): the lazy warpgroup schedule with FA3's
+  - ``"overlap"`` (the default at n64 and n128, 2 stages): the lazy warpgroup schedule with FA3's
     intra-warpgroup overlap. Block step j issues ``S^T(j)`` and then block j - 1's ``O^T`` GEMM as
     asynchronous ``wgmma`` groups (``T.wgmma_gemm(_sp)``) and waits for the first only
     (``wgmma.wait_group 1``), so the ``O^T`` GEMM runs under block j's softmax; a rare offset move
     waits for it first. ``P^T(j)`` overwrites ``P_s`` once every warp's ``O^T`` GEMM has read it (one
     more warpgroup barrier). The stage of step j holds K of block j and V of block j - 1 (V loads run
-    one block behind K), so both GEMMs of a step read one stage, which is free when the step ends, and
-    3 stages keep two steps of loads in flight; the last block's V is a stage item of its own, read by
-    one more ``O^T`` GEMM after the loop. (Holding K and V of a block in one stage instead kept the
-    stage until step j + 1 and so one step of loads in flight: ncu put 14% of the warps' stall samples
-    on the wait for a stage's TMA loads, ``ncu_extend_h100.txt``.)
+    one block behind K), so both GEMMs of a step read one stage, which is free when the step ends: S
+    stages keep S - 1 steps of loads in flight. The last block's V is a stage item of its own, read by
+    one more ``O^T`` GEMM after the loop. (Holding K and V of a block in one stage kept the stage until
+    step j + 1, so 3 stages were needed for one step of loads in flight; with 2 stages now the kernel
+    is smaller and faster, see "What bounds it" below.)
 * **Fast math** (``tl.enable_fast_math``): ``exp2f`` is then one ``MUFU.EX2``; the IEEE path added a
   range test and two multiplies to every exponential (96 of 728 instructions a warp issued per step).
 * **Bug work-arounds (0.1.11)**, as decode: ``T.fence_proxy_async()`` after ``P^T`` and ``Q`` are written
@@ -128,62 +128,49 @@ here so that the decode kernel is untouched:
   thread TMA branches) and the kernel places its barriers itself: at the top of each block step (WAR on
   the refilled stage, ``P_s`` and the index ring), after ``S^T`` is stored, after the column statistics
   are published, after ``P^T`` is written (the other schedules: see above).
-* **Occupancy** (shared memory, d 128): n128 with 3 stages ~205 KB (one CTA, 8 warps per SM; 202
-  registers, no spills; 222 in the warp schedule, 234 per warpgroup, 240 overlapped); n256 with 2
-  stages ~196 KB (one CTA, 8 warps; 255 registers, no spills); n64 with 2 stages ~128 KB, or ~110 KB
-  without 2:4 K buffers (two CTAs per SM). Registers hold n128 and n256 to one CTA per SM in every
-  schedule.
+* **Occupancy** (shared memory, d 128): n128 with 2 stages ~154 KB (~136 KB without 2:4 K buffers),
+  with 3 ~204 KB (one CTA, 8 warps per SM; 202 registers, no spills; 222 in the warp schedule, 234
+  per warpgroup, 240 overlapped); n256 with 2 stages ~196 KB (one CTA, 8 warps; 255 registers, no
+  spills); n64 with 2 stages ~127 KB, or ~109 KB without 2:4 K buffers (two CTAs per SM). Registers
+  hold n128 and n256 to one CTA per SM in every schedule.
 * One launch per call, no host synchronisation: tile ids, splits, masks and empty splits are computed in
   the kernel from ``qo_indptr`` and ``seq_lens`` on the GPU; scratch grows on demand (``torch.empty`` /
   ``torch.zeros`` only). Empty pools are replaced by one-row dummies (a TMA descriptor cannot describe a
   zero-length tensor). Not CUDA-graph safe across changing batch shapes (the grid and scratch views
   follow ``q.shape`` and ``bs``); one call at a time per plan (scratch and tickets are per plan).
 
-Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 45/45 on the GPU; ``python -m
+Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 58/58 on the GPU; ``python -m
 sglang_hs.kernels.bench --kernel extend --quick`` (and ``--kernel prefill``), batch 8 x 32K prefix,
 32/8 heads, d 128, fp16, against FlashInfer's paged prefill (fa2) over the same pruned KV in the same
 process, the two timed in alternation; ``launch/results/kernels_h100.json``), with the default plans
-(``HieraSparseExtend.pick_tile`` and ``default_sync``: n64 up to 64 query columns a request and n128
-up to 256, per warpgroup; above, n256 per warp with 2:4 K rows, n64 per warpgroup without; 2
-stages). S_K = 0, S_V = 1: 1.02x at 16 new tokens, 1.05x at 64, 1.03x at 256, 1.02x at 1024, 1.08x
-at 2048; S_K = S_V = 1: 0.95x, 1.03x, 1.03x, 1.00x, 1.01x; full prefill of 32K tokens over
-compressed KV 1.03x / 1.01x. So **the kernel is about level with FlashInfer at S_K = S_V = 1 from 64
-new tokens up, a few percent ahead at S_K = 0**, and 5% slower at 16 tokens, S = 1/1. The tiles and
-schedules were chosen from ``--variant`` runs that time them side by side
-(``bench_extend_variants_lazy_wg_h100.log``; variants are medians of 5 and vary by a few percent
-between runs: n128 per warpgroup at 64 tokens measured 1.070x / 1.137x there, 1.034x / 1.048x as the
-default in the final run). (The steps one by one, with the figures before each, are in
-``bench_extend_tiles_h100.log``: fast math, n256, the warp-vote rescale skip and the descending tile
-order took S = 1/1 at 64 tokens from 0.76x to 0.90x and the prefill from 0.73x to 0.92x; the lazy
-offset and the per-lane row sums to 0.98x and 1.01x; the parallel split merge to 1.03x at 64 tokens,
-0.955x -> 1.041x in one process, ``bench_extend_merge_h100.log``; the lazy offset in the warpgroup
-schedule then made n128 per warpgroup the fastest at 64 tokens.) The analysis below is of the n256
-warp schedule at 64 new tokens, S = 1/1 (~335 TFLOP/s dense-equivalent, FlashInfer ~327). ncu of the
-kernel before the split merge (~320 TFLOP/s; ``python -m
-sglang_hs.launch.profile_extend --tile n256``,
-``launch/results/ncu_extend_h100.txt``) shows 8 active warps per SM (one CTA, held there by
-registers: 255 a thread), no eligible warp in 67% of the scheduler cycles, and the tensor pipe
-active 40% of the time. So the kernel is bound by the latency of each block step's chain (GEMM,
-scores, exponentials, P^T store, GEMM): two warps a scheduler cannot hide it; it is not bound by
-bytes or by tensor throughput. Per block, a warp issues 861 instructions for 32 columns (1073 before
-the lazy offset), 127 of them sparse MMAs; the 2:4 metadata, which TileLang's ``gemm_sp`` reads one
-16-bit element at a time, costs about 100 more. More warps did not help: n256 as 16 warps of 16
-columns, capped at 128 registers, ran at 0.81x against 0.88x. Tried and measured slower: FA3's
-intra-warpgroup overlap (the O^T GEMM of block ``j - 1`` left in flight through block ``j``'s
-softmax, S^T staged in its own buffer, a stage refilled by the last warpgroup to release it: 0.59x at
-64 new tokens, S = 1/1; commit 49860d9, removed since), n64 tiles with 2:4 K rows (one CTA per SM by
-shared memory), an earlier lazy offset that still reduced the column max every block and only
-skipped rescales (``bench_extend_lazy_offset_h100.log``): the present one gains because the common
-step has no reduction across lanes at all; and FA3's ping-pong in the warp schedule (warps ``w`` and
-``w + 4``, which share a scheduler on the H100, taking turns at their GEMMs through named barriers:
-0.88x against 0.96x at 64 new tokens, S = 1/1, same process); computing ``S^T`` half a block at a time
-in the warp schedule, to free 32 registers for GEMM1's operand loads (0.934x against 0.996x, same
-process, ``bench_extend_halfblock_h100.log``, commit e3a1715). One warp issuing ``mma.sp`` m16n8k32
-back to back nearly fills its scheduler's tensor pipe (8.5 cycles each alone, 8.2 with more warps;
-``launch/mma_rate.cu``, ``launch/results/mma_rate_h100.log``: ~955 dense-equivalent TFLOP/s against
-~641 for dense ``mma.sync`` m16n8k16, so 2:4 buys 1.49x, not 2x, on this path). Per block a warp of
-the n256 tile issues 128 of them: at least 1024 tensor-pipe cycles a warp step, 2048 for the two warps
-of a scheduler, against ~5600 measured (821 us / 256 blocks = 3.2 us a step; ~1.75 GHz assumed).
+(``HieraSparseExtend.pick_tile``, ``default_sync``, ``default_stages``: n64 up to 64 query columns a
+request, n128 above, both overlapped with 2 stages). S_K = 0, S_V = 1: 1.02x at 16 new tokens, 1.14x
+at 64, 1.10x at 256, 1.10x at 1024, 1.13x at 2048; S_K = S_V = 1: 1.04x, 1.13x, 1.08x, 1.09x, 1.10x;
+full prefill of 32K tokens over compressed KV 1.14x / 1.10x. The schedules and stage counts were chosen
+from ``--variant`` runs that time them side by side (``bench_extend_variants_overlap_h100.log``:
+at 64 new tokens, S = 1/1, the overlapped n128 went from 1.07x (two runs) with K and V of a block in
+one stage and 3 stages to 1.13-1.15x (three runs) with V one block behind K and 2 stages; variants are
+medians of 5 and differ by a few percent between runs).
+Earlier steps, with the figures before each, are in ``bench_extend_tiles_h100.log``,
+``bench_extend_merge_h100.log``, ``bench_extend_lazy_wg_ab_h100.log`` and
+``bench_extend_overlap_ab_h100.log``.
+
+**What bounds it** (ncu of the default n128 kernel at 64 new tokens, S = 1/1,
+``launch/results/ncu_extend_h100.txt``): ~2500 cycles a block step (at ncu's 1.44 GHz). By our count
+the step's shared-memory traffic (~134 KB: ``wgmma`` reads ``Q^T`` and ``P^T`` from shared memory for
+every block, as the sparse operand must be A, plus the P^T stores and the TMA writes) needs ~1050
+cycles at 128 bytes a cycle, and its 2:4 tensor work ~512; SM compute throughput is 28%. 8 warps a SM (one CTA: registers,
+240 a thread) wait on each step's chain: for their stage's TMA loads (17.6% of the warps' stall
+samples: one stage of loads in flight), on the ``wgmma`` issue (11.6%), the exponentials (11.1%), and
+on instruction fetch (6.1%). With 3 stages the data waits fall to 5.8% but instruction-fetch stalls
+rise to 11.0% (the ring is unrolled once per stage; 15,424 SASS instructions against 13,344) and the
+kernel is 9% slower; an L2 prefetch of the next stage's pool rows instead made it 0.84x
+(``bench_extend_prefetch_ab_h100.log``). Tried and measured slower before: n256 per warp as 16 warps
+of 16 columns (0.81x against 0.88x); FA3's ping-pong in the warp schedule (0.88x against 0.96x); S^T
+half a block at a time in the warp schedule (0.934x against 0.996x, ``bench_extend_halfblock_h100.log``);
+an earlier overlap schedule that refilled a stage from the last warpgroup to release it (0.59x, commit
+49860d9); n64 tiles with 2:4 K rows (one CTA per SM by shared memory). On the ``mma.sync`` path of the
+warp schedule 2:4 buys 1.49x, not 2x (``launch/mma_rate.cu``, ``mma_rate_h100.log``).
 
 The module imports neither TileLang nor a GPU at import time; ``build_extend_kernel`` does.
 """
