@@ -204,7 +204,7 @@ def default_stages(tile: str, sync: str = "cta") -> int:
     1.12x with 4 (S_K = 0; 64 new tokens, ``bench_extend_variants_overlap_h100.log``): the ring is
     unrolled once per stage, and the smaller loop body gains more than a deeper prefetch. n64: two
     CTAs per SM fit when the call has no 2:4 K rows, as decode found best."""
-    return 3 if tile == "n128" and sync in ("cta", "overlap") else 2
+    return 3 if tile == "n128" and sync == "cta" else 2
 
 
 def resolve_chunk(tile: str) -> int:
@@ -296,13 +296,7 @@ def build_extend_prim_func(
     (total, num_slots, nd, ns, nd2, ns2, nv, bs1, bs, mb, prow, S, nt) = T.dynamic(
         "total, num_slots, nd, ns, nd2, ns2, nv, bs1, bs, mb, prow, S, nt")
 
-    # The overlap schedule's stage ring is indexed at run time (buffers [stages, ...], stage j % stages):
-    # one loop body whatever the stage count. The others unroll the ring, one loop body per stage.
-    ring_dyn = overlap
-
     def alloc_stage_buffers():
-        if ring_dyn:
-            return alloc_stage_ring()
         out = []
         for _ in range(stages):
             kd = T.alloc_shared([B, D], dtype)
@@ -315,39 +309,6 @@ def build_extend_prim_func(
             ebar = T.alloc_barrier(threads) if wg_sync else None  # empty: every thread is done with it
             out.append((kd, ks, ke, vd, vs, ve, bar, ebar))
         return out
-
-    def alloc_stage_ring():
-        # Runtime-indexed ring: stage(s) gives the buffers of stage s (a Python int or an expression) in
-        # the order of alloc_stage_buffers; a metadata entry is (TMA destination, gemm_sp operand view).
-        kd = T.alloc_shared([stages, B, D], dtype)
-        ks = T.alloc_shared([stages, B, D // 2], dtype) if k_sparse else None
-        ke = T.alloc_shared([stages, e_rows, 16], "int16") if k_sparse else None
-        kev = T.view(ke, [stages, B, D // 16]) if k_sparse else None
-        vd = T.alloc_shared([stages, B, D], dtype)
-        vs = T.alloc_shared([stages, D, B // 2], dtype)
-        ve = T.alloc_shared([stages, e_rows, 16], "int16")
-        vev = T.view(ve, [stages, D, B // 16])
-        bar = T.alloc_barrier([threads] * stages)
-        ebar = T.alloc_barrier([threads] * stages)
-
-        def stage(s):
-            return (kd[s, :, :], ks[s, :, :] if k_sparse else None,
-                    (ke[s, :, :], kev[s, :, :]) if k_sparse else None, vd[s, :, :], vs[s, :, :],
-                    (ve[s, :, :], vev[s, :, :]), (bar, s), (ebar, s))
-        return stage
-
-    def mbar(b):
-        # A stage's barrier: a barrier buffer, or (barrier array, stage) in the runtime-indexed ring (a
-        # macro would bind the element, an expression, to a variable, which the barrier ops refuse).
-        return b[0][b[1]] if isinstance(b, tuple) else b
-
-    def meta_dst(e):
-        # The TMA destination of a stage's 2:4 metadata.
-        return e[0] if ring_dyn else e
-
-    def meta_operand(e, rows):
-        # The same bytes as gemm_sp's metadata operand, [rows, (B * D / 16) / rows] int16.
-        return e[1] if ring_dyn else T.view(e, [rows, B * D // 16 // rows])
 
     @T.macro
     def resolve(chunk, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s):
@@ -374,28 +335,28 @@ def build_extend_prim_func(
         # row, or 2:4 values and metadata.
         if k_sparse:
             if (md & 3) == 0:
-                T.tma_copy(KC[kr * B:(kr + 1) * B, h, :], kd, barrier=mbar(bar))
+                T.tma_copy(KC[kr * B:(kr + 1) * B, h, :], kd, barrier=bar)
             elif (md & 3) == 1:
-                T.tma_copy(KD[kr, :, :], kd, barrier=mbar(bar))
+                T.tma_copy(KD[kr, :, :], kd, barrier=bar)
             else:
-                T.tma_copy(KV[kr, :, :], ks, barrier=mbar(bar))
-                T.tma_copy(KM[kr, :, :], meta_dst(ke), barrier=mbar(bar))
+                T.tma_copy(KV[kr, :, :], ks, barrier=bar)
+                T.tma_copy(KM[kr, :, :], ke, barrier=bar)
         else:
             if (md & 3) == 0:
-                T.tma_copy(KC[kr * B:(kr + 1) * B, h, :], kd, barrier=mbar(bar))
+                T.tma_copy(KC[kr * B:(kr + 1) * B, h, :], kd, barrier=bar)
             else:
-                T.tma_copy(KD[kr, :, :], kd, barrier=mbar(bar))
+                T.tma_copy(KD[kr, :, :], kd, barrier=bar)
 
     @T.macro
     def load_v(md, vr, h, vd, vs, ve, bar, VC, VD, VV, VM):
         # The same for a block's V (mode md >> 2, row vr).
         if (md >> 2) == 0:
-            T.tma_copy(VC[vr * B:(vr + 1) * B, h, :], vd, barrier=mbar(bar))
+            T.tma_copy(VC[vr * B:(vr + 1) * B, h, :], vd, barrier=bar)
         elif (md >> 2) == 1:
-            T.tma_copy(VD[vr, :, :], vd, barrier=mbar(bar))
+            T.tma_copy(VD[vr, :, :], vd, barrier=bar)
         else:
-            T.tma_copy(VV[vr, :, :], vs, barrier=mbar(bar))
-            T.tma_copy(VM[vr, :, :], meta_dst(ve), barrier=mbar(bar))
+            T.tma_copy(VV[vr, :, :], vs, barrier=bar)
+            T.tma_copy(VM[vr, :, :], ve, barrier=bar)
 
     @T.macro
     def load(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM):
@@ -435,7 +396,7 @@ def build_extend_prim_func(
         # S^T = K·Q^T for one block, dense or 2:4 by the block's K mode.
         if k_sparse:
             if (md & 3) == 2:
-                sparse(ks, meta_operand(ke, B), Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+                sparse(ks, T.view(ke, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
             else:
                 dense(kd, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
         else:
@@ -445,7 +406,7 @@ def build_extend_prim_func(
     def gemm_o(vmode, P_s, vd, vs, ve, oT, dense, sparse):
         # O^T += V^T·P^T for one block, dense or 2:4 by the block's V mode.
         if vmode == 2:
-            sparse(vs, meta_operand(ve, D), P_s, oT, policy=POL)
+            sparse(vs, T.view(ve, [D, B // 16]), P_s, oT, policy=POL)
         else:
             dense(vd, P_s, oT, transpose_A=True, policy=POL)
 
@@ -609,7 +570,7 @@ def build_extend_prim_func(
             T.wait_wgmma(0)
         softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
         T.wait_wgmma(0)
-        T.barrier_arrive(mbar(ebar))  # this thread's GEMMs on the stage are complete
+        T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
         group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_s
         rescale_store_p(P_s, sT, oT, rs)
         mdp[0] = md
@@ -619,7 +580,7 @@ def build_extend_prim_func(
         # After the loop: the O^T GEMM of the last block, whose V is stage item n (stage s).
         if n >= 1:
             if n % stages == s:
-                T.barrier_wait(mbar(bar), n // stages % 2)
+                T.barrier_wait(bar, n // stages % 2)
                 gemm_o(mdp[0] >> 2, P_s, vd, vs, ve, oT, *SYNC_GEMMS)
 
     @T.macro
@@ -627,7 +588,7 @@ def build_extend_prim_func(
                       KC, VC, KD, KV, KM, VD, VV, VM):
         if i < n + items_extra:
             load(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
-            T.barrier_arrive(mbar(bar))
+            T.barrier_arrive(bar)
 
     @T.macro
     def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
@@ -655,14 +616,14 @@ def build_extend_prim_func(
                     # other warps go on (a warpgroup may run up to a step ahead of the other).
                     if T.get_thread_binding() < 32:
                         if j >= 1:
-                            T.barrier_wait(mbar(ebar2), eparity)
+                            T.barrier_wait(ebar2, eparity)
                         load(j + stages - 1, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2,
                              bar2, KC, VC, KD, KV, KM, VD, VV, VM)
                 else:
                     load(j + stages - 1, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
                          KC, VC, KD, KV, KM, VD, VV, VM)
-                T.barrier_arrive(mbar(bar2))
-            T.barrier_wait(mbar(bar), parity)
+                T.barrier_arrive(bar2)
+            T.barrier_wait(bar, parity)
             # First argument: the CTA's first block (only the lazy schedules' softmax asks).
             if overlap:
                 compute_overlap(j == 0, start + j, jm, qlast, tv, scale2, mode_s[j % RB], j, Q_s, P_s,
@@ -672,22 +633,12 @@ def build_extend_prim_func(
                 compute((j == 0) if warp or lazy else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB],
                         Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
                 if wg_sync:
-                    T.barrier_arrive(mbar(ebar))  # this thread's GEMMs on the stage are complete
+                    T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl):
         for s in range(stages - 1):
-            guarded_issue(s, n, h, mode_s, krow_s, vrow_s, *(st(s) if ring_dyn else st[s]), *gl)
-
-    @T.macro
-    def ring_loop(n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s, Q_s, P_s, st, gl,
-                  sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp):
-        # Runtime-indexed ring: step j reads stage j % stages (completion j // stages of its full barrier)
-        # and refills the stage of item j - 1 (completion (j - 1) // stages of its empty barrier, j >= 1).
-        for j in T.serial(n):
-            step(j, j // stages % 2, (j + 2 * stages - 1) // stages % 2, n, r, start, jm, qlast, tv, scale2, h,
-                 BT, KI, VI, mode_s, krow_s, vrow_s, Q_s, P_s, *st(j % stages), *st((j + stages - 1) % stages),
-                 *gl, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp)
+            guarded_issue(s, n, h, mode_s, krow_s, vrow_s, *st[s], *gl)
 
     def emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags):
         for s in range(stages):
@@ -699,7 +650,8 @@ def build_extend_prim_func(
                  *st[s], *st[nxt], *gl, *frags)
 
     def emit_final(n, P_s, st, oT, mdp):
-        final_gemm_if(n, n % stages, P_s, *st(n % stages)[3:7], oT, mdp)
+        for s in range(stages):
+            final_gemm_if(n, s, P_s, *st[s][3:7], oT, mdp)
 
     @T.prim_func
     def main(
@@ -820,11 +772,8 @@ def build_extend_prim_func(
                 gl = (KC, VC, KD, KV, KM, VD, VV, VM)
                 frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp)
                 emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
-                if ring_dyn:
-                    ring_loop(n, r, start, jm, qlast, tv, scale2, h, *idx, Q_s, P_s, st, gl, *frags)
-                else:
-                    for it in T.serial(T.ceildiv(n, stages)):
-                        emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
+                for it in T.serial(T.ceildiv(n, stages)):
+                    emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
                 if overlap:
                     emit_final(n, P_s, st, oT, mdp)
                 if wg_sync:
@@ -1116,8 +1065,8 @@ PRECOMPILE = [
     (8, 2, 64, "bfloat16", "n128", 2, True, "warp"),
     (16, 2, 128, "bfloat16", "n256", 2, True, "warp"), (8, 2, 64, "bfloat16", "n256", 2, True, "warp"),
     (8, 2, 64, "float16", "n64", 2, False, "warpgroup"), (8, 2, 64, "bfloat16", "n128", 2, True, "warpgroup"),
-    (16, 2, 128, "bfloat16", "n128", 3, True, "overlap"), (8, 2, 64, "float16", "n128", 3, False, "overlap"),
-    (8, 2, 64, "float16", "n128", 3, True, "overlap"), (8, 2, 64, "float16", "n64", 2, False, "overlap"),
+    (16, 2, 128, "bfloat16", "n128", 2, True, "overlap"), (8, 2, 64, "float16", "n128", 2, False, "overlap"),
+    (8, 2, 64, "float16", "n128", 2, True, "overlap"), (8, 2, 64, "float16", "n64", 2, False, "overlap"),
 ]
 
 
