@@ -164,7 +164,10 @@ cycles at 128 bytes a cycle, and its 2:4 tensor work ~512; SM compute throughput
 samples: one stage of loads in flight), on the ``wgmma`` issue (11.6%), the exponentials (11.1%), and
 on instruction fetch (6.1%). With 3 stages the data waits fall to 5.8% but instruction-fetch stalls
 rise to 11.0% (the ring is unrolled once per stage; 15,424 SASS instructions against 13,344) and the
-kernel is 9% slower; an L2 prefetch of the next stage's pool rows instead made it 0.84x
+kernel is 9% slower. With the ring indexed at run time (one loop body whatever the stage count) 3
+stages were still slower than 2 (1.06x against 1.10x in one A/B, ``bench_extend_ring_ab_h100.log``;
+reverted), so the instruction fetch is not the whole cost of the third stage; what is was not found.
+An L2 prefetch of the next stage's pool rows made the kernel 0.84x
 (``bench_extend_prefetch_ab_h100.log``). Tried and measured slower before: n256 per warp as 16 warps
 of 16 columns (0.81x against 0.88x); FA3's ping-pong in the warp schedule (0.88x against 0.96x); S^T
 half a block at a time in the warp schedule (0.934x against 0.996x, ``bench_extend_halfblock_h100.log``);
@@ -200,10 +203,11 @@ def default_sync(tile: str, k_sparse: bool) -> str:
 
 def default_stages(tile: str, sync: str = "cta") -> int:
     """n128 with CTA barriers: 3 stages (one CTA per SM is all that fits at d 128 anyway); every other
-    schedule: 2. Overlapped n128 measured 1.15x against FlashInfer with 2 stages, 1.01x with 3 and
-    1.12x with 4 (S_K = 0; 64 new tokens, ``bench_extend_variants_overlap_h100.log``): the ring is
-    unrolled once per stage, and the smaller loop body gains more than a deeper prefetch. n64: two
-    CTAs per SM fit when the call has no 2:4 K rows, as decode found best."""
+    schedule: 2. Overlapped n128 measured 1.22x against FlashInfer with 2 stages, 1.08x with 3 and
+    1.12x with 4 (S_K = 0, 64 new tokens, one run; ``bench_extend_variants_overlap_h100.log``), and 3
+    stages were slower in every run, also with the ring indexed at run time (one loop body,
+    ``bench_extend_ring_ab_h100.log``). n64: two CTAs per SM fit when the call has no 2:4 K rows, as
+    decode found best."""
     return 3 if tile == "n128" and sync == "cta" else 2
 
 
