@@ -159,8 +159,8 @@ Earlier steps, with the figures before each, are in ``bench_extend_tiles_h100.lo
 ``launch/results/ncu_extend_h100.txt``): ~2500 cycles a block step (at ncu's 1.44 GHz). By our count
 the step's shared-memory traffic (~134 KB: ``wgmma`` reads ``Q^T`` and ``P^T`` from shared memory for
 every block, as the sparse operand must be A, plus the P^T stores and the TMA writes) needs ~1050
-cycles at 128 bytes a cycle, and its 2:4 tensor work ~512; SM compute throughput is 28%. 8 warps a SM (one CTA: registers,
-240 a thread) wait on each step's chain: for their stage's TMA loads (17.6% of the warps' stall
+cycles at 128 bytes a cycle, and its 2:4 tensor work ~512; SM compute throughput is 28%. 8 warps a
+SM (one CTA: registers, 240 a thread) wait on each step's chain: for their stage's TMA loads (17.6% of the warps' stall
 samples: one stage of loads in flight), on the ``wgmma`` issue (11.6%), the exponentials (11.1%), and
 on instruction fetch (6.1%). With 3 stages the data waits fall to 5.8% but instruction-fetch stalls
 rise to 11.0% (the ring is unrolled once per stage; 15,424 SASS instructions against 13,344) and the
