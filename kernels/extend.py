@@ -162,11 +162,13 @@ every block, as the sparse operand must be A, plus the P^T stores and the TMA wr
 cycles at 128 bytes a cycle, and its 2:4 tensor work ~512; SM compute throughput is 28%. 8 warps a
 SM (one CTA: registers, 240 a thread) wait on each step's chain: for their stage's TMA loads (17.6% of the warps' stall
 samples: one stage of loads in flight), on the ``wgmma`` issue (11.6%), the exponentials (11.1%), and
-on instruction fetch (6.1%). With 3 stages the data waits fall to 5.8% but instruction-fetch stalls
-rise to 11.0% (the ring is unrolled once per stage; 15,424 SASS instructions against 13,344) and the
-kernel is 9% slower. With the ring indexed at run time (one loop body whatever the stage count) 3
-stages were still slower than 2 (1.06x against 1.10x in one A/B, ``bench_extend_ring_ab_h100.log``;
-reverted), so the instruction fetch is not the whole cost of the third stage; what is was not found.
+on instruction fetch (6.1%). With 3 stages (two items of loads in flight) the stage waits stay at
+16.8%, so they are not load latency that a deeper ring hides (what they wait for is open: the full
+barrier needs both warpgroups' arrivals, and all CTAs load at once); instruction-fetch stalls rise to
+11.0% (the ring is unrolled once per stage; 15,424 SASS instructions against 13,344) and the kernel
+is 9% slower. With the ring indexed at run time (one loop body whatever the stage count) 3 stages
+were still slower than 2 (1.06x against 1.10x in one A/B, ``bench_extend_ring_ab_h100.log``;
+reverted).
 An L2 prefetch of the next stage's pool rows made the kernel 0.84x
 (``bench_extend_prefetch_ab_h100.log``). Tried and measured slower before: n256 per warp as 16 warps
 of 16 columns (0.81x against 0.88x); FA3's ping-pong in the warp schedule (0.88x against 0.96x); S^T
