@@ -196,7 +196,7 @@ TILES = {"n64": (64, 128), "n128": (128, 256), "n256": (256, 256)}
 SYNCS = ("cta", "warpgroup", "warp", "overlap")
 
 
-def default_sync(tile: str, k_sparse: bool) -> str:
+def default_sync(tile: str) -> str:
     """The schedule ``sync="auto"`` takes, the fastest measured on the H100 (``--variant`` runs of the
     extend and prefill benchmarks, ``bench_extend_variants_overlap_h100.log``): overlapped, except n256:
     per warp (its only schedule)."""
@@ -375,6 +375,8 @@ def build_extend_prim_func(
             if i >= 1:
                 load_v(mode_s[(i - 1) % RB], vrow_s[(i - 1) % RB], h, vd, vs, ve, bar, VC, VD, VV, VM)
         else:
+            # (One load of each index entry for both halves, as before the split into load_k / load_v:
+            # these schedules' compiled kernels stay the ones measured.)
             md = mode_s[i % RB]
             kr = krow_s[i % RB]
             vr = vrow_s[i % RB]
@@ -651,7 +653,7 @@ def build_extend_prim_func(
             nxt = (s + stages - 1) % stages
             # Step j = it * stages + s refills stage nxt, which held item j - 1: the release of that item
             # is completion (j - 1) // stages of the stage's empty barrier.
-            eparity = (it + 1) & 1 if s < 1 else it & 1
+            eparity = (it + 1) & 1 if s == 0 else it & 1
             step(it * stages + s, it & 1, eparity, n, r, start, jm, qlast, tv, scale2, h, *idx, Q_s, P_s,
                  *st[s], *st[nxt], *gl, *frags)
 
@@ -975,12 +977,12 @@ class HieraSparseExtend:
             return "n64"
         return "n256" if self.sync == "warp" and cols > 128 else "n128"
 
-    def pick_sync(self, tile: str, k_sparse: bool) -> str:
-        return default_sync(tile, k_sparse) if self.sync == "auto" else self.sync
+    def pick_sync(self, tile: str) -> str:
+        return default_sync(tile) if self.sync == "auto" else self.sync
 
     def kernel(self, tile: str, k_sparse: bool):
         """``(kernel, stages, sync)`` of a call's configuration."""
-        sync = self.pick_sync(tile, k_sparse)
+        sync = self.pick_sync(tile)
         stages = self.stages or default_stages(tile, sync)
         k = build_extend_kernel(self.q_heads, self.kv_heads, self.head_dim, self.block_size, self._dt, tile,
                                 stages, k_sparse, sync)

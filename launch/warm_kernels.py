@@ -89,7 +89,7 @@ def kernel_jobs(shape: dict, max_blocks: int, batch_sizes: list[int], num_sms: i
             ("extend", (hq, hkv, d, BLOCK_SIZE, dt, tile, default_stages(tile, sync), k_sparse, sync))
             for tile in TILES
             for k_sparse in (False, True)
-            for sync in [default_sync(tile, k_sparse)]
+            for sync in [default_sync(tile)]
         ]
     jobs += [("pack", (hkv, d, BLOCK_SIZE)), ("loss", ("k", hkv, d, BLOCK_SIZE, dt)), ("loss", ("v", hkv, d, BLOCK_SIZE, dt))]
     return jobs

@@ -276,7 +276,7 @@ def test_default_configurations_are_precompiled():
     picks = {}
     for tile in TILES:
         for k_sparse in (False, True):
-            sync = default_sync(tile, k_sparse)
+            sync = default_sync(tile)
             picks[tile, k_sparse] = (sync, default_stages(tile, sync))
             assert (32, 8, 128, "float16", tile, default_stages(tile, sync), k_sparse, sync) in PRECOMPILE
     assert picks == {("n64", False): ("overlap", 2), ("n64", True): ("overlap", 2),
