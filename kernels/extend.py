@@ -193,7 +193,7 @@ from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and too
 TILES = {"n64": (64, 128), "n128": (128, 256), "n256": (256, 256)}
 # How the phases of a block step synchronise (see the module docstring): CTA barriers, per warpgroup,
 # or per warp (mma.sync).
-SYNCS = ("cta", "warpgroup", "warp", "overlap", "decoupled", "pingpong")
+SYNCS = ("cta", "warpgroup", "warp", "overlap")
 
 
 def default_sync(tile: str) -> str:
@@ -240,21 +240,6 @@ __device__ __forceinline__ int hs_warpgroup_any(int pred, int bar_id) {
 """
 
 
-# Decoupled refill: a warpgroup's release of a stage (lane 0 of the calling warp adds one to the stage's
-# release counter, acq_rel so that the releasing warpgroups' reads of the stage happen before the refill
-# that the second release triggers); every lane gets the count before this release.
-STAGE_RELEASE_SRC = r"""
-__device__ __forceinline__ int hs_stage_release(int* counter) {
-  int old = 0;
-  if ((threadIdx.x & 31) == 0) {
-    unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(counter));
-    asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;" : "=r"(old) : "r"(addr) : "memory");
-  }
-  return __shfl_sync(0xffffffff, old, 0);
-}
-"""
-
-
 def build_extend_prim_func(
     q_heads: int,
     kv_heads: int,
@@ -278,17 +263,9 @@ def build_extend_prim_func(
 
     assert sync in SYNCS, sync
     assert tile != "n256" or sync == "warp", "n256 has one warp per 32 columns: sync='warp' only"
-    assert tile == "n128" or sync != "pingpong", "ping-pong needs two warpgroups: n128 only"
     wg_sync = sync != "cta"  # phases meet per warpgroup (per warp with "warp")
-    # The O^T GEMM of block j - 1 runs under block j's softmax.
-    overlap = sync in ("overlap", "decoupled", "pingpong")
-    lazy = sync == "warpgroup" or overlap  # wgmma with the lazy softmax offset, voted per warpgroup
-    # Decoupled refill: the warpgroup that releases a stage last refills it (no warp waits for the other
-    # warpgroup to release a stage), and a stage's full barrier completes on its loads alone.
-    decoupled = sync in ("decoupled", "pingpong")
-    # Ping-pong: the warpgroups take turns to issue their GEMMs (FA3's inter-warpgroup schedule).
-    pingpong = sync == "pingpong"
-    leader = 32 if decoupled else None  # TMA leader election per issuing warp
+    lazy = sync in ("warpgroup", "overlap")  # wgmma with the lazy softmax offset, voted per warpgroup
+    overlap = sync == "overlap"  # the O^T GEMM of block j - 1 runs under block j's softmax
     # Overlap: the stage of step j holds K of block j and V of block j - 1 (V one block behind), so that
     # both GEMMs of a step read one stage and the stage is free when the step ends; n + 1 stage items.
     items_extra = 1 if overlap else 0
@@ -298,7 +275,6 @@ def build_extend_prim_func(
     POL = T.GemmWarpPolicy.FullCol if warp else T.GemmWarpPolicy.Square
     B, D = block_size, head_dim
     N, threads = TILES[tile]
-    WGS = threads // 128  # warpgroups: a stage item is released once by each
     G = q_heads // kv_heads
     assert q_heads % kv_heads == 0 and N % G == 0, "GQA group must divide the tile's N"
     assert D % 32 == 0 and B % 32 == 0 and stages >= 2
@@ -335,13 +311,9 @@ def build_extend_prim_func(
             vd = T.alloc_shared([B, D], dtype)
             vs = T.alloc_shared([D, B // 2], dtype)
             ve = T.alloc_shared([e_rows, 16], "int16")
-            # full: the block's loads landed (decoupled: the issuing thread alone arrives)
-            bar = T.alloc_barrier(1 if decoupled else threads)
-            # empty: every thread is done with it (decoupled: a release counter instead)
-            ebar = T.alloc_barrier(threads) if wg_sync and not decoupled else None
-            # decoupled: releases of the stage so far (two per stage item, one per warpgroup)
-            rel = T.alloc_shared([1], "int32") if decoupled else None
-            out.append((kd, ks, ke, vd, vs, ve, bar, ebar, rel))
+            bar = T.alloc_barrier(threads)  # full: the block's loads landed
+            ebar = T.alloc_barrier(threads) if wg_sync else None  # empty: every thread is done with it
+            out.append((kd, ks, ke, vd, vs, ve, bar, ebar))
         return out
 
     @T.macro
@@ -369,28 +341,28 @@ def build_extend_prim_func(
         # row, or 2:4 values and metadata.
         if k_sparse:
             if (md & 3) == 0:
-                T.tma_copy(KC[kr * B:(kr + 1) * B, h, :], kd, barrier=bar, leader_scope_threads=leader)
+                T.tma_copy(KC[kr * B:(kr + 1) * B, h, :], kd, barrier=bar)
             elif (md & 3) == 1:
-                T.tma_copy(KD[kr, :, :], kd, barrier=bar, leader_scope_threads=leader)
+                T.tma_copy(KD[kr, :, :], kd, barrier=bar)
             else:
-                T.tma_copy(KV[kr, :, :], ks, barrier=bar, leader_scope_threads=leader)
-                T.tma_copy(KM[kr, :, :], ke, barrier=bar, leader_scope_threads=leader)
+                T.tma_copy(KV[kr, :, :], ks, barrier=bar)
+                T.tma_copy(KM[kr, :, :], ke, barrier=bar)
         else:
             if (md & 3) == 0:
-                T.tma_copy(KC[kr * B:(kr + 1) * B, h, :], kd, barrier=bar, leader_scope_threads=leader)
+                T.tma_copy(KC[kr * B:(kr + 1) * B, h, :], kd, barrier=bar)
             else:
-                T.tma_copy(KD[kr, :, :], kd, barrier=bar, leader_scope_threads=leader)
+                T.tma_copy(KD[kr, :, :], kd, barrier=bar)
 
     @T.macro
     def load_v(md, vr, h, vd, vs, ve, bar, VC, VD, VV, VM):
         # The same for a block's V (mode md >> 2, row vr).
         if (md >> 2) == 0:
-            T.tma_copy(VC[vr * B:(vr + 1) * B, h, :], vd, barrier=bar, leader_scope_threads=leader)
+            T.tma_copy(VC[vr * B:(vr + 1) * B, h, :], vd, barrier=bar)
         elif (md >> 2) == 1:
-            T.tma_copy(VD[vr, :, :], vd, barrier=bar, leader_scope_threads=leader)
+            T.tma_copy(VD[vr, :, :], vd, barrier=bar)
         else:
-            T.tma_copy(VV[vr, :, :], vs, barrier=bar, leader_scope_threads=leader)
-            T.tma_copy(VM[vr, :, :], ve, barrier=bar, leader_scope_threads=leader)
+            T.tma_copy(VV[vr, :, :], vs, barrier=bar)
+            T.tma_copy(VM[vr, :, :], ve, barrier=bar)
 
     @T.macro
     def load(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM):
@@ -590,60 +562,24 @@ def build_extend_prim_func(
         gemm_o(md >> 2, P_s, vd, vs, ve, oT, *SYNC_GEMMS)
 
     @T.macro
-    def pass_turn(j, n):
-        # Ping-pong: this warpgroup has issued its GEMMs of step j; the other one may issue its own. Warpgroup
-        # 1 gave warpgroup 0 the first turn before the loop, so it skips its last.
-        if T.get_thread_binding() < 128 or j < n - 1:
-            T.named_barrier_arrive(5 - T.get_thread_binding() // 128, 256)
-
-    @T.macro
-    def issue_item(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM):
-        # Decoupled refill, by one warp: the loads of stage item i (if it is one of the CTA's, 0 .. n), then
-        # the arrival of lane 0, the TMA leader, on the stage's full barrier (count 1).
-        if i < n + 1:
-            load(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
-            if T.get_thread_binding() % 32 == 0:
-                T.barrier_arrive(bar)
-
-    @T.macro
-    def release_refill(j, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, rel,
-                       KC, VC, KD, KV, KM, VD, VV, VM):
-        # Decoupled refill: the first warp of each warpgroup releases the stage of step j (its warpgroup is
-        # done with it); the last warpgroup's release refills it with item j + stages.
-        if T.get_thread_binding() % 128 < 32:
-            if T.call_extern("int32", "hs_stage_release", T.address_of(rel[0])) % WGS == WGS - 1:
-                issue_item(j + stages, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar,
-                           KC, VC, KD, KV, KM, VD, VV, VM)
-
-    @T.macro
-    def compute_overlap(first, jj, jm, qlast, tv, scale2, md, j, n, h, mode_s, krow_s, vrow_s, Q_s, P_s, kd, ks, ke,
-                        vd, vs, ve, bar, ebar, rel, gl, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp):
+    def compute_overlap(first, jj, jm, qlast, tv, scale2, md, j, Q_s, P_s, kd, ks, ke, vd, vs, ve, ebar,
+                        sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp):
         # Overlap schedule (FA3's intra-warpgroup overlap), step j: issue S^T(j), then O^T += V^T·P^T of
         # block j - 1 (P^T(j - 1) is in P_s, its mode in mdp, its V in this stage), and wait for S^T only,
         # so that the O^T GEMM runs under block j's softmax; the softmax's rare offset move waits for it
         # first (it rescales O^T and reuses P_s). Then the O^T GEMM is waited for, the stage released,
         # and P^T(j) written once every warp's GEMM has read P_s. The last block's O^T GEMM follows the
-        # loop. Ping-pong: the GEMMs are issued in turns with the other warpgroup.
-        if pingpong:
-            T.sync_threads(4 + T.get_thread_binding() // 128, 256)
+        # loop.
         gemm_s(md, Q_s, kd, ks, ke, sT, *ASYNC_GEMMS)
         if j >= 1:
             gemm_o(mdp[0] >> 2, P_s, vd, vs, ve, oT, *ASYNC_GEMMS)
-            if pingpong:
-                pass_turn(j, n)
             T.wait_wgmma(1)
         else:
-            if pingpong:
-                pass_turn(j, n)
             T.wait_wgmma(0)
         softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
         T.wait_wgmma(0)
-        if decoupled:
-            group_barrier()  # every warp of the warpgroup is done with the stage, and has read P_s (WAR)
-            release_refill(j, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, rel, *gl)
-        else:
-            T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
-            group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_s
+        T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
+        group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_s
         rescale_store_p(P_s, sT, oT, rs)
         mdp[0] = md
 
@@ -656,21 +592,6 @@ def build_extend_prim_func(
                 gemm_o(mdp[0] >> 2, P_s, vd, vs, ve, oT, *SYNC_GEMMS)
 
     @T.macro
-    def first_issue(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, rel,
-                    KC, VC, KD, KV, KM, VD, VV, VM):
-        # Decoupled refill, before the loop: warp 0 zeroes stage i's release counter and issues item i.
-        if T.get_thread_binding() < 32:
-            if T.get_thread_binding() == 0:
-                rel[0] = 0
-            issue_item(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
-
-    @T.macro
-    def first_turn(n):
-        # Ping-pong: warpgroup 1 gives warpgroup 0 the first turn to issue its GEMMs.
-        if T.get_thread_binding() >= 128 and n >= 1:
-            T.named_barrier_arrive(4, 256)
-
-    @T.macro
     def guarded_issue(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, ebar,
                       KC, VC, KD, KV, KM, VD, VV, VM):
         if i < n + items_extra:
@@ -679,7 +600,7 @@ def build_extend_prim_func(
 
     @T.macro
     def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
-             Q_s, P_s, kd, ks, ke, vd, vs, ve, bar, ebar, rel, kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2, rel2,
+             Q_s, P_s, kd, ks, ke, vd, vs, ve, bar, ebar, kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2,
              KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp):
         if j < n:
             if wg_sync:
@@ -697,26 +618,24 @@ def build_extend_prim_func(
                     # Next chunk of index entries; first issued >= HALF - stages + 1 steps from now, after
                     # that step's barrier (the half it overwrites was last read before this step's barrier).
                     resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
-            if not decoupled:  # (decoupled: the stage's second release refills it, in compute_overlap)
-                if j + stages - 1 < n + items_extra:
-                    if wg_sync:
-                        # Warp 0 refills the stage of block j - 1 once every thread has released it; the
-                        # other warps go on (a warpgroup may run up to a step ahead of the other).
-                        if T.get_thread_binding() < 32:
-                            if j >= 1:
-                                T.barrier_wait(ebar2, eparity)
-                            load(j + stages - 1, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2,
-                                 bar2, KC, VC, KD, KV, KM, VD, VV, VM)
-                    else:
-                        load(j + stages - 1, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
-                             KC, VC, KD, KV, KM, VD, VV, VM)
-                    T.barrier_arrive(bar2)
+            if j + stages - 1 < n + items_extra:
+                if wg_sync:
+                    # Warp 0 refills the stage of block j - 1 once every thread has released it; the
+                    # other warps go on (a warpgroup may run up to a step ahead of the other).
+                    if T.get_thread_binding() < 32:
+                        if j >= 1:
+                            T.barrier_wait(ebar2, eparity)
+                        load(j + stages - 1, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2,
+                             bar2, KC, VC, KD, KV, KM, VD, VV, VM)
+                else:
+                    load(j + stages - 1, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
+                         KC, VC, KD, KV, KM, VD, VV, VM)
+                T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
             # First argument: the CTA's first block (only the lazy schedules' softmax asks).
             if overlap:
-                compute_overlap(j == 0, start + j, jm, qlast, tv, scale2, mode_s[j % RB], j, n, h, mode_s, krow_s,
-                                vrow_s, Q_s, P_s, kd, ks, ke, vd, vs, ve, bar, ebar, rel,
-                                (KC, VC, KD, KV, KM, VD, VV, VM), sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run,
+                compute_overlap(j == 0, start + j, jm, qlast, tv, scale2, mode_s[j % RB], j, Q_s, P_s,
+                                kd, ks, ke, vd, vs, ve, ebar, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run,
                                 mx, pmax, mdp)
             else:
                 compute((j == 0) if warp or lazy else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB],
@@ -726,14 +645,8 @@ def build_extend_prim_func(
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl):
-        if decoupled:
-            for s in range(stages):
-                first_issue(s, n, h, mode_s, krow_s, vrow_s, *st[s][:7], st[s][8], *gl)
-            if pingpong:
-                first_turn(n)
-        else:
-            for s in range(stages - 1):
-                guarded_issue(s, n, h, mode_s, krow_s, vrow_s, *st[s][:8], *gl)
+        for s in range(stages - 1):
+            guarded_issue(s, n, h, mode_s, krow_s, vrow_s, *st[s], *gl)
 
     def emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags):
         for s in range(stages):
@@ -772,8 +685,8 @@ def build_extend_prim_func(
         CNT: T.Tensor([nt, kv_heads], "int32"),
     ):
         with T.Kernel(nt, kv_heads, S, threads=threads) as (bx, h, sid):
-            if lazy:  # (one import per kernel)
-                T.import_source(WARPGROUP_ANY_SRC + (STAGE_RELEASE_SRC if decoupled else ""))
+            if lazy:
+                T.import_source(WARPGROUP_ANY_SRC)
             # Tile ids in descending order: a request's later tiles see more blocks (causal), so in a long
             # prefill the longest CTAs start first instead of forming the last wave.
             tile_id = nt - 1 - bx
@@ -1033,8 +946,6 @@ class HieraSparseExtend:
             raise ValueError(f"sync must be 'auto' or one of {SYNCS}, got {sync!r}")
         if tile == "n256" and sync not in ("auto", "warp"):
             raise ValueError(f"tile 'n256' runs only with sync='warp' (or 'auto'), got sync={sync!r}")
-        if sync == "pingpong" and tile not in ("auto", "n128"):
-            raise ValueError(f"sync='pingpong' needs two warpgroups: tile 'n128' (or 'auto'), got tile={tile!r}")
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
         self.block_size, self.max_blocks, self.group = block_size, max_blocks, group
         self.dtype, self.device = dtype, torch.device(device)
@@ -1142,9 +1053,7 @@ class HieraSparseExtend:
 BENCH_VARIANTS = [("n64", 2, "cta"), ("n128", 3, "cta"), ("n128", 2, "cta"), ("n64", 2, "warpgroup"),
                   ("n128", 3, "warpgroup"), ("n128", 2, "warpgroup"), ("n64", 2, "warp"),
                   ("n128", 3, "warp"), ("n128", 2, "warp"), ("n256", 2, "warp"), ("n64", 2, "overlap"),
-                  ("n128", 2, "overlap"), ("n128", 3, "overlap"), ("n64", 2, "decoupled"),
-                  ("n128", 2, "decoupled"), ("n128", 3, "decoupled"), ("n128", 2, "pingpong"),
-                  ("n128", 3, "pingpong")]
+                  ("n128", 2, "overlap"), ("n128", 3, "overlap")]
 
 # The configurations the GPU tests and the benchmark compile: (q_heads, kv_heads, head_dim, dtype, tile,
 # stages, k_sparse, sync): the benchmark's shape (Llama-3.1-8B heads, fp16) in every variant, with and
@@ -1166,8 +1075,6 @@ PRECOMPILE = [
     (8, 2, 64, "float16", "n64", 2, False, "warpgroup"), (8, 2, 64, "bfloat16", "n128", 2, True, "warpgroup"),
     (16, 2, 128, "bfloat16", "n128", 2, True, "overlap"), (8, 2, 64, "float16", "n128", 2, False, "overlap"),
     (8, 2, 64, "float16", "n128", 2, True, "overlap"), (8, 2, 64, "float16", "n64", 2, False, "overlap"),
-    (16, 2, 128, "bfloat16", "n128", 2, True, "pingpong"), (8, 2, 64, "float16", "n128", 2, False, "pingpong"),
-    (8, 2, 64, "float16", "n64", 2, False, "decoupled"), (16, 2, 128, "bfloat16", "n128", 3, True, "decoupled"),
 ]
 
 

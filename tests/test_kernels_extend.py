@@ -57,20 +57,6 @@ SMALL = [
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="overlap")),
     (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
     (8, 2, 64, torch.float16, 1.0, 0.5, dict(tile="n128", sync="overlap")),
-    # The overlap schedule with the decoupled refill (the last warpgroup to release a stage refills it; a
-    # stage's full barrier completes on its loads alone) and with ping-pong (the two warpgroups issue their
-    # GEMMs in turns; n128 only): 2 and 3 stages, GQA 4 and 8, d 128 and 64, fp16 and bf16, n64 (one
-    # warpgroup: every release refills).
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="decoupled")),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="decoupled")),
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", stages=3, sync="decoupled")),
-    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64", sync="decoupled")),
-    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", stages=3, sync="decoupled")),
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="pingpong")),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="pingpong")),
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", stages=3, sync="pingpong")),
-    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="pingpong")),
-    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n128", sync="pingpong")),
     # One warp per column group (mma.sync): n64 and n128, with and without 2:4 K buffers, d 128 and 64.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warp")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warp")),
@@ -192,9 +178,6 @@ def test_dense_equals_dense_attention_and_flashinfer(tile):
                                              (1.0, 1.0, "n128", "warpgroup"), (0.0, 1.0, "n64", "warpgroup"),
                                              (1.0, 1.0, "n128", "overlap"), (0.0, 1.0, "n128", "overlap"),
                                              (0.0, 1.0, "n64", "overlap"),
-                                             (1.0, 1.0, "n128", "decoupled"), (0.0, 1.0, "n128", "decoupled"),
-                                             (0.0, 1.0, "n64", "decoupled"),
-                                             (1.0, 1.0, "n128", "pingpong"), (0.0, 1.0, "n128", "pingpong"),
                                              (1.0, 1.0, "n128", "warp"), (0.0, 1.0, "n64", "warp"),
                                              (0.5, 0.5, "n256", "warp")])
 def test_sparse_matches_decompressed(sk, sv, tile, sync):
@@ -213,8 +196,7 @@ def test_sparse_matches_decompressed(sk, sv, tile, sync):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile,sync", [("n64", "warp"), ("n128", "warp"), ("n256", "warp"),
                                        ("n64", "warpgroup"), ("n128", "warpgroup"), ("n64", "overlap"),
-                                       ("n128", "overlap"), ("n64", "decoupled"), ("n128", "decoupled"),
-                                       ("n128", "pingpong")])
+                                       ("n128", "overlap")])
 def test_lazy_offsets_move_with_sharp_scores(tile, sync):
     """The lazy softmax offset (warp, warpgroup and overlap schedules) moves only when a score passes it
     by more than 2^8. At ten times the usual scale the scores have a standard deviation of about 14 in
@@ -316,6 +298,4 @@ def test_plan_rejects_schedules_it_cannot_build():
     (a one-line ValueError) instead of failing an assertion at the first call's compile."""
     with pytest.raises(ValueError, match="n256"):
         HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n256", sync="cta")
-    with pytest.raises(ValueError, match="two warpgroups"):
-        HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n64", sync="pingpong")
     assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n256").sync == "auto"
