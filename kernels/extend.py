@@ -190,8 +190,7 @@ from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and too
 
 # name -> (N columns per CTA, threads). Every shipped configuration is covered by the GPU tests.
 # n256 only with the warp schedule: 8 warps of 32 columns each (255 registers a thread, no spills).
-# n128w4: N 128 over four warpgroups of 32 columns (16 warps a SM, 128 registers a thread).
-TILES = {"n64": (64, 128), "n128": (128, 256), "n256": (256, 256), "n128w4": (128, 512)}
+TILES = {"n64": (64, 128), "n128": (128, 256), "n256": (256, 256)}
 # How the phases of a block step synchronise (see the module docstring): CTA barriers, per warpgroup,
 # or per warp (mma.sync).
 SYNCS = ("cta", "warpgroup", "warp", "overlap")
@@ -1054,8 +1053,7 @@ class HieraSparseExtend:
 BENCH_VARIANTS = [("n64", 2, "cta"), ("n128", 3, "cta"), ("n128", 2, "cta"), ("n64", 2, "warpgroup"),
                   ("n128", 3, "warpgroup"), ("n128", 2, "warpgroup"), ("n64", 2, "warp"),
                   ("n128", 3, "warp"), ("n128", 2, "warp"), ("n256", 2, "warp"), ("n64", 2, "overlap"),
-                  ("n128", 2, "overlap"), ("n128", 3, "overlap"), ("n128w4", 2, "overlap"),
-                  ("n128w4", 3, "overlap")]
+                  ("n128", 2, "overlap"), ("n128", 3, "overlap")]
 
 # The configurations the GPU tests and the benchmark compile: (q_heads, kv_heads, head_dim, dtype, tile,
 # stages, k_sparse, sync): the benchmark's shape (Llama-3.1-8B heads, fp16) in every variant, with and
@@ -1077,7 +1075,6 @@ PRECOMPILE = [
     (8, 2, 64, "float16", "n64", 2, False, "warpgroup"), (8, 2, 64, "bfloat16", "n128", 2, True, "warpgroup"),
     (16, 2, 128, "bfloat16", "n128", 2, True, "overlap"), (8, 2, 64, "float16", "n128", 2, False, "overlap"),
     (8, 2, 64, "float16", "n128", 2, True, "overlap"), (8, 2, 64, "float16", "n64", 2, False, "overlap"),
-    (16, 2, 128, "bfloat16", "n128w4", 2, True, "overlap"), (8, 2, 64, "float16", "n128w4", 2, False, "overlap"),
 ]
 
 

@@ -57,12 +57,6 @@ SMALL = [
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="overlap")),
     (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
     (8, 2, 64, torch.float16, 1.0, 0.5, dict(tile="n128", sync="overlap")),
-    # n128 over four warpgroups of 32 columns (overlap schedule): GQA 4 and 8, d 128 and 64, 2 and 3 stages.
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128w4", sync="overlap")),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128w4", sync="overlap")),
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128w4", stages=3, sync="overlap")),
-    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128w4", sync="overlap")),
-    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n128w4", sync="overlap")),
     # One warp per column group (mma.sync): n64 and n128, with and without 2:4 K buffers, d 128 and 64.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warp")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warp")),
@@ -184,7 +178,6 @@ def test_dense_equals_dense_attention_and_flashinfer(tile):
                                              (1.0, 1.0, "n128", "warpgroup"), (0.0, 1.0, "n64", "warpgroup"),
                                              (1.0, 1.0, "n128", "overlap"), (0.0, 1.0, "n128", "overlap"),
                                              (0.0, 1.0, "n64", "overlap"),
-                                             (1.0, 1.0, "n128w4", "overlap"), (0.0, 1.0, "n128w4", "overlap"),
                                              (1.0, 1.0, "n128", "warp"), (0.0, 1.0, "n64", "warp"),
                                              (0.5, 0.5, "n256", "warp")])
 def test_sparse_matches_decompressed(sk, sv, tile, sync):
@@ -203,7 +196,7 @@ def test_sparse_matches_decompressed(sk, sv, tile, sync):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile,sync", [("n64", "warp"), ("n128", "warp"), ("n256", "warp"),
                                        ("n64", "warpgroup"), ("n128", "warpgroup"), ("n64", "overlap"),
-                                       ("n128", "overlap"), ("n128w4", "overlap")])
+                                       ("n128", "overlap")])
 def test_lazy_offsets_move_with_sharp_scores(tile, sync):
     """The lazy softmax offset (warp, warpgroup and overlap schedules) moves only when a score passes it
     by more than 2^8. At ten times the usual scale the scores have a standard deviation of about 14 in
@@ -288,8 +281,7 @@ def test_default_configurations_are_precompiled():
             assert (32, 8, 128, "float16", tile, default_stages(tile, sync), k_sparse, sync) in PRECOMPILE
     assert picks == {("n64", False): ("overlap", 2), ("n64", True): ("overlap", 2),
                      ("n128", False): ("overlap", 2), ("n128", True): ("overlap", 2),
-                     ("n256", False): ("warp", 2), ("n256", True): ("warp", 2),
-                     ("n128w4", False): ("overlap", 2), ("n128w4", True): ("overlap", 2)}
+                     ("n256", False): ("warp", 2), ("n256", True): ("warp", 2)}
     assert default_stages("n128", "cta") == 3 and default_stages("n128", "warpgroup") == 2
 
 
