@@ -175,7 +175,22 @@ of 16 columns (0.81x against 0.88x); FA3's ping-pong in the warp schedule (0.88x
 half a block at a time in the warp schedule (0.934x against 0.996x, ``bench_extend_halfblock_h100.log``);
 an earlier overlap schedule that refilled a stage from the last warpgroup to release it (0.59x, commit
 49860d9); n64 tiles with 2:4 K rows (one CTA per SM by shared memory). On the ``mma.sync`` path of the
-warp schedule 2:4 buys 1.49x, not 2x (``launch/mma_rate.cu``, ``mma_rate_h100.log``).
+warp schedule 2:4 buys 1.49x, not 2x (``launch/mma_rate.cu``, ``mma_rate_h100.log``). Also slower, each
+against the default plan in the same process (commits 432e705 and acdd6ab, both reverted): the overlap
+schedule with the stage refilled by the last warpgroup to release it through a shared-memory counter
+(count-1 full barriers, so no warp waits for the other warpgroup's release) 1.03x against 1.12x, plus
+FA3's ping-pong of the two warpgroups' GEMM issue 1.05x, 3 stages of either slower still
+(``bench_extend_decoupled_pingpong_h100.log``); N 128 over four warpgroups of 32 columns (16 warps a SM,
+128 registers) 1.07x against 1.14x (``bench_extend_n128w4_h100.log``).
+
+A knockout profile says where the step's time goes (``knockouts_extend_h100.log``: the same kernel built
+with parts of the step removed behind never-taken branches; 64 new tokens, S = 1/1): the whole step
+714-732 us; without loads (stale stages) 638 us, so the loads cost 11%; without loads, the two GEMMs alone
+371 us and the softmax with the P^T store alone 363 us, which add up to more than the 638 us of both:
+on an SM the GEMM phases of one warpgroup and the softmax phases of the other overlap by only ~100 us of
+~365 each, and each phase alone runs at ~40% of its unit's rate (the GEMMs' sparse tensor work is
+~150 us, the exponentials' MUFU work ~150 us, at 1.75 GHz). A 1.3x extend (~640 us) needs that overlap,
+not fewer bytes.
 
 The module imports neither TileLang nor a GPU at import time; ``build_extend_kernel`` does.
 """
