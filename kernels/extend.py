@@ -284,6 +284,12 @@ def build_extend_prim_func(
     # Overlap: the stage of step j holds K of block j and V of block j - 1 (V one block behind), so that
     # both GEMMs of a step read one stage and the stage is free when the step ends; n + 1 stage items.
     items_extra = 1 if overlap else 0
+    # Step j issues stage item j + AHEAD into the stage of item j + AHEAD - stages. AHEAD = stages - 1: that
+    # stage held item j - 1, which the other warpgroup may still be reading, so the issuing warp (warp 0)
+    # waits for its release, and its warpgroup's next GEMM with it. The overlap schedule with 3 or more
+    # stages refills the stage of item j - 2 instead (AHEAD = stages - 2), released a step earlier:
+    # the issue does not wait on the other warpgroup.
+    AHEAD = stages - 2 if overlap and stages >= 3 else stages - 1
     warp = sync == "warp"  # each warp owns its columns across all of a block's tokens (mma.sync)
     # warp: all warps side by side along the N (query) columns, so that a column's softmax never leaves
     # its warp; wgmma cannot split M = 64 across one warp, so this schedule compiles to mma(.sp).sync.
@@ -625,6 +631,7 @@ def build_extend_prim_func(
                     # entries to the issuing warp (first issued HALF - stages + 1 steps from now).
                     T.sync_threads()
                     resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
+                    T.fence_proxy_async()  # see resolve_fenced
                     T.sync_threads()
             else:
                 # WAR: the stage refilled below, P_s and the ring half resolved below were read before.
@@ -633,17 +640,18 @@ def build_extend_prim_func(
                     # Next chunk of index entries; first issued >= HALF - stages + 1 steps from now, after
                     # that step's barrier (the half it overwrites was last read before this step's barrier).
                     resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
-            if j + stages - 1 < n + items_extra:
+                    T.fence_proxy_async()  # see resolve_fenced
+            if j + AHEAD < n + items_extra:
                 if wg_sync:
-                    # Warp 0 refills the stage of block j - 1 once every thread has released it; the
-                    # other warps go on (a warpgroup may run up to a step ahead of the other).
+                    # Warp 0 refills the stage of item j + AHEAD - stages once every thread has released
+                    # it; the other warps go on (a warpgroup may run up to a step ahead of the other).
                     if T.get_thread_binding() < 32:
-                        if j >= 1:
+                        if j + AHEAD >= stages:
                             T.barrier_wait(ebar2, eparity)
-                        load(j + stages - 1, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2,
+                        load(j + AHEAD, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2,
                              bar2, KC, VC, KD, KV, KM, VD, VV, VM)
                 else:
-                    load(j + stages - 1, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
+                    load(j + AHEAD, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
                          KC, VC, KD, KV, KM, VD, VV, VM)
                 T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
@@ -660,15 +668,15 @@ def build_extend_prim_func(
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl):
-        for s in range(stages - 1):
+        for s in range(AHEAD):
             guarded_issue(s, n, h, mode_s, krow_s, vrow_s, *st[s], *gl)
 
     def emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags):
         for s in range(stages):
-            nxt = (s + stages - 1) % stages
-            # Step j = it * stages + s refills stage nxt, which held item j - 1: the release of that item
-            # is completion (j - 1) // stages of the stage's empty barrier.
-            eparity = (it + 1) & 1 if s == 0 else it & 1
+            nxt = (s + AHEAD) % stages
+            # Step j = it * stages + s refills stage nxt, which held item j + AHEAD - stages: the release of
+            # that item is completion it - 1 + (s + AHEAD) // stages of the stage's empty barrier.
+            eparity = (it + 1 + (s + AHEAD) // stages) & 1
             step(it * stages + s, it & 1, eparity, n, r, start, jm, qlast, tv, scale2, h, *idx, Q_s, P_s,
                  *st[s], *st[nxt], *gl, *frags)
 
