@@ -404,6 +404,27 @@ def build_extend_prim_func(
             load_k(md, kr, h, kd, ks, ke, bar, KC, KD, KV, KM)
             load_v(md, vr, h, vd, vs, ve, bar, VC, VD, VV, VM)
 
+    # Overlap schedule: the issuing warp's copy of the next stage item's index entries (K mode, K row, V mode,
+    # V row), read from the ring one step before their loads are issued. Read at issue time, the chain of
+    # dependent shared-memory loads held the issuing warp, and with it its warpgroup's next GEMM, for ~500
+    # cycles a step while the other warpgroup's GEMMs kept shared memory busy. Set in main.
+    ISSUE = {}
+
+    @T.macro
+    def fetch_entries(i, mode_s, krow_s, vrow_s):
+        # The entries of overlap stage item i (K of block i, V of block i - 1; i >= 1) into ISSUE["pre"].
+        ISSUE["pre"][0] = mode_s[i % RB]
+        ISSUE["pre"][1] = krow_s[i % RB]
+        ISSUE["pre"][2] = mode_s[(i - 1) % RB]
+        ISSUE["pre"][3] = vrow_s[(i - 1) % RB]
+
+    @T.macro
+    def load_fetched(i, n, h, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM):
+        # load() of overlap stage item i from the entries fetch_entries read a step before.
+        if i < n:
+            load_k(ISSUE["pre"][0], ISSUE["pre"][1], h, kd, ks, ke, bar, KC, KD, KV, KM)
+        load_v(ISSUE["pre"][2], ISSUE["pre"][3], h, vd, vs, ve, bar, VC, VD, VV, VM)
+
     @T.macro
     def group_barrier():
         # Between the phases of one block step, only the threads that share columns must meet: the
@@ -648,8 +669,13 @@ def build_extend_prim_func(
                     if T.get_thread_binding() < 32:
                         if j + AHEAD >= stages:
                             T.barrier_wait(ebar2, eparity)
-                        load(j + AHEAD, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2,
-                             bar2, KC, VC, KD, KV, KM, VD, VV, VM)
+                        if overlap:
+                            load_fetched(j + AHEAD, n, h, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
+                                         KC, VC, KD, KV, KM, VD, VV, VM)
+                            fetch_entries(j + AHEAD + 1, mode_s, krow_s, vrow_s)  # used by the next step
+                        else:
+                            load(j + AHEAD, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2,
+                                 bar2, KC, VC, KD, KV, KM, VD, VV, VM)
                 else:
                     load(j + AHEAD, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
                          KC, VC, KD, KV, KM, VD, VV, VM)
@@ -746,6 +772,8 @@ def build_extend_prim_func(
             pmax = T.alloc_local([PCH], accum) if warp else (T.alloc_local([PCHW], accum) if lazy else None)
             # Overlap schedule: the mode of the block whose O^T GEMM is pending.
             mdp = T.alloc_local([1], "int32") if overlap else None
+            if overlap:
+                ISSUE["pre"] = T.alloc_local([4], "int32")
             tid = T.get_thread_binding()
             # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
             # with their bounds checks, at every use).
@@ -803,6 +831,8 @@ def build_extend_prim_func(
                 gl = (KC, VC, KD, KV, KM, VD, VV, VM)
                 frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp)
                 emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
+                if overlap:
+                    fetch_entries(AHEAD, mode_s, krow_s, vrow_s)
                 for it in T.serial(T.ceildiv(n, stages)):
                     emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
                 if overlap:
