@@ -332,8 +332,11 @@ def build_extend_prim_func(
             vd = T.alloc_shared([B, D], dtype)
             vs = T.alloc_shared([D, B // 2], dtype)
             ve = T.alloc_shared([e_rows, 16], "int16")
-            bar = T.alloc_barrier(threads)  # full: the block's loads landed
-            ebar = T.alloc_barrier(threads) if wg_sync else None  # empty: every thread is done with it
+            # full: the block's loads landed; empty: every thread is done with it. The overlap schedule
+            # arrives once per issue (full) and once per warp (empty): every arrival is an atomic on
+            # shared memory, and 256 of each a step queued the issuing thread's own barrier operations.
+            bar = T.alloc_barrier(1 if overlap else threads)
+            ebar = T.alloc_barrier(threads // 32 if overlap else threads) if wg_sync else None
             out.append((kd, ks, ke, vd, vs, ve, bar, ebar))
         return out
 
@@ -424,6 +427,14 @@ def build_extend_prim_func(
         if i < n:
             load_k(ISSUE["pre"][0], ISSUE["pre"][1], h, kd, ks, ke, bar, KC, KD, KV, KM)
         load_v(ISSUE["pre"][2], ISSUE["pre"][3], h, vd, vs, ve, bar, VC, VD, VV, VM)
+
+    @T.macro
+    def issuer_arrive(bar):
+        # Overlap schedule: the one arrival on a full barrier (count 1), by lane 0 of the issuing warp once
+        # the elected lane's expected-byte counts are registered (__syncwarp orders them).
+        T.sync_warp()
+        if T.get_thread_binding() == 0:
+            T.barrier_arrive(bar)
 
     @T.macro
     def group_barrier():
@@ -620,7 +631,9 @@ def build_extend_prim_func(
             T.wait_wgmma(0)
         softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
         T.wait_wgmma(0)
-        T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
+        T.sync_warp()
+        if T.get_thread_binding() % 32 == 0:
+            T.barrier_arrive(ebar)  # this warp's GEMMs on the stage are complete
         group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_s
         rescale_store_p(P_s, sT, oT, rs)
         mdp[0] = md
@@ -637,8 +650,14 @@ def build_extend_prim_func(
     def guarded_issue(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, ebar,
                       KC, VC, KD, KV, KM, VD, VV, VM):
         if i < n + items_extra:
-            load(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
-            T.barrier_arrive(bar)
+            if overlap:
+                if T.get_thread_binding() < 32:
+                    load(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV,
+                         VM)
+                    issuer_arrive(bar)
+            else:
+                load(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
+                T.barrier_arrive(bar)
 
     @T.macro
     def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
@@ -673,13 +692,15 @@ def build_extend_prim_func(
                             load_fetched(j + AHEAD, n, h, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
                                          KC, VC, KD, KV, KM, VD, VV, VM)
                             fetch_entries(j + AHEAD + 1, mode_s, krow_s, vrow_s)  # used by the next step
+                            issuer_arrive(bar2)
                         else:
                             load(j + AHEAD, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2,
                                  bar2, KC, VC, KD, KV, KM, VD, VV, VM)
                 else:
                     load(j + AHEAD, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
                          KC, VC, KD, KV, KM, VD, VV, VM)
-                T.barrier_arrive(bar2)
+                if not overlap:
+                    T.barrier_arrive(bar2)
             T.barrier_wait(bar, parity)
             # First argument: the CTA's first block (only the lazy schedules' softmax asks).
             if overlap:
