@@ -120,17 +120,29 @@ here so that the decode kernel is untouched:
     one more ``O^T`` GEMM after the loop. (Holding K and V of a block in one stage kept the stage until
     step j + 1, so 3 stages were needed for one step of loads in flight; with 2 stages now the kernel
     is smaller and faster, see "What bounds it" below.)
+    The issue path is kept short, because warp 0's issue delays its warpgroup's next GEMM (wgmma is
+    warpgroup-wide) and the other warpgroup's data with it (``timeline_extend_h100.log``): warp 0 reads
+    the next stage item's index entries into registers one step ahead (read at issue time, the chain of
+    dependent shared-memory loads cost ~500 cycles a step while the other warpgroup's wgmma kept shared
+    memory busy: 1.078x); the full barriers take one arrival, by the issuing warp after its
+    expected-byte counts (count 1), and the empty barriers one per warp (count 8), not 256 atomics
+    each. With 3 or more stages, step j refills the stage of item j - 2, released a step earlier, so
+    that the issue never waits on the other warpgroup (``AHEAD = stages - 2``); it measured slower
+    than 2 stages (0.98-0.99x).
 * **Fast math** (``tl.enable_fast_math``): ``exp2f`` is then one ``MUFU.EX2``; the IEEE path added a
   range test and two multiplies to every exponential (96 of 728 instructions a warp issued per step).
 * **Bug work-arounds (0.1.11)**, as decode: ``T.fence_proxy_async()`` after ``P^T`` and ``Q`` are written
   to shared memory (#2634; not after ``P^T`` in the warp schedule, whose ``mma.sync`` reads it with
-  ``ldmatrix``, in the generic proxy); automatic thread-sync insertion is disabled (it deadlocks in the elected-
+  ``ldmatrix``, in the generic proxy), and one after each index resolve: TileLang's proxy-fence pass
+  counts the resolve's shared-memory stores as generic-proxy traffic and would otherwise put a
+  ``fence.proxy.async`` before every TMA issue (the ring is never read by the async proxy; removing those
+  fences alone measured 1.007x); automatic thread-sync insertion is disabled (it deadlocks in the elected-
   thread TMA branches) and the kernel places its barriers itself: at the top of each block step (WAR on
   the refilled stage, ``P_s`` and the index ring), after ``S^T`` is stored, after the column statistics
   are published, after ``P^T`` is written (the other schedules: see above).
 * **Occupancy** (shared memory, d 128): n128 with 2 stages ~154 KB (~136 KB without 2:4 K buffers),
   with 3 ~204 KB (one CTA, 8 warps per SM; 202 registers, no spills; 222 in the warp schedule, 234
-  per warpgroup, 240 overlapped); n256 with 2 stages ~196 KB (one CTA, 8 warps; 255 registers, no
+  per warpgroup, 254 overlapped); n256 with 2 stages ~196 KB (one CTA, 8 warps; 255 registers, no
   spills); n64 with 2 stages ~127 KB, or ~109 KB without 2:4 K buffers (two CTAs per SM). Registers
   hold n128 and n256 to one CTA per SM in every schedule.
 * One launch per call, no host synchronisation: tile ids, splits, masks and empty splits are computed in
@@ -671,7 +683,7 @@ def build_extend_prim_func(
                     # entries to the issuing warp (first issued HALF - stages + 1 steps from now).
                     T.sync_threads()
                     resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
-                    T.fence_proxy_async()  # see resolve_fenced
+                    T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
                     T.sync_threads()
             else:
                 # WAR: the stage refilled below, P_s and the ring half resolved below were read before.
@@ -680,7 +692,7 @@ def build_extend_prim_func(
                     # Next chunk of index entries; first issued >= HALF - stages + 1 steps from now, after
                     # that step's barrier (the half it overwrites was last read before this step's barrier).
                     resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
-                    T.fence_proxy_async()  # see resolve_fenced
+                    T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
             if j + AHEAD < n + items_extra:
                 if wg_sync:
                     # Warp 0 refills the stage of item j + AHEAD - stages once every thread has released
