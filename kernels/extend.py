@@ -156,9 +156,12 @@ sglang_hs.kernels.bench --kernel extend --quick`` (and ``--kernel prefill``), ba
 32/8 heads, d 128, fp16, against FlashInfer's paged prefill (fa2) over the same pruned KV in the same
 process, the two timed in alternation; ``launch/results/kernels_h100.json``), with the default plans
 (``HieraSparseExtend.pick_tile``, ``default_sync``, ``default_stages``: n64 up to 64 query columns a
-request, n128 above, both overlapped with 2 stages). S_K = 0, S_V = 1: 1.02x at 16 new tokens, 1.14x
-at 64, 1.10x at 256, 1.10x at 1024, 1.13x at 2048; S_K = S_V = 1: 1.04x, 1.13x, 1.08x, 1.09x, 1.10x;
-full prefill of 32K tokens over compressed KV 1.14x / 1.10x. The schedules and stage counts were chosen
+request, n128 above, both overlapped with 2 stages). S_K = 0, S_V = 1: 1.02x at 16 new tokens, 1.19x
+at 64, 1.09x at 256, 1.09x at 1024, 1.13x at 2048; S_K = S_V = 1: 1.09x, 1.20x, 1.13x, 1.14x, 1.17x;
+full prefill of 32K tokens over compressed KV 1.10x / 1.15x (``bench_extend_h100.log``,
+``bench_prefill_h100.log``; before the issue path was shortened, the same runs gave 1.02 / 1.14 / 1.10 /
+1.10 / 1.13x and 1.04 / 1.13 / 1.08 / 1.09 / 1.10x, prefill 1.14x / 1.10x: S_K = 0 stayed within a few
+percent either way, S = 1/1 gained 4-7%). The schedules and stage counts were chosen
 from ``--variant`` runs that time them side by side (``bench_extend_variants_overlap_h100.log``:
 at 64 new tokens, S = 1/1, the overlapped n128 went from 1.07x (two runs) with K and V of a block in
 one stage and 3 stages to 1.13-1.15x (three runs) with V one block behind K and 2 stages; variants are
@@ -167,7 +170,7 @@ Earlier steps, with the figures before each, are in ``bench_extend_tiles_h100.lo
 ``bench_extend_merge_h100.log``, ``bench_extend_lazy_wg_ab_h100.log`` and
 ``bench_extend_overlap_ab_h100.log``.
 
-**What bounds it** (ncu of the default n128 kernel at 64 new tokens, S = 1/1,
+**What bounds it** (ncu of the default n128 kernel before its issue path was shortened, 64 new tokens, S = 1/1,
 ``launch/results/ncu_extend_h100.txt``): ~2500 cycles a block step (at ncu's 1.44 GHz). By our count
 the step's shared-memory traffic (~134 KB: ``wgmma`` reads ``Q^T`` and ``P^T`` from shared memory for
 every block, as the sparse operand must be A, plus the P^T stores and the TMA writes) needs ~1050
@@ -195,7 +198,15 @@ FA3's ping-pong of the two warpgroups' GEMM issue 1.05x, 3 stages of either slow
 (``bench_extend_decoupled_pingpong_h100.log``); N 128 over four warpgroups of 32 columns (16 warps a SM,
 128 registers) 1.07x against 1.14x (``bench_extend_n128w4_h100.log``).
 
-A knockout profile says where the step's time goes (``knockouts_extend_h100.log``: the same kernel built
+A timeline of the step (``timeline_extend_h100.log``: a session copy of the kernel that adds up, per
+warp, the clock cycles between fixed points of the step) found the largest single wait: warp 0 spent
+~580-740 of a ~2500-cycle step issuing the next stage's loads, its warpgroup's GEMM waited for it, and
+the other warpgroup waited ~850-940 cycles for data issued that late. The issue path is now short (the
+overlap bullet above: 1.05-1.08x in A/B runs); warp 0 still spends ~400 cycles a step in it, of which
+neither the TMA count nor the proxy fences are the cause (knockouts in the same log), and the other
+warpgroup still waits ~800 cycles a step for its data.
+
+A knockout profile of the kernel before that change says where the step's time goes (``knockouts_extend_h100.log``: the same kernel built
 with parts of the step removed behind never-taken branches; 64 new tokens, S = 1/1): the whole step
 714-732 us; without loads (stale stages) 638 us, so the loads cost 11%; without loads, the two GEMMs alone
 371 us and the softmax with the P^T store alone 363 us, which add up to more than the 638 us of both:
