@@ -128,7 +128,7 @@ here so that the decode kernel is untouched:
     expected-byte counts (count 1), and the empty barriers one per warp (count 8), not 256 atomics
     each. With 3 or more stages, step j refills the stage of item j - 2, released a step earlier, so
     that the issue never waits on the other warpgroup (``AHEAD = stages - 2``); it measured slower
-    than 2 stages (0.98-0.99x).
+    than 2 stages (0.976-0.987x in alternated A/B runs, ``bench_extend_stages_ab_h100.log``).
 * **Fast math** (``tl.enable_fast_math``): ``exp2f`` is then one ``MUFU.EX2``; the IEEE path added a
   range test and two multiplies to every exponential (96 of 728 instructions a warp issued per step).
 * **Bug work-arounds (0.1.11)**, as decode: ``T.fence_proxy_async()`` after ``P^T`` and ``Q`` are written
