@@ -202,9 +202,10 @@ A timeline of the step (``timeline_extend_h100.log``: a session copy of the kern
 warp, the clock cycles between fixed points of the step) found the largest single wait: warp 0 spent
 ~580-740 of a ~2500-cycle step issuing the next stage's loads, its warpgroup's GEMM waited for it, and
 the other warpgroup waited ~850-940 cycles for data issued that late. The issue path is now short (the
-overlap bullet above: 1.05-1.08x in A/B runs); warp 0 still spends ~400 cycles a step in it, of which
-neither the TMA count nor the proxy fences are the cause (knockouts in the same log), and the other
-warpgroup still waits ~800 cycles a step for its data.
+overlap bullet above: 1.05-1.08x in A/B runs); warp 0 still spends ~410 cycles a step in it, ~370 of
+them in the TMA issue instructions themselves (~40 with the copies knocked out; halving their count
+changed nothing: the first one waits), and the other warpgroup still waits ~800 cycles a step for its
+data. A producer warpgroup that does nothing but issue would take that wait off the GEMM chain.
 
 A knockout profile of the kernel before that change says where the step's time goes (``knockouts_extend_h100.log``: the same kernel built
 with parts of the step removed behind never-taken branches; 64 new tokens, S = 1/1): the whole step
