@@ -232,7 +232,7 @@ from sglang_hs.kernels.common import (  # noqa: F401 (re-exported: tests and too
 TILES = {"n64": (64, 128), "n128": (128, 256), "n256": (256, 256)}
 # How the phases of a block step synchronise (see the module docstring): CTA barriers, per warpgroup,
 # or per warp (mma.sync).
-SYNCS = ("cta", "warpgroup", "warp", "overlap")
+SYNCS = ("cta", "warpgroup", "warp", "overlap", "producer")
 
 
 def default_sync(tile: str) -> str:
@@ -303,8 +303,14 @@ def build_extend_prim_func(
     assert sync in SYNCS, sync
     assert tile != "n256" or sync == "warp", "n256 has one warp per 32 columns: sync='warp' only"
     wg_sync = sync != "cta"  # phases meet per warpgroup (per warp with "warp")
-    lazy = sync in ("warpgroup", "overlap")  # wgmma with the lazy softmax offset, voted per warpgroup
-    overlap = sync == "overlap"  # the O^T GEMM of block j - 1 runs under block j's softmax
+    lazy = sync in ("warpgroup", "overlap", "producer")  # wgmma with the lazy softmax offset, voted per warpgroup
+    overlap = sync in ("overlap", "producer")  # the O^T GEMM of block j - 1 runs under block j's softmax
+    # producer (work in progress, not validated on the GPU): the overlap schedule with one more warpgroup
+    # that resolves the index entries and issues every TMA load, FA3's warp specialization, so that no
+    # consumer warp waits on the TMA unit (~370 cycles a step in the overlap schedule's warp 0,
+    # timeline_extend_h100.log). Consumers raise their register limit to 240, the producer drops to 32.
+    producer = sync == "producer"
+    PTHREADS = 128 if producer else 0  # the producer warpgroup: threads [threads, threads + 128)
     # Overlap: the stage of step j holds K of block j and V of block j - 1 (V one block behind), so that
     # both GEMMs of a step read one stage and the stage is free when the step ends; n + 1 stage items.
     items_extra = 1 if overlap else 0
@@ -458,8 +464,38 @@ def build_extend_prim_func(
         # Overlap schedule: the one arrival on a full barrier (count 1), by lane 0 of the issuing warp once
         # the elected lane's expected-byte counts are registered (__syncwarp orders them).
         T.sync_warp()
-        if T.get_thread_binding() == 0:
+        if T.get_thread_binding() == (threads if producer else 0):
             T.barrier_arrive(bar)
+
+    @T.macro
+    def consumer_sync():
+        # A barrier of the threads that hold the fragments: the CTA, or in the producer schedule its first
+        # `threads` (barrier 1 with that count, as TileLang's own reductions over them use).
+        if producer:
+            T.sync_threads(1, threads)
+        else:
+            T.sync_threads()
+
+    @T.macro
+    def produce_item(i, eparity, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar,
+                     ebar, KC, VC, KD, KV, KM, VD, VV, VM):
+        # Producer schedule: stage item i (K of block i, V of block i - 1). Its first warp waits for the
+        # stage's release (item i - stages). The next chunk of index entries is resolved at item
+        # c * HALF + stages + 1 of chunk c: the consumers have then released item c * HALF + 1, so no
+        # consumer reads the entries of chunk c - 1, whose ring half it overwrites.
+        if i < n + items_extra:
+            if T.get_thread_binding() < threads + 32:
+                if i >= stages:
+                    T.barrier_wait(ebar, eparity)
+            if i % HALF == stages + 1:
+                if (i // HALF + 1) * HALF < n:
+                    T.sync_threads(7, 128)
+                    resolve(i // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
+                    T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
+                    T.sync_threads(7, 128)
+            if T.get_thread_binding() < threads + 32:
+                load(i, n, h, mode_s, krow_s, vrow_s, kd, ks, ke, vd, vs, ve, bar, KC, VC, KD, KV, KM, VD, VV, VM)
+                issuer_arrive(bar)
 
     @T.macro
     def group_barrier():
@@ -688,55 +724,61 @@ def build_extend_prim_func(
     def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, BT, KI, VI, mode_s, krow_s, vrow_s,
              Q_s, P_s, kd, ks, ke, vd, vs, ve, bar, ebar, kd2, ks2, ke2, vd2, vs2, ve2, bar2, ebar2,
              KC, VC, KD, KV, KM, VD, VV, VM, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp):
-        if j < n:
-            if wg_sync:
-                if j % HALF == 0:
-                    # The ring half resolved below was last read at step j - HALF - 1 or before: the
-                    # first barrier waits for every thread to be past it, the second publishes the
-                    # entries to the issuing warp (first issued HALF - stages + 1 steps from now).
-                    T.sync_threads()
-                    resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
-                    T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
-                    T.sync_threads()
-            else:
-                # WAR: the stage refilled below, P_s and the ring half resolved below were read before.
-                T.sync_threads()
-                if j % HALF == 0:
-                    # Next chunk of index entries; first issued >= HALF - stages + 1 steps from now, after
-                    # that step's barrier (the half it overwrites was last read before this step's barrier).
-                    resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
-                    T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
-            if j + AHEAD < n + items_extra:
+        if producer:
+            if j < n:
+                T.barrier_wait(bar, parity)
+                compute_overlap(j == 0, start + j, jm, qlast, tv, scale2, mode_s[j % RB], j, Q_s, P_s, kd, ks, ke,
+                                vd, vs, ve, ebar, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp)
+        else:
+            if j < n:
                 if wg_sync:
-                    # Warp 0 refills the stage of item j + AHEAD - stages once every thread has released
-                    # it; the other warps go on (a warpgroup may run up to a step ahead of the other).
-                    if T.get_thread_binding() < 32:
-                        if j + AHEAD >= stages:
-                            T.barrier_wait(ebar2, eparity)
-                        if overlap:
-                            load_fetched(j + AHEAD, n, h, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
-                                         KC, VC, KD, KV, KM, VD, VV, VM)
-                            fetch_entries(j + AHEAD + 1, mode_s, krow_s, vrow_s)  # used by the next step
-                            issuer_arrive(bar2)
-                        else:
-                            load(j + AHEAD, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2,
-                                 bar2, KC, VC, KD, KV, KM, VD, VV, VM)
+                    if j % HALF == 0:
+                        # The ring half resolved below was last read at step j - HALF - 1 or before: the
+                        # first barrier waits for every thread to be past it, the second publishes the
+                        # entries to the issuing warp (first issued HALF - stages + 1 steps from now).
+                        T.sync_threads()
+                        resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
+                        T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
+                        T.sync_threads()
                 else:
-                    load(j + AHEAD, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
-                         KC, VC, KD, KV, KM, VD, VV, VM)
-                if not overlap:
-                    T.barrier_arrive(bar2)
-            T.barrier_wait(bar, parity)
-            # First argument: the CTA's first block (only the lazy schedules' softmax asks).
-            if overlap:
-                compute_overlap(j == 0, start + j, jm, qlast, tv, scale2, mode_s[j % RB], j, Q_s, P_s,
-                                kd, ks, ke, vd, vs, ve, ebar, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run,
-                                mx, pmax, mdp)
-            else:
-                compute((j == 0) if warp or lazy else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB],
-                        Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
-                if wg_sync:
-                    T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
+                    # WAR: the stage refilled below, P_s and the ring half resolved below were read before.
+                    T.sync_threads()
+                    if j % HALF == 0:
+                        # Next chunk of index entries; first issued >= HALF - stages + 1 steps from now, after
+                        # that step's barrier (the half it overwrites was last read before this step's barrier).
+                        resolve(j // HALF + 1, n, r, start, h, BT, KI, VI, mode_s, krow_s, vrow_s)
+                        T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
+                if j + AHEAD < n + items_extra:
+                    if wg_sync:
+                        # Warp 0 refills the stage of item j + AHEAD - stages once every thread has released
+                        # it; the other warps go on (a warpgroup may run up to a step ahead of the other).
+                        if T.get_thread_binding() < 32:
+                            if j + AHEAD >= stages:
+                                T.barrier_wait(ebar2, eparity)
+                            if overlap:
+                                load_fetched(j + AHEAD, n, h, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
+                                             KC, VC, KD, KV, KM, VD, VV, VM)
+                                fetch_entries(j + AHEAD + 1, mode_s, krow_s, vrow_s)  # used by the next step
+                                issuer_arrive(bar2)
+                            else:
+                                load(j + AHEAD, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2,
+                                     bar2, KC, VC, KD, KV, KM, VD, VV, VM)
+                    else:
+                        load(j + AHEAD, n, h, mode_s, krow_s, vrow_s, kd2, ks2, ke2, vd2, vs2, ve2, bar2,
+                             KC, VC, KD, KV, KM, VD, VV, VM)
+                    if not overlap:
+                        T.barrier_arrive(bar2)
+                T.barrier_wait(bar, parity)
+                # First argument: the CTA's first block (only the lazy schedules' softmax asks).
+                if overlap:
+                    compute_overlap(j == 0, start + j, jm, qlast, tv, scale2, mode_s[j % RB], j, Q_s, P_s,
+                                    kd, ks, ke, vd, vs, ve, ebar, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run,
+                                    mx, pmax, mdp)
+                else:
+                    compute((j == 0) if warp or lazy else None, start + j, jm, qlast, tv, scale2, mode_s[j % RB],
+                            Q_s, P_s, kd, ks, ke, vd, vs, ve, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
+                    if wg_sync:
+                        T.barrier_arrive(ebar)  # this thread's GEMMs on the stage are complete
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl):
@@ -751,6 +793,20 @@ def build_extend_prim_func(
             eparity = (it + 1 + (s + AHEAD) // stages) & 1
             step(it * stages + s, it & 1, eparity, n, r, start, jm, qlast, tv, scale2, h, *idx, Q_s, P_s,
                  *st[s], *st[nxt], *gl, *frags)
+
+    @T.macro
+    def init_fragments(oT, lacc, msc, m_run):
+        T.fill(oT, 0)
+        T.fill(lacc, 0)
+        if warp or lazy:
+            T.fill(msc, 0)  # scaled offsets; the first block step sets them
+        else:
+            m_run[0] = NEG
+
+    def emit_producer(it, n, r, start, h, idx, st, gl):
+        for s in range(stages):
+            # Item it * stages + s waits for the release of item (it - 1) * stages + s (completion it - 1).
+            produce_item(it * stages + s, (it + 1) & 1, n, r, start, h, *idx, *st[s], *gl)
 
     def emit_final(n, P_s, st, oT, mdp):
         for s in range(stages):
@@ -779,7 +835,7 @@ def build_extend_prim_func(
         LSE: T.Tensor([total, q_heads], accum),
         CNT: T.Tensor([nt, kv_heads], "int32"),
     ):
-        with T.Kernel(nt, kv_heads, S, threads=threads) as (bx, h, sid):
+        with T.Kernel(nt, kv_heads, S, threads=threads + PTHREADS) as (bx, h, sid):
             if lazy:
                 T.import_source(WARPGROUP_ANY_SRC)
             # Tile ids in descending order: a request's later tiles see more blocks (causal), so in a long
@@ -818,7 +874,7 @@ def build_extend_prim_func(
             pmax = T.alloc_local([PCH], accum) if warp else (T.alloc_local([PCHW], accum) if lazy else None)
             # Overlap schedule: the mode of the block whose O^T GEMM is pending.
             mdp = T.alloc_local([1], "int32") if overlap else None
-            if overlap:
+            if overlap and not producer:
                 ISSUE["pre"] = T.alloc_local([4], "int32")
             tid = T.get_thread_binding()
             # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
@@ -865,103 +921,108 @@ def build_extend_prim_func(
                 for c, d in T.Parallel(N, D):
                     Q_s[c, d] = T.if_then_else(
                         c // G < tv, Q[q0 + t0 + T.min(c // G, tv - 1), h * G + c % G, d], T.cast(0, dtype))
-                T.fill(oT, 0)
-                T.fill(lacc, 0)
-                if warp or lazy:
-                    T.fill(msc, 0)  # scaled offsets; the first block step sets them
-                else:
-                    m_run[0] = NEG
+                if not producer:
+                    init_fragments(oT, lacc, msc, m_run)
                 T.fence_proxy_async()  # #2634: Q_s written by generic stores before wgmma reads it
                 T.sync_threads()
 
                 gl = (KC, VC, KD, KV, KM, VD, VV, VM)
-                frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp)
-                emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
-                if overlap:
-                    fetch_entries(AHEAD, mode_s, krow_s, vrow_s)
-                for it in T.serial(T.ceildiv(n, stages)):
-                    emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
-                if overlap:
-                    emit_final(n, P_s, st, oT, mdp)
-                if wg_sync:
-                    T.sync_threads()  # the warpgroups meet again before the CTA-wide reduction
+                if producer and tid >= threads:
+                    T.set_max_nreg(32, 0)  # 2 x 128 x 240 + 128 x 32 = 64K registers
+                    for it in T.serial(T.ceildiv(n + items_extra, stages)):
+                        emit_producer(it, n, r, start, h, idx, st, gl)
+                else:
+                    if producer:
+                        T.set_max_nreg(240, 1)
+                        init_fragments(oT, lacc, msc, m_run)
+                    frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp)
+                    if not producer:
+                        emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
+                        if overlap:
+                            fetch_entries(AHEAD, mode_s, krow_s, vrow_s)
+                    for it in T.serial(T.ceildiv(n, stages)):
+                        emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
+                    if overlap:
+                        emit_final(n, P_s, st, oT, mdp)
+                    if wg_sync:
+                        consumer_sync()  # the warpgroups meet again before the CTA-wide reduction
 
-                T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
-                if warp or lazy:
-                    for c in T.Parallel(N):
-                        m_sh[c] = msc[c] / scale2  # the LSE below scales it back
-                else:
-                    if tid % TPC == 0:
-                        m_sh[tid // TPC] = m_run[0]
-                T.sync_threads()
-                if S == 1:
-                    for d, c in T.Parallel(D, N):
-                        if c // G < tv:
-                            O[q0 + t0 + c // G, h * G + c % G, d] = T.cast(
-                                T.if_then_else(l[c] > 0, oT[d, c] / l[c], 0.0), dtype)
-                    for c in T.Parallel(N):
-                        if c // G < tv:
-                            LSE[q0 + t0 + c // G, h * G + c % G] = T.if_then_else(
-                                l[c] > 0, (T.log2(l[c]) + m_sh[c] * scale2) * LN2, NEG)
-                else:
-                    for c in T.Parallel(N):
-                        if c // G < tv:
-                            LP[q0 + t0 + c // G, h * G + c % G, sid] = T.if_then_else(
-                                l[c] > 0, T.log2(l[c]) + m_sh[c] * scale2, NEG)
-                    if n > 0:
-                        for d, c in T.Parallel(D, N):
-                            if c // G < tv:
-                                OP[q0 + t0 + c // G, h * G + c % G, sid, d] = T.if_then_else(
-                                    l[c] > 0, oT[d, c] / l[c], 0.0)
-                    # Split-KV merge by the last CTA of this (tile, KV head): release our partials,
-                    # take a ticket (acq_rel, device scope), and merge if we are the S-th.
-                    T.sync_threads()
-                    if tid == 0:
-                        tk_sh[0] = T.atomic_add(CNT[tile_id, h], 1, memory_order="acq_rel", return_prev=True)
-                    T.sync_threads()
-                    if tk_sh[0] == S - 1:
-                        # First per column (thread c): the largest split LSE (msc_sh) and the sum of the
-                        # splits' weights (m_sh); then every element of O^T at once, with O^T's registers
-                        # as the accumulator, so that a thread's loads do not wait on each other. Splits
-                        # are added in index order whichever CTA merges (deterministic). Empty splits
-                        # wrote an LSE of -inf and no partial O.
-                        if tid < N:
-                            if tid // G < tv:
-                                row_c = q0 + t0 + tid // G
-                                cm[0] = NEG
-                                for s2 in T.serial(S):
-                                    cm[0] = T.max(cm[0], LP[row_c, h * G + tid % G, s2])
-                                cm[1] = 0.0
-                                for s2 in T.serial(S):
-                                    if LP[row_c, h * G + tid % G, s2] != NEG:
-                                        cm[1] = cm[1] + T.exp2(LP[row_c, h * G + tid % G, s2] - cm[0])
-                                msc_sh[tid] = cm[0]
-                                m_sh[tid] = cm[1]
-                                LSE[row_c, h * G + tid % G] = T.if_then_else(
-                                    cm[1] > 0, (T.log2(cm[1]) + cm[0]) * LN2, NEG)
-                        T.fill(oT, 0)
-                        for s2 in T.serial(S):
-                            # The split's weight per column (0 for an empty split), then its partial O
-                            # for every element: unconditional loads (an empty split's rows hold stale
-                            # values, which the select drops).
-                            T.sync_threads()
-                            if tid < N:
-                                rs_sh[tid] = 0.0
-                                if tid // G < tv:
-                                    if LP[q0 + t0 + tid // G, h * G + tid % G, s2] != NEG:
-                                        rs_sh[tid] = T.exp2(LP[q0 + t0 + tid // G, h * G + tid % G, s2] - msc_sh[tid])
-                            T.sync_threads()
-                            for d, c in T.Parallel(D, N):
-                                oT[d, c] = T.if_then_else(
-                                    rs_sh[c] > 0,
-                                    oT[d, c] + rs_sh[c] * OP[q0 + t0 + T.min(c // G, tv - 1), h * G + c % G, s2, d],
-                                    oT[d, c])
+                    T.reduce_sum(lacc, l, dim=0)  # once per CTA (scalar AllReduce: correct for 2 warpgroups)
+                    if warp or lazy:
+                        for c in T.Parallel(N):
+                            m_sh[c] = msc[c] / scale2  # the LSE below scales it back
+                    else:
+                        if tid % TPC == 0:
+                            m_sh[tid // TPC] = m_run[0]
+                    consumer_sync()
+                    if S == 1:
                         for d, c in T.Parallel(D, N):
                             if c // G < tv:
                                 O[q0 + t0 + c // G, h * G + c % G, d] = T.cast(
-                                    T.if_then_else(m_sh[c] > 0, oT[d, c] / m_sh[c], 0.0), dtype)
+                                    T.if_then_else(l[c] > 0, oT[d, c] / l[c], 0.0), dtype)
+                        for c in T.Parallel(N):
+                            if c // G < tv:
+                                LSE[q0 + t0 + c // G, h * G + c % G] = T.if_then_else(
+                                    l[c] > 0, (T.log2(l[c]) + m_sh[c] * scale2) * LN2, NEG)
+                    else:
+                        for c in T.Parallel(N):
+                            if c // G < tv:
+                                LP[q0 + t0 + c // G, h * G + c % G, sid] = T.if_then_else(
+                                    l[c] > 0, T.log2(l[c]) + m_sh[c] * scale2, NEG)
+                        if n > 0:
+                            for d, c in T.Parallel(D, N):
+                                if c // G < tv:
+                                    OP[q0 + t0 + c // G, h * G + c % G, sid, d] = T.if_then_else(
+                                        l[c] > 0, oT[d, c] / l[c], 0.0)
+                        # Split-KV merge by the last CTA of this (tile, KV head): release our partials,
+                        # take a ticket (acq_rel, device scope), and merge if we are the S-th.
+                        consumer_sync()
                         if tid == 0:
-                            CNT[tile_id, h] = 0
+                            tk_sh[0] = T.atomic_add(CNT[tile_id, h], 1, memory_order="acq_rel", return_prev=True)
+                        consumer_sync()
+                        if tk_sh[0] == S - 1:
+                            # First per column (thread c): the largest split LSE (msc_sh) and the sum of the
+                            # splits' weights (m_sh); then every element of O^T at once, with O^T's registers
+                            # as the accumulator, so that a thread's loads do not wait on each other. Splits
+                            # are added in index order whichever CTA merges (deterministic). Empty splits
+                            # wrote an LSE of -inf and no partial O.
+                            if tid < N:
+                                if tid // G < tv:
+                                    row_c = q0 + t0 + tid // G
+                                    cm[0] = NEG
+                                    for s2 in T.serial(S):
+                                        cm[0] = T.max(cm[0], LP[row_c, h * G + tid % G, s2])
+                                    cm[1] = 0.0
+                                    for s2 in T.serial(S):
+                                        if LP[row_c, h * G + tid % G, s2] != NEG:
+                                            cm[1] = cm[1] + T.exp2(LP[row_c, h * G + tid % G, s2] - cm[0])
+                                    msc_sh[tid] = cm[0]
+                                    m_sh[tid] = cm[1]
+                                    LSE[row_c, h * G + tid % G] = T.if_then_else(
+                                        cm[1] > 0, (T.log2(cm[1]) + cm[0]) * LN2, NEG)
+                            T.fill(oT, 0)
+                            for s2 in T.serial(S):
+                                # The split's weight per column (0 for an empty split), then its partial O
+                                # for every element: unconditional loads (an empty split's rows hold stale
+                                # values, which the select drops).
+                                consumer_sync()
+                                if tid < N:
+                                    rs_sh[tid] = 0.0
+                                    if tid // G < tv:
+                                        if LP[q0 + t0 + tid // G, h * G + tid % G, s2] != NEG:
+                                            rs_sh[tid] = T.exp2(LP[q0 + t0 + tid // G, h * G + tid % G, s2] - msc_sh[tid])
+                                consumer_sync()
+                                for d, c in T.Parallel(D, N):
+                                    oT[d, c] = T.if_then_else(
+                                        rs_sh[c] > 0,
+                                        oT[d, c] + rs_sh[c] * OP[q0 + t0 + T.min(c // G, tv - 1), h * G + c % G, s2, d],
+                                        oT[d, c])
+                            for d, c in T.Parallel(D, N):
+                                if c // G < tv:
+                                    O[q0 + t0 + c // G, h * G + c % G, d] = T.cast(
+                                        T.if_then_else(m_sh[c] > 0, oT[d, c] / m_sh[c], 0.0), dtype)
+                            if tid == 0:
+                                CNT[tile_id, h] = 0
 
     return main
 
