@@ -1213,7 +1213,7 @@ class HieraSparseExtend:
 BENCH_VARIANTS = [("n64", 2, "cta"), ("n128", 3, "cta"), ("n128", 2, "cta"), ("n64", 2, "warpgroup"),
                   ("n128", 3, "warpgroup"), ("n128", 2, "warpgroup"), ("n64", 2, "warp"),
                   ("n128", 3, "warp"), ("n128", 2, "warp"), ("n256", 2, "warp"), ("n64", 2, "overlap"),
-                  ("n128", 2, "overlap"), ("n128", 3, "overlap")]
+                  ("n128", 2, "overlap"), ("n128", 3, "overlap"), ("n128", 2, "producer")]
 
 # The configurations the GPU tests and the benchmark compile: (q_heads, kv_heads, head_dim, dtype, tile,
 # stages, k_sparse, sync): the benchmark's shape (Llama-3.1-8B heads, fp16) in every variant, with and
@@ -1235,6 +1235,8 @@ PRECOMPILE = [
     (8, 2, 64, "float16", "n64", 2, False, "warpgroup"), (8, 2, 64, "bfloat16", "n128", 2, True, "warpgroup"),
     (16, 2, 128, "bfloat16", "n128", 2, True, "overlap"), (8, 2, 64, "float16", "n128", 2, False, "overlap"),
     (8, 2, 64, "float16", "n128", 2, True, "overlap"), (8, 2, 64, "float16", "n64", 2, False, "overlap"),
+    (32, 8, 128, "float16", "n128", 3, True, "producer"), (8, 2, 64, "float16", "n64", 2, False, "producer"),
+    (16, 2, 128, "bfloat16", "n128", 2, True, "producer"),
 ]
 
 

@@ -57,6 +57,12 @@ SMALL = [
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="overlap")),
     (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
     (8, 2, 64, torch.float16, 1.0, 0.5, dict(tile="n128", sync="overlap")),
+    # The producer schedule (work in progress: the overlap schedule with a producer warpgroup).
+    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="producer")),
+    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="producer")),
+    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", stages=3, sync="producer")),
+    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64", sync="producer")),
+    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="producer")),
     # One warp per column group (mma.sync): n64 and n128, with and without 2:4 K buffers, d 128 and 64.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warp")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warp")),
@@ -178,6 +184,7 @@ def test_dense_equals_dense_attention_and_flashinfer(tile):
                                              (1.0, 1.0, "n128", "warpgroup"), (0.0, 1.0, "n64", "warpgroup"),
                                              (1.0, 1.0, "n128", "overlap"), (0.0, 1.0, "n128", "overlap"),
                                              (0.0, 1.0, "n64", "overlap"),
+                                             (1.0, 1.0, "n128", "producer"), (0.0, 1.0, "n64", "producer"),
                                              (1.0, 1.0, "n128", "warp"), (0.0, 1.0, "n64", "warp"),
                                              (0.5, 0.5, "n256", "warp")])
 def test_sparse_matches_decompressed(sk, sv, tile, sync):
@@ -196,7 +203,7 @@ def test_sparse_matches_decompressed(sk, sv, tile, sync):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile,sync", [("n64", "warp"), ("n128", "warp"), ("n256", "warp"),
                                        ("n64", "warpgroup"), ("n128", "warpgroup"), ("n64", "overlap"),
-                                       ("n128", "overlap")])
+                                       ("n128", "overlap"), ("n128", "producer")])
 def test_lazy_offsets_move_with_sharp_scores(tile, sync):
     """The lazy softmax offset (warp, warpgroup and overlap schedules) moves only when a score passes it
     by more than 2^8. At ten times the usual scale the scores have a standard deviation of about 14 in
