@@ -308,9 +308,15 @@ def build_extend_prim_func(
     # producer (work in progress, not validated on the GPU): the overlap schedule with one more warpgroup
     # that resolves the index entries and issues every TMA load, FA3's warp specialization, so that no
     # consumer warp waits on the TMA unit (~370 cycles a step in the overlap schedule's warp 0,
-    # timeline_extend_h100.log). Consumers raise their register limit to 240, the producer drops to 32.
+    # timeline_extend_h100.log). Register limits: REGS below.
     producer = sync == "producer"
     PTHREADS = 128 if producer else 0  # the producer warpgroup: threads [threads, threads + 128)
+    # Producer schedule, register limits (producer, consumers) with two consumer warpgroups. Every thread
+    # starts with 168 registers (65536 / 384, rounded down to 8), and the consumers' increase takes only
+    # what the producer gave back: 128 x 40 + 256 x 232 = 384 x 168. (A first version asked for 32 / 240,
+    # 1K registers more than the CTA holds, and hung on the H100; 24 / 240 spills in the producer.) With one
+    # consumer warpgroup (n64, 256 threads) every thread already has up to 255: no limits.
+    REGS = (40, 232) if producer and TILES[tile][1] == 256 else None
     # Overlap: the stage of step j holds K of block j and V of block j - 1 (V one block behind), so that
     # both GEMMs of a step read one stage and the stage is free when the step ends; n + 1 stage items.
     items_extra = 1 if overlap else 0
@@ -928,12 +934,14 @@ def build_extend_prim_func(
 
                 gl = (KC, VC, KD, KV, KM, VD, VV, VM)
                 if producer and tid >= threads:
-                    T.set_max_nreg(32, 0)  # 2 x 128 x 240 + 128 x 32 = 64K registers
+                    if REGS is not None:
+                        T.set_max_nreg(REGS[0], 0)
                     for it in T.serial(T.ceildiv(n + items_extra, stages)):
                         emit_producer(it, n, r, start, h, idx, st, gl)
                 else:
                     if producer:
-                        T.set_max_nreg(240, 1)
+                        if REGS is not None:
+                            T.set_max_nreg(REGS[1], 1)
                         init_fragments(oT, lacc, msc, m_run)
                     frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp)
                     if not producer:
