@@ -236,10 +236,11 @@ SYNCS = ("cta", "warpgroup", "warp", "overlap", "producer")
 
 
 def default_sync(tile: str) -> str:
-    """The schedule ``sync="auto"`` takes, the fastest measured on the H100 (``--variant`` runs of the
-    extend and prefill benchmarks, ``bench_extend_variants_overlap_h100.log``): overlapped, except n256:
-    per warp (its only schedule)."""
-    return "warp" if tile == "n256" else "overlap"
+    """The schedule ``sync="auto"`` takes, the fastest measured on the H100: n128 with a producer
+    warpgroup and ping-pong consumers (``bench_extend_pingpong_ab_h100.log``), n64 overlapped (one
+    consumer warpgroup: no ping-pong; ``bench_extend_variants_overlap_h100.log``), n256 per warp (its
+    only schedule)."""
+    return "warp" if tile == "n256" else ("producer" if tile == "n128" else "overlap")
 
 
 def default_stages(tile: str, sync: str = "cta") -> int:
@@ -305,18 +306,20 @@ def build_extend_prim_func(
     wg_sync = sync != "cta"  # phases meet per warpgroup (per warp with "warp")
     lazy = sync in ("warpgroup", "overlap", "producer")  # wgmma with the lazy softmax offset, voted per warpgroup
     overlap = sync in ("overlap", "producer")  # the O^T GEMM of block j - 1 runs under block j's softmax
-    # producer (work in progress, not validated on the GPU): the overlap schedule with one more warpgroup
-    # that resolves the index entries and issues every TMA load, FA3's warp specialization, so that no
-    # consumer warp waits on the TMA unit (~370 cycles a step in the overlap schedule's warp 0,
-    # timeline_extend_h100.log). Register limits: REGS below.
+    # producer: the overlap schedule with one more warpgroup that resolves the index entries and issues
+    # every TMA load (FA3's warp specialization), and the two consumer warpgroups taking turns to issue
+    # their GEMMs (FA3's ping-pong; see compute_overlap). Register limits: REGS below. Named barriers of
+    # the producer schedule: 1 the consumers (256 threads), 7 the producer warpgroup, 8 + wg a consumer
+    # warpgroup, 10 + wg its turn to issue, 12 + wg its vote.
     producer = sync == "producer"
     PTHREADS = 128 if producer else 0  # the producer warpgroup: threads [threads, threads + 128)
     # Producer schedule, register limits (producer, consumers) with two consumer warpgroups. Every thread
     # starts with 168 registers (65536 / 384, rounded down to 8), and the consumers' increase takes only
     # what the producer gave back: 128 x 40 + 256 x 232 = 384 x 168. (A first version asked for 32 / 240,
-    # 1K registers more than the CTA holds, and hung on the H100; 24 / 240 spills in the producer.) With one
+    # 1K registers more than the CTA holds, and hung on the H100; 24 / 240 spill in the producer.) With one
     # consumer warpgroup (n64, 256 threads) every thread already has up to 255: no limits.
     REGS = (40, 232) if producer and TILES[tile][1] == 256 else None
+    pingpong = producer and TILES[tile][1] == 256  # two consumer warpgroups take turns (compute_overlap)
     # Overlap: the stage of step j holds K of block j and V of block j - 1 (V one block behind), so that
     # both GEMMs of a step read one stage and the stage is free when the step ends; n + 1 stage items.
     items_extra = 1 if overlap else 0
@@ -690,12 +693,21 @@ def build_extend_prim_func(
         # first (it rescales O^T and reuses P_s). Then the O^T GEMM is waited for, the stage released,
         # and P^T(j) written once every warp's GEMM has read P_s. The last block's O^T GEMM follows the
         # loop.
+        # Producer schedule, FA3's ping-pong: warpgroup wg issues its GEMMs on its turn (barrier 10 + wg)
+        # and hands the turn to the other once its S^T is ready, so one warpgroup's softmax runs while
+        # the other's GEMMs have the tensor cores: 1.16x at 64 new tokens, S = 1/1, against the same
+        # schedule without the turns (bench_extend_pingpong_ab_h100.log). Handing the turn over right
+        # after the issue instead measured 0.98x.
+        if pingpong:
+            T.sync_threads(10 + T.get_thread_binding() // 128, 256)
         gemm_s(md, Q_s, kd, ks, ke, sT, *ASYNC_GEMMS)
         if j >= 1:
             gemm_o(mdp[0] >> 2, P_s, vd, vs, ve, oT, *ASYNC_GEMMS)
             T.wait_wgmma(1)
         else:
             T.wait_wgmma(0)
+        if pingpong:
+            T.named_barrier_arrive(11 - T.get_thread_binding() // 128, 256)
         softmax(first, jj, jm, qlast, tv, scale2, P_s, sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax)
         T.wait_wgmma(0)
         T.sync_warp()
@@ -943,6 +955,10 @@ def build_extend_prim_func(
                         if REGS is not None:
                             T.set_max_nreg(REGS[1], 1)
                         init_fragments(oT, lacc, msc, m_run)
+                    if pingpong:
+                        if tid >= 128:
+                            if n >= 1:
+                                T.named_barrier_arrive(10, 256)  # warpgroup 0 takes the first turn
                     frags = (sT, oT, lacc, msc, rs, msc_sh, rs_sh, m_run, mx, pmax, mdp)
                     if not producer:
                         emit_prologue(n, h, mode_s, krow_s, vrow_s, st, gl)
@@ -952,6 +968,10 @@ def build_extend_prim_func(
                         emit_ring(it, n, r, start, jm, qlast, tv, scale2, h, idx, Q_s, P_s, st, gl, frags)
                     if overlap:
                         emit_final(n, P_s, st, oT, mdp)
+                    if pingpong:
+                        if tid < 128:
+                            if n >= 1:
+                                T.sync_threads(10, 256)  # warpgroup 1's last hand-over: no arrival left pending
                     if wg_sync:
                         consumer_sync()  # the warpgroups meet again before the CTA-wide reduction
 
@@ -1244,7 +1264,8 @@ PRECOMPILE = [
     (16, 2, 128, "bfloat16", "n128", 2, True, "overlap"), (8, 2, 64, "float16", "n128", 2, False, "overlap"),
     (8, 2, 64, "float16", "n128", 2, True, "overlap"), (8, 2, 64, "float16", "n64", 2, False, "overlap"),
     (32, 8, 128, "float16", "n128", 3, True, "producer"), (8, 2, 64, "float16", "n64", 2, False, "producer"),
-    (16, 2, 128, "bfloat16", "n128", 2, True, "producer"),
+    (16, 2, 128, "bfloat16", "n128", 2, True, "producer"), (8, 2, 64, "float16", "n128", 2, True, "producer"),
+    (32, 8, 128, "float16", "n64", 2, False, "producer"),
 ]
 
 

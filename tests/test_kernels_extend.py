@@ -57,12 +57,15 @@ SMALL = [
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="overlap")),
     (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
     (8, 2, 64, torch.float16, 1.0, 0.5, dict(tile="n128", sync="overlap")),
-    # The producer schedule (work in progress: the overlap schedule with a producer warpgroup).
+    # The producer schedule (the overlap schedule with a producer warpgroup that issues every load, and
+    # at n128 ping-pong consumer warpgroups; the default at n128): GQA 4 and 8, d 128 and 64, fp16 and
+    # bf16, 2 and 3 stages, n64 (one consumer warpgroup, no ping-pong).
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="producer")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="producer")),
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", stages=3, sync="producer")),
     (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64", sync="producer")),
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="producer")),
+    (8, 2, 64, torch.float16, 1.0, 0.5, dict(tile="n128", sync="producer")),
     # One warp per column group (mma.sync): n64 and n128, with and without 2:4 K buffers, d 128 and 64.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warp")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warp")),
@@ -229,7 +232,7 @@ def test_benchmark_shape_auto_plan():
                                   magnitude=False, shuffle=False)
     plan = _plan(case)
     out = plan.run(*bench.extend_run_args(case))
-    assert plan.last_config["tile"] == "n128" and plan.last_config["sync"] == "overlap"
+    assert plan.last_config["tile"] == "n128" and plan.last_config["sync"] == "producer"
     paged = _dense_check(case, out)
     _flashinfer_check(case, paged, out)
 
@@ -278,8 +281,8 @@ def test_tile_ids_and_split_heuristic():
 
 def test_default_configurations_are_precompiled():
     """What ``sync="auto"`` picks for the benchmark's shape is in PRECOMPILE (a device run loads it from
-    TileLang's cache), and the picks follow the measured order: n64 and n128 overlapped, n256 per warp,
-    2 stages."""
+    TileLang's cache), and the picks follow the measured order: n64 overlapped, n128 with a producer
+    warpgroup, n256 per warp, 2 stages."""
     picks = {}
     for tile in TILES:
         for k_sparse in (False, True):
@@ -287,7 +290,7 @@ def test_default_configurations_are_precompiled():
             picks[tile, k_sparse] = (sync, default_stages(tile, sync))
             assert (32, 8, 128, "float16", tile, default_stages(tile, sync), k_sparse, sync) in PRECOMPILE
     assert picks == {("n64", False): ("overlap", 2), ("n64", True): ("overlap", 2),
-                     ("n128", False): ("overlap", 2), ("n128", True): ("overlap", 2),
+                     ("n128", False): ("producer", 2), ("n128", True): ("producer", 2),
                      ("n256", False): ("warp", 2), ("n256", True): ("warp", 2)}
     assert default_stages("n128", "cta") == 3 and default_stages("n128", "warpgroup") == 2
 
