@@ -109,7 +109,7 @@ here so that the decode kernel is untouched:
     halve the per-column cost of what a warp does once per block whatever its width (the A operand and
     2:4 metadata loads, the stage wait, the step's control): n256 issued 1073 instructions a warp per block step
     for 32 columns where n128 issued 728 for 16 (both before the lazy offset; n256 now issues 861).
-  - ``"overlap"`` (the default at n64 and n128, 2 stages): the lazy warpgroup schedule with FA3's
+  - ``"overlap"`` (the default at n64, 2 stages): the lazy warpgroup schedule with FA3's
     intra-warpgroup overlap. Block step j issues ``S^T(j)`` and then block j - 1's ``O^T`` GEMM as
     asynchronous ``wgmma`` groups (``T.wgmma_gemm(_sp)``) and waits for the first only
     (``wgmma.wait_group 1``), so the ``O^T`` GEMM runs under block j's softmax; a rare offset move
@@ -129,6 +129,19 @@ here so that the decode kernel is untouched:
     each. With 3 or more stages, step j refills the stage of item j - 2, released a step earlier, so
     that the issue never waits on the other warpgroup (``AHEAD = stages - 2``); it measured slower
     than 2 stages (0.976-0.987x in alternated A/B runs, ``bench_extend_stages_ab_h100.log``).
+  - ``"producer"`` (the default at n128, 2 stages): the overlap schedule's block step with FA3's warp
+    specialization and ping-pong. A third warpgroup (384 threads) resolves the index entries (its own
+    named barrier) and issues every TMA load: its first warp waits for a stage's release (the empty
+    barrier, one arrival per consumer warp) and issues the next stage item into it (the full barrier,
+    count 1). The two consumer warpgroups only wait, compute and release, and they take turns to issue
+    their GEMMs: warpgroup wg issues on its turn (named barrier 10 + wg) and hands the turn over once
+    its S^T is ready, so that its softmax runs while the other's GEMMs hold the tensor cores.
+    ``setmaxnreg``: 40 registers for the producer, 232 for the consumers (the CTA holds 384 x 168).
+    The producer warpgroup alone measured equal to the overlap schedule (700.5 against 700.2 us at 64
+    new tokens, S = 1/1), and neither moved with every pool row remapped into L2-resident rows: the
+    step is bound on the SM, not by its loads. The ping-pong then gave 1.16x (1.17x at 256 new tokens;
+    handing the turn over before the issue instead: 0.98x; ``bench_extend_pingpong_ab_h100.log``).
+    n64 has one consumer warpgroup, so no ping-pong: it stays overlapped.
 * **Fast math** (``tl.enable_fast_math``): ``exp2f`` is then one ``MUFU.EX2``; the IEEE path added a
   range test and two multiplies to every exponential (96 of 728 instructions a warp issued per step).
 * **Bug work-arounds (0.1.11)**, as decode: ``T.fence_proxy_async()`` after ``P^T`` and ``Q`` are written
@@ -142,7 +155,8 @@ here so that the decode kernel is untouched:
   are published, after ``P^T`` is written (the other schedules: see above).
 * **Occupancy** (shared memory, d 128): n128 with 2 stages ~154 KB (~136 KB without 2:4 K buffers),
   with 3 ~204 KB (one CTA, 8 warps per SM; 202 registers, no spills; 222 in the warp schedule, 234
-  per warpgroup, 254 overlapped); n256 with 2 stages ~196 KB (one CTA, 8 warps; 255 registers, no
+  per warpgroup, 254 overlapped; the producer schedule: 384 threads, 40 / 232 registers by
+  ``setmaxnreg``); n256 with 2 stages ~196 KB (one CTA, 8 warps; 255 registers, no
   spills); n64 with 2 stages ~127 KB, or ~109 KB without 2:4 K buffers (two CTAs per SM). Registers
   hold n128 and n256 to one CTA per SM in every schedule.
 * One launch per call, no host synchronisation: tile ids, splits, masks and empty splits are computed in
@@ -151,17 +165,19 @@ here so that the decode kernel is untouched:
   zero-length tensor). Not CUDA-graph safe across changing batch shapes (the grid and scratch views
   follow ``q.shape`` and ``bs``); one call at a time per plan (scratch and tickets are per plan).
 
-Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 58/58 on the GPU; ``python -m
+Measured (H100 80GB HBM3; ``tests/test_kernels_extend.py``: 67/67 on the GPU; ``python -m
 sglang_hs.kernels.bench --kernel extend --quick`` (and ``--kernel prefill``), batch 8 x 32K prefix,
 32/8 heads, d 128, fp16, against FlashInfer's paged prefill (fa2) over the same pruned KV in the same
 process, the two timed in alternation; ``launch/results/kernels_h100.json``), with the default plans
 (``HieraSparseExtend.pick_tile``, ``default_sync``, ``default_stages``: n64 up to 64 query columns a
-request, n128 above, both overlapped with 2 stages). S_K = 0, S_V = 1: 1.02x at 16 new tokens, 1.19x
-at 64, 1.09x at 256, 1.09x at 1024, 1.13x at 2048; S_K = S_V = 1: 1.09x, 1.20x, 1.13x, 1.14x, 1.17x;
-full prefill of 32K tokens over compressed KV 1.10x / 1.15x (``bench_extend_h100.log``,
-``bench_prefill_h100.log``; before the issue path was shortened, the same runs gave 1.02 / 1.14 / 1.10 /
-1.10 / 1.13x and 1.04 / 1.13 / 1.08 / 1.09 / 1.10x, prefill 1.14x / 1.10x: S_K = 0 stayed within a few
-percent either way, S = 1/1 gained 4-7%). The schedules and stage counts were chosen
+request, overlapped; n128 above, the producer schedule; 2 stages). S_K = 0, S_V = 1: 1.01x at 16 new
+tokens, 1.41x at 64, 1.39x at 256, 1.40x at 1024, 1.41x at 2048; S_K = S_V = 1: 1.10x, 1.37x, 1.31x,
+1.33x, 1.36x; full prefill of 32K tokens over compressed KV 1.36x / 1.30-1.32x (two runs;
+``bench_extend_h100.log``, ``bench_prefill_h100.log``). With the overlap schedule at n128 the same runs
+gave 1.02 / 1.19 / 1.09 / 1.09 / 1.13x and 1.09 / 1.20 / 1.13 / 1.14 / 1.17x, prefill 1.10x / 1.15x.
+The n128 kernel is now a little faster with dense K rows than with 2:4 K rows (601 against 610 us at
+64 new tokens, 2389 against 2434 us at 256): at this step rate the sparse S^T GEMM's metadata loads
+cost more than the halved K bytes save. Earlier schedules and stage counts were chosen
 from ``--variant`` runs that time them side by side (``bench_extend_variants_overlap_h100.log``:
 at 64 new tokens, S = 1/1, the overlapped n128 went from 1.07x (two runs) with K and V of a block in
 one stage and 3 stages to 1.13-1.15x (three runs) with V one block behind K and 2 stages; variants are
@@ -170,7 +186,15 @@ Earlier steps, with the figures before each, are in ``bench_extend_tiles_h100.lo
 ``bench_extend_merge_h100.log``, ``bench_extend_lazy_wg_ab_h100.log`` and
 ``bench_extend_overlap_ab_h100.log``.
 
-**What bounds it** (ncu of the default n128 kernel before its issue path was shortened, 64 new tokens, S = 1/1,
+**What bounds it.** The producer schedule before its ping-pong (ncu, 64 new tokens, S = 1/1, at ncu's
+1.44 GHz; ``ncu_extend_h100.txt``): ~2390 cycles a block step, tensor pipe active 21.9%, 0.32
+instructions issued a cycle per scheduler with 68% of cycles having no eligible warp; the same kernel
+with L2-resident pools ran no faster. So the step is a latency chain on the SM (S^T GEMM, softmax,
+P^T store, O^T GEMM), which the ping-pong shortens by running one warpgroup's softmax under the other's
+GEMMs; the ping-pong kernel has not been profiled. The paragraphs below are about the kernels before
+it.
+
+The overlap kernel before its issue path was shortened (ncu, 64 new tokens, S = 1/1,
 ``launch/results/ncu_extend_h100.txt``): ~2500 cycles a block step (at ncu's 1.44 GHz). By our count
 the step's shared-memory traffic (~134 KB: ``wgmma`` reads ``Q^T`` and ``P^T`` from shared memory for
 every block, as the sparse operand must be A, plus the P^T stores and the TMA writes) needs ~1050
@@ -194,7 +218,8 @@ warp schedule 2:4 buys 1.49x, not 2x (``launch/mma_rate.cu``, ``mma_rate_h100.lo
 against the default plan in the same process (commits 432e705 and acdd6ab, both reverted): the overlap
 schedule with the stage refilled by the last warpgroup to release it through a shared-memory counter
 (count-1 full barriers, so no warp waits for the other warpgroup's release) 1.03x against 1.12x, plus
-FA3's ping-pong of the two warpgroups' GEMM issue 1.05x, 3 stages of either slower still
+FA3's ping-pong of the two warpgroups' GEMM issue 1.05x (the ping-pong that won later hands over the
+turns in the producer schedule, where no consumer issues loads), 3 stages of either slower still
 (``bench_extend_decoupled_pingpong_h100.log``); N 128 over four warpgroups of 32 columns (16 warps a SM,
 128 registers) 1.07x against 1.14x (``bench_extend_n128w4_h100.log``).
 
@@ -205,7 +230,8 @@ the other warpgroup waited ~850-940 cycles for data issued that late. The issue 
 overlap bullet above: 1.05-1.08x in A/B runs); warp 0 still spends ~410 cycles a step in it, ~370 of
 them in the TMA issue instructions themselves (~40 with the copies knocked out; halving their count
 changed nothing: the first one waits), and the other warpgroup still waits ~800 cycles a step for its
-data. A producer warpgroup that does nothing but issue would take that wait off the GEMM chain.
+data. The producer schedule takes the issue off the consumers; alone it measured no faster, with the
+consumers' ping-pong 1.16x (above).
 
 A knockout profile of the kernel before that change says where the step's time goes (``knockouts_extend_h100.log``: the same kernel built
 with parts of the step removed behind never-taken branches; 64 new tokens, S = 1/1): the whole step
@@ -213,8 +239,8 @@ with parts of the step removed behind never-taken branches; 64 new tokens, S = 1
 371 us and the softmax with the P^T store alone 363 us, which add up to more than the 638 us of both:
 on an SM the GEMM phases of one warpgroup and the softmax phases of the other overlap by only ~100 us of
 ~365 each, and each phase alone runs at ~40% of its unit's rate (the GEMMs' sparse tensor work is
-~150 us, the exponentials' MUFU work ~150 us, at 1.75 GHz). A 1.3x extend (~640 us) needs that overlap,
-not fewer bytes.
+~150 us, the exponentials' MUFU work ~150 us, at 1.75 GHz). A 1.3x extend (~640 us) needed that overlap,
+not fewer bytes; the producer schedule's ping-pong gives it (610 us).
 
 The module imports neither TileLang nor a GPU at import time; ``build_extend_kernel`` does.
 """

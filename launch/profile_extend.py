@@ -5,7 +5,7 @@
 
 Batch 8 x 32K prefix (S_K = S_V = 1, natural pool order) plus ``--new-tokens`` per request, 32/8
 heads, d 128, fp16, tile ``--tile``, schedule ``--sync``, ``--stages`` (by default the n128 tile's
-default plan: overlapped, 2 stages): the case behind the extend kernel's profile in its module doc.
+default plan: the producer schedule, 2 stages): the case behind the extend kernel's profile in its module doc.
 The first two launches load or compile the kernel and warm the caches; profile the third.
 """
 
@@ -20,7 +20,7 @@ from sglang_hs.kernels.extend import SYNCS, TILES, HieraSparseExtend
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tile", default="n128", choices=sorted(TILES))
-    ap.add_argument("--sync", default="overlap", choices=SYNCS)
+    ap.add_argument("--sync", default="producer", choices=SYNCS)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args(argv)
