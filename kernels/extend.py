@@ -172,7 +172,8 @@ process, the two timed in alternation; ``launch/results/kernels_h100.json``), wi
 (``HieraSparseExtend.pick_tile``, ``default_sync``, ``default_stages``: n64 up to 64 query columns a
 request, overlapped; n128 above, the producer schedule; 2 stages). S_K = 0, S_V = 1: 1.01x at 16 new
 tokens, 1.41x at 64, 1.39x at 256, 1.40x at 1024, 1.41x at 2048; S_K = S_V = 1: 1.10x, 1.37x, 1.31x,
-1.33x, 1.36x; full prefill of 32K tokens over compressed KV 1.36x / 1.30-1.32x (two runs;
+1.33x, 1.36x (a second run at 64: 1.42x / 1.35x, ``bench_extend_64_rerun2_h100.log``); full prefill
+of 32K tokens over compressed KV 1.36x / 1.30-1.32x (two runs;
 ``bench_extend_h100.log``, ``bench_prefill_h100.log``). With the overlap schedule at n128 the same runs
 gave 1.02 / 1.19 / 1.09 / 1.09 / 1.13x and 1.09 / 1.20 / 1.13 / 1.14 / 1.17x, prefill 1.10x / 1.15x.
 The n128 kernel is now a little faster with dense K rows than with 2:4 K rows (601 against 610 us at
