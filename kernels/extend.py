@@ -340,13 +340,13 @@ def build_extend_prim_func(
     # warpgroup, 10 + wg its turn to issue, 12 + wg its vote.
     producer = sync == "producer"
     PTHREADS = 128 if producer else 0  # the producer warpgroup: threads [threads, threads + 128)
-    # Producer schedule, register limits (producer, consumers) with two consumer warpgroups. Every thread
-    # starts with 168 registers (65536 / 384, rounded down to 8), and the consumers' increase takes only
-    # what the producer gave back: 128 x 40 + 256 x 232 = 384 x 168. (A first version asked for 32 / 240,
-    # 1K registers more than the CTA holds, and hung on the H100; 24 / 240 spill in the producer.) With one
-    # consumer warpgroup (n64, 256 threads) every thread already has up to 255: no limits.
-    REGS = (40, 232) if producer and TILES[tile][1] == 256 else None
     pingpong = producer and TILES[tile][1] == 256  # two consumer warpgroups take turns (compute_overlap)
+    # Producer schedule, register limits (producer, consumers) with two consumer warpgroups (as pingpong).
+    # Every thread starts with 168 registers (65536 / 384, rounded down to 8), and the consumers' increase
+    # takes only what the producer gave back: 128 x 40 + 256 x 232 = 384 x 168. (A first version asked for
+    # 32 / 240, 1K registers more than the CTA holds, and hung on the H100; 24 / 240 spill in the producer.)
+    # With one consumer warpgroup (n64, 256 threads) every thread already has up to 255: no limits.
+    REGS = (40, 232) if pingpong else None
     # Overlap: the stage of step j holds K of block j and V of block j - 1 (V one block behind), so that
     # both GEMMs of a step read one stage and the stage is free when the step ends; n + 1 stage items.
     items_extra = 1 if overlap else 0
