@@ -255,8 +255,10 @@ def flush_check(server: SGLangServer) -> dict:
         "leak_reports": server.leak_reports(),
         # One line per rank and flush (the radix hook's ownership check; hierasparse servers only).
         "store_reset_lines": [line[-160:] for line in log.splitlines() if "hierasparse: cache reset" in line][-4:],
+        **server.rank_states(),
         "healthy_after_flush": server.healthy(),
     }
+
 
 
 def device_name() -> str:

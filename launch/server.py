@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +18,10 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+
+# SGLang prefixes a scheduler's log lines with its rank (`[time TP1] ...`; no rank at TP 1).
+_RANK_STATE_LINE = re.compile(r"^(.*?)hierasparse: tree state (.*)$")
+_RANK_PREFIX = re.compile(r"\bTP(\d+)\b")
 
 
 class ServerStartError(RuntimeError):
@@ -119,6 +124,20 @@ class SGLangServer:
         the compressed store) and the radix hook's store-ownership check at each cache reset."""
         log = self.log_text()
         return log.count("memory leak detected") + log.count("compressed store leak")
+
+    def rank_states(self) -> dict:
+        """Each tensor-parallel rank's last ``hierasparse: tree state`` line (the radix hook logs one
+        per rank at every cache reset) and whether all ranks agree: their trees must split, compress
+        and evict in step although their block masks differ. Empty for dense servers."""
+        states: dict[str, str] = {}
+        for line in self.log_text().splitlines():
+            match = _RANK_STATE_LINE.search(line)
+            if match:
+                rank = _RANK_PREFIX.search(match.group(1))
+                states[f"tp{rank.group(1) if rank else 0}"] = match.group(2).strip()
+        if not states:
+            return {}
+        return {"rank_tree_states": states, "ranks_in_step": len(set(states.values())) == 1}
 
     def post(self, path: str, payload: dict | None = None, timeout: float = 600) -> Any:
         return http_json(self.base_url + path, payload, timeout, method="POST")

@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                 results["hierasparse_log_lines"] = [line for line in log if "hierasparse" in line.lower()][-10:]
                 results["status_lines"] = [line for line in log if "#hs compressed token" in line][-10:]
                 results["problems"] = [line for line in log if "leak" in line.lower() or "Traceback" in line]
+                # One line per rank at the flush: its compressed blocks, all owned by its tree.
+                results["store_reset_lines"] = [line for line in log if "hierasparse: cache reset" in line][-8:]
+                results.update(server.rank_states())
     baseline, ours = results[args.baseline], results["hierasparse"]
     mismatches = sorted(key for key in baseline if baseline[key] != ours.get(key) and key != "after_flush")
     summary = {
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         "mismatches": mismatches,
         "status_lines": results["status_lines"][-3:],
         "problems": results["problems"],
+        "store_reset_lines": results["store_reset_lines"],
+        "ranks_in_step": results.get("ranks_in_step"),
     }
     with open(args.out, "w") as f:
         json.dump({**summary, "results": results}, f, indent=2)

@@ -26,6 +26,7 @@ Policy (also in the README):
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 import time
@@ -154,7 +155,9 @@ class HieraSparseRadixCache(RadixCache):
     def _log_store_ownership(self) -> None:
         """Before a flush empties the store: every block in use must belong to a tree node (under
         tensor parallelism each rank logs its own line). A block no node holds is a leak that the
-        store's own check cannot see; it is logged with SGLang's leak wording."""
+        store's own check cannot see; it is logged with SGLang's leak wording. A second line gives
+        the tree's state: under tensor parallelism every rank's tree must make the same decisions
+        (splits, evictions, pool counts) although its block masks differ, so the lines must match."""
         held = (self._virtual_evictable + self._virtual_protected) // self.config.block_size
         used = self.store.used_blocks()
         if held == used:
@@ -162,6 +165,31 @@ class HieraSparseRadixCache(RadixCache):
                         "compressed since start)", used, self.stats.compressed_blocks)  # fmt: skip
         else:
             logger.error("hierasparse: compressed store leak: %d blocks in use at reset, the tree held %d", used, held)
+        logger.info("hierasparse: tree state %s", self.rank_state())
+
+    def rank_state(self) -> str:
+        """``key=value`` pairs that are equal on every tensor-parallel rank while the ranks' trees
+        stay in step: node count and a digest of the tree's shape (each node's position, length,
+        compressed tokens), cumulative split / compression / eviction counts, free slots per pool.
+        Which blocks are 2:4 sparse may differ per rank (each ranks its own heads' losses); how many
+        may not, so the pool counts are compared too."""
+        digest, nodes, stack = hashlib.sha1(), 0, [(self.root_node, 0)]
+        while stack:
+            node, start = stack.pop()
+            for child in sorted(node.children.values(), key=lambda c: tuple(c.key.token_ids[:1])):
+                end = start + len(child.key)
+                digest.update(f"{start}:{len(child.key)}:{virtual_tokens(child)};".encode())
+                nodes += 1
+                stack.append((child, end))
+        stats, free = self.stats, self.store.free_counts()
+        fields = {
+            "nodes": nodes, "digest": digest.hexdigest()[:12], "splits": stats.node_splits,
+            "compressed_blocks": stats.compressed_blocks, "kept_dense": stats.kept_dense_prefixes,
+            "trimmed_tails": stats.trimmed_tails, "evicted_for_dense": stats.evicted_blocks["dense"],
+            "evicted_for_store": stats.evicted_blocks["store"], "evictable": self.evictable_size(),
+            **{f"free_{name}": count for name, count in free.items()},
+        }  # fmt: skip
+        return " ".join(f"{key}={value}" for key, value in fields.items())
 
     def evictable_size(self):
         return self.evictable_size_ - self._virtual_evictable
@@ -193,6 +221,7 @@ class HieraSparseRadixCache(RadixCache):
 
     def _split_node(self, key, child: TreeNode, split_len: int):
         new_node = super()._split_node(key, child, split_len)
+        self.stats.node_splits += 1
         if virtual_tokens(child):
             new_node.hs_virtual = int(self.virtual.mask(new_node.value).sum())
             child.hs_virtual -= new_node.hs_virtual
@@ -405,6 +434,7 @@ class CompressionStats:
         self.compressed_blocks = 0
         self.kept_dense_prefixes = 0
         self.trimmed_tails = 0
+        self.node_splits = 0
         # Compressed blocks discarded by eviction, by what the eviction made room for.
         self.evicted_blocks = {"dense": 0, "store": 0}
 

@@ -28,8 +28,8 @@ def env():
 
     from sglang_hs.radix.hook import HieraSparseRadixCache, VirtualSlots
 
-    def build(sk=1.0, sv=1.0, store_blocks=64, window=256):
-        torch.manual_seed(0)
+    def build(sk=1.0, sv=1.0, store_blocks=64, window=256, seed=0):
+        torch.manual_seed(seed)
         req_pool = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)
         kv = MHATokenToKVPool(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
                               layer_num=LAYERS, device="cpu", enable_memory_saver=False)  # fmt: skip
@@ -265,3 +265,26 @@ def test_prometheus_gauges_follow_the_store(env):
     assert value("bytes_saved") > 0
     e.tree.reset()
     assert value("compressed_tokens") == 0
+
+
+def test_tensor_parallel_ranks_stay_in_step_with_different_block_masks(env):
+    """Two trees fed the same requests over different KV (two tensor-parallel ranks hold different
+    heads) pick different sparse blocks at a fractional S_K, yet split, compress and evict alike: the
+    ``tree state`` line each rank logs at a flush is equal. A rank that diverges shows in it."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    ranks = [env(sk=0.5, sv=1.0, store_blocks=24, seed=seed) for seed in (0, 1)]
+    for e in ranks:
+        for start in (100, 3000, 5000):
+            insert(e, list(range(start, start + 1024)))
+        insert(e, list(range(100, 612)) + list(range(7000, 7640)))  # splits the first prefix
+        e.tree.evict(EvictParams(num_tokens=300))
+    masks = [sorted(sp for sp, _ in e.store._k_slot.values()) for e in ranks]
+    assert masks[0] == masks[1]  # as many sparse K blocks on each rank ...
+    slots = [{vb: sp for vb, (sp, _) in e.store._k_slot.items()} for e in ranks]
+    assert slots[0] != slots[1]  # ... but not the same ones
+    states = [e.tree.rank_state() for e in ranks]
+    assert states[0] == states[1] and "splits=" in states[0] and "nodes=" in states[0]
+    assert all(balanced(e) and e.store.check() is None for e in ranks)
+    ranks[1].tree.evict(EvictParams(num_tokens=64))
+    assert ranks[1].tree.rank_state() != states[0]
