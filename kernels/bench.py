@@ -53,7 +53,7 @@ import time
 
 import torch
 
-from sglang_hs.format import pack_2to4, sparse_count, unpack_2to4
+from sglang_hs.format import BlockPools, pack_2to4, sparse_count, unpack_2to4
 from sglang_hs.plotting import pyplot
 
 CHUNK = 2048  # blocks per chunk when packing / unpacking large pools
@@ -646,7 +646,7 @@ def extend_reference(case, device=None):
     dev = torch.device(device) if device is not None else case["q"].device
     t = {k: case[k].to(dev) for k in ("q", "k_cache", "v_cache", "k_dense", "k_values", "k_meta", "v_dense",
                                       "v_values", "v_meta", "k_index", "v_index", "block_table")}
-    pools = R.BlockPools(*(t[k] for k in ("k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta")))
+    pools = BlockPools(*(t[k] for k in ("k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta")))
     return R.paged_attention(t["q"], case["qo_indptr_list"], t["k_cache"], t["v_cache"], pools, t["k_index"],
                              t["v_index"], t["block_table"], case["seq_lens_list"], case["sm_scale"])
 

@@ -29,6 +29,7 @@ Index map: one int32 per (KV head, block). ``i >= 0`` means dense block ``i`` of
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +47,26 @@ SPARSE_BLOCK_FRACTION = 0.5 + 1 / ELEMS_PER_META
 int16 (the size of one value) per 16 elements, i.e. 0.5 + 1/16 = 0.5625."""
 SAVING_PER_SPARSE_SIDE = (1.0 - SPARSE_BLOCK_FRACTION) / 2
 """Bytes saved, as a fraction of dense K+V, per unit of S_K or S_V: 0.4375 / 2 = 0.21875."""
+
+
+# --------------------------------------------------------------------------------------- pools
+@dataclass
+class BlockPools:
+    """One layer's compressed blocks: a dense and a 2:4 pool per operand, one row per (block, KV head).
+
+    Index-map entries (see the module docstring) address rows of these pools; the kernels, the
+    serving fallback and the reference all take one layer's blocks in this form.
+    """
+
+    k_dense: torch.Tensor  # [Nd_k, B, D]
+    k_values: torch.Tensor  # [Ns_k, B, D/2]
+    k_meta: torch.Tensor  # [Ns_k, B, D/16] int16
+    v_dense: torch.Tensor  # [Nd_v, B, D]
+    v_values: torch.Tensor  # [Ns_v, D, B/2]   (V^T, sparse along tokens)
+    v_meta: torch.Tensor  # [Ns_v, D, B/16] int16
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
 
 
 # --------------------------------------------------------------------------------------- 2:4 packing

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_hs.format import dense_block_bytes, pack_2to4, sparse_block_bytes, sparse_entry
+from sglang_hs.format import BlockPools, dense_block_bytes, pack_2to4, sparse_block_bytes, sparse_entry
 from sglang_hs.pruner import Pruner, rank_sparse
-from sglang_hs.reference import BlockPools
 
 logger = logging.getLogger(__name__)
 

@@ -13,23 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_hs.format import decode_entry, meta_to_positions, pack_2to4, sparse_entry, unpack_2to4
+from sglang_hs.format import BlockPools, decode_entry, meta_to_positions, pack_2to4, sparse_entry, unpack_2to4
 from sglang_hs.pruner import PruneResult, Pruner, prunable_mask
-
-
-@dataclass
-class BlockPools:
-    """Compressed blocks of one layer. Each pool row is one (block, KV head) pair."""
-
-    k_dense: torch.Tensor  # [Nd_k, B, D]
-    k_values: torch.Tensor  # [Ns_k, B, D/2]
-    k_meta: torch.Tensor  # [Ns_k, B, D/16] int16
-    v_dense: torch.Tensor  # [Nd_v, B, D]
-    v_values: torch.Tensor  # [Ns_v, D, B/2]   (V^T, sparse along tokens)
-    v_meta: torch.Tensor  # [Ns_v, D, B/16] int16
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values())
 
 
 @dataclass

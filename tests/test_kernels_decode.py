@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sglang_hs import reference as R
+from sglang_hs.format import BlockPools
 from sglang_hs.kernels import bench
 from sglang_hs.kernels.decode import HieraSparseDecode, choose_num_splits
 
@@ -48,7 +49,7 @@ def _plan(case, num_splits=None, **kw):
 
 
 def _reference(case):
-    pools = R.BlockPools(*(case[k].cpu() for k in ("k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta")))
+    pools = BlockPools(*(case[k].cpu() for k in ("k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta")))
     bs = case["q"].shape[0]
     out, lse = R.paged_attention(case["q"].cpu(), list(range(bs + 1)), case["k_cache"].cpu(), case["v_cache"].cpu(),
                                  pools, case["k_index"].cpu(), case["v_index"].cpu(), case["block_table"].cpu(),
