@@ -1,10 +1,10 @@
 """Fused 2:4 prune + compress of cached prefix blocks into the HieraSparse store (TileLang 0.1.11, sm_90a).
 
 What it replaces: :func:`sglang_hs.pools.compress_prefix`, which the radix hook calls when a prefix
-enters the tree. :func:`compress_prefix` here has the same signature and gives bit-identical pools,
-index maps and virtual block ids when the pruner is the magnitude pruner and the data is on a CUDA
-device; otherwise it calls the PyTorch version. ``HieraSparseCompress`` is the plan/run API of the
-two kernels:
+enters the tree. :class:`FusedCompressor` is called with the same arguments and gives bit-identical
+pools, index maps and virtual block ids when the pruner is the magnitude pruner and the data is on a
+CUDA device; otherwise it calls the PyTorch version. ``HieraSparseCompress`` is the plan/run API of
+the two kernels:
 
 1. **Loss pass** (``loss``): for ``n`` whole blocks given by their SGLang page ids, the L1 magnitude
    that 2:4 pruning drops from each block's K (groups of 4 along head_dim) or V (groups of 4 along
@@ -89,6 +89,8 @@ import logging
 import torch
 
 from sglang_hs.format import sparse_count
+from sglang_hs.pools import compress_prefix
+from sglang_hs.pruner import MagnitudePruner, Pruner
 
 logger = logging.getLogger(__name__)
 
@@ -433,29 +435,13 @@ class HieraSparseCompress:
             self.pack_kernel(addr, pages[s:s + self.MAX_GRID_Y], info[s:s + self.MAX_GRID_Y])
 
 
-@functools.lru_cache(maxsize=None)
-def get_plan(kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: str) -> HieraSparseCompress:
-    return HieraSparseCompress(kv_heads, head_dim, block_size, dtype, device)
-
-
-_ADDR_CACHE: dict[tuple, torch.Tensor] = {}
-_ADDR_CACHE_MAX = 16
-
-
 def address_table(k_buffers, v_buffers, store) -> torch.Tensor:
-    """int64 ``[8, L]`` on the store's device: per layer the data pointers of ``ADDR_ROWS``. Built once
-    per set of tensors (a pinned non-blocking upload) and cached by the pointers themselves."""
+    """int64 ``[8, L]`` on the store's device: per layer the data pointers of ``ADDR_ROWS`` (a pinned
+    non-blocking upload). :class:`FusedCompressor` caches it per set of tensors."""
     rows = [k_buffers, v_buffers, store.k_dense, store.k_values, store.k_meta, store.v_dense, store.v_values,
             store.v_meta]
-    ptrs = tuple(tuple(t.data_ptr() for t in row) for row in rows)
-    key = (str(store.device), ptrs)
-    table = _ADDR_CACHE.get(key)
-    if table is None:
-        if len(_ADDR_CACHE) >= _ADDR_CACHE_MAX:
-            _ADDR_CACHE.pop(next(iter(_ADDR_CACHE)))
-        table = _pinned_to(torch.tensor(ptrs, dtype=torch.int64).reshape(len(rows), -1), store.device)
-        _ADDR_CACHE[key] = table
-    return table
+    ptrs = [[t.data_ptr() for t in row] for row in rows]
+    return _pinned_to(torch.tensor(ptrs, dtype=torch.int64).reshape(len(rows), -1), store.device)
 
 
 # ------------------------------------------------------------------------------ host-side decisions
@@ -503,17 +489,17 @@ def rank_on_device(loss: torch.Tensor, ranked: list[tuple[torch.Tensor, int]]) -
 def block_info(store, vbs: list[int]) -> torch.Tensor:
     """int32 ``[n, 4]`` (host): per virtual block (K sparse, K slot, V sparse, V slot) as the store
     allocated them."""
-    rows = [(*store._k_slot[vb], *store._v_slot[vb]) for vb in vbs]
+    rows = [tuple(store.placement(vb)) for vb in vbs]
     return torch.tensor(rows, dtype=torch.int32).reshape(len(vbs), 4)
 
 
 def is_magnitude(pruner) -> bool:
-    """True if ``pruner`` keeps the top-2 |x| of each group and ranks blocks by the L1 of the rest."""
-    from sglang_hs.pruner import MagnitudePruner, Pruner
-
+    """True if ``pruner`` keeps the top-2 |x| of each group and ranks blocks by the L1 of the rest
+    (one pruner for every layer: a per-layer list runs on the PyTorch path)."""
     cls = type(pruner)
     return (isinstance(pruner, MagnitudePruner) and cls.element_scores is MagnitudePruner.element_scores
-            and cls.element_mask is Pruner.element_mask and cls.block_loss is Pruner.block_loss)
+            and cls.element_mask is Pruner.element_mask and cls.block_loss is Pruner.block_loss
+            and cls.operand_loss is Pruner.operand_loss)
 
 
 def unsupported_reason(store, pruner, k_buffers, v_buffers, slots) -> str | None:
@@ -544,53 +530,75 @@ def unsupported_reason(store, pruner, k_buffers, v_buffers, slots) -> str | None
     return None
 
 
-# -------------------------------------------------------------------------------- compress_prefix
-_warned: set[str] = set()
-
-
-def compress_prefix(store, pruner, k_buffers, v_buffers, slots, groups, *, backend=None) -> list[int]:
+# ------------------------------------------------------------------------------- FusedCompressor
+class FusedCompressor:
     """:func:`sglang_hs.pools.compress_prefix` on the fused kernels: same arguments, same result
     (virtual block ids, pools, index maps), bit for bit. Falls back to the PyTorch version when the
     kernels do not apply (see :func:`unsupported_reason`).
 
-    Steps: page ids from ``slots`` (device op); the block choice that needs no loss, on the host
-    (:func:`plan_choice`); for groups with a fractional count only, the loss pass of that operand
-    and a ranking on the GPU, read back once; ``store.allocate``; one pack launch for all layers.
-    ``backend``: an object with this module's ``loss(addr, pages, operand)`` / ``pack(addr, pages,
-    info)`` plus ``address_table(k_buffers, v_buffers, store)`` (default: the TileLang plan; the tests
-    pass :class:`TorchEmulation` on CPU).
+    One instance serves one process (the runtime owns it): it keeps the kernel plans and the address
+    tables it builds, so that a call after the first costs launches only.
     """
-    from sglang_hs import pools
 
-    if backend is None:
-        reason = unsupported_reason(store, pruner, k_buffers, v_buffers, slots)
-        if reason is not None:
-            if reason not in _warned:
-                _warned.add(reason)
-                logger.info("hierasparse: fused compression not used (%s); PyTorch path", reason)
-            return pools.compress_prefix(store, pruner, k_buffers, v_buffers, slots, groups)
-        backend = get_plan(store.kv_heads, store.head_dim, store.block_size, store.dtype, str(store.device))
-    n = slots.numel() // store.block_size
-    if n == 0:
-        return pools.compress_prefix(store, pruner, k_buffers, v_buffers, slots, groups)
-    device = slots.device
-    pages = page_ids(slots, store.block_size)
-    addr = backend_address_table(backend, k_buffers, v_buffers, store)
-    choice = {op: plan_choice(groups, n, op) for op in ("k", "v")}
-    ranked = {op: rank_on_device(backend.loss(addr, pages, op), rk) for op, (_, rk) in choice.items() if rk}
-    if ranked:
-        back = torch.stack(list(ranked.values())).cpu()  # the one host sync: the allocator needs the choice
-        ranked = dict(zip(ranked, back))
-    sparse = {op: fixed | ranked[op] if op in ranked else fixed for op, (fixed, _) in choice.items()}
-    vbs = store.allocate(sparse["k"].tolist(), sparse["v"].tolist())
-    info = block_info(store, vbs)
-    backend.pack(addr, pages, _pinned_to(info, device) if device.type == "cuda" else info)
-    return vbs
+    MAX_ADDRESS_TABLES = 16
+    """Address tables kept (one per set of KV buffers and pools; a server has one)."""
 
+    def __init__(self):
+        self._plans: dict[tuple, HieraSparseCompress] = {}
+        self._address_tables: dict[tuple, torch.Tensor] = {}
+        self._reported: set[str] = set()
 
-def backend_address_table(backend, k_buffers, v_buffers, store):
-    own = getattr(backend, "address_table", None)
-    return own(k_buffers, v_buffers, store) if own else address_table(k_buffers, v_buffers, store)
+    def plan(self, store) -> HieraSparseCompress:
+        """The kernels for the store's shape and dtype (compiled, or loaded from TileLang's cache, once)."""
+        key = (store.kv_heads, store.head_dim, store.block_size, store.dtype, str(store.device))
+        if key not in self._plans:
+            self._plans[key] = HieraSparseCompress(*key)
+        return self._plans[key]
+
+    def address_table(self, k_buffers, v_buffers, store) -> torch.Tensor:
+        """:func:`address_table`, built once per set of tensors and kept by their data pointers."""
+        rows = [k_buffers, v_buffers, store.k_dense, store.k_values, store.k_meta, store.v_dense,
+                store.v_values, store.v_meta]
+        key = (str(store.device), tuple(tuple(t.data_ptr() for t in row) for row in rows))
+        table = self._address_tables.get(key)
+        if table is None:
+            if len(self._address_tables) >= self.MAX_ADDRESS_TABLES:
+                self._address_tables.pop(next(iter(self._address_tables)))
+            table = self._address_tables[key] = address_table(k_buffers, v_buffers, store)
+        return table
+
+    def __call__(self, store, pruner, k_buffers, v_buffers, slots, groups, *, backend=None) -> list[int]:
+        """Steps: page ids from ``slots`` (device op); the block choice that needs no loss, on the host
+        (:func:`plan_choice`); for groups with a fractional count only, the loss pass of that operand
+        and a ranking on the GPU, read back once; ``store.allocate``; one pack launch for all layers.
+        ``backend``: an object with :class:`HieraSparseCompress`'s ``loss(addr, pages, operand)`` /
+        ``pack(addr, pages, info)``, and optionally ``address_table(k_buffers, v_buffers, store)``
+        (default: the TileLang plan; the tests pass :class:`TorchEmulation` on CPU)."""
+        if backend is None:
+            reason = unsupported_reason(store, pruner, k_buffers, v_buffers, slots)
+            if reason is not None:
+                if reason not in self._reported:
+                    self._reported.add(reason)
+                    logger.info("hierasparse: fused compression not used (%s); PyTorch path", reason)
+                return compress_prefix(store, pruner, k_buffers, v_buffers, slots, groups)
+            backend = self.plan(store)
+        n = slots.numel() // store.block_size
+        if n == 0:
+            return compress_prefix(store, pruner, k_buffers, v_buffers, slots, groups)
+        device = slots.device
+        pages = page_ids(slots, store.block_size)
+        own_table = getattr(backend, "address_table", None)
+        addr = (own_table or self.address_table)(k_buffers, v_buffers, store)
+        choice = {op: plan_choice(groups, n, op) for op in ("k", "v")}
+        ranked = {op: rank_on_device(backend.loss(addr, pages, op), rk) for op, (_, rk) in choice.items() if rk}
+        if ranked:
+            back = torch.stack(list(ranked.values())).cpu()  # the one host sync: the allocator needs the choice
+            ranked = dict(zip(ranked, back))
+        sparse = {op: fixed | ranked[op] if op in ranked else fixed for op, (fixed, _) in choice.items()}
+        vbs = store.allocate(sparse["k"].tolist(), sparse["v"].tolist())
+        info = block_info(store, vbs)
+        backend.pack(addr, pages, _pinned_to(info, device) if device.type == "cuda" else info)
+        return vbs
 
 
 # ---------------------------------------------------------------------------- PyTorch emulation
@@ -636,7 +644,7 @@ def dropped_l1(a: torch.Tensor) -> torch.Tensor:
 
 
 class TorchEmulation:
-    """The kernels' arithmetic in plain PyTorch on any device (a ``backend`` for :func:`compress_prefix`):
+    """The kernels' arithmetic in plain PyTorch on any device (a ``backend`` for :class:`FusedCompressor`):
     the integer compare network, the metadata built from kept positions, the min/max loss network,
     pool rows ``slot * Hkv + h``, pages as whole tiles. The CPU tests run the wrapper on it; the GPU
     tests compare the kernels with the PyTorch path directly."""

@@ -30,7 +30,7 @@ import hashlib
 import heapq
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,10 +38,10 @@ from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
-from sglang_hs.config import HieraSparseConfig
 from sglang_hs.format import dense_block_bytes
-from sglang_hs.pools import CompressedStore, StoreFull, compress_prefix
+from sglang_hs.pools import CompressedStore, StoreFull, VirtualSlots
 from sglang_hs.pruner import make_pruner
+from sglang_hs.runtime import HieraSparseRuntime, runtime_of
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -49,34 +49,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RADIX_BACKEND_NAME = "hierasparse"
-
-
-class VirtualSlots:
-    """The virtual slot id space of compressed tokens, placed above every dense slot."""
-
-    def __init__(self, base: int, block_size: int):
-        if base % block_size:
-            raise ValueError("virtual_base must be block aligned")
-        self.base, self.block_size = base, block_size
-
-    def mask(self, slots: torch.Tensor) -> torch.Tensor:
-        return slots >= self.base
-
-    def blocks_of(self, slots: torch.Tensor) -> list[int]:
-        """Distinct virtual block ids among virtual ``slots`` (host sync)."""
-        return torch.unique((slots - self.base) // self.block_size).tolist()
-
-    def block_table(self, rows: torch.Tensor) -> torch.Tensor:
-        """int32 block table of ``req_to_token`` rows ``[bs, L]``: per block of ``B`` tokens, the
-        SGLang page id (dense) or ``~vb`` (compressed virtual block ``vb``)."""
-        starts = rows[:, :: self.block_size].long()
-        pages = starts // self.block_size
-        return torch.where(starts >= self.base, ~((starts - self.base) // self.block_size), pages).to(torch.int32)
-
-    def slots_of(self, vbs: list[int], device) -> torch.Tensor:
-        offsets = torch.arange(self.block_size, device=device)
-        starts = torch.tensor(vbs, dtype=torch.int64, device=device) * self.block_size + self.base
-        return (starts[:, None] + offsets[None, :]).reshape(-1)
 
 
 class HieraSparseAllocator(PagedTokenToKVPoolAllocator):
@@ -123,24 +95,21 @@ class HieraSparseRadixCache(RadixCache):
     def __init__(
         self,
         params: CacheInitParams,
-        store: CompressedStore,
-        config: HieraSparseConfig,
+        runtime: HieraSparseRuntime,
         k_buffers: list[torch.Tensor],
         v_buffers: list[torch.Tensor],
-        virtual: VirtualSlots,
-        compress: Callable[..., list[int]] = compress_prefix,
     ):
-        """``compress`` has :func:`sglang_hs.pools.compress_prefix`'s signature; the backend passes
-        the fused TileLang version when that kernel is on."""
-        self.store, self.config, self.virtual = store, config, virtual
-        self.compress = compress
+        """``runtime`` is the one the attention backend reads (store, virtual slots, settings,
+        compressor); ``k_buffers``/``v_buffers`` are SGLang's per-layer KV buffers."""
+        self.runtime = runtime
+        self.store, self.config, self.virtual = runtime.store, runtime.config, runtime.virtual
         self.k_buffers, self.v_buffers = k_buffers, v_buffers
-        self.pruner = make_pruner(config.pruner)
+        self.pruner = make_pruner(self.config.pruner)
         self.stats = CompressionStats()
         self.prometheus: PrometheusGauges | None = None
         self._prompt_len: int | None = None  # set while a finished request is inserted
         super().__init__(params)
-        make_virtual_aware(self.token_to_kv_pool_allocator, store, virtual)
+        make_virtual_aware(self.token_to_kv_pool_allocator, self.store, self.virtual)
 
     # ----------------------------------------------------------------------------- accounting
     def reset(self):
@@ -348,7 +317,7 @@ class HieraSparseRadixCache(RadixCache):
         prompt = block_starts < (self._prompt_len if self._prompt_len is not None else end)
         groups = [(prompt, cfg.sk_prefill, cfg.sv_prefill), (~prompt, cfg.sk_decode, cfg.sv_decode)]
         self._make_room(last - first, keep=node)
-        vbs = self.compress(self.store, self.pruner, self.k_buffers, self.v_buffers, slots, groups)
+        vbs = self.runtime.compress_prefix(self.store, self.pruner, self.k_buffers, self.v_buffers, slots, groups)
         node.value[offset : offset + len(slots)] = self.virtual.slots_of(vbs, node.value.device)
         self.token_to_kv_pool_allocator.free(slots)
         tokens = len(slots)
@@ -440,33 +409,44 @@ class CompressionStats:
 
 
 def check_store_when_idle(result, checker, *args, **kwargs):
-    """AFTER hook on SGLang's idle pool check: the compressed store must account for every slot
-    (free or owned by exactly one virtual block), reported through SGLang's own leak path."""
-    if not _active_trees:
+    """AFTER hook on SGLang's idle pool check (``SchedulerInvariantChecker._check_all_pools``): the
+    compressed store must account for every slot (free or owned by exactly one virtual block),
+    reported through SGLang's own leak path."""
+    tree = checker.tree_cache
+    if not isinstance(tree, HieraSparseRadixCache):
         return None
     has_leak, messages = result
-    problem = _active_trees[-1].store.check()
+    problem = tree.store.check()
     if problem is None:
         return None
     return True, [*messages, problem]
 
 
-# The scheduler process's tree, for the status line (one tree per scheduler process).
-_active_trees: list[HieraSparseRadixCache] = []
+STATUS_TREE_ATTR = "hierasparse_tree"
+"""The ``PoolStats`` attribute that carries the tree from the pool observer to the log line."""
 
 
-def status_line_parts(_result=None, *args, **kwargs) -> list[str] | None:
-    """AFTER hook on SGLang's batch log line: append the compressed-cache status."""
-    if not _active_trees:
+def tag_pool_stats(pool_stats, observer, *args, **kwargs) -> None:
+    """AFTER hook on ``SchedulerPoolStatsObserver.get_pool_stats``: the stats it returns carry the
+    scheduler's tree (the batch log line reads them, but sees no scheduler object)."""
+    if isinstance(observer.tree_cache, HieraSparseRadixCache):
+        setattr(pool_stats, STATUS_TREE_ATTR, observer.tree_cache)
+
+
+def status_line_parts(result, pool_stats, *args, **kwargs) -> list[str] | None:
+    """AFTER hook on ``PoolStats.get_{prefill,decode}_usage_msg_parts``: append the
+    compressed-cache status to SGLang's batch log line."""
+    tree = getattr(pool_stats, STATUS_TREE_ATTR, None)
+    if tree is None:
         return None
-    s = _active_trees[-1].status()
+    s = tree.status()
     parts = [
         f"#hs compressed token: {s['compressed_tokens']}",
         f"#hs dense prefix token: {s['dense_tree_tokens']}",
         f"hs store usage: {s['store_used_blocks'] / max(1, s['store_capacity_blocks']):.2f}",
         f"hs saved: {s['bytes_saved'] / 2**20:.1f} MiB",
     ]
-    return list(_result or []) + parts
+    return list(result or []) + parts
 
 
 def virtual_tokens(node: TreeNode) -> int:
@@ -491,25 +471,20 @@ def node_start(node: TreeNode) -> int:
 
 
 def create_radix_cache(ctx) -> HieraSparseRadixCache:
-    """Build the tree for SGLang's scheduler: the backend's store, the pool's per-layer buffers."""
-    from sglang_hs.backend import HieraSparseAttnBackend
-
+    """Build the tree for SGLang's scheduler over the model runner's runtime (set up by the attention
+    backend) and the KV pool's per-layer buffers."""
     runner = ctx.tp_worker.model_runner
-    backend = runner.attn_backend
-    if not isinstance(backend, HieraSparseAttnBackend):
+    runtime = runtime_of(runner)
+    if runtime is None:
         raise TypeError(f"--radix-cache-backend {RADIX_BACKEND_NAME} needs --attention-backend hierasparse")
     kv_pool = runner.token_to_kv_pool
     layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
     tree = HieraSparseRadixCache(
         ctx.params,
-        backend.store,
-        backend.config,
+        runtime,
         [kv_pool.get_key_buffer(layer) for layer in layers],
         [kv_pool.get_value_buffer(layer) for layer in layers],
-        backend.virtual,
-        backend.compress_prefix,
     )
     if ctx.params.enable_metrics:
         tree.enable_metrics(PrometheusGauges({"cache_type": type(tree).__name__}))
-    _active_trees.append(tree)
     return tree

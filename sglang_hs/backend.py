@@ -4,30 +4,26 @@ Shape follows SGLang's ``triton_backend.py``: one class, one forward-metadata ob
 extend and decode paths. A batch whose requests read no compressed block (no radix hit on a
 compressed prefix) is attended by SGLang's own kernels through a delegate backend (FlashInfer by
 default, ``--hierasparse-dense-backend triton`` otherwise). A batch in which some request's
-``req_to_token`` row holds virtual slots (see ``sglang_hs.radix.hook``) is attended over the block
+``req_to_token`` row holds virtual slots (see ``sglang_hs.pools.VirtualSlots``) is attended over the block
 table that mixes SGLang pages and compressed blocks: by the TileLang extend kernel, or in PyTorch
 when that kernel is off. Every decode batch runs the TileLang decode kernel when it is on (one path
 under CUDA graphs, whether or not a request reads compressed blocks).
 
-The backend owns the compressed store, sized from the bytes the plugin reserved out of SGLang's
-KV-cache budget (``sglang_hs.pools.reserve_store_budget``), and picks the compressor the radix hook
-uses (the fused TileLang kernel or the PyTorch one).
+The compressed store, the virtual slots and the settings come from the model runner's
+:class:`sglang_hs.runtime.HieraSparseRuntime`, which the radix cache shares.
 """
 
 from __future__ import annotations
 
 import enum
-import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_hs import pools, reference
-from sglang_hs.config import HieraSparseConfig
-from sglang_hs.pools import CompressedStore, StoreCapacity
-from sglang_hs.radix.hook import VirtualSlots
+from sglang_hs.fallback import decompressed_paged_attention
+from sglang_hs.runtime import HieraSparseRuntime, attach_runtime
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -45,13 +41,6 @@ _MIRRORED_FLAGS = (
     "use_captured_forward_metadata_for_breakable_cuda_graph",
     "supports_full_cuda_graph_chunked_prefix",
 )
-
-
-def tilelang_kernels_available() -> bool:
-    """The TileLang kernels need TileLang and a Hopper GPU (both checked again at start-up)."""
-    return importlib.util.find_spec("tilelang") is not None and torch.cuda.is_available() and (
-        torch.cuda.get_device_capability() == (9, 0)
-    )
 
 
 class Path(enum.Enum):
@@ -81,44 +70,32 @@ class ForwardMetadata:
     decode_plan: object | None = None
 
 
+def create_backend(model_runner: ModelRunner) -> HieraSparseAttnBackend:
+    """The attention-backend factory SGLang calls: the backend over the model runner's runtime."""
+    return HieraSparseAttnBackend(model_runner, attach_runtime(model_runner))
+
+
 class HieraSparseAttnBackend(AttentionBackend):
-    def __init__(self, model_runner: ModelRunner):
+    def __init__(self, model_runner: ModelRunner, runtime: HieraSparseRuntime):
         super().__init__()
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
-        self.config = HieraSparseConfig.from_env()
+        self.runtime = runtime
+        self.config, self.store, self.virtual = runtime.config, runtime.store, runtime.virtual
         self.dense = ATTENTION_BACKENDS[self.config.dense_backend](model_runner)
         for flag in _MIRRORED_FLAGS:
             setattr(self, flag, getattr(self.dense, flag))
         self.forward_metadata: ForwardMetadata | None = None
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
-        block = self.config.block_size
-        # Virtual slots start above every dense slot (the KV buffers hold size + page_size rows).
-        dense_rows = model_runner.token_to_kv_pool_allocator.size + model_runner.page_size
-        self.virtual = VirtualSlots(base=-(-dense_rows // block) * block, block_size=block)
-        kv_pool = self.token_to_kv_pool
-        capacity = StoreCapacity.from_budget(
-            pools.store_budget_bytes(), kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block,
-            self.config.sk_prefill, self.config.sv_prefill,
-        )  # fmt: skip
-        self.store = CompressedStore(
-            capacity, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, kv_pool.dtype, kv_pool.device
-        )
         from sglang.srt.runtime_context import get_parallel
 
         self.q_heads = model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
-        self.max_blocks = -(-self.req_to_token.shape[1] // block)
-        kernels = tilelang_kernels_available()
-        self.use_decode_kernel = kernels and self.config.uses_kernel("decode")
+        self.max_blocks = -(-self.req_to_token.shape[1] // self.config.block_size)
+        self.use_decode_kernel = runtime.uses_kernel("decode")
         self.extend_plan = None
-        if kernels and self.config.uses_kernel("extend"):
-            self.extend_plan = self._extend_plan(kv_pool, capacity.k_sparse > 0)
-        self.compress_prefix = pools.compress_prefix
-        if kernels and self.config.uses_kernel("compress"):
-            from sglang_hs.kernels import compress
-
-            self.compress_prefix = compress.compress_prefix
+        if runtime.uses_kernel("extend"):
+            self.extend_plan = self._extend_plan(self.token_to_kv_pool, self.store.capacity.k_sparse > 0)
         self._decode_plans: dict[int, object] = {}
         self._graph_table: torch.Tensor | None = None
         self._graph_seq_lens: torch.Tensor | None = None
@@ -128,9 +105,9 @@ class HieraSparseAttnBackend(AttentionBackend):
             self.config.dense_backend,
             "the TileLang kernel" if self.extend_plan else "PyTorch",
             "the TileLang kernel" if self.use_decode_kernel else "the delegate / PyTorch",
-            "the TileLang kernel" if self.compress_prefix is not pools.compress_prefix else "PyTorch",
-            capacity,
-            pools.store_budget_bytes() / 2**30,
+            "the TileLang kernel" if runtime.uses_kernel("compress") else "PyTorch",
+            self.store.capacity,
+            runtime.store_budget_bytes / 2**30,
             self.config.to_json(),
         )
 
@@ -229,15 +206,16 @@ class HieraSparseAttnBackend(AttentionBackend):
         if save_kv_cache:
             self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
 
-    def _kernel_kv(self, layer: RadixAttention) -> tuple[torch.Tensor, ...]:
-        """A layer's KV as the kernels take it: cache buffers, the store's pools, the index maps."""
-        pools = self.store.layer_pools(layer.layer_id)
+    def _kernel_kv(self, layer: RadixAttention) -> tuple:
+        """A layer's KV as the kernels and the fallback take it: ``(k_cache, v_cache, pools, k_index,
+        v_index)``, the cache buffers, the store's pools of the layer and the index maps."""
         return (
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            pools.k_dense, pools.k_values, pools.k_meta, pools.v_dense, pools.v_values, pools.v_meta,
-            self.store.k_index, self.store.v_index,
-        )  # fmt: skip
+            self.store.layer_pools(layer.layer_id),
+            self.store.k_index,
+            self.store.v_index,
+        )
 
     def _forward_decode_kernel(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
         self._save_kv(k, v, layer, forward_batch, save_kv_cache)
@@ -262,18 +240,14 @@ class HieraSparseAttnBackend(AttentionBackend):
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _forward_compressed(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
-        """Attention over the mixed block table (the PyTorch serving fallback until the TileLang
-        kernels land: compressed blocks are decompressed, then torch's fused attention runs)."""
+        """Attention over the mixed block table without a kernel (``sglang_hs.fallback``: compressed
+        blocks are decompressed, then torch's fused attention runs)."""
         self._save_kv(k, v, layer, forward_batch, save_kv_cache)
         meta = self.forward_metadata
-        out = reference.decompressed_paged_attention(
+        out = decompressed_paged_attention(
             q.view(-1, layer.tp_q_head_num, layer.head_dim),
             meta.qo_indptr,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.store.layer_pools(layer.layer_id),
-            self.store.k_index,
-            self.store.v_index,
+            *self._kernel_kv(layer),
             meta.block_table,
             meta.seq_lens,
             block_size=self.config.block_size,

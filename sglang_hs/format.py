@@ -126,6 +126,24 @@ def decode_entry(entry):
     return is_sparse, torch.where(is_sparse, -entry - 1, entry)
 
 
+def decompress_blocks(pools: BlockPools, index: torch.Tensor, operand: str) -> torch.Tensor:
+    """``[H, n, B, D]`` blocks of one operand (``"k"`` or ``"v"``) for index-map entries ``[H, n]``:
+    dense rows as stored, 2:4 rows unpacked (zeros at the pruned positions, V^T transposed back).
+    Vectorized, no host synchronisation."""
+    dense, values, meta = (getattr(pools, f"{operand}_{kind}") for kind in ("dense", "values", "meta"))
+    parts = []
+    if dense.shape[0]:
+        parts.append((index >= 0, dense[index.clamp(min=0)]))
+    if values.shape[0]:
+        row = (-index - 1).clamp(min=0)
+        unpacked = unpack_2to4(values[row], meta[row])
+        parts.append((index < 0, unpacked.transpose(-1, -2) if operand == "v" else unpacked))
+    if len(parts) == 1:
+        return parts[0][1]
+    (dense_mask, dense_blocks), (_, sparse_blocks) = parts
+    return torch.where(dense_mask[..., None, None], dense_blocks, sparse_blocks)
+
+
 # --------------------------------------------------------------------------------------- accounting
 def sparse_count(num_blocks: int, sparsity: float) -> int:
     """Blocks stored sparse out of ``num_blocks`` prunable ones: ceil(S·n), robust to float error."""

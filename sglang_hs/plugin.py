@@ -9,6 +9,11 @@ applies the hooks registered here through its ``HookRegistry``. Nothing in SGLan
 - When the backend is selected, server-argument defaults it needs are applied (``--page-size`` =
   block size, no prefill CUDA graph) and the model and GPU are checked, so that a bad setting stops
   the launcher with one line instead of a traceback from a scheduler.
+- In each scheduler process the KV-budget hook, the attention-backend factory and the radix-cache
+  factory set up one :class:`sglang_hs.runtime.HieraSparseRuntime` on the model runner; the log-line
+  and idle-check hooks find the tree through the scheduler objects SGLang hands them.
+
+Every hook target is imported lazily (:func:`_lazy`): the plugin loads in every SGLang process.
 """
 
 from __future__ import annotations
@@ -48,8 +53,13 @@ def load() -> None:
     )
     HookRegistry.register(f"{_SERVER_ARGS}.prepare_server_args", exit_with_one_line, HookType.AROUND)
     HookRegistry.register(
-        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
-        split_kv_budget,
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget",
+        reserve_store_budget,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver.get_pool_stats",
+        tag_pool_stats,
         HookType.AFTER,
     )
     for phase in ("decode", "prefill"):
@@ -82,31 +92,18 @@ def _lazy(target: str):
     return call
 
 
-create_backend = _lazy("sglang_hs.backend.HieraSparseAttnBackend")
+create_backend = _lazy("sglang_hs.backend.create_backend")
 """Attention-backend factory, called by SGLang's ModelRunner in each scheduler process."""
+reserve_store_budget = _lazy("sglang_hs.runtime.reserve_store_budget")
+"""The compressed store's share of SGLang's KV-cache budget, taken when the pools are sized."""
+tag_pool_stats = _lazy("sglang_hs.radix.hook.tag_pool_stats")
+"""Hands the scheduler's tree to the batch log line through the pool statistics."""
 status_line_parts = _lazy("sglang_hs.radix.hook.status_line_parts")
 """The compressed cache's status, appended to SGLang's periodic batch log line."""
 check_store_when_idle = _lazy("sglang_hs.radix.hook.check_store_when_idle")
 """The compressed store's own leak check, added to SGLang's idle memory check."""
 create_radix_cache = _lazy("sglang_hs.radix.hook.create_radix_cache")
 """Radix-cache factory (``--radix-cache-backend hierasparse``, set by the backend defaults)."""
-
-
-def split_kv_budget(kv_budget_bytes: int, configurator, *args, **kwargs) -> int | None:
-    """AFTER hook on SGLang's KV-cache sizing: carve the compressed store out of the same
-    ``--mem-fraction-static`` budget, so dense and hierasparse servers use equal memory."""
-    server_args = configurator.server_args
-    if configurator.is_draft_worker or not uses_backend(server_args) or server_args.disable_radix_cache:
-        return None
-    from sglang_hs.pools import reserve_store_budget
-
-    config = HieraSparseConfig.from_env()
-    dense_bytes = reserve_store_budget(kv_budget_bytes, config.store_fraction)
-    logger.info(
-        "hierasparse: KV budget %.2f GiB = dense pool %.2f GiB + compressed store %.2f GiB",
-        kv_budget_bytes / 2**30, dense_bytes / 2**30, (kv_budget_bytes - dense_bytes) / 2**30,
-    )  # fmt: skip
-    return dense_bytes
 
 
 # --------------------------------------------------------------------------------------- CLI flags

@@ -1,4 +1,5 @@
-"""The compressed store: GPU pools of compressed KV blocks for every layer, and their allocator.
+"""The compressed store: GPU pools of compressed KV blocks for every layer, their allocator, the
+virtual slot ids that name stored blocks, and the compressor that fills the store.
 
 Unit of allocation: a *virtual block*, ``B`` tokens of one cached prefix (= one SGLang page) in all
 layers and KV heads. The block's K is either dense or 2:4 sparse, the same in every layer and KV
@@ -13,6 +14,10 @@ shared by all layers and are what the kernels and the reference read.
 
 Block choice: the caller ranks a prefix's blocks by their pruning loss summed over layers and
 heads (see :func:`compress_prefix`), so the decision is per virtual block.
+
+Virtual slots (:class:`VirtualSlots`): a compressed token keeps one slot id in SGLang's token tables
+(the radix tree's ``node.value``, ``req_to_token``), ``base + vb·B + offset``, above every dense
+slot, so that the attention backend can tell it apart and resolve block ``vb`` through the index maps.
 """
 
 from __future__ import annotations
@@ -20,29 +25,51 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import torch
 
 from sglang_hs.format import BlockPools, dense_block_bytes, pack_2to4, sparse_block_bytes, sparse_entry
-from sglang_hs.pruner import Pruner, rank_sparse
+from sglang_hs.pruner import Operand, Pruner, rank_sparse
 
 logger = logging.getLogger(__name__)
 
-# Bytes of SGLang's KV-cache budget set aside for the store in this (scheduler) process. The plugin's
-# hook on SGLang's KV-cache sizing sets it before the dense pool is allocated; the backend, built
-# right after the pool, allocates the store from it.
-_store_budget_bytes = 0
+
+class VirtualSlots:
+    """The virtual slot id space of compressed tokens, placed above every dense slot."""
+
+    def __init__(self, base: int, block_size: int):
+        if base % block_size:
+            raise ValueError("virtual_base must be block aligned")
+        self.base, self.block_size = base, block_size
+
+    def mask(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots >= self.base
+
+    def blocks_of(self, slots: torch.Tensor) -> list[int]:
+        """Distinct virtual block ids among virtual ``slots`` (host sync)."""
+        return torch.unique((slots - self.base) // self.block_size).tolist()
+
+    def block_table(self, rows: torch.Tensor) -> torch.Tensor:
+        """int32 block table of ``req_to_token`` rows ``[bs, L]``: per block of ``B`` tokens, the
+        SGLang page id (dense) or ``~vb`` (compressed virtual block ``vb``)."""
+        starts = rows[:, :: self.block_size].long()
+        pages = starts // self.block_size
+        return torch.where(starts >= self.base, ~((starts - self.base) // self.block_size), pages).to(torch.int32)
+
+    def slots_of(self, vbs: list[int], device) -> torch.Tensor:
+        offsets = torch.arange(self.block_size, device=device)
+        starts = torch.tensor(vbs, dtype=torch.int64, device=device) * self.block_size + self.base
+        return (starts[:, None] + offsets[None, :]).reshape(-1)
 
 
-def reserve_store_budget(kv_budget_bytes: int, store_fraction: float) -> int:
-    """Split SGLang's KV-cache byte budget: keep the store's share, return the dense pool's share."""
-    global _store_budget_bytes
-    _store_budget_bytes = int(kv_budget_bytes * store_fraction)
-    return kv_budget_bytes - _store_budget_bytes
+class BlockPlacement(NamedTuple):
+    """Where one virtual block's K and V live: which pool (sparse or dense) and which slot of it."""
 
-
-def store_budget_bytes() -> int:
-    return _store_budget_bytes
+    k_sparse: bool
+    k_slot: int
+    v_sparse: bool
+    v_slot: int
 
 
 @dataclass(frozen=True)
@@ -130,6 +157,14 @@ class CompressedStore:
 
     def used_blocks(self) -> int:
         return len(self._k_slot)
+
+    def placement(self, vb: int) -> BlockPlacement:
+        """The pools and slots of virtual block ``vb`` (allocated)."""
+        return BlockPlacement(*self._k_slot[vb], *self._v_slot[vb])
+
+    def placements(self) -> dict[int, BlockPlacement]:
+        """Every allocated virtual block's placement (two stores hold the same blocks iff equal)."""
+        return {vb: self.placement(vb) for vb in self._k_slot}
 
     def check(self) -> str | None:
         """None if every slot is either free or owned exactly once, else a description."""
@@ -244,9 +279,42 @@ class CompressedStore:
             self.v_meta[layer][rows] = meta.reshape(-1, *meta.shape[2:])
 
 
+PrunerChoice = Pruner | Sequence[Pruner]
+"""One pruner for every layer, or one per layer (a calibrated pruner scores each layer apart)."""
+
+
+def _layer_pruners(pruner: PrunerChoice, num_layers: int) -> Sequence[Pruner]:
+    return [pruner] * num_layers if isinstance(pruner, Pruner) else pruner
+
+
+def prefix_blocks(buffer: torch.Tensor, slots: torch.Tensor, block_size: int, kv_heads: int) -> torch.Tensor:
+    """``[H, n, B, D]`` blocks of one layer's ``[slots, H, D]`` buffer at page-aligned token ``slots``."""
+    n = slots.numel() // block_size
+    return buffer[slots].reshape(n, block_size, kv_heads, -1).permute(2, 0, 1, 3)
+
+
+def block_losses(
+    pruner: PrunerChoice,
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    slots: torch.Tensor,
+    block_size: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``[n]`` K and V ranking keys of the prefix's blocks: each block's pruning loss
+    (``Pruner.operand_loss``) summed over all layers and KV heads (the compressor's first pass)."""
+    n = slots.numel() // block_size
+    loss: dict[Operand, torch.Tensor] = {op: torch.zeros(n, dtype=torch.float32, device=slots.device) for op in "kv"}
+    for layer_pruner, k_buffer, v_buffer in zip(_layer_pruners(pruner, len(k_buffers)), k_buffers, v_buffers):
+        for op, buffer in (("k", k_buffer), ("v", v_buffer)):
+            blocks = prefix_blocks(buffer, slots, block_size, kv_heads)
+            loss[op] += layer_pruner.operand_loss(blocks, op, layer_pruner.element_mask(blocks, op)).sum(0)
+    return loss["k"], loss["v"]
+
+
 def compress_prefix(
     store: CompressedStore,
-    pruner: Pruner,
+    pruner: PrunerChoice,
     k_buffers: list[torch.Tensor],
     v_buffers: list[torch.Tensor],
     slots: torch.Tensor,
@@ -258,27 +326,18 @@ def compress_prefix(
     ``groups`` partitions the blocks into ``(mask [n] bool, S_K, S_V)`` sets (prompt blocks and
     generated blocks use different sparsities). Within each set the blocks whose pruning loss,
     summed over all layers and KV heads, is lowest become sparse. Two passes over the layers keep the
-    temporary memory at one layer's blocks.
+    temporary memory at one layer's blocks. ``pruner`` is one pruner or one per layer.
     """
-    n = slots.numel() // store.block_size
-
-    def layer_blocks(buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[slots].reshape(n, store.block_size, store.kv_heads, -1).permute(2, 0, 1, 3)
-
-    loss_k = torch.zeros(n, dtype=torch.float32, device=slots.device)
-    loss_v = torch.zeros_like(loss_k)
-    for k_buffer, v_buffer in zip(k_buffers, v_buffers):
-        k, v = layer_blocks(k_buffer), layer_blocks(v_buffer)
-        loss_k += pruner.block_loss(k, pruner.element_mask(k, "k")).sum(0)
-        loss_v += pruner.block_loss(v, pruner.element_mask(v, "v")).sum(0)
-    sparse_k = torch.zeros(n, dtype=torch.bool, device=slots.device)
+    loss_k, loss_v = block_losses(pruner, k_buffers, v_buffers, slots, store.block_size, store.kv_heads)
+    sparse_k = torch.zeros(loss_k.shape, dtype=torch.bool, device=slots.device)
     sparse_v = torch.zeros_like(sparse_k)
     for mask, sk, sv in groups:
         mask = mask.to(slots.device)
         sparse_k |= rank_sparse(loss_k, mask, sk)
         sparse_v |= rank_sparse(loss_v, mask, sv)
     vbs = store.allocate(sparse_k.tolist(), sparse_v.tolist())  # host sync: one small mask per prefix
-    for layer, (k_buffer, v_buffer) in enumerate(zip(k_buffers, v_buffers)):
-        k, v = layer_blocks(k_buffer), layer_blocks(v_buffer)
-        store.write_layer(layer, vbs, k, v, pruner.element_mask(k, "k"), pruner.element_mask(v, "v"))
+    layers = zip(_layer_pruners(pruner, len(k_buffers)), k_buffers, v_buffers)
+    for layer, (layer_pruner, k_buffer, v_buffer) in enumerate(layers):
+        k, v = (prefix_blocks(b, slots, store.block_size, store.kv_heads) for b in (k_buffer, v_buffer))
+        store.write_layer(layer, vbs, k, v, layer_pruner.element_mask(k, "k"), layer_pruner.element_mask(v, "v"))
     return vbs

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_hs.pools import CompressedStore, StoreCapacity
-from sglang_hs.radix.hook import VirtualSlots
+from sglang_hs.pools import CompressedStore, StoreCapacity, VirtualSlots
 
 pytestmark = pytest.mark.sglang
 
@@ -76,11 +75,12 @@ def test_extend_over_compressed_blocks_uses_the_kernel_with_gpu_side_offsets():
     assert out.shape == (96, HQ * D) and torch.equal(out, q)
     (q_arg, args), = plan.calls
     assert q_arg.shape == (96, HQ, D)
-    pools = backend.store.layer_pools(0)
-    expected = [pools.k_dense, pools.k_values, pools.k_meta, pools.v_dense, pools.v_values, pools.v_meta,
-                backend.store.k_index, backend.store.v_index]  # fmt: skip
-    assert args[0] is meta.qo_indptr_gpu and all(a is e for a, e in zip(args[3:11], expected))
-    assert args[11] is meta.block_table and args[12] is meta.seq_lens_gpu and args[13] == 0.125
+    qo_indptr, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = args
+    assert qo_indptr is meta.qo_indptr_gpu and pools == backend.store.layer_pools(0)
+    assert all(getattr(pools, name) is getattr(backend.store, name)[0] for name in vars(pools))
+    assert k_index is backend.store.k_index and v_index is backend.store.v_index
+    assert k_cache.shape == (1024, HKV, D) and torch.equal(v_cache, k_cache + 1)
+    assert block_table is meta.block_table and seq_lens is meta.seq_lens_gpu and sm_scale == 0.125
 
 
 def test_other_batches_take_the_dense_or_pytorch_paths():
@@ -103,21 +103,28 @@ def test_other_batches_take_the_dense_or_pytorch_paths():
 
 @pytest.mark.parametrize("disable_radix_cache", [False, True])
 def test_kv_budget_split_only_with_the_radix_cache(disable_radix_cache, monkeypatch):
-    """With the radix cache on, the store is carved out of SGLang's KV budget; with
-    ``--disable-radix-cache`` nothing is ever cached, so the dense pool keeps the whole budget (the
-    hook leaves SGLang's figure alone) and the store gets none. (A batch that reads no compressed
-    block takes the dense path: ``test_other_batches_take_the_dense_or_pytorch_paths``.)"""
-    from sglang_hs import pools
+    """With the radix cache on, the store is carved out of SGLang's KV budget and the reservation
+    travels on the pool config; with ``--disable-radix-cache`` nothing is ever cached, so the dense
+    pool keeps the whole budget and the store gets none. The resize after CUDA-graph capture
+    (``cap_tokens``) is never split. (A batch that reads no compressed block takes the dense path:
+    ``test_other_batches_take_the_dense_or_pytorch_paths``.)"""
     from sglang_hs.config import ENV_VAR, HieraSparseConfig
-    from sglang_hs.plugin import split_kv_budget
+    from sglang_hs.runtime import RESERVATION_ATTR, reserve_store_budget
 
     monkeypatch.setenv(ENV_VAR, HieraSparseConfig(store_fraction=0.25).to_json())
-    monkeypatch.setattr(pools, "_store_budget_bytes", 0)
     server_args = SimpleNamespace(attention_backend="hierasparse", prefill_attention_backend=None,
                                   decode_attention_backend=None, disable_radix_cache=disable_radix_cache)  # fmt: skip
     configurator = SimpleNamespace(server_args=server_args, is_draft_worker=False)
-    dense = split_kv_budget(4 << 30, configurator)
+
+    def config_from_budget(configurator, budget_bytes, *, cap_tokens=None):
+        return SimpleNamespace(budget_bytes=budget_bytes, cap_tokens=cap_tokens)
+
+    pool_config = reserve_store_budget(config_from_budget, configurator, 4 << 30)
+    reservation = getattr(pool_config, RESERVATION_ATTR, None)
     if disable_radix_cache:
-        assert dense is None and pools.store_budget_bytes() == 0
+        assert pool_config.budget_bytes == 4 << 30 and reservation is None
     else:
-        assert dense == 3 << 30 and pools.store_budget_bytes() == 1 << 30
+        assert pool_config.budget_bytes == 3 << 30 and reservation.store_bytes == 1 << 30
+        assert reservation.config == HieraSparseConfig(store_fraction=0.25)
+    resized = reserve_store_budget(config_from_budget, configurator, 4 << 30, cap_tokens=1000)
+    assert resized.budget_bytes == 4 << 30 and resized.cap_tokens == 1000 and not hasattr(resized, RESERVATION_ATTR)

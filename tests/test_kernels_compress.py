@@ -1,6 +1,6 @@
 """Tests of the fused prune + compress kernels (``sglang_hs.kernels.compress``).
 
-GPU (``@pytest.mark.gpu``, skipped without CUDA): the TileLang kernels through ``compress_prefix``
+GPU (``@pytest.mark.gpu``, skipped without CUDA): the TileLang kernels through ``FusedCompressor``
 against ``sglang_hs.pools.compress_prefix``, bit for bit (virtual block ids, slot ownership, index
 maps, every pool of every layer), for S_K, S_V in {0, 0.5, 1} x head_dim {64, 128} x fp16/bf16 x
 several layer counts; the loss pass and the pack pass on their own.
@@ -79,7 +79,7 @@ def bits(t):
 
 
 def assert_same_store(got, want):
-    assert got._k_slot == want._k_slot and got._v_slot == want._v_slot
+    assert got.placements() == want.placements()
     assert torch.equal(got.k_index, want.k_index) and torch.equal(got.v_index, want.v_index)
     for name in POOLS:
         for layer, (a, b) in enumerate(zip(getattr(got, name), getattr(want, name))):
@@ -107,10 +107,11 @@ def run_pair(kb, vb, heads, dim, dtype, groups_list, prefixes, device, backend=N
     ours = make_store(layers, heads, dim, dtype, blocks, device, **store_kw)
     theirs = make_store(layers, heads, dim, dtype, blocks, device, **store_kw)
     ids = []
+    compressor = C.FusedCompressor()
     for pages, groups in zip(prefixes, groups_list):
         slots = page_slots(pages).to(device)
         want = torch_compress_prefix(theirs, MagnitudePruner(), kb, vb, slots, groups)
-        got = C.compress_prefix(ours, MagnitudePruner(), kb, vb, slots, groups, backend=backend)
+        got = compressor(ours, MagnitudePruner(), kb, vb, slots, groups, backend=backend)
         ids.append((got, want))
     return ours, theirs, ids
 
@@ -478,7 +479,7 @@ def test_loss_pass(shape):
     perm = torch.randperm(30, generator=torch.Generator().manual_seed(17)).tolist()
     kb, vb = make_kv(layers, heads, dim, dtype, 30, "cuda", seed=18, tie_pages=perm[:3])
     store = make_store(layers, heads, dim, dtype, 1, "cuda")
-    plan = C.get_plan(heads, dim, B, dtype, "cuda")
+    plan = C.HieraSparseCompress(heads, dim, B, dtype, "cuda")
     addr = C.address_table(kb, vb, store)
     emu = C.TorchEmulation()
     for op, bufs in (("k", kb), ("v", vb)):
@@ -507,7 +508,7 @@ def test_pack_pass_arbitrary_slots_no_host_sync(shape):
     info = torch.stack([torch.randint(0, 2, (n,), generator=g), torch.randperm(n, generator=g),
                         torch.randint(0, 2, (n,), generator=g), torch.randperm(n, generator=g)], 1).int()
     ours, emulated = (make_store(layers, heads, dim, dtype, n, "cuda") for _ in range(2))
-    plan = C.get_plan(heads, dim, B, dtype, "cuda")
+    plan = C.HieraSparseCompress(heads, dim, B, dtype, "cuda")
     plan.build_all()
     addr = C.address_table(kb, vb, ours)
     pages_host = torch.tensor(perm[:n])

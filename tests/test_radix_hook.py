@@ -26,7 +26,9 @@ def env():
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-    from sglang_hs.radix.hook import HieraSparseRadixCache, VirtualSlots
+    from sglang_hs.pools import VirtualSlots
+    from sglang_hs.radix.hook import HieraSparseRadixCache
+    from sglang_hs.runtime import HieraSparseRuntime
 
     def build(sk=1.0, sv=1.0, store_blocks=64, window=256, seed=0):
         torch.manual_seed(seed)
@@ -44,7 +46,7 @@ def env():
         virtual = VirtualSlots(base=POOL_TOKENS + PAGE, block_size=PAGE)
         params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
                                  page_size=PAGE)  # fmt: skip
-        tree = HieraSparseRadixCache(params, store, config, kv.k_buffer, kv.v_buffer, virtual)
+        tree = HieraSparseRadixCache(params, HieraSparseRuntime(config, store, virtual), kv.k_buffer, kv.v_buffer)
         return SimpleNamespace(tree=tree, allocator=allocator, store=store, kv=kv, req_pool=req_pool, virtual=virtual)
 
     return build
@@ -279,9 +281,9 @@ def test_tensor_parallel_ranks_stay_in_step_with_different_block_masks(env):
             insert(e, list(range(start, start + 1024)))
         insert(e, list(range(100, 612)) + list(range(7000, 7640)))  # splits the first prefix
         e.tree.evict(EvictParams(num_tokens=300))
-    masks = [sorted(sp for sp, _ in e.store._k_slot.values()) for e in ranks]
+    masks = [sorted(p.k_sparse for p in e.store.placements().values()) for e in ranks]
     assert masks[0] == masks[1]  # as many sparse K blocks on each rank ...
-    slots = [{vb: sp for vb, (sp, _) in e.store._k_slot.items()} for e in ranks]
+    slots = [{vb: p.k_sparse for vb, p in e.store.placements().items()} for e in ranks]
     assert slots[0] != slots[1]  # ... but not the same ones
     states = [e.tree.rank_state() for e in ranks]
     assert states[0] == states[1] and "splits=" in states[0] and "nodes=" in states[0]

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_hs import reference as ref
+from sglang_hs.fallback import decompressed_paged_attention
 from sglang_hs.pruner import make_pruner
 
 PRUNER = make_pruner("magnitude")
@@ -140,5 +141,5 @@ def test_decompressed_fallback_matches_oracle(sk, sv):
     q = torch.randn(6, q_heads, dim).half()
     args = (store.pools, store.k_index, store.v_index, table, seq_lens)
     expected, _ = ref.paged_attention(q, qo_indptr, cache_k, cache_v, *args, sm_scale=0.125)
-    got = ref.decompressed_paged_attention(q, qo_indptr, cache_k, cache_v, *args, block_size=block, sm_scale=0.125)
+    got = decompressed_paged_attention(q, qo_indptr, cache_k, cache_v, *args, block_size=block, sm_scale=0.125)
     assert torch.allclose(got.float(), expected.float(), atol=2e-3)

@@ -1,0 +1,76 @@
+"""The serving fallback: attention over the mixed block table in PyTorch, for the batches the TileLang
+kernels do not serve (kernels turned off, no TileLang, no Hopper GPU).
+
+Compressed blocks are decompressed with vectorized gathers, then ``scaled_dot_product_attention``
+runs over each request's dense K/V. Mathematically this is the oracle's function
+(``sglang_hs.reference.paged_attention``: attention over the pruned K/V) and the tests check it
+against the oracle; it trades the oracle's per-block Trans-Both loop for speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_hs.format import BlockPools, decompress_blocks
+
+
+def dense_view(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pools: BlockPools,
+    k_index: torch.Tensor,
+    v_index: torch.Tensor,
+    block_row: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's ``[seq_len, H, D]`` K and V, compressed blocks decompressed; no host syncs.
+
+    ``block_row`` is the request's block-table row: ``e >= 0`` is SGLang KV page ``e`` of the layer's
+    ``k_cache``/``v_cache`` ``[slots, H, D]``; ``e < 0`` is compressed block ``~e``, resolved per KV
+    head through the index maps ``k_index``/``v_index`` ``[H, n_compressed]`` into ``pools``.
+    """
+    heads, dim = k_cache.shape[1], k_cache.shape[2]
+    table = block_row[: -(-seq_len // block_size)].long()
+    compressed = table < 0
+    pages = table.clamp(min=0)
+    virtual = (-table - 1).clamp(min=0)
+
+    def operand(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
+        from_cache = cache.reshape(-1, block_size, heads, dim)[pages]  # [n, B, H, D]
+        from_store = decompress_blocks(pools, index[:, virtual], name).permute(1, 2, 0, 3)
+        merged = torch.where(compressed[:, None, None, None], from_store, from_cache)
+        return merged.reshape(-1, heads, dim)[:seq_len]
+
+    return operand(k_cache, k_index, "k"), operand(v_cache, v_index, "v")
+
+
+def decompressed_paged_attention(
+    q: torch.Tensor,
+    qo_indptr: list[int],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pools: BlockPools,
+    k_index: torch.Tensor,
+    v_index: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: list[int],
+    block_size: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Batched causal attention in the serving layout: request ``r`` owns queries
+    ``q[qo_indptr[r]:qo_indptr[r+1]]``, the last positions of its ``seq_lens[r]`` tokens (decode is
+    one query per request). Returns the outputs ``[total, Hq, D]``."""
+    out = torch.empty_like(q)
+    for r, seq_len in enumerate(seq_lens):
+        rows = slice(qo_indptr[r], qo_indptr[r + 1])
+        n_q = rows.stop - rows.start
+        k, v = dense_view(k_cache, v_cache, pools, k_index, v_index, block_table[r], seq_len, block_size)
+        mask = None
+        if n_q > 1:
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= (seq_len - n_q + torch.arange(n_q, device=q.device))[:, None]
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=sm_scale, enable_gqa=True
+        )
+        out[rows] = attended.transpose(0, 1)
+    return out

@@ -1,0 +1,137 @@
+"""``HieraSparseRuntime``: what the attention backend and the radix cache of one model runner share.
+
+SGLang builds a scheduler process's parts through separate hooks, none of which sees the others:
+
+1. ``KVCacheConfigurator.config_from_budget`` turns the KV-cache byte budget into pool sizes.
+   :func:`reserve_store_budget` (an AROUND hook) takes the store's share out of the budget first, so
+   a hierasparse server uses the memory a dense one would, and leaves a :class:`StoreReservation` (the
+   parsed settings and the store's bytes) on the resulting ``MemoryPoolConfig``, which the model
+   runner keeps as ``model_runner.memory_pool_config``.
+2. The attention-backend factory gets the ``ModelRunner``, whose KV pool now exists.
+   :func:`attach_runtime` builds the runtime from the reservation (the settings are parsed once per
+   process, in step 1, or here when step 1 did not apply) and sets it as
+   ``model_runner.hierasparse_runtime``.
+3. The radix-cache factory gets ``ctx.tp_worker.model_runner`` and finds the runtime there
+   (:func:`runtime_of`).
+
+The backend and the tree hold the same runtime; neither reaches into the other.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from sglang_hs.config import HieraSparseConfig
+from sglang_hs.pools import CompressedStore, StoreCapacity, VirtualSlots, compress_prefix
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+RUNTIME_ATTR = "hierasparse_runtime"
+"""The ``ModelRunner`` attribute that holds the runtime."""
+RESERVATION_ATTR = "hierasparse_reservation"
+"""The ``MemoryPoolConfig`` attribute that holds the :class:`StoreReservation`."""
+
+Compressor = Callable[..., list[int]]
+"""A function with :func:`sglang_hs.pools.compress_prefix`'s signature."""
+
+
+@dataclass(frozen=True)
+class StoreReservation:
+    """The settings and the store's share of SGLang's KV-cache budget, fixed while sizing the pools."""
+
+    config: HieraSparseConfig
+    store_bytes: int
+
+
+@dataclass
+class HieraSparseRuntime:
+    """One model runner's HieraSparse state: settings, compressed store, virtual slots, compressor."""
+
+    config: HieraSparseConfig
+    store: CompressedStore
+    virtual: VirtualSlots
+    compress_prefix: Compressor = compress_prefix
+    """The fused TileLang compressor when that kernel is on, else the PyTorch one."""
+    store_budget_bytes: int = 0
+    kernels_available: bool = False
+    """TileLang and a Hopper GPU are present (each kernel also needs its ``--hierasparse-kernels`` entry)."""
+
+    def uses_kernel(self, name: str) -> bool:
+        """Whether the TileLang kernel ``name`` runs (available and enabled by the settings)."""
+        return self.kernels_available and self.config.uses_kernel(name)
+
+    @classmethod
+    def build(cls, model_runner: ModelRunner) -> HieraSparseRuntime:
+        """Size the store from the reservation and pick the compressor; the KV pool must exist."""
+        reservation: StoreReservation | None = getattr(model_runner.memory_pool_config, RESERVATION_ATTR, None)
+        config = reservation.config if reservation else HieraSparseConfig.from_env()
+        budget = reservation.store_bytes if reservation else 0
+        block = config.block_size
+        # Virtual slots start above every dense slot (the KV buffers hold size + page_size rows).
+        dense_rows = model_runner.token_to_kv_pool_allocator.size + model_runner.page_size
+        virtual = VirtualSlots(base=-(-dense_rows // block) * block, block_size=block)
+        kv_pool = model_runner.token_to_kv_pool
+        capacity = StoreCapacity.from_budget(
+            budget, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, config.sk_prefill, config.sv_prefill
+        )
+        store = CompressedStore(
+            capacity, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, kv_pool.dtype, kv_pool.device
+        )
+        kernels = tilelang_kernels_available()
+        compressor: Compressor = compress_prefix
+        if kernels and config.uses_kernel("compress"):
+            from sglang_hs.kernels.compress import FusedCompressor
+
+            compressor = FusedCompressor()
+        return cls(config, store, virtual, compressor, budget, kernels)
+
+
+def tilelang_kernels_available() -> bool:
+    """The TileLang kernels need TileLang and a Hopper GPU (both checked again at start-up)."""
+    return importlib.util.find_spec("tilelang") is not None and torch.cuda.is_available() and (
+        torch.cuda.get_device_capability() == (9, 0)
+    )
+
+
+def attach_runtime(model_runner: ModelRunner) -> HieraSparseRuntime:
+    """The model runner's runtime, built and attached on first use (by the attention backend)."""
+    runtime = runtime_of(model_runner)
+    if runtime is None:
+        runtime = HieraSparseRuntime.build(model_runner)
+        setattr(model_runner, RUNTIME_ATTR, runtime)
+    return runtime
+
+
+def runtime_of(model_runner: ModelRunner) -> HieraSparseRuntime | None:
+    return getattr(model_runner, RUNTIME_ATTR, None)
+
+
+def reserve_store_budget(original, configurator, budget_bytes: int, *args, cap_tokens: int | None = None, **kwargs):
+    """AROUND hook on ``KVCacheConfigurator.config_from_budget``: when SGLang sizes the pools from the
+    profiled budget, carve the compressed store out of it (``--hierasparse-store-fraction``), so dense
+    and hierasparse servers use equal memory. The resize after CUDA-graph capture (``cap_tokens``
+    given) measures free memory, where the store is already accounted for, and is left alone."""
+    from sglang_hs.plugin import uses_backend
+
+    server_args = configurator.server_args
+    if (cap_tokens is not None or configurator.is_draft_worker or not uses_backend(server_args)
+            or server_args.disable_radix_cache):  # fmt: skip
+        return original(configurator, budget_bytes, *args, cap_tokens=cap_tokens, **kwargs)
+    config = HieraSparseConfig.from_env()
+    store_bytes = int(budget_bytes * config.store_fraction)
+    dense_bytes = budget_bytes - store_bytes
+    logger.info(
+        "hierasparse: KV budget %.2f GiB = dense pool %.2f GiB + compressed store %.2f GiB",
+        budget_bytes / 2**30, dense_bytes / 2**30, store_bytes / 2**30,
+    )  # fmt: skip
+    pool_config = original(configurator, dense_bytes, *args, cap_tokens=cap_tokens, **kwargs)
+    setattr(pool_config, RESERVATION_ATTR, StoreReservation(config, store_bytes))
+    return pool_config
