@@ -1,0 +1,154 @@
+"""``--kernel decode`` of :mod:`sglang_hs.kernels.bench`: the split-KV decode kernel against FlashInfer.
+
+Workload: batch 8, 32K tokens per request, Llama-3.1-8B attention (32 query heads, 8 KV heads,
+head_dim 128, fp16), block size 64, a case of :func:`sglang_hs.kernels.cases.make_case` (1 sink page,
+compressed blocks, 4 window pages). Layout ``natural``: cache pages, virtual blocks and pool rows in
+allocation order; ``shuffled``: all in random order (a fragmented store). FlashInfer
+(``BatchDecodeWithPagedKVCacheWrapper``, tensor cores, NHD, page 64) runs over the decompressed
+(pruned) KV of the same requests, so it is also the full-size correctness reference (checked on the
+first and the last timed call). Both are timed as replays of a CUDA graph of ``--iters`` back-to-back
+calls (CUDA events, median of 5 replays), and also as single plain launches (``*_plain_us``, which
+include host launch overhead).
+"""
+
+import json
+import os
+import time
+
+import torch
+
+from sglang_hs.format import compression_ratio
+from sglang_hs.kernels.cases import flashinfer_decode, kv_bytes, make_case, paged_dense, rel_err, run_args, share_prefixes
+from sglang_hs.kernels.timing import time_graph, time_plain
+from sglang_hs.plotting import pyplot
+
+VARIANT_STAGES = (3,)
+"""``--variants``: the pipeline depths timed besides the default plan's."""
+
+
+def bench_decode(args):
+    from sglang_hs.kernels.decode import HieraSparseDecode
+
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    bs, L = args.batch, args.context
+    Hq, Hkv, D = 32, 8, 128
+    dtype = getattr(torch, args.dtype)
+    distinct = min(args.groups or bs, bs)  # requests with their own KV; the others share it
+    seq_lens = [L - (37 * r) % 64 if args.ragged else L for r in range(distinct)]
+    points = [(0.0, 0.0), (0.0, 1.0), (0.5, 1.0), (1.0, 1.0)] if not args.quick else [(0.0, 1.0), (1.0, 1.0)]
+    variants = [dict()]  # the default plan first: its time is the record's ours_us
+    if args.variants:
+        variants += [dict(stages=stages) for stages in VARIANT_STAGES]
+    records, lines = [], []
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    runs = [(layout, sk, sv) for layout in args.layouts.split(",") for sk, sv in points]
+    for layout, sk, sv in runs:
+        t0 = time.time()
+        case = make_case(seq_lens, Hq, Hkv, D, sk, sv, dtype, dev, seed=int(sk * 10 + sv), magnitude=False,
+                         shuffle=layout == "shuffled", max_blocks=args.max_blocks)
+        var_list = variants if layout == runs[0][0] else [dict()]
+        nbytes = kv_bytes(case)  # distinct bytes: a shared prefix counts once
+        paged = paged_dense(case)
+        if distinct < bs:
+            case, paged = share_prefixes(case, paged, bs, seed=int(sk * 10 + sv))
+        fi = flashinfer_decode(case, paged, workspace)
+        ref = fi().clone()
+        fi_graph, fi_plain = time_graph(fi, args.iters), time_plain(fi)
+        del paged
+        results = []
+        for var in var_list:
+            try:
+                plan = HieraSparseDecode(bs, Hq, Hkv, D, 64, case["max_blocks"], dtype, dev,
+                                         **{"num_splits": args.num_splits, **var})
+            except Exception as e:  # a variant that does not build is reported, not fatal
+                lines.append(f"S_K={sk} S_V={sv} {var}: build failed: {str(e).splitlines()[-1][:200]}")
+                continue
+            out = torch.empty_like(case["q"])
+            a = run_args(case)
+            fn = lambda: plan.run(*a, out=out)
+            out.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            err = rel_err(out, ref)
+            g, p = time_graph(fn, args.iters), time_plain(fn)
+            err = max(err, rel_err(out, ref))  # the output of the last timed call too
+            desc = dict(stages=plan.stages, num_splits=plan.num_splits)
+            results.append(dict(variant=desc, default=not var, ours_us=round(g, 2), ours_plain_us=round(p, 2),
+                                speedup=round(fi_graph / g, 4), rel_err_vs_flashinfer=err))
+            lines.append(f"{layout} S_K={sk} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us "
+                         f"(plain {p:.1f}) FI {fi_graph:.1f} us (plain {fi_plain:.1f}) speedup {fi_graph / g:.3f} "
+                         f"err {err:.2e} GB/s {nbytes / g / 1e3:.0f}")
+            print(lines[-1], flush=True)
+        del case
+        torch.cuda.empty_cache()
+        ideal = compression_ratio(sk, sv)
+        record = dict(kernel="decode", S_K=sk, S_V=sv, batch=bs, context=L, head_dim=D, dtype=args.dtype, layout=layout,
+                      shared_prefixes=distinct if distinct < bs else None,
+                      q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None, flashinfer_us=round(fi_graph, 2),
+                      flashinfer_plain_us=round(fi_plain, 2), speedup=None, ideal_speedup=round(ideal, 4),
+                      kv_bytes=nbytes, device=name, timing="CUDA-graph replay of 20 calls, median of 5",
+                      setup_s=round(time.time() - t0, 1))
+        default = [r for r in results if r["default"] and r["rel_err_vs_flashinfer"] < 2e-2]
+        if default:
+            d0 = default[0]
+            record.update(ours_us=d0["ours_us"], ours_plain_us=d0["ours_plain_us"], speedup=d0["speedup"],
+                          variant=d0["variant"], rel_err_vs_flashinfer=d0["rel_err_vs_flashinfer"],
+                          ours_GBps=round(nbytes / d0["ours_us"] / 1e3, 1))
+        if len(results) > 1:
+            record["variants"] = [{k: v for k, v in r.items() if k != "default"} for r in results]
+        records.append(record)
+    return records, lines
+
+
+def plot_decode(records: list[dict], path: str) -> bool:
+    """Times and speedups of the decode records (their first layout) as bars."""
+    plt = pyplot()
+    records = [r for r in records if r.get("kernel", "decode") == "decode"]
+    recs = [r for r in records if r.get("ours_us") and r.get("layout", "natural") == records[0].get("layout", "natural")]
+    r0 = recs[0] if recs else {}
+
+    def label(r):
+        text = f"S_K={r['S_K']:g}\nS_V={r['S_V']:g}"
+        if (r["batch"], r.get("dtype"), r.get("shared_prefixes")) != (r0["batch"], r0.get("dtype"), None):
+            text += f"\nbs {r['batch']} {'bf16' if r.get('dtype') == 'bfloat16' else 'fp16'}"
+            text += f"\n{r['shared_prefixes']} prefixes" if r.get("shared_prefixes") else "\ndistinct"
+        return text
+
+    labels = [label(r) for r in recs]
+    x = range(len(recs))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(4 + 1.1 * len(recs), 4.4))
+    a1.bar([i - 0.2 for i in x], [r["flashinfer_us"] for r in recs], 0.4, label="FlashInfer (dense)")
+    a1.bar([i + 0.2 for i in x], [r["ours_us"] for r in recs], 0.4, label="HieraSparse (TileLang)")
+    a1.set_xticks(list(x), labels)
+    a1.set_ylabel("decode attention time (us)")
+    a1.set_ylim(0, 1.3 * max([r["flashinfer_us"] for r in recs] + [1]))
+    a1.legend(loc="upper left", ncol=2)
+    a2.bar([i - 0.2 for i in x], [r["speedup"] for r in recs], 0.4, label="measured")
+    a2.bar([i + 0.2 for i in x], [r["ideal_speedup"] for r in recs], 0.4, label="ideal (byte ratio)")
+    a2.axhline(1.0, color="k", lw=0.8)
+    a2.set_xticks(list(x), labels)
+    a2.set_ylabel("speedup vs FlashInfer")
+    a2.set_ylim(0, 1.3 * max([r["ideal_speedup"] for r in recs] + [1]))
+    a2.legend(loc="upper left", ncol=2)
+    fig.suptitle(f"Decode, batch {r0.get('batch')} (unless noted), {r0.get('context')} tokens, 32/8 heads, d=128, "
+                 f"{r0.get('dtype', 'float16')} "
+                 f"- {r0.get('device', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def decode_main(args) -> None:
+    """Run, then write ``OUT/kernels_h100.json``, ``OUT/bench_decode.log`` and ``OUT/kernels_h100.png``."""
+    os.makedirs(args.out, exist_ok=True)
+    records, lines = bench_decode(args)
+    with open(os.path.join(args.out, "kernels_h100.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    with open(os.path.join(args.out, "bench_decode.log"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot_decode(records, os.path.join(args.out, "kernels_h100.png"))
+    print(f"{'layout':>9} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>8} {'speedup':>8} {'ideal':>6}")
+    for r in records:
+        print(f"{r.get('layout', ''):>9} {r['S_K']:4g} {r['S_V']:4g} {r['ours_us'] or float('nan'):9.1f} "
+              f"{r['flashinfer_us']:8.1f} {r['speedup'] or float('nan'):8.3f} {r['ideal_speedup']:6.3f}")

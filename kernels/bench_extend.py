@@ -1,0 +1,191 @@
+"""``--kernel extend`` and ``--kernel prefill`` of :mod:`sglang_hs.kernels.bench`: the extend kernel
+against FlashInfer's paged prefill.
+
+Extend: batch 8, each request a 32K-token cached prefix (1 sink page, compressed blocks, 4 window
+pages; natural order) plus n new tokens in cache pages for n in ``--new-tokens``; S in {(0,0), (0,1),
+(1,1)}; ``HieraSparseExtend`` against FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (causal,
+NHD, page 64, ``--fi-backend``, default fa2 as in SGLang) over the same pruned KV, timed in
+alternation: 7 rounds, each ``--iters`` back-to-back eager calls of FlashInfer, then of the default
+plan (CUDA events, medians; a quarter of the calls above 256 new tokens; the other variants
+afterwards, median of 5).
+
+Prefill: N (default 1) sequences of L tokens whose KV has the compressed layout over the whole
+sequence, every position a query (causal), as a chunked prefill that prunes its chunks would see;
+the same kernel and baseline.
+"""
+
+import json
+import os
+import time
+
+import torch
+
+from sglang_hs.format import compression_ratio
+from sglang_hs.kernels.cases import extend_flops, extend_run_args, flashinfer_extend, kv_bytes, make_extend_case, paged_dense, rel_err
+from sglang_hs.kernels.timing import time_interleaved, time_stream
+from sglang_hs.plotting import pyplot
+
+RESULTS_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "results",
+                            "kernels_h100.json")
+"""The committed results, whose other kernels' records a run keeps."""
+
+
+def bench_extend(args, on_record=None):
+    """The extend regime: ``--batch`` requests, each a ``--context``-token cached prefix (1 sink
+    page, compressed blocks, 4 window pages) plus n new tokens for n in ``--new-tokens``; Llama-3.1-8B
+    heads (32/8, d 128, fp16); against FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (causal, page
+    64, backend ``--fi-backend``) over the same pruned KV, in one process, same timing method.
+    ``--kernel prefill``: the full-prefill regime instead: ``--batch`` sequences of ``--context`` tokens, each
+    query attending causally to the whole sequence, whose KV has the compressed layout (1 sink page,
+    compressed blocks, 4 window pages). ``on_record(records, lines)`` runs after every point (partial
+    results survive a time limit)."""
+    from sglang_hs.kernels.extend import BENCH_VARIANTS, HieraSparseExtend
+
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    prefill = args.kernel == "prefill"
+    bs, P = args.batch, (0 if prefill else args.context)
+    Hq, Hkv, D = 32, 8, 128
+    dtype = torch.float16
+    new_list = [args.context] if prefill else [int(x) for x in args.new_tokens.split(",")]
+    points = [(0.0, 0.0), (0.0, 1.0), (1.0, 1.0)] if not args.quick else [(0.0, 1.0), (1.0, 1.0)]
+    variants = [dict()]  # the default plan first: its time is the record's ours_us
+    named = args.variant or (BENCH_VARIANTS if args.variants else [])  # (tile, stages)
+    variants += [dict(tile=tile, stages=stages) for tile, stages in named]
+    records, lines = [], []
+
+    def log(msg):
+        lines.append(msg)
+        print(msg, flush=True)
+
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    for n in new_list:
+        iters = args.iters if n <= 256 else max(3, args.iters // 4)
+        for sk, sv in points:
+            t0 = time.time()
+            case = make_extend_case([P] * bs, [n] * bs, Hq, Hkv, D, sk, sv, dtype, dev, seed=int(sk * 10 + sv) + n,
+                                    magnitude=False, shuffle=False, compress_new=prefill)
+            paged = paged_dense(case)
+            fi = flashinfer_extend(case, paged, workspace, args.fi_backend)
+            t1 = time.time()
+            ref = fi().clone()
+            torch.cuda.synchronize()
+            fi_first_s = time.time() - t1  # includes FlashInfer's JIT compile on first use
+            fi_us = None  # timed with the default plan, in alternation
+            nbytes, flops = kv_bytes(case), extend_flops(case)
+            results = []
+            for var in variants:
+                try:
+                    plan = HieraSparseExtend(Hq, Hkv, D, 64, case["max_blocks"], dtype, dev,
+                                             **{"num_splits": args.num_splits, **var})
+                    out = torch.empty_like(case["q"])
+                    a = extend_run_args(case)
+                    fn = lambda: plan.run(*a, out=out)  # noqa: E731
+                    out.fill_(float("nan"))
+                    fn()
+                    torch.cuda.synchronize()
+                except Exception as e:  # a variant that does not build or run is reported, not fatal
+                    log(f"n={n} S_K={sk} S_V={sv} {var}: failed: {str(e).splitlines()[-1][:200]}")
+                    continue
+                err = rel_err(out, ref)
+                if fi_us is None:
+                    fi_us, g = time_interleaved([fi, fn], iters)
+                else:
+                    g = time_stream(fn, iters)
+                err = max(err, rel_err(out, ref))  # the output of the last timed call too
+                desc = dict(plan.last_config)
+                results.append(dict(variant=desc, default=not var, ours_us=round(g, 2), speedup=round(fi_us / g, 4),
+                                    rel_err_vs_flashinfer=err))
+                log(f"n={n} S_K={sk} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us "
+                    f"FI {fi_us:.1f} us speedup {fi_us / g:.3f} err {err:.2e} "
+                    f"TFLOP/s {flops / g / 1e6:.0f} (FI {flops / fi_us / 1e6:.0f}) GB/s {nbytes / g / 1e3:.0f}")
+            if fi_us is None:  # no variant ran
+                fi_us = time_stream(fi, iters)
+            del case, paged, ref
+            torch.cuda.empty_cache()
+            s = sk + sv
+            # prefill: the queries are the whole sequence, so its length (context) says it all
+            record = dict(kernel=args.kernel, S_K=sk, S_V=sv, batch=bs, context=n if prefill else P,
+                          **({} if prefill else {"new_tokens": n}), head_dim=D,
+                          dtype="float16", q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None,
+                          flashinfer_us=round(fi_us, 2), speedup=None, flashinfer_backend=args.fi_backend,
+                          ideal_speedup_bytes=round(compression_ratio(sk, sv), 4),
+                          ideal_speedup_compute=round(4.0 / (4.0 - s), 4), kv_bytes=nbytes, flops=flops,
+                          device=name, timing=f"{iters} back-to-back eager calls, CUDA events, median of 7 rounds "
+                                              "alternating FlashInfer and the default plan (variants: median of 5)",
+                          flashinfer_first_call_s=round(fi_first_s, 1), setup_s=round(t1 - t0, 1))
+            default = [r for r in results if r["default"] and r["rel_err_vs_flashinfer"] < 2e-2]
+            if default:
+                d0 = default[0]
+                record.update(ours_us=d0["ours_us"], speedup=d0["speedup"], variant=d0["variant"],
+                              rel_err_vs_flashinfer=d0["rel_err_vs_flashinfer"],
+                              ours_TFLOPs=round(flops / d0["ours_us"] / 1e6, 1),
+                              flashinfer_TFLOPs=round(flops / fi_us / 1e6, 1))
+            elif results:
+                record["rel_err_vs_flashinfer"] = results[0]["rel_err_vs_flashinfer"]  # wrong: no speedup recorded
+            if len(results) > 1:
+                record["variants"] = [{k: v for k, v in r.items() if k != "default"} for r in results]
+            records.append(record)
+            if on_record is not None:
+                on_record(records, lines)
+    return records, lines
+
+
+def plot_extend(records, path, kernel="extend"):
+    """Speedup and times against the new tokens per request (extend) or the sequence length (prefill)."""
+    plt = pyplot()
+    recs = [r for r in records if r.get("kernel") == kernel and r.get("ours_us")]
+    if not recs:
+        return False
+    key = "context" if kernel == "prefill" else "new_tokens"
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for sk, sv in sorted({(r["S_K"], r["S_V"]) for r in recs}):
+        rs = sorted((r for r in recs if (r["S_K"], r["S_V"]) == (sk, sv)), key=lambda r: r[key])
+        x = [r[key] for r in rs]
+        a1.plot(x, [r["speedup"] for r in rs], marker="o", label=f"S_K={sk:g}, S_V={sv:g}")
+        a2.plot(x, [r["ours_us"] for r in rs], marker="o", label=f"ours S_K={sk:g}, S_V={sv:g}")
+    # FlashInfer's time over the (0, 0) points when there are some, else over the last setting's points.
+    rs = sorted([r for r in recs if (r["S_K"], r["S_V"]) == (0.0, 0.0)] or rs, key=lambda r: r[key])
+    a2.plot([r[key] for r in rs], [r["flashinfer_us"] for r in rs], "k--", marker="x", label="FlashInfer")
+    for a in (a1, a2):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("sequence length (queries = keys)" if kernel == "prefill" else "new tokens per request")
+        a.legend(loc="best", fontsize=8)
+    a1.axhline(1.0, color="k", lw=0.8)
+    a1.set_ylabel("speedup vs FlashInfer")
+    a2.set_yscale("log")
+    a2.set_ylabel(f"{kernel} attention time (us)")
+    r0 = recs[0]
+    what = (f"Full prefill over compressed KV, batch {r0['batch']}" if kernel == "prefill" else
+            f"Extend over a cached prefix, batch {r0['batch']}, {r0['context']}-token prefix")
+    fig.suptitle(f"{what}, 32/8 heads, d=128, fp16 - {r0.get('device', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def extend_main(args):
+    """``--kernel extend`` (or ``prefill``): run, then write ``OUT/kernels_h100.json`` = the records of the
+    results JSON (``--merge`` when given, else the committed ``launch/results/kernels_h100.json``) other
+    than this kernel's, plus these; ``OUT/kernels_h100_<kernel>.png`` and ``OUT/bench_<kernel>.log``."""
+    os.makedirs(args.out, exist_ok=True)
+    merge = getattr(args, "merge", None) or RESULTS_JSON
+    base = []
+    if os.path.exists(merge):
+        with open(merge) as f:
+            base = [r for r in json.load(f) if r.get("kernel") != args.kernel]
+
+    def save(records, lines):
+        with open(os.path.join(args.out, "kernels_h100.json"), "w") as f:
+            json.dump(base + records, f, indent=1)
+        with open(os.path.join(args.out, f"bench_{args.kernel}.log"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    records, lines = bench_extend(args, on_record=save)
+    save(records, lines)
+    plot_extend(records, os.path.join(args.out, f"kernels_h100_{args.kernel}.png"), args.kernel)
+    print(f"{'tokens':>6} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>9} {'speedup':>8} {'ideal_B':>7} {'ideal_C':>7}")
+    for r in records:
+        print(f"{r.get('new_tokens', r['context']):6d} {r['S_K']:4g} {r['S_V']:4g} {r['ours_us'] or float('nan'):9.1f} "
+              f"{r['flashinfer_us']:9.1f} {r['speedup'] or float('nan'):8.3f} {r['ideal_speedup_bytes']:7.3f} "
+              f"{r['ideal_speedup_compute']:7.3f}")

@@ -1,0 +1,67 @@
+"""CUDA timing of kernel calls for the benchmarks: graph replays, back-to-back eager calls, and
+rounds that alternate between the functions compared (so drift reaches all of them alike)."""
+
+import torch
+
+
+def time_graph(fn, iters=20, reps=5, warmup=3):
+    """Median time (us) of one call, from CUDA-graph replays of ``iters`` back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(iters):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / iters)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_stream(fn, iters=20, reps=5, warmup=2):
+    """Median time (us) of one call, from CUDA events around ``iters`` back-to-back eager calls (the host
+    runs ahead of the GPU when a call takes longer on the GPU than to launch)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / iters)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_interleaved(fns, iters=20, rounds=7):
+    """Median times (us) of one call of each of ``fns``, measured in turn: each round times ``iters``
+    back-to-back eager calls of every function, one after the other, so that clock and thermal drift
+    over the run reach all of them alike (a ratio of two such medians is side by side)."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for k, fn in enumerate(fns):
+            times[k].append(time_stream(fn, iters, reps=1, warmup=1))
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def time_plain(fn, iters=30, warmup=5):
+    """Median time (us) of single launches timed with CUDA events."""
+    return time_stream(fn, iters=1, reps=iters, warmup=warmup)
