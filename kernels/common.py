@@ -6,9 +6,11 @@ Importing this module needs neither TileLang nor a GPU.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
+
+from sglang_hs.format import BlockPools
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -19,6 +21,72 @@ PASS_CONFIGS = {
     "tl.disable_warp_specialized": True,
     "tl.disable_thread_storage_sync": True,
 }
+
+
+class Stage(NamedTuple):
+    """One stage of a kernel's shared-memory ring: a block's K and V in each form, and its barriers
+    (``full``: the stage's loads landed; ``empty``: every consumer warp is done with it, where the
+    kernel has one). Only one form per operand is filled per block; ``k_values``/``k_meta`` are None
+    in a kernel without 2:4 K rows."""
+
+    k_dense: object  # [B, D]
+    k_values: object  # [B, D/2]
+    k_meta: object  # [B*D/256, 16] int16 (viewed as [B, D/16] by the GEMM)
+    v_dense: object  # [B, D]
+    v_values: object  # [D, B/2] (V^T)
+    v_meta: object  # [B*D/256, 16] int16 (viewed as [D, B/16])
+    full: object
+    empty: object
+
+
+class KvSources(NamedTuple):
+    """The kernel's global KV inputs: SGLang's cache buffers and one layer's pools."""
+
+    k_cache: object  # [slots, Hkv, D]
+    v_cache: object
+    k_dense: object  # [rows, B, D]
+    k_values: object  # [rows, B, D/2]
+    k_meta: object  # [rows, B*D/256, 16] int16
+    v_dense: object  # [rows, B, D]
+    v_values: object  # [rows, D, B/2]
+    v_meta: object  # [rows, B*D/256, 16] int16
+
+
+def tma_loads(T, block_size: int, k_sparse: bool = True):
+    """The TileLang macros ``load_k(mode, row, h, stage, src)`` and ``load_v(...)``: the TMA loads of a
+    block's K (mode ``& 3``) or V (mode ``>> 2``) of KV head ``h`` into a :class:`Stage` from a
+    :class:`KvSources`, on the stage's ``full`` barrier. Mode 0: a cache page (``row`` = page, a strided
+    3-D box); 1: a dense pool row; 2: 2:4 values and metadata of a pool row (the metadata tile is
+    contiguous and moved as a ``[B*D/256, 16]`` box: TMA needs an inner box of >= 16 bytes)."""
+    B = block_size
+
+    @T.macro
+    def load_k(md, kr, h, stage, src):
+        if k_sparse:
+            if (md & 3) == 0:
+                T.tma_copy(src.k_cache[kr * B:(kr + 1) * B, h, :], stage.k_dense, barrier=stage.full)
+            elif (md & 3) == 1:
+                T.tma_copy(src.k_dense[kr, :, :], stage.k_dense, barrier=stage.full)
+            else:
+                T.tma_copy(src.k_values[kr, :, :], stage.k_values, barrier=stage.full)
+                T.tma_copy(src.k_meta[kr, :, :], stage.k_meta, barrier=stage.full)
+        else:
+            if (md & 3) == 0:
+                T.tma_copy(src.k_cache[kr * B:(kr + 1) * B, h, :], stage.k_dense, barrier=stage.full)
+            else:
+                T.tma_copy(src.k_dense[kr, :, :], stage.k_dense, barrier=stage.full)
+
+    @T.macro
+    def load_v(md, vr, h, stage, src):
+        if (md >> 2) == 0:
+            T.tma_copy(src.v_cache[vr * B:(vr + 1) * B, h, :], stage.v_dense, barrier=stage.full)
+        elif (md >> 2) == 1:
+            T.tma_copy(src.v_dense[vr, :, :], stage.v_dense, barrier=stage.full)
+        else:
+            T.tma_copy(src.v_values[vr, :, :], stage.v_values, barrier=stage.full)
+            T.tma_copy(src.v_meta[vr, :, :], stage.v_meta, barrier=stage.full)
+
+    return load_k, load_v
 
 
 def check_plan_shape(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> None:
@@ -51,7 +119,7 @@ def split_count(pairs: int, blocks: int, num_sms: int, ctas_per_sm: int | Callab
 
 
 class PoolArgs:
-    """The store's pools and index maps as the kernels take them.
+    """One layer's pools and the index maps as the kernels take them.
 
     A TMA descriptor cannot describe a zero-length tensor, so an empty pool (no 2:4 K rows at
     S_K = 0, say) or index map is replaced by a one-row stand-in; no block-table entry points at it,
@@ -72,15 +140,15 @@ class PoolArgs:
     def _or_dummy(self, t: torch.Tensor, key: str) -> torch.Tensor:
         return t if t.numel() else self.dummy[key]
 
-    def __call__(self, k_dense, k_values, k_meta, v_dense, v_values, v_meta, k_index, v_index) -> tuple:
+    def __call__(self, pools: BlockPools, k_index: torch.Tensor, v_index: torch.Tensor) -> tuple:
         """``(k_dense, k_values, k_meta, v_dense, v_values, v_meta, k_index, v_index)``, ready to launch."""
         k_index, v_index = self._or_dummy(k_index, "index"), self._or_dummy(v_index, "index")
         if k_index.shape[1] != v_index.shape[1]:  # one of them empty: both must be stand-ins then
             k_index = v_index = self.dummy["index"]
         return (
-            self._or_dummy(k_dense, "dense"), self._or_dummy(k_values, "k_values"),
-            self._or_dummy(k_meta, "meta").reshape(-1, self.meta_rows, 16),
-            self._or_dummy(v_dense, "dense"), self._or_dummy(v_values, "v_values"),
-            self._or_dummy(v_meta, "meta").reshape(-1, self.meta_rows, 16),
+            self._or_dummy(pools.k_dense, "dense"), self._or_dummy(pools.k_values, "k_values"),
+            self._or_dummy(pools.k_meta, "meta").reshape(-1, self.meta_rows, 16),
+            self._or_dummy(pools.v_dense, "dense"), self._or_dummy(pools.v_values, "v_values"),
+            self._or_dummy(pools.v_meta, "meta").reshape(-1, self.meta_rows, 16),
             k_index, v_index,
         )  # fmt: skip

@@ -4,9 +4,8 @@
         --section SourceCounters python3 -m sglang_hs.launch.profile_extend --new-tokens 64
 
 Batch 8 x 32K prefix (S_K = S_V = 1, natural pool order) plus ``--new-tokens`` per request, 32/8
-heads, d 128, fp16, tile ``--tile``, schedule ``--sync``, ``--stages`` (by default the n128 tile's
-default plan: the producer schedule, 2 stages): the case behind the extend kernel's profile in its module doc.
-The first two launches load or compile the kernel and warm the caches; profile the third.
+heads, d 128, fp16, tile ``--tile`` (default n128: the producer schedule) with ``--stages`` (default:
+the tile's). The first two launches load or compile the kernel and warm the caches; profile the third.
 """
 
 import argparse
@@ -14,20 +13,19 @@ import argparse
 import torch
 
 from sglang_hs.kernels import bench
-from sglang_hs.kernels.extend import SYNCS, TILES, HieraSparseExtend
+from sglang_hs.kernels.extend import STAGES, TILES, HieraSparseExtend
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tile", default="n128", choices=sorted(TILES))
-    ap.add_argument("--sync", default="producer", choices=SYNCS)
-    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--stages", type=int, default=None, help=f"per tile: {STAGES}")
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args(argv)
     case = bench.make_extend_case([32768] * 8, [args.new_tokens] * 8, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda",
                                   seed=11, magnitude=False, shuffle=False)
     plan = HieraSparseExtend(32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", tile=args.tile,
-                             stages=args.stages, sync=args.sync)
+                             stages=args.stages)
     run_args = bench.extend_run_args(case)
     for _ in range(3):
         plan.run(*run_args)

@@ -72,24 +72,25 @@ def decode_batch_sizes(cuda_graph_max_bs: int, max_running_requests: int) -> lis
 
 
 def kernel_jobs(shape: dict, max_blocks: int, batch_sizes: list[int], num_sms: int) -> list[tuple]:
-    """``(kind, args)`` of every kernel: the decode plans, the extend tiles, the compressor. A model
-    whose GQA group the decode and extend kernels do not take serves with the compressor alone."""
+    """``(kind, args)`` of every kernel: the decode plans, the extend tiles (each with and without 2:4 K
+    rows), the compressor. A model whose GQA group the decode and extend kernels do not take serves
+    with the compressor alone."""
+    from sglang_hs.kernels.decode import STAGES as DECODE_STAGES
     from sglang_hs.kernels.decode import plan_num_splits
-    from sglang_hs.kernels.extend import TILES, default_stages, default_sync
+    from sglang_hs.kernels.extend import TILES, default_stages
 
     hq, hkv, d, dt = shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["dtype"]
     jobs = []
     if hq // hkv in KERNEL_GQA_GROUPS:
         jobs += [
             ("decode", (bs, hq, hkv, d, BLOCK_SIZE, max_blocks,
-                        plan_num_splits(bs, hq, hkv, d, BLOCK_SIZE, max_blocks, 2, num_sms), dt))
+                        plan_num_splits(bs, hq, hkv, d, BLOCK_SIZE, max_blocks, DECODE_STAGES, num_sms), dt))
             for bs in batch_sizes
         ]  # fmt: skip
         jobs += [
-            ("extend", (hq, hkv, d, BLOCK_SIZE, dt, tile, default_stages(tile, sync), k_sparse, sync))
+            ("extend", (hq, hkv, d, BLOCK_SIZE, dt, tile, default_stages(tile), k_sparse))
             for tile in TILES
             for k_sparse in (False, True)
-            for sync in [default_sync(tile)]
         ]
     jobs += [("pack", (hkv, d, BLOCK_SIZE)), ("loss", ("k", hkv, d, BLOCK_SIZE, dt)), ("loss", ("v", hkv, d, BLOCK_SIZE, dt))]
     return jobs

@@ -2,9 +2,10 @@
 
 The oracle is ``sglang_hs.reference.paged_attention`` (float32 arithmetic, run on the GPU, small ragged
 batches); larger batches are checked against dense attention and FlashInfer's paged prefill over the
-decompressed (pruned) KV of the same requests. Every shipped tile configuration (``TILES`` x default stages, n128 with 2 stages, with and
-without 2:4 K buffers) runs against the oracle. Every test is marked ``gpu`` (skipped without CUDA by the
-conftest); importing this module needs neither a GPU nor TileLang.
+decompressed (pruned) KV of the same requests. Every shipped configuration (each tile of ``TILES`` with
+each of its ``STAGES``, with and without 2:4 K buffers, fp16 and bf16, head_dim 64 and 128, GQA groups 1,
+2, 4 and 8) runs against the oracle. Every test is marked ``gpu`` (skipped without CUDA by the conftest);
+importing this module needs neither a GPU nor TileLang.
 """
 
 import functools
@@ -15,7 +16,7 @@ import torch
 from sglang_hs import reference as R
 from sglang_hs.kernels import bench
 from sglang_hs.kernels.extend import (
-    PRECOMPILE, TILES, HieraSparseExtend, choose_num_splits, default_stages, default_sync, tile_count, tile_ids,
+    BENCH_VARIANTS, PRECOMPILE, STAGES, TILES, HieraSparseExtend, choose_num_splits, default_stages, tile_count, tile_ids,
 )
 
 # Ragged batch: a partial last page, a block-aligned one, a request without compressed blocks (prefix
@@ -25,59 +26,28 @@ PREFIX = [1000, 448, 300, 769, 0, 1500]
 NEW = [37, 64, 150, 1, 100, 200]
 SMALL_MAX_BLOCKS = 30  # > the longest request's 27 blocks: the table has unused (poisoned) columns
 
-# (q_heads, kv_heads, head_dim, dtype, S_K, S_V, plan options). GQA groups 4, 8, 1, 2; d 128 and 64;
-# fp16 and bf16; S in {0, 0.5, 1} mixes; n64 and n128, n128 with 2 stages; with (S_K > 0) and without
-# (S_K = 0) the 2:4 K buffers; each synchronisation (CTA, warpgroup, warp).
+# (q_heads, kv_heads, head_dim, dtype, S_K, S_V, plan options): each tile with GQA groups 4, 8, 2 and 1;
+# d 128 and 64; fp16 and bf16; S in {0, 0.5, 1} mixes; with (S_K > 0) and without (S_K = 0) the 2:4 K
+# buffers; n128 with 2 and 3 stages.
 SMALL = [
-    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n128", sync="cta")),
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n64", sync="cta")),
-    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n128", stages=2, sync="cta")),
-    (16, 2, 128, torch.bfloat16, 1.0, 1.0, dict(tile="n128", sync="cta")),
-    (16, 2, 128, torch.float16, 0.0, 1.0, dict(tile="n64", sync="cta")),
-    (8, 4, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="cta")),
-    (4, 4, 64, torch.float16, 1.0, 0.0, dict(tile="n64", sync="cta")),
-    (4, 4, 64, torch.bfloat16, 0.0, 0.0, dict(tile="n128", sync="cta")),
-    (8, 2, 64, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="cta")),
-    # Per-warpgroup synchronisation: n64 and n128, with and without 2:4 K buffers, d 128 and 64, fp16
-    # and bf16 (8/2 heads at d 64: the tiny server model's shape).
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warpgroup")),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warpgroup")),
-    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64", sync="warpgroup")),
-    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="warpgroup")),
-    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64", sync="warpgroup")),
-    (8, 2, 64, torch.bfloat16, 1.0, 0.5, dict(tile="n128", sync="warpgroup")),
-    # The overlap schedule (warpgroup, O^T GEMM of block j - 1 under block j's softmax; the default at
-    # n64 and n128, 2 stages, and n128 with 3): GQA 4 and 8, d 128 and 64 (the tiny server model's
-    # shape), fp16 and bf16.
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="overlap")),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", stages=3, sync="overlap")),
-    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64", sync="overlap")),
-    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64", sync="overlap")),
-    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="overlap")),
-    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n128", sync="overlap")),
-    (8, 2, 64, torch.float16, 1.0, 0.5, dict(tile="n128", sync="overlap")),
-    # The producer schedule (the overlap schedule with a producer warpgroup that issues every load, and
-    # at n128 ping-pong consumer warpgroups; the default at n128): GQA 4 and 8, d 128 and 64, fp16 and
-    # bf16, 2 and 3 stages, n64 (one consumer warpgroup, no ping-pong).
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="producer")),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="producer")),
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", stages=3, sync="producer")),
-    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64", sync="producer")),
-    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="producer")),
-    (8, 2, 64, torch.float16, 1.0, 0.5, dict(tile="n128", sync="producer")),
-    # One warp per column group (mma.sync): n64 and n128, with and without 2:4 K buffers, d 128 and 64.
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", sync="warp")),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", sync="warp")),
-    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64", sync="warp")),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n64", sync="warp")),
-    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128", sync="warp")),
-    (8, 2, 64, torch.bfloat16, 1.0, 0.5, dict(tile="n128", sync="warp")),
-    # n256 (warp schedule only, 32 columns a warp): GQA 4 and 8, d 128 and 64, fp16 and bf16.
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n256", sync="warp")),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n256", sync="warp")),
-    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n256", sync="warp")),
-    (8, 2, 64, torch.bfloat16, 1.0, 0.5, dict(tile="n256", sync="warp")),
+    # n128: a producer warpgroup and two ping-pong consumer warpgroups.
+    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128")),
+    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128")),
+    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", stages=3)),
+    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", stages=3)),
+    (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128")),
+    (8, 4, 128, torch.float16, 0.0, 1.0, dict(tile="n128")),
+    (4, 4, 64, torch.bfloat16, 0.0, 0.0, dict(tile="n128")),
+    (8, 2, 64, torch.bfloat16, 0.5, 1.0, dict(tile="n128")),
+    (8, 2, 64, torch.float16, 1.0, 0.5, dict(tile="n128")),  # the tiny server model's shape
+    # n64: one warpgroup, the O^T GEMM of block j - 1 under block j's softmax.
+    (32, 8, 128, torch.float16, 0.5, 0.5, dict(tile="n64")),
+    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n64")),
+    (16, 2, 128, torch.float16, 0.0, 1.0, dict(tile="n64")),
+    (16, 2, 128, torch.bfloat16, 1.0, 0.5, dict(tile="n64")),
+    (8, 4, 128, torch.float16, 0.5, 0.5, dict(tile="n64")),
+    (4, 4, 64, torch.float16, 1.0, 0.0, dict(tile="n64")),
+    (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64")),
 ]
 MID_PREFIX = [4096, 2500, 8192, 77]
 MID_NEW = [64, 300, 129, 1000]
@@ -182,34 +152,23 @@ def test_dense_equals_dense_attention_and_flashinfer(tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sk,sv,tile,sync", [(1.0, 1.0, "n128", "cta"), (1.0, 1.0, "n64", "cta"),
-                                             (0.0, 1.0, "n128", "cta"), (0.5, 0.5, "n128", "cta"),
-                                             (1.0, 1.0, "n128", "warpgroup"), (0.0, 1.0, "n64", "warpgroup"),
-                                             (1.0, 1.0, "n128", "overlap"), (0.0, 1.0, "n128", "overlap"),
-                                             (0.0, 1.0, "n64", "overlap"),
-                                             (1.0, 1.0, "n128", "producer"), (0.0, 1.0, "n64", "producer"),
-                                             (1.0, 1.0, "n128", "warp"), (0.0, 1.0, "n64", "warp"),
-                                             (0.5, 0.5, "n256", "warp")])
-def test_sparse_matches_decompressed(sk, sv, tile, sync):
+@pytest.mark.parametrize("sk,sv,tile", [(1.0, 1.0, "n128"), (0.0, 1.0, "n128"), (0.5, 0.5, "n128"),
+                                        (1.0, 1.0, "n64"), (0.0, 1.0, "n64")])
+def test_sparse_matches_decompressed(sk, sv, tile):
     """Mixed dense/sparse blocks at a few thousand tokens: dense attention and FlashInfer over the pruned
-    KV. The cases with another synchronisation than CTA barriers run one split, so that a CTA walks up
-    to 130 blocks: past the index ring's first pass (128 entries at n128, 64 at n64), where their CTA
-    barriers are."""
+    KV. One split, so that a CTA walks up to 130 blocks: past the index ring's first pass (128 entries at
+    n128, 64 at n64), where the ring's next half is resolved."""
     case = bench.make_extend_case(MID_PREFIX, MID_NEW, 32, 8, 128, sk, sv, torch.float16, "cuda",
                                   max_blocks=MID_MAX_BLOCKS, seed=3)
-    splits = 1 if sync != "cta" else None
-    out = _plan(case, tile=tile, sync=sync, num_splits=splits).run(*bench.extend_run_args(case))
+    out = _plan(case, tile=tile, num_splits=1).run(*bench.extend_run_args(case))
     paged = _dense_check(case, out)
     _flashinfer_check(case, paged, out)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile,sync", [("n64", "warp"), ("n128", "warp"), ("n256", "warp"),
-                                       ("n64", "warpgroup"), ("n128", "warpgroup"), ("n64", "overlap"),
-                                       ("n128", "overlap"), ("n128", "producer")])
-def test_lazy_offsets_move_with_sharp_scores(tile, sync):
-    """The lazy softmax offset (warp, warpgroup and overlap schedules) moves only when a score passes it
-    by more than 2^8. At ten times the usual scale the scores have a standard deviation of about 14 in
+@pytest.mark.parametrize("tile", sorted(TILES))
+def test_lazy_offsets_move_with_sharp_scores(tile):
+    """The lazy softmax offset moves only when a score passes it by more than 2^8. At ten times the usual scale the scores have a standard deviation of about 14 in
     log2 units, so the running max of most columns passes the first block's max by more than that in
     later blocks: the offset moves (O^T and the sums rescaled) many times per CTA. Against the oracle,
     with the plan's splits and with one split (a CTA walks every block of its tile)."""
@@ -218,10 +177,10 @@ def test_lazy_offsets_move_with_sharp_scores(tile, sync):
     case["sm_scale"] *= 10.0
     ref_out, ref_lse = bench.extend_reference(case)
     for splits in (None, 1):
-        plan = _plan(case, tile=tile, sync=sync, num_splits=splits)
+        plan = _plan(case, tile=tile, num_splits=splits)
         got, lse = plan.run(*bench.extend_run_args(case), return_lse=True)
         torch.cuda.synchronize()
-        _check_reference(case, got, lse, ref_out, ref_lse, torch.float16, f"{tile} {sync}, splits {splits}")
+        _check_reference(case, got, lse, ref_out, ref_lse, torch.float16, f"{tile}, splits {splits}")
 
 
 @pytest.mark.gpu
@@ -232,7 +191,7 @@ def test_benchmark_shape_auto_plan():
                                   magnitude=False, shuffle=False)
     plan = _plan(case)
     out = plan.run(*bench.extend_run_args(case))
-    assert plan.last_config["tile"] == "n128" and plan.last_config["sync"] == "producer"
+    assert plan.last_config["tile"] == "n128" and plan.last_config["stages"] == 2
     paged = _dense_check(case, out)
     _flashinfer_check(case, paged, out)
 
@@ -273,26 +232,28 @@ def test_tile_ids_and_split_heuristic():
     plan = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda")
     assert plan.pick_tile(8 * 16, 8) == "n64" and plan.pick_tile(8 * 17, 8) == "n128"
     assert plan.pick_tile(8 * 65, 8) == "n128" and plan.pick_tile(32768, 1) == "n128"
-    warp = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda", sync="warp")
-    assert warp.pick_tile(8 * 32, 8) == "n128" and warp.pick_tile(8 * 33, 8) == "n256"
-    wg = HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cuda", sync="warpgroup")
-    assert wg.pick_tile(8 * 64, 8) == "n128"
 
 
-def test_default_configurations_are_precompiled():
-    """What ``sync="auto"`` picks for the benchmark's shape is in PRECOMPILE (a device run loads it from
-    TileLang's cache), and the picks follow the measured order: n64 overlapped, n128 with a producer
-    warpgroup, n256 per warp, 2 stages."""
-    picks = {}
+def _kernel_config(variant):
+    hq, hkv, d, dtype, sk, sv, opts = variant
+    dt = "float16" if dtype == torch.float16 else "bfloat16"
+    return (hq, hkv, d, dt, opts["tile"], opts.get("stages", default_stages(opts["tile"])), sk > 0)
+
+
+def test_tested_and_default_configurations_are_precompiled():
+    """Every kernel the GPU tests build and every default plan of the benchmark's shape is in PRECOMPILE (a
+    device run loads it from TileLang's cache), and PRECOMPILE holds nothing else; every shipped tile and
+    stage count is tested with and without 2:4 K rows."""
+    tested = {_kernel_config(v) for v in SMALL}
+    defaults = {(32, 8, 128, "float16", tile, default_stages(tile), ks) for tile in TILES for ks in (False, True)}
+    bench_variants = {(32, 8, 128, "float16", tile, stages, ks) for tile, stages in BENCH_VARIANTS
+                      for ks in (False, True)}
+    assert set(PRECOMPILE) == tested | defaults | bench_variants
+    assert len(PRECOMPILE) == len(set(PRECOMPILE))
     for tile in TILES:
-        for k_sparse in (False, True):
-            sync = default_sync(tile)
-            picks[tile, k_sparse] = (sync, default_stages(tile, sync))
-            assert (32, 8, 128, "float16", tile, default_stages(tile, sync), k_sparse, sync) in PRECOMPILE
-    assert picks == {("n64", False): ("overlap", 2), ("n64", True): ("overlap", 2),
-                     ("n128", False): ("producer", 2), ("n128", True): ("producer", 2),
-                     ("n256", False): ("warp", 2), ("n256", True): ("warp", 2)}
-    assert default_stages("n128", "cta") == 3 and default_stages("n128", "warpgroup") == 2
+        for stages in STAGES[tile]:
+            assert {ks for *_, t, st, ks in tested if (t, st) == (tile, stages)} == {False, True}, (tile, stages)
+    assert {default_stages(tile) for tile in TILES} == {2}
 
 
 @pytest.mark.parametrize("bad", ["n128", "n128:two:warp", "n128:2"])
@@ -303,9 +264,11 @@ def test_bench_rejects_malformed_variant(bad):
     assert err.value.code == 2
 
 
-def test_plan_rejects_schedules_it_cannot_build():
-    """n256 has one warp per 32 columns, so only the warp schedule builds it: the plan says so up front
-    (a one-line ValueError) instead of failing an assertion at the first call's compile."""
-    with pytest.raises(ValueError, match="n256"):
-        HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n256", sync="cta")
-    assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n256").sync == "auto"
+def test_plan_rejects_stage_counts_a_tile_cannot_build():
+    """The n64 schedule refills the stage of the previous item, so it builds with two stages only: the plan
+    says so up front (a one-line ValueError) instead of failing at the first call's compile."""
+    with pytest.raises(ValueError, match="n64"):
+        HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n64", stages=3)
+    with pytest.raises(ValueError, match="n64"):
+        HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", stages=3)  # "auto" may pick n64
+    assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n128", stages=3).stages == 3

@@ -23,9 +23,9 @@ def test_model_shape_and_jobs(tmp_path):
     assert shape == {"q_heads": 16, "kv_heads": 4, "head_dim": 128, "dtype": "bfloat16"}
     jobs = W.kernel_jobs(shape, max_blocks=257, batch_sizes=[1, 8], num_sms=132)
     kinds = [kind for kind, _ in jobs]
-    # Three extend tiles (n64, n128, n256), each with and without 2:4 K rows.
-    assert kinds == ["decode", "decode"] + ["extend"] * 6 + ["pack", "loss", "loss"]
-    assert {args[5] for kind, args in jobs if kind == "extend"} == {"n64", "n128", "n256"}
+    # Two extend tiles (n64, n128), each with and without 2:4 K rows.
+    assert kinds == ["decode", "decode"] + ["extend"] * 4 + ["pack", "loss", "loss"]
+    assert {args[5] for kind, args in jobs if kind == "extend"} == {"n64", "n128"}
     decode_args = jobs[1][1]
     assert decode_args[:6] == (8, 16, 4, 128, 64, 257) and decode_args[6] >= 1 and decode_args[7] == "bfloat16"
     smollm2 = {"q_heads": 9, "kv_heads": 3, "head_dim": 64, "dtype": "float16"}  # group 3: compressor only

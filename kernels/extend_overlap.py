@@ -1,0 +1,119 @@
+"""The extend kernel's n64 schedule: one warpgroup of 128 threads, 64 query columns, FA3's
+intra-warpgroup overlap (TileLang 0.1.11, Hopper sm_90a).
+
+A CTA's block loop, step j (the frame around it, the GEMMs and the softmax are in
+``extend_common``):
+
+* warp 0 refills the stage that item j - 1 held with stage item j + 1 (K of block j + 1, V of block
+  j), once every warp has released it (the stage's ``empty`` barrier, one arrival per warp); it
+  reads the item's index entries into registers a step ahead, so the issue is not a chain of
+  dependent shared-memory loads;
+* the warpgroup waits for stage item j (``full``), issues ``S^T(j)`` and the pending
+  ``O^T += V^T·P^T`` of block j - 1 as asynchronous ``wgmma`` groups, and waits for the first only:
+  the O^T GEMM runs under block j's softmax;
+* every ``resolve_chunk`` steps the CTA resolves the next pass of block-table entries into the
+  index ring between two CTA barriers.
+
+Two stages: a stage holds K of block j and V of block j - 1, so both GEMMs of a step read one stage
+and it is free when the step ends; one stage item of loads is in flight while a step computes.
+"""
+
+from __future__ import annotations
+
+from sglang_hs.kernels.extend_common import ExtendParts
+
+
+class OverlapSchedule:
+    """The block loop of the n64 tile (see the module docstring)."""
+
+    extra_threads = 0
+    init_early = True
+
+    def __init__(self, parts: ExtendParts):
+        T = parts.T
+        HALF, RB, stages = parts.HALF, parts.RB, parts.stages
+        assert stages == 2, "the overlap schedule refills the stage of item j - 1: two stages"
+        AHEAD = stages - 1  # step j issues stage item j + AHEAD
+
+        @T.macro
+        def fetch_entries(i, ring, pre):
+            # The entries of stage item i (K of block i, V of block i - 1; i >= 1) into registers.
+            pre[0] = ring.mode[i % RB]
+            pre[1] = ring.k_row[i % RB]
+            pre[2] = ring.mode[(i - 1) % RB]
+            pre[3] = ring.v_row[(i - 1) % RB]
+
+        @T.macro
+        def load_fetched(i, n, h, stage, src, pre):
+            # load() of stage item i from the entries fetch_entries read a step before.
+            if i < n:
+                parts.load_k(pre[0], pre[1], h, stage, src)
+            parts.load_v(pre[2], pre[3], h, stage, src)
+
+        @T.macro
+        def guarded_issue(i, n, h, ring, stage, src):
+            # Prologue: warp 0 issues stage item i if it is one of the CTA's (items 0 .. n).
+            if i < n + 1:
+                if T.get_thread_binding() < 32:
+                    parts.load(i, n, h, ring, stage, src)
+                    parts.issuer_arrive(stage.full)
+
+        @T.macro
+        def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, ring, Q_s, P_s, stage, refill, src, sm,
+                 pre):
+            if j < n:
+                if j % HALF == 0:
+                    # The ring half resolved below was last read at step j - HALF - 1 or before: the first
+                    # barrier waits for every thread to be past it, the second publishes the entries to
+                    # the issuing warp (first issued HALF - stages + 1 steps from now).
+                    T.sync_threads()
+                    parts.resolve(j // HALF + 1, n, r, start, h, ring)
+                    T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
+                    T.sync_threads()
+                if j + AHEAD < n + 1:
+                    # Warp 0 refills the stage of item j + AHEAD - stages once every warp has released it.
+                    if T.get_thread_binding() < 32:
+                        if j + AHEAD >= stages:
+                            T.barrier_wait(refill.empty, eparity)
+                        load_fetched(j + AHEAD, n, h, refill, src, pre)
+                        fetch_entries(j + AHEAD + 1, ring, pre)  # used by the next step
+                        parts.issuer_arrive(refill.full)
+                T.barrier_wait(stage.full, parity)
+                parts.block_step(j == 0, start + j, jm, qlast, tv, scale2, ring.mode[j % RB], j, Q_s, P_s, stage, sm,
+                                 False)
+
+        # Plain Python (not parsed by TileLang): the stage ring unrolled.
+        def issue_prologue(tile, ring, st, src):
+            for s in range(AHEAD):
+                guarded_issue(s, tile.n, tile.h, ring, st[s], src)
+
+        def ring_steps(it, tile, ring, Q_s, P_s, st, src, sm):
+            for s in range(stages):
+                # Step j = it * stages + s refills the stage of item j + AHEAD - stages: the release of that
+                # item is completion it - 1 + (s + AHEAD) // stages of the stage's empty barrier.
+                step(it * stages + s, it & 1, (it + 1 + (s + AHEAD) // stages) & 1, tile.n, tile.r, tile.start, tile.jm,
+                     tile.qlast, tile.tv, tile.scale2, tile.h, ring, Q_s, P_s, st[s], st[(s + AHEAD) % stages], src, sm,
+                     self.pre)
+
+        @T.macro
+        def block_loop(tile, Q_s, P_s, ring, st, src, sm, out):
+            issue_prologue(tile, ring, st, src)
+            fetch_entries(AHEAD, ring, self.pre)
+            for it in T.serial(T.ceildiv(tile.n, stages)):
+                ring_steps(it, tile, ring, Q_s, P_s, st, src, sm)
+            parts.final_gemms(tile, P_s, st, sm)
+            parts.consumer_sync()
+            parts.write_output(tile, sm, out)
+
+        self.block_loop = block_loop
+
+    def alloc_state(self, parts: ExtendParts):
+        """The issuing warp's copy of the next stage item's index entries (K mode, K row, V mode, V row)."""
+        self.pre = parts.T.alloc_local([4], "int32")
+
+
+def build_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, stages: int,
+                    k_sparse: bool):
+    """The TileLang ``prim_func`` of the n64 tile (argument order: :meth:`ExtendParts.prim_func`)."""
+    parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, "n64", stages, k_sparse, producer=False)
+    return parts.prim_func(OverlapSchedule(parts))

@@ -1,0 +1,111 @@
+"""The extend kernel's n128 schedule: a producer warpgroup and two ping-pong consumer warpgroups
+(384 threads, 128 query columns), FA3's warp specialization (TileLang 0.1.11, Hopper sm_90a).
+
+* The producer warpgroup (threads 256-383) resolves the block-table entries into the index ring
+  (its own named barrier 7) and its first warp issues every TMA load: for stage item i (K of block
+  i, V of block i - 1) it waits for the stage's release by item i - stages (``empty``, one arrival
+  per consumer warp), issues the loads and arrives once on ``full``.
+* The two consumer warpgroups (threads 0-255, 64 columns each) only wait, compute and release. Each
+  block step is ``extend_common``'s overlapped step (``S^T(j)`` and block j - 1's ``O^T`` GEMM as
+  asynchronous ``wgmma``, the softmax under the O^T GEMM), and the two warpgroups take turns to issue
+  their GEMMs (named barriers 10 + wg): warpgroup wg hands the turn over once its ``S^T`` is ready,
+  so that its softmax runs while the other's GEMMs hold the tensor cores.
+* ``setmaxnreg``: every thread starts with 168 registers (65536 / 384, rounded down to 8); the
+  producer gives 128 of them back (40 each) and the consumers take them (232 each):
+  128 x 40 + 256 x 232 = 384 x 168.
+
+Named barriers: 1 the consumers (256 threads), 7 the producer warpgroup, 8 + wg a consumer
+warpgroup's block-step phases, 10 + wg its turn to issue, 12 + wg its softmax vote.
+"""
+
+from __future__ import annotations
+
+from sglang_hs.kernels.extend_common import ExtendParts
+
+PRODUCER_THREADS = 128
+REGISTERS = (40, 232)  # setmaxnreg of the producer and of the consumers
+
+
+class ProducerSchedule:
+    """The block loop of the n128 tile (see the module docstring)."""
+
+    extra_threads = PRODUCER_THREADS
+    init_early = False
+
+    def __init__(self, parts: ExtendParts):
+        T = parts.T
+        HALF, RB, stages, threads = parts.HALF, parts.RB, parts.stages, parts.threads
+        AHEAD = stages - 2 if stages >= 3 else stages - 1
+
+        @T.macro
+        def produce_item(i, eparity, n, r, start, h, ring, stage, src):
+            # Stage item i (K of block i, V of block i - 1). Its first warp waits for the stage's release
+            # (item i - stages). The next chunk of index entries is resolved at item c * HALF + stages + 1
+            # of chunk c: the consumers have then released item c * HALF + 1, so no consumer reads the
+            # entries of chunk c - 1, whose ring half it overwrites.
+            if i < n + 1:
+                if T.get_thread_binding() < threads + 32:
+                    if i >= stages:
+                        T.barrier_wait(stage.empty, eparity)
+                if i % HALF == stages + 1:
+                    if (i // HALF + 1) * HALF < n:
+                        T.sync_threads(7, 128)
+                        parts.resolve(i // HALF + 1, n, r, start, h, ring)
+                        T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
+                        T.sync_threads(7, 128)
+                if T.get_thread_binding() < threads + 32:
+                    parts.load(i, n, h, ring, stage, src)
+                    parts.issuer_arrive(stage.full)
+
+        @T.macro
+        def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, ring, Q_s, P_s, stage, sm):
+            if j < n:
+                T.barrier_wait(stage.full, parity)
+                parts.block_step(j == 0, start + j, jm, qlast, tv, scale2, ring.mode[j % RB], j, Q_s, P_s, stage, sm,
+                                 True)
+
+        # Plain Python (not parsed by TileLang): the stage ring unrolled.
+        def produce_items(it, tile, ring, st, src):
+            for s in range(stages):
+                # Item it * stages + s waits for the release of item (it - 1) * stages + s.
+                produce_item(it * stages + s, (it + 1) & 1, tile.n, tile.r, tile.start, tile.h, ring, st[s], src)
+
+        def ring_steps(it, tile, ring, Q_s, P_s, st, sm):
+            for s in range(stages):
+                step(it * stages + s, it & 1, (it + 1 + (s + AHEAD) // stages) & 1, tile.n, tile.r, tile.start, tile.jm,
+                     tile.qlast, tile.tv, tile.scale2, tile.h, ring, Q_s, P_s, st[s], sm)
+
+        @T.macro
+        def block_loop(tile, Q_s, P_s, ring, st, src, sm, out):
+            tid = T.get_thread_binding()
+            if tid >= threads:
+                T.set_max_nreg(REGISTERS[0], 0)
+                for it in T.serial(T.ceildiv(tile.n + 1, stages)):
+                    produce_items(it, tile, ring, st, src)
+            else:
+                T.set_max_nreg(REGISTERS[1], 1)
+                parts.init_fragments(sm.out, sm.row_sums, sm.offsets)
+                if tid >= 128:
+                    if tile.n >= 1:
+                        T.named_barrier_arrive(10, 256)  # warpgroup 0 takes the first turn
+                for it in T.serial(T.ceildiv(tile.n, stages)):
+                    ring_steps(it, tile, ring, Q_s, P_s, st, sm)
+                parts.final_gemms(tile, P_s, st, sm)
+                if tid < 128:
+                    if tile.n >= 1:
+                        T.sync_threads(10, 256)  # warpgroup 1's last hand-over: no arrival left pending
+                parts.consumer_sync()  # the warpgroups meet again before the CTA-wide reduction
+                parts.write_output(tile, sm, out)
+
+        self.block_loop = block_loop
+
+    @staticmethod
+    def alloc_state(parts: ExtendParts):
+        """Nothing besides the shared state."""
+
+
+def build_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, stages: int,
+                    k_sparse: bool):
+    """The TileLang ``prim_func`` of the n128 tile (argument order: :meth:`ExtendParts.prim_func`)."""
+    parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, "n128", stages, k_sparse, producer=True)
+    return parts.prim_func(ProducerSchedule(parts))
