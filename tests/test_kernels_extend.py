@@ -256,9 +256,9 @@ def test_tested_and_default_configurations_are_precompiled():
     assert {default_stages(tile) for tile in TILES} == {2}
 
 
-@pytest.mark.parametrize("bad", ["n128", "n128:two:warp", "n128:2"])
+@pytest.mark.parametrize("bad", ["n128", "n128:two", "n128:2:producer"])
 def test_bench_rejects_malformed_variant(bad):
-    """``--variant`` takes TILE:STAGES:SYNC; anything else is a usage error before any GPU work."""
+    """``--variant`` takes TILE:STAGES; anything else is a usage error before any GPU work."""
     with pytest.raises(SystemExit) as err:
         bench.main(["--kernel", "extend", "--variant", bad])
     assert err.value.code == 2
