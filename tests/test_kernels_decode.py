@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from sglang_hs import reference as R
-from sglang_hs.format import BlockPools
-from sglang_hs.kernels import bench
+from sglang_hs.kernels import cases
 from sglang_hs.kernels.decode import HieraSparseDecode, choose_num_splits
 
 # (q_heads, kv_heads, head_dim, dtype, S_K, S_V): GQA groups 4, 8, 1, 2; head_dim 128 and 64; fp16/bf16.
@@ -40,7 +39,7 @@ def _plan(case, num_splits=None, **kw):
 
 
 def _reference(case):
-    pools = BlockPools(*(case[k].cpu() for k in ("k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta")))
+    pools = cases.pools_of(case, "cpu")
     bs = case["q"].shape[0]
     out, lse = R.paged_attention(case["q"].cpu(), list(range(bs + 1)), case["k_cache"].cpu(), case["v_cache"].cpu(),
                                  pools, case["k_index"].cpu(), case["v_index"].cpu(), case["block_table"].cpu(),
@@ -56,19 +55,19 @@ def _tol(dtype):
 @pytest.mark.parametrize("shape", SMALL, ids=_id)
 def test_matches_reference(shape):
     hq, hkv, d, dtype, sk, sv = shape
-    case = bench.make_case(SMALL_LENS, hq, hkv, d, sk, sv, dtype, "cuda", max_blocks=SMALL_MAX_BLOCKS, seed=1)
+    case = cases.make_case(SMALL_LENS, hq, hkv, d, sk, sv, dtype, "cuda", max_blocks=SMALL_MAX_BLOCKS, seed=1)
     plan = _plan(case, num_splits=SMALL_SPLITS)
     out = torch.full_like(case["q"], float("nan"))
-    got, lse = plan.run(*bench.run_args(case), out=out, return_lse=True)
+    got, lse = plan.run(*cases.run_args(case), out=out, return_lse=True)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
     assert torch.isfinite(got).all(), "unwritten or non-finite outputs"
     ref_out, ref_lse = _reference(case)
     for r in range(len(SMALL_LENS)):
-        err = bench.rel_err(got[r].cpu(), ref_out[r])
+        err = cases.rel_err(got[r].cpu(), ref_out[r])
         assert err < _tol(dtype), f"request {r}: rel err {err:.2e}"
     assert (lse.cpu() - ref_lse).abs().max().item() < 2e-2
-    again = plan.run(*bench.run_args(case))  # repeated calls: scratch and split tickets are reusable
+    again = plan.run(*cases.run_args(case))  # repeated calls: scratch and split tickets are reusable
     assert torch.equal(again, got) and not plan.counter.any()
 
 
@@ -88,28 +87,28 @@ def test_sparse_matches_decompressed(sk, sv):
 def _check_mid_case_against_dense(seed: int, sk: float, sv: float) -> None:
     """The kernel on the Llama-3.1-8B decode shape at a few thousand tokens equals dense attention
     over the (pruned, decompressed) KV, and FlashInfer's paged decode over it when installed."""
-    case = bench.make_case(MID_LENS, 32, 8, 128, sk, sv, torch.float16, "cuda", max_blocks=MID_MAX_BLOCKS, seed=seed)
+    case = cases.make_case(MID_LENS, 32, 8, 128, sk, sv, torch.float16, "cuda", max_blocks=MID_MAX_BLOCKS, seed=seed)
     plan = _plan(case)
-    out = plan.run(*bench.run_args(case))
-    paged = bench.paged_dense(case)
+    out = plan.run(*cases.run_args(case))
+    paged = cases.paged_dense(case)
     for r in range(len(MID_LENS)):
-        k, v = bench.dense_kv(case, paged, r)
+        k, v = cases.dense_kv(case, paged, r)
         ref, _ = R.dense_attention(case["q"][r:r + 1], k, v, sm_scale=case["sm_scale"])
-        assert bench.rel_err(out[r:r + 1], ref) < 3e-3, f"request {r}"
+        assert cases.rel_err(out[r:r + 1], ref) < 3e-3, f"request {r}"
     try:
         import flashinfer  # noqa: F401
     except ImportError:
         return
-    fi = bench.flashinfer_decode(case, paged)()
-    assert bench.rel_err(out, fi) < 3e-3
+    fi = cases.flashinfer_decode(case, paged)()
+    assert cases.rel_err(out, fi) < 3e-3
 
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_follows_inputs():
     """Captured once, replayed after q, seq_lens and block-table contents change in place."""
-    case = bench.make_case(MID_LENS, 32, 8, 128, 0.5, 1.0, torch.float16, "cuda", max_blocks=MID_MAX_BLOCKS, seed=4)
+    case = cases.make_case(MID_LENS, 32, 8, 128, 0.5, 1.0, torch.float16, "cuda", max_blocks=MID_MAX_BLOCKS, seed=4)
     plan = _plan(case)
-    args = bench.run_args(case)
+    args = cases.run_args(case)
     out = torch.empty_like(case["q"])
     plan.run(*args, out=out)  # warm-up outside the graph
     stream = torch.cuda.Stream()
@@ -126,26 +125,26 @@ def test_cuda_graph_replay_follows_inputs():
     case["seq_lens_list"] = new_lens
     eager = plan.run(*args)
     assert torch.equal(out, eager)
-    paged = bench.paged_dense(case)
+    paged = cases.paged_dense(case)
     for r in range(len(MID_LENS)):
-        k, v = bench.dense_kv(case, paged, r)
+        k, v = cases.dense_kv(case, paged, r)
         ref, _ = R.dense_attention(case["q"][r:r + 1], k, v, sm_scale=case["sm_scale"])
-        assert bench.rel_err(out[r:r + 1], ref) < 3e-3
+        assert cases.rel_err(out[r:r + 1], ref) < 3e-3
 
 
 @pytest.mark.gpu
 def test_empty_request_and_default_scale():
     """A padded request (seq_len 0) gives zeros and LSE -inf; the others are unaffected."""
     hq, hkv, d, dtype, sk, sv = SMALL[0]
-    case = bench.make_case(SMALL_LENS, hq, hkv, d, sk, sv, dtype, "cuda", max_blocks=SMALL_MAX_BLOCKS, seed=5)
+    case = cases.make_case(SMALL_LENS, hq, hkv, d, sk, sv, dtype, "cuda", max_blocks=SMALL_MAX_BLOCKS, seed=5)
     ref_out, _ = _reference(case)
     case["seq_lens"][2] = 0
     plan = _plan(case, num_splits=SMALL_SPLITS)
-    out, lse = plan.run(*bench.run_args(case), return_lse=True)
+    out, lse = plan.run(*cases.run_args(case), return_lse=True)
     torch.cuda.synchronize()
     assert torch.count_nonzero(out[2]) == 0 and torch.isneginf(lse[2]).all()
     for r in (0, 1, 3):
-        assert bench.rel_err(out[r].cpu(), ref_out[r]) < _tol(dtype)
+        assert cases.rel_err(out[r].cpu(), ref_out[r]) < _tol(dtype)
 
 
 @pytest.mark.gpu
@@ -162,9 +161,9 @@ def test_num_splits_heuristic_fills_the_gpu():
 def test_shared_prefix_case_reads_each_groups_blocks():
     """The benchmark's shared-prefix batch (CPU): request r reads request r % G's blocks in both
     layouts, ours (block table) and FlashInfer's (page indices), with a query of its own."""
-    case = bench.make_case([300, 64 * 5 + 7], 8, 4, 64, 1.0, 1.0, torch.float16, "cpu", window_blocks=1)
-    paged = bench.paged_dense(case)
-    shared, shared_paged = bench.share_prefixes(case, paged, 5)
+    case = cases.make_case([300, 64 * 5 + 7], 8, 4, 64, 1.0, 1.0, torch.float16, "cpu", window_blocks=1)
+    paged = cases.paged_dense(case)
+    shared, shared_paged = cases.share_prefixes(case, paged, 5)
     assert shared["q"].shape[0] == 5 and not torch.equal(shared["q"][0], shared["q"][2])
     indptr, shared_indptr = paged["indptr"].tolist(), shared_paged["indptr"].tolist()
     for r in range(5):

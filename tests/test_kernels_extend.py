@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sglang_hs import reference as R
-from sglang_hs.kernels import bench
+from sglang_hs.kernels import bench, cases
 from sglang_hs.kernels.extend import (
     BENCH_VARIANTS, PRECOMPILE, STAGES, TILES, HieraSparseExtend, choose_num_splits, default_stages, tile_count, tile_ids,
 )
@@ -69,9 +69,9 @@ def _plan(case, **kw):
 @functools.lru_cache(maxsize=None)
 def _small_case(hq, hkv, d, dtype, sk, sv):
     """The ragged batch for one shape and its oracle output (shared by the variants of a shape)."""
-    case = bench.make_extend_case(PREFIX, NEW, hq, hkv, d, sk, sv, dtype, "cuda", max_blocks=SMALL_MAX_BLOCKS,
+    case = cases.make_extend_case(PREFIX, NEW, hq, hkv, d, sk, sv, dtype, "cuda", max_blocks=SMALL_MAX_BLOCKS,
                                   seed=1)
-    return case, bench.extend_reference(case)
+    return case, cases.extend_reference(case)
 
 
 def _tol(dtype):
@@ -86,7 +86,7 @@ def _check_reference(case, got, lse, ref_out, ref_lse, dtype, what=""):
     assert torch.isfinite(got).all(), f"{what}: unwritten or non-finite outputs"
     for r in range(len(case["new_lens"])):
         rows = _rows(case, r)
-        err = bench.rel_err(got[rows], ref_out[rows].to(got.device))
+        err = cases.rel_err(got[rows], ref_out[rows].to(got.device))
         assert err < _tol(dtype), f"{what} request {r}: rel err {err:.2e}"
     if lse is not None:
         assert (lse - ref_lse.to(lse.device)).abs().max().item() < 2e-2, f"{what}: LSE"
@@ -94,12 +94,12 @@ def _check_reference(case, got, lse, ref_out, ref_lse, dtype, what=""):
 
 def _dense_check(case, out, tol=3e-3):
     """Against dense causal attention over each request's decompressed (pruned) KV."""
-    paged = bench.paged_dense(case)
+    paged = cases.paged_dense(case)
     for r in range(len(case["new_lens"])):
-        k, v = bench.dense_kv(case, paged, r)
+        k, v = cases.dense_kv(case, paged, r)
         rows = _rows(case, r)
         ref, _ = R.dense_attention(case["q"][rows], k, v, sm_scale=case["sm_scale"])
-        err = bench.rel_err(out[rows], ref)
+        err = cases.rel_err(out[rows], ref)
         assert err < tol, f"request {r}: rel err {err:.2e} vs dense attention"
     return paged
 
@@ -109,8 +109,8 @@ def _flashinfer_check(case, paged, out, tol=3e-3):
         import flashinfer  # noqa: F401
     except ImportError:
         return
-    fi = bench.flashinfer_extend(case, paged)()
-    assert bench.rel_err(out, fi) < tol, "vs FlashInfer paged prefill"
+    fi = cases.flashinfer_extend(case, paged)()
+    assert cases.rel_err(out, fi) < tol, "vs FlashInfer paged prefill"
 
 
 @pytest.mark.gpu
@@ -122,18 +122,18 @@ def test_matches_reference(variant):
     case, (ref_out, ref_lse) = _small_case(hq, hkv, d, dtype, sk, sv)
     plan = _plan(case, **opts)
     out = torch.full_like(case["q"], float("nan"))
-    got, lse = plan.run(*bench.extend_run_args(case), out=out, return_lse=True)
+    got, lse = plan.run(*cases.extend_run_args(case), out=out, return_lse=True)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
     assert plan.last_config["tile"] == opts["tile"]
     assert plan.last_config["k_sparse"] == (sk > 0)
     _check_reference(case, got, lse, ref_out, ref_lse, dtype, f"auto splits ({plan.last_config['num_splits']})")
-    again = plan.run(*bench.extend_run_args(case))  # repeated calls: scratch and split tickets are reusable
+    again = plan.run(*cases.extend_run_args(case))  # repeated calls: scratch and split tickets are reusable
     torch.cuda.synchronize()
     assert torch.equal(again, got) and not plan._cnt.any()
     for splits in (1, 7):
         forced = _plan(case, num_splits=splits, **opts)
-        out2, lse2 = forced.run(*bench.extend_run_args(case), return_lse=True)
+        out2, lse2 = forced.run(*cases.extend_run_args(case), return_lse=True)
         torch.cuda.synchronize()
         assert forced.last_config["num_splits"] == splits
         _check_reference(case, out2, lse2, ref_out, ref_lse, dtype, f"{splits} splits")
@@ -144,9 +144,9 @@ def test_matches_reference(variant):
 @pytest.mark.parametrize("tile", sorted(TILES))
 def test_dense_equals_dense_attention_and_flashinfer(tile):
     """S_K = S_V = 0 (cache pages + dense pool rows): dense attention and FlashInfer to fp16 rounding."""
-    case = bench.make_extend_case(MID_PREFIX, MID_NEW, 32, 8, 128, 0.0, 0.0, torch.float16, "cuda",
+    case = cases.make_extend_case(MID_PREFIX, MID_NEW, 32, 8, 128, 0.0, 0.0, torch.float16, "cuda",
                                   max_blocks=MID_MAX_BLOCKS, seed=2)
-    out = _plan(case, tile=tile).run(*bench.extend_run_args(case))
+    out = _plan(case, tile=tile).run(*cases.extend_run_args(case))
     paged = _dense_check(case, out)
     _flashinfer_check(case, paged, out)
 
@@ -158,9 +158,9 @@ def test_sparse_matches_decompressed(sk, sv, tile):
     """Mixed dense/sparse blocks at a few thousand tokens: dense attention and FlashInfer over the pruned
     KV. One split, so that a CTA walks up to 130 blocks: past the index ring's first pass (128 entries at
     n128, 64 at n64), where the ring's next half is resolved."""
-    case = bench.make_extend_case(MID_PREFIX, MID_NEW, 32, 8, 128, sk, sv, torch.float16, "cuda",
+    case = cases.make_extend_case(MID_PREFIX, MID_NEW, 32, 8, 128, sk, sv, torch.float16, "cuda",
                                   max_blocks=MID_MAX_BLOCKS, seed=3)
-    out = _plan(case, tile=tile, num_splits=1).run(*bench.extend_run_args(case))
+    out = _plan(case, tile=tile, num_splits=1).run(*cases.extend_run_args(case))
     paged = _dense_check(case, out)
     _flashinfer_check(case, paged, out)
 
@@ -172,13 +172,13 @@ def test_lazy_offsets_move_with_sharp_scores(tile):
     log2 units, so the running max of most columns passes the first block's max by more than that in
     later blocks: the offset moves (O^T and the sums rescaled) many times per CTA. Against the oracle,
     with the plan's splits and with one split (a CTA walks every block of its tile)."""
-    case = bench.make_extend_case(PREFIX, NEW, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda",
+    case = cases.make_extend_case(PREFIX, NEW, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda",
                                   max_blocks=SMALL_MAX_BLOCKS, seed=6)
     case["sm_scale"] *= 10.0
-    ref_out, ref_lse = bench.extend_reference(case)
+    ref_out, ref_lse = cases.extend_reference(case)
     for splits in (None, 1):
         plan = _plan(case, tile=tile, num_splits=splits)
-        got, lse = plan.run(*bench.extend_run_args(case), return_lse=True)
+        got, lse = plan.run(*cases.extend_run_args(case), return_lse=True)
         torch.cuda.synchronize()
         _check_reference(case, got, lse, ref_out, ref_lse, torch.float16, f"{tile}, splits {splits}")
 
@@ -187,10 +187,10 @@ def test_lazy_offsets_move_with_sharp_scores(tile):
 def test_benchmark_shape_auto_plan():
     """The benchmark's shape (Llama-3.1-8B heads, natural pool order) with the default plan at a shorter
     prefix: batch 8 x (8K prefix + 64 new tokens), S_K = S_V = 1, against FlashInfer."""
-    case = bench.make_extend_case([8192] * 8, [64] * 8, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda", seed=4,
+    case = cases.make_extend_case([8192] * 8, [64] * 8, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda", seed=4,
                                   magnitude=False, shuffle=False)
     plan = _plan(case)
-    out = plan.run(*bench.extend_run_args(case))
+    out = plan.run(*cases.extend_run_args(case))
     assert plan.last_config["tile"] == "n128" and plan.last_config["stages"] == 2
     paged = _dense_check(case, out)
     _flashinfer_check(case, paged, out)
@@ -201,8 +201,8 @@ def test_zero_new_tokens_and_strided_q():
     """A request with no new tokens writes nothing and disturbs nothing; a strided q (a view of a fused
     QKV buffer) and a non-contiguous out are accepted."""
     prefix, new = [1000, 500, 300], [37, 0, 90]
-    case = bench.make_extend_case(prefix, new, 32, 8, 128, 0.5, 1.0, torch.float16, "cuda", max_blocks=20, seed=5)
-    ref_out, ref_lse = bench.extend_reference(case)
+    case = cases.make_extend_case(prefix, new, 32, 8, 128, 0.5, 1.0, torch.float16, "cuda", max_blocks=20, seed=5)
+    ref_out, ref_lse = cases.extend_reference(case)
     q = case["q"]
     fused = torch.randn(q.shape[0], q.shape[1] + 16, q.shape[2], device=q.device, dtype=q.dtype)
     fused[:, :q.shape[1]] = q
@@ -210,7 +210,7 @@ def test_zero_new_tokens_and_strided_q():
     assert not case["q"].is_contiguous()
     out_big = torch.full((q.shape[0], q.shape[1], 2 * q.shape[2]), float("nan"), device=q.device, dtype=q.dtype)
     out = out_big[..., :q.shape[2]]
-    got = _plan(case, tile="n128").run(*bench.extend_run_args(case), out=out)
+    got = _plan(case, tile="n128").run(*cases.extend_run_args(case), out=out)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
     _check_reference(case, got, None, ref_out, ref_lse, torch.float16)
