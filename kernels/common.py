@@ -53,38 +53,39 @@ class KvSources(NamedTuple):
 
 
 def tma_loads(T, block_size: int, k_sparse: bool = True):
-    """The TileLang macros ``load_k(mode, row, h, stage, src)`` and ``load_v(...)``: the TMA loads of a
-    block's K (mode ``& 3``) or V (mode ``>> 2``) of KV head ``h`` into a :class:`Stage` from a
-    :class:`KvSources`, on the stage's ``full`` barrier. Mode 0: a cache page (``row`` = page, a strided
-    3-D box); 1: a dense pool row; 2: 2:4 values and metadata of a pool row (the metadata tile is
-    contiguous and moved as a ``[B*D/256, 16]`` box: TMA needs an inner box of >= 16 bytes)."""
+    """The TileLang macros ``load_k(mode, k_row, h, stage, src)`` and ``load_v(mode, v_row, h, stage,
+    src)``: the TMA loads of a block's K (mode ``& 3``) or V (mode ``>> 2``) of KV head ``h`` into a
+    :class:`Stage` from a :class:`KvSources`, on the stage's ``full`` barrier. Mode 0: a cache page (the
+    row is the page, a strided 3-D box); 1: a dense pool row; 2: 2:4 values and metadata of a pool row
+    (the metadata tile is contiguous and moved as a ``[B*D/256, 16]`` box: TMA needs an inner box of
+    >= 16 bytes)."""
     B = block_size
 
     @T.macro
-    def load_k(md, kr, h, stage, src):
+    def load_k(mode, k_row, h, stage, src):
         if k_sparse:
-            if (md & 3) == 0:
-                T.tma_copy(src.k_cache[kr * B:(kr + 1) * B, h, :], stage.k_dense, barrier=stage.full)
-            elif (md & 3) == 1:
-                T.tma_copy(src.k_dense[kr, :, :], stage.k_dense, barrier=stage.full)
+            if (mode & 3) == 0:
+                T.tma_copy(src.k_cache[k_row * B:(k_row + 1) * B, h, :], stage.k_dense, barrier=stage.full)
+            elif (mode & 3) == 1:
+                T.tma_copy(src.k_dense[k_row, :, :], stage.k_dense, barrier=stage.full)
             else:
-                T.tma_copy(src.k_values[kr, :, :], stage.k_values, barrier=stage.full)
-                T.tma_copy(src.k_meta[kr, :, :], stage.k_meta, barrier=stage.full)
+                T.tma_copy(src.k_values[k_row, :, :], stage.k_values, barrier=stage.full)
+                T.tma_copy(src.k_meta[k_row, :, :], stage.k_meta, barrier=stage.full)
         else:
-            if (md & 3) == 0:
-                T.tma_copy(src.k_cache[kr * B:(kr + 1) * B, h, :], stage.k_dense, barrier=stage.full)
+            if (mode & 3) == 0:
+                T.tma_copy(src.k_cache[k_row * B:(k_row + 1) * B, h, :], stage.k_dense, barrier=stage.full)
             else:
-                T.tma_copy(src.k_dense[kr, :, :], stage.k_dense, barrier=stage.full)
+                T.tma_copy(src.k_dense[k_row, :, :], stage.k_dense, barrier=stage.full)
 
     @T.macro
-    def load_v(md, vr, h, stage, src):
-        if (md >> 2) == 0:
-            T.tma_copy(src.v_cache[vr * B:(vr + 1) * B, h, :], stage.v_dense, barrier=stage.full)
-        elif (md >> 2) == 1:
-            T.tma_copy(src.v_dense[vr, :, :], stage.v_dense, barrier=stage.full)
+    def load_v(mode, v_row, h, stage, src):
+        if (mode >> 2) == 0:
+            T.tma_copy(src.v_cache[v_row * B:(v_row + 1) * B, h, :], stage.v_dense, barrier=stage.full)
+        elif (mode >> 2) == 1:
+            T.tma_copy(src.v_dense[v_row, :, :], stage.v_dense, barrier=stage.full)
         else:
-            T.tma_copy(src.v_values[vr, :, :], stage.v_values, barrier=stage.full)
-            T.tma_copy(src.v_meta[vr, :, :], stage.v_meta, barrier=stage.full)
+            T.tma_copy(src.v_values[v_row, :, :], stage.v_values, barrier=stage.full)
+            T.tma_copy(src.v_meta[v_row, :, :], stage.v_meta, barrier=stage.full)
 
     return load_k, load_v
 

@@ -92,11 +92,13 @@ def build_decode_prim_func(batch: int, q_heads: int, kv_heads: int, head_dim: in
                            max_blocks: int, num_splits: int, dtype: str = "float16", stages: int = STAGES):
     """The TileLang ``prim_func`` of one plan (the batch size and the block table's width are static).
 
-    Arguments, in order: ``Q [bs, Hq, D]``, ``KC, VC [slots, Hkv, D]``, the six pools (as
-    :class:`sglang_hs.kernels.common.PoolArgs` gives them), ``KI, VI [Hkv, n_virtual]``,
-    ``BT [bs, max_blocks]``, ``SL [bs]``, ``sm_scale``, ``OP [bs, Hq, S, D]`` and ``LP [bs, Hq, S]``
-    (split partials), ``O [bs, Hq, D]``, ``LSE [bs, Hq]`` (natural log), ``CNT [bs, Hkv]`` (zeroed
-    split tickets).
+    Arguments, in order (``S`` = ``num_splits``): ``q [bs, Hq, D]``, ``k_cache, v_cache [slots, Hkv,
+    D]``, the six pools as :class:`sglang_hs.kernels.common.PoolArgs` gives them (``k_dense [rows, B,
+    D]``, ``k_values [rows, B, D/2]``, ``k_meta [rows, B*D/256, 16]`` int16, ``v_dense [rows, B, D]``,
+    ``v_values [rows, D, B/2]``, ``v_meta [rows, B*D/256, 16]`` int16), ``k_index, v_index [Hkv,
+    n_virtual]``, ``block_table [bs, max_blocks]``, ``seq_lens [bs]``, ``sm_scale``, ``o_part [bs, Hq,
+    S, D]`` and ``lse_part [bs, Hq, S]`` (fp32 split partials), ``out [bs, Hq, D]``, ``lse [bs, Hq]``
+    (fp32, natural log), ``tickets [bs, Hkv]`` (int32 split tickets, zero between calls).
     """
     import tilelang.language as T
 
@@ -111,7 +113,9 @@ def build_decode_prim_func(batch: int, q_heads: int, kv_heads: int, head_dim: in
     TPC = threads // NH  # threads per column (a power of two dividing 32)
     RPT = B // TPC  # rows per thread
     SHUF = [TPC >> k for k in range(1, TPC.bit_length()) if TPC >> k]  # xor offsets TPC/2 .. 1
-    num_slots, nd, ns, nd2, ns2, nv = T.dynamic("num_slots, nd, ns, nd2, ns2, nv")
+    # The call's dynamic extents (bound from the arguments' shapes).
+    num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual = T.dynamic(
+        "num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual")
     load_k, load_v = tma_loads(T, B)
 
     def alloc_stages():
@@ -123,197 +127,202 @@ def build_decode_prim_func(batch: int, q_heads: int, kv_heads: int, head_dim: in
     @T.macro
     def issue(i, h, maps, stage, src):
         # The TMA loads of block i (K and V, by its resolved mode and rows) into a stage.
-        md = maps[0][i]
-        kr = maps[1][i]
-        vr = maps[2][i]
-        load_k(md, kr, h, stage, src)
-        load_v(md, vr, h, stage, src)
+        mode = maps[0][i]
+        k_row = maps[1][i]
+        v_row = maps[2][i]
+        load_k(mode, k_row, h, stage, src)
+        load_v(mode, v_row, h, stage, src)
         T.barrier_arrive(stage.full)
 
     @T.macro
-    def compute(j, tok0, seq, scale2, maps, Q_s, P_s, stage, parity, sT, oT, S_sh, rs_sh, vals, m_run, l_run):
+    def compute(j, first_pos, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT, scores_sh, rescale_sh,
+                lane_scores, run_max, run_sum):
         # Block j: S^T = K·Q^T, the lane softmax (TPC consecutive lanes own a column), O^T += V^T·P^T.
-        md = maps[0][j]
-        if (md & 3) == 2:
-            T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True, clear_accum=True)
+        mode = maps[0][j]
+        if (mode & 3) == 2:
+            T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
+                      clear_accum=True)
         else:
             T.gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True)
-        T.copy(sT, S_sh)
+        T.copy(sT, scores_sh)
         T.sync_threads()
-        tx = T.get_thread_binding()
-        c = tx // TPC
-        r0 = (tx % TPC) * RPT
-        mx = T.alloc_local([1], accum)
-        mx[0] = -T.infinity(accum)
+        tid = T.get_thread_binding()
+        col = tid // TPC
+        row0 = (tid % TPC) * RPT  # the thread's rows: row0 .. row0 + RPT - 1 of the block
+        block_max = T.alloc_local([1], accum)
+        block_max[0] = -T.infinity(accum)
         for i in T.unroll(RPT):
-            vals[i] = T.if_then_else(tok0 + r0 + i < seq, S_sh[r0 + i, c], -T.infinity(accum))
-            mx[0] = T.max(mx[0], vals[i])
+            lane_scores[i] = T.if_then_else(first_pos + row0 + i < seq_len, scores_sh[row0 + i, col], -T.infinity(accum))
+            block_max[0] = T.max(block_max[0], lane_scores[i])
         for k in T.unroll(len(SHUF)):
-            mx[0] = T.max(mx[0], T.shfl_xor(mx[0], TPC >> (k + 1)))
-        m_new = T.max(m_run[0], mx[0])
-        rs = T.exp2(m_run[0] * scale2 - m_new * scale2)
-        m_run[0] = m_new
-        l_run[0] = l_run[0] * rs
+            block_max[0] = T.max(block_max[0], T.shfl_xor(block_max[0], TPC >> (k + 1)))
+        new_max = T.max(run_max[0], block_max[0])
+        rescale = T.exp2(run_max[0] * scale_log2 - new_max * scale_log2)
+        run_max[0] = new_max
+        run_sum[0] = run_sum[0] * rescale
         for i in T.unroll(RPT):
-            pv = T.exp2(vals[i] * scale2 - m_new * scale2)
-            l_run[0] = l_run[0] + pv
-            P_s[r0 + i, c] = T.cast(pv, dtype)
-        if tx % TPC == 0:
-            rs_sh[c] = rs
+            p = T.exp2(lane_scores[i] * scale_log2 - new_max * scale_log2)
+            run_sum[0] = run_sum[0] + p
+            P_s[row0 + i, col] = T.cast(p, dtype)
+        if tid % TPC == 0:
+            rescale_sh[col] = rescale
         T.fence_proxy_async()
         T.sync_threads()
-        for d, hh in T.Parallel(D, NH):
-            oT[d, hh] *= rs_sh[hh]
-        if (md >> 2) == 2:
+        for d, g in T.Parallel(D, NH):
+            oT[d, g] *= rescale_sh[g]
+        if (mode >> 2) == 2:
             T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
         else:
             T.gemm(stage.v_dense, P_s, oT, transpose_A=True)
 
     @T.macro
-    def guarded_issue(i, n, h, maps, stage, src):
-        if i < n:
+    def guarded_issue(i, num_blocks, h, maps, stage, src):
+        if i < num_blocks:
             issue(i, h, maps, stage, src)
 
     @T.macro
-    def step(j, parity, n, start, seq, scale2, h, maps, Q_s, P_s, stage, refill, src, sT, oT, S_sh, rs_sh, vals,
-             m_run, l_run):
-        if j < n:
+    def step(j, parity, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, stage, refill, src, sT, oT,
+             scores_sh, rescale_sh, lane_scores, run_max, run_sum):
+        if j < num_blocks:
             T.sync_threads()
-            if j + stages - 1 < n:
+            if j + stages - 1 < num_blocks:
                 issue(j + stages - 1, h, maps, refill, src)
             T.barrier_wait(stage.full, parity)
-            compute(j, (start + j) * B, seq, scale2, maps, Q_s, P_s, stage, parity, sT, oT, S_sh, rs_sh, vals, m_run,
-                    l_run)
+            compute(j, (first_block + j) * B, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT, scores_sh,
+                    rescale_sh, lane_scores, run_max, run_sum)
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
-    def emit_prologue(n, h, maps, st, src):
+    def emit_prologue(num_blocks, h, maps, st, src):
         for s in range(stages - 1):
-            guarded_issue(s, n, h, maps, st[s], src)
+            guarded_issue(s, num_blocks, h, maps, st[s], src)
 
-    def emit_ring(it, n, start, seq, scale2, h, maps, Q_s, P_s, st, src, frags):
+    def emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st, src, frags):
         for s in range(stages):
-            step(it * stages + s, it & 1, n, start, seq, scale2, h, maps, Q_s, P_s, st[s],
+            step(it * stages + s, it & 1, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st[s],
                  st[(s + stages - 1) % stages], src, *frags)
 
     @T.prim_func
     def main(
-        Q: T.Tensor([batch, q_heads, D], dtype),
-        KC: T.Tensor([num_slots, kv_heads, D], dtype),
-        VC: T.Tensor([num_slots, kv_heads, D], dtype),
-        KD: T.Tensor([nd, B, D], dtype),
-        KV: T.Tensor([ns, B, D // 2], dtype),
-        KM: T.Tensor([ns, e_rows, 16], "int16"),
-        VD: T.Tensor([nd2, B, D], dtype),
-        VV: T.Tensor([ns2, D, B // 2], dtype),
-        VM: T.Tensor([ns2, e_rows, 16], "int16"),
-        KI: T.Tensor([kv_heads, nv], "int32"),
-        VI: T.Tensor([kv_heads, nv], "int32"),
-        BT: T.Tensor([batch, max_blocks], "int32"),
-        SL: T.Tensor([batch], "int32"),
+        q: T.Tensor([batch, q_heads, D], dtype),
+        k_cache: T.Tensor([num_slots, kv_heads, D], dtype),
+        v_cache: T.Tensor([num_slots, kv_heads, D], dtype),
+        k_dense: T.Tensor([k_dense_rows, B, D], dtype),
+        k_values: T.Tensor([k_sparse_rows, B, D // 2], dtype),
+        k_meta: T.Tensor([k_sparse_rows, e_rows, 16], "int16"),
+        v_dense: T.Tensor([v_dense_rows, B, D], dtype),
+        v_values: T.Tensor([v_sparse_rows, D, B // 2], dtype),
+        v_meta: T.Tensor([v_sparse_rows, e_rows, 16], "int16"),
+        k_index: T.Tensor([kv_heads, num_virtual], "int32"),
+        v_index: T.Tensor([kv_heads, num_virtual], "int32"),
+        block_table: T.Tensor([batch, max_blocks], "int32"),
+        seq_lens: T.Tensor([batch], "int32"),
         sm_scale: T.float32,
-        OP: T.Tensor([batch, q_heads, S, D], accum),
-        LP: T.Tensor([batch, q_heads, S], accum),
-        O: T.Tensor([batch, q_heads, D], dtype),
-        LSE: T.Tensor([batch, q_heads], accum),
-        CNT: T.Tensor([batch, kv_heads], "int32"),
+        o_part: T.Tensor([batch, q_heads, S, D], accum),
+        lse_part: T.Tensor([batch, q_heads, S], accum),
+        out: T.Tensor([batch, q_heads, D], dtype),
+        lse: T.Tensor([batch, q_heads], accum),
+        tickets: T.Tensor([batch, kv_heads], "int32"),
     ):
-        with T.Kernel(S, kv_heads, batch, threads=threads) as (sid, h, r):
+        with T.Kernel(S, kv_heads, batch, threads=threads) as (split, h, request):
             Q_s = T.alloc_shared([NH, D], dtype)
             P_s = T.alloc_shared([B, NH], dtype)
-            mode_s = T.alloc_shared([bps], "int32")
-            tk_sh = T.alloc_shared([1], "int32")
-            cm = T.alloc_local([4], accum)
-            krow_s = T.alloc_shared([bps], "int32")
-            vrow_s = T.alloc_shared([bps], "int32")
-            st = alloc_stages()
+            block_mode = T.alloc_shared([bps], "int32")
+            ticket_sh = T.alloc_shared([1], "int32")
+            merge_stat = T.alloc_local([4], accum)
+            block_k_row = T.alloc_shared([bps], "int32")
+            block_v_row = T.alloc_shared([bps], "int32")
+            ring_stages = alloc_stages()
             sT = T.alloc_fragment([B, NH], accum)
             oT = T.alloc_fragment([D, NH], accum)
-            S_sh = T.alloc_shared([B, NH], accum)
-            rs_sh = T.alloc_shared([NH], accum)
-            ml_sh = T.alloc_shared([2, NH], accum)
-            vals = T.alloc_local([RPT], accum)
-            m_run = T.alloc_local([1], accum)
-            l_run = T.alloc_local([1], accum)
+            scores_sh = T.alloc_shared([B, NH], accum)
+            rescale_sh = T.alloc_shared([NH], accum)
+            stats_sh = T.alloc_shared([2, NH], accum)
+            lane_scores = T.alloc_local([RPT], accum)
+            run_max = T.alloc_local([1], accum)
+            run_sum = T.alloc_local([1], accum)
 
-            seq = SL[r]
-            nblk = T.ceildiv(seq, B)
-            per = T.ceildiv(nblk, S)
-            start = sid * per
-            n = T.max(T.min(per, nblk - start), 0)
-            scale2 = sm_scale * LOG2E
+            seq_len = seq_lens[request]
+            seq_blocks = T.ceildiv(seq_len, B)
+            per_split = T.ceildiv(seq_blocks, S)
+            first_block = split * per_split
+            num_blocks = T.max(T.min(per_split, seq_blocks - first_block), 0)
+            scale_log2 = sm_scale * LOG2E
 
-            # Resolve this CTA's blocks: mode = kmode | vmode << 2 (0 cache page, 1 dense row, 2 sparse row).
+            # Resolve this CTA's blocks: mode = k_mode | v_mode << 2 (0 cache page, 1 dense row, 2 2:4 row).
             for i in T.Parallel(bps):
-                if i < n:
-                    e = BT[r, start + i]
-                    if e >= 0:
-                        mode_s[i] = 0
-                        krow_s[i] = e
-                        vrow_s[i] = e
+                if i < num_blocks:
+                    entry = block_table[request, first_block + i]
+                    if entry >= 0:
+                        block_mode[i] = 0
+                        block_k_row[i] = entry
+                        block_v_row[i] = entry
                     else:
-                        ke_ = KI[h, -e - 1]
-                        ve_ = VI[h, -e - 1]
-                        mode_s[i] = T.if_then_else(ke_ >= 0, 1, 2) + T.if_then_else(ve_ >= 0, 4, 8)
-                        krow_s[i] = T.if_then_else(ke_ >= 0, ke_, -ke_ - 1)
-                        vrow_s[i] = T.if_then_else(ve_ >= 0, ve_, -ve_ - 1)
-            for hh, d in T.Parallel(NH, D):
-                Q_s[hh, d] = T.if_then_else(hh < G, Q[r, h * G + hh, d], T.cast(0, dtype))
+                        k_entry = k_index[h, -entry - 1]
+                        v_entry = v_index[h, -entry - 1]
+                        block_mode[i] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
+                        block_k_row[i] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
+                        block_v_row[i] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
+            for g, d in T.Parallel(NH, D):
+                Q_s[g, d] = T.if_then_else(g < G, q[request, h * G + g, d], T.cast(0, dtype))
             T.fill(oT, 0)
-            m_run[0] = -T.infinity(accum)
-            l_run[0] = 0.0
+            run_max[0] = -T.infinity(accum)
+            run_sum[0] = 0.0
             T.fence_proxy_async()
             T.sync_threads()
 
-            src = KvSources(KC, VC, KD, KV, KM, VD, VV, VM)
-            maps = (mode_s, krow_s, vrow_s)
-            frags = (sT, oT, S_sh, rs_sh, vals, m_run, l_run)
-            emit_prologue(n, h, maps, st, src)
-            for it in T.serial(T.ceildiv(n, stages)):
-                emit_ring(it, n, start, seq, scale2, h, maps, Q_s, P_s, st, src, frags)
+            src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
+            maps = (block_mode, block_k_row, block_v_row)
+            frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum)
+            emit_prologue(num_blocks, h, maps, ring_stages, src)
+            for it in T.serial(T.ceildiv(num_blocks, stages)):
+                emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
 
-            tx = T.get_thread_binding()
+            tid = T.get_thread_binding()
             for k in T.unroll(len(SHUF)):
-                l_run[0] = l_run[0] + T.shfl_xor(l_run[0], TPC >> (k + 1))
-            if tx % TPC == 0:
-                ml_sh[0, tx // TPC] = m_run[0]
-                ml_sh[1, tx // TPC] = l_run[0]
+                run_sum[0] = run_sum[0] + T.shfl_xor(run_sum[0], TPC >> (k + 1))
+            if tid % TPC == 0:
+                stats_sh[0, tid // TPC] = run_max[0]
+                stats_sh[1, tid // TPC] = run_sum[0]
             T.sync_threads()
-            for hh in T.Parallel(NH):
-                if hh < G:
-                    LP[r, h * G + hh, sid] = T.if_then_else(
-                        ml_sh[1, hh] > 0, T.log2(ml_sh[1, hh]) + ml_sh[0, hh] * scale2, -T.infinity(accum))
-            for d, hh in T.Parallel(D, NH):
-                if hh < G:
-                    OP[r, h * G + hh, sid, d] = T.if_then_else(ml_sh[1, hh] > 0, oT[d, hh] / ml_sh[1, hh], 0.0)
+            for g in T.Parallel(NH):
+                if g < G:
+                    lse_part[request, h * G + g, split] = T.if_then_else(
+                        stats_sh[1, g] > 0, T.log2(stats_sh[1, g]) + stats_sh[0, g] * scale_log2, -T.infinity(accum))
+            for d, g in T.Parallel(D, NH):
+                if g < G:
+                    o_part[request, h * G + g, split, d] = T.if_then_else(
+                        stats_sh[1, g] > 0, oT[d, g] / stats_sh[1, g], 0.0)
 
             # Split-KV merge by the last CTA of this (request, KV head): release our partials, take a
-            # ticket (acq_rel, device scope), and merge if we are the S-th.
+            # ticket (acq_rel, device scope), and merge if we are the last.
             tid = T.get_thread_binding()
             T.sync_threads()
             if tid == 0:
-                tk_sh[0] = T.atomic_add(CNT[r, h], 1, memory_order="acq_rel", return_prev=True)
+                ticket_sh[0] = T.atomic_add(tickets[request, h], 1, memory_order="acq_rel", return_prev=True)
             T.sync_threads()
-            if tk_sh[0] == S - 1:
+            if ticket_sh[0] == S - 1:
                 for it2 in T.serial(T.ceildiv(G * D, threads)):
-                    g = (it2 * threads + tid) // D
+                    head = (it2 * threads + tid) // D
                     d = (it2 * threads + tid) % D
-                    if g < G:
-                        cm[0] = -T.infinity(accum)
+                    if head < G:
+                        merge_stat[0] = -T.infinity(accum)
                         for s2 in T.serial(S):
-                            cm[0] = T.max(cm[0], LP[r, h * G + g, s2])
-                        cm[1] = 0.0
-                        cm[2] = 0.0
+                            merge_stat[0] = T.max(merge_stat[0], lse_part[request, h * G + head, s2])
+                        merge_stat[1] = 0.0
+                        merge_stat[2] = 0.0
                         for s2 in T.serial(S):
-                            cm[3] = T.if_then_else(LP[r, h * G + g, s2] == -T.infinity(accum), 0.0,
-                                                   T.exp2(LP[r, h * G + g, s2] - cm[0]))
-                            cm[1] = cm[1] + cm[3]
-                            cm[2] = cm[2] + cm[3] * OP[r, h * G + g, s2, d]
-                        O[r, h * G + g, d] = T.if_then_else(cm[1] > 0, cm[2] / cm[1], 0.0)
+                            merge_stat[3] = T.if_then_else(
+                                lse_part[request, h * G + head, s2] == -T.infinity(accum), 0.0,
+                                T.exp2(lse_part[request, h * G + head, s2] - merge_stat[0]))
+                            merge_stat[1] = merge_stat[1] + merge_stat[3]
+                            merge_stat[2] = merge_stat[2] + merge_stat[3] * o_part[request, h * G + head, s2, d]
+                        out[request, h * G + head, d] = T.if_then_else(
+                            merge_stat[1] > 0, merge_stat[2] / merge_stat[1], 0.0)
                         if d == 0:
-                            LSE[r, h * G + g] = T.if_then_else(
-                                cm[1] > 0, (T.log2(cm[1]) + cm[0]) * LN2, -T.infinity(accum))
+                            lse[request, h * G + head] = T.if_then_else(
+                                merge_stat[1] > 0, (T.log2(merge_stat[1]) + merge_stat[0]) * LN2, -T.infinity(accum))
                 if tid == 0:
-                    CNT[r, h] = 0
+                    tickets[request, h] = 0
 
     return main
 

@@ -36,84 +36,84 @@ class OverlapSchedule:
         AHEAD = stages - 1  # step j issues stage item j + AHEAD
 
         @T.macro
-        def fetch_entries(i, ring, pre):
+        def fetch_entries(i, ring, entries):
             # The entries of stage item i (K of block i, V of block i - 1; i >= 1) into registers.
-            pre[0] = ring.mode[i % RB]
-            pre[1] = ring.k_row[i % RB]
-            pre[2] = ring.mode[(i - 1) % RB]
-            pre[3] = ring.v_row[(i - 1) % RB]
+            entries[0] = ring.mode[i % RB]
+            entries[1] = ring.k_row[i % RB]
+            entries[2] = ring.mode[(i - 1) % RB]
+            entries[3] = ring.v_row[(i - 1) % RB]
 
         @T.macro
-        def load_fetched(i, n, h, stage, src, pre):
-            # load() of stage item i from the entries fetch_entries read a step before.
-            if i < n:
-                parts.load_k(pre[0], pre[1], h, stage, src)
-            parts.load_v(pre[2], pre[3], h, stage, src)
+        def load_fetched(i, num_blocks, h, stage, src, entries):
+            # The loads of stage item i from the entries fetch_entries read a step before.
+            if i < num_blocks:
+                parts.load_k(entries[0], entries[1], h, stage, src)
+            parts.load_v(entries[2], entries[3], h, stage, src)
 
         @T.macro
-        def guarded_issue(i, n, h, ring, stage, src):
-            # Prologue: warp 0 issues stage item i if it is one of the CTA's (items 0 .. n).
-            if i < n + 1:
+        def guarded_issue(i, num_blocks, h, ring, stage, src):
+            # Prologue: warp 0 issues stage item i if it is one of the CTA's (items 0 .. num_blocks).
+            if i < num_blocks + 1:
                 if T.get_thread_binding() < 32:
-                    parts.load(i, n, h, ring, stage, src)
+                    parts.load(i, num_blocks, h, ring, stage, src)
                     parts.issuer_arrive(stage.full)
 
         @T.macro
-        def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, ring, Q_s, P_s, stage, refill, src, sm,
-                 pre):
-            if j < n:
+        def step(j, parity, empty_parity, num_blocks, request, first_block, first_masked, last_pos, tile_tokens,
+                 scale_log2, h, ring, Q_s, P_s, stage, refill, src, sm, entries):
+            if j < num_blocks:
                 if j % HALF == 0:
                     # The ring half resolved below was last read at step j - HALF - 1 or before: the first
                     # barrier waits for every thread to be past it, the second publishes the entries to
                     # the issuing warp (first issued HALF - stages + 1 steps from now).
                     T.sync_threads()
-                    parts.resolve(j // HALF + 1, n, r, start, h, ring)
+                    parts.resolve(j // HALF + 1, num_blocks, request, first_block, h, ring)
                     T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
                     T.sync_threads()
-                if j + AHEAD < n + 1:
+                if j + AHEAD < num_blocks + 1:
                     # Warp 0 refills the stage of item j + AHEAD - stages once every warp has released it.
                     if T.get_thread_binding() < 32:
                         if j + AHEAD >= stages:
-                            T.barrier_wait(refill.empty, eparity)
-                        load_fetched(j + AHEAD, n, h, refill, src, pre)
-                        fetch_entries(j + AHEAD + 1, ring, pre)  # used by the next step
+                            T.barrier_wait(refill.empty, empty_parity)
+                        load_fetched(j + AHEAD, num_blocks, h, refill, src, entries)
+                        fetch_entries(j + AHEAD + 1, ring, entries)  # used by the next step
                         parts.issuer_arrive(refill.full)
                 T.barrier_wait(stage.full, parity)
-                parts.block_step(j == 0, start + j, jm, qlast, tv, scale2, ring.mode[j % RB], j, Q_s, P_s, stage, sm,
-                                 False)
+                parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
+                                 ring.mode[j % RB], j, Q_s, P_s, stage, sm, False)
 
         # Plain Python (not parsed by TileLang): the stage ring unrolled.
-        def issue_prologue(tile, ring, st, src):
+        def issue_prologue(tile, ring, ring_stages, src):
             for s in range(AHEAD):
-                guarded_issue(s, tile.n, tile.h, ring, st[s], src)
+                guarded_issue(s, tile.num_blocks, tile.h, ring, ring_stages[s], src)
 
-        def ring_steps(it, tile, ring, Q_s, P_s, st, src, sm):
+        def ring_steps(it, tile, ring, Q_s, P_s, ring_stages, src, sm):
             for s in range(stages):
                 # Step j = it * stages + s refills the stage of item j + AHEAD - stages: the release of that
                 # item is completion it - 1 + (s + AHEAD) // stages of the stage's empty barrier.
-                step(it * stages + s, it & 1, (it + 1 + (s + AHEAD) // stages) & 1, tile.n, tile.r, tile.start, tile.jm,
-                     tile.qlast, tile.tv, tile.scale2, tile.h, ring, Q_s, P_s, st[s], st[(s + AHEAD) % stages], src, sm,
-                     self.pre)
+                step(it * stages + s, it & 1, (it + 1 + (s + AHEAD) // stages) & 1, tile.num_blocks, tile.request,
+                     tile.first_block, tile.first_masked, tile.last_pos, tile.tile_tokens, tile.scale_log2, tile.h,
+                     ring, Q_s, P_s, ring_stages[s], ring_stages[(s + AHEAD) % stages], src, sm, self.entries)
 
         @T.macro
-        def block_loop(tile, Q_s, P_s, ring, st, src, sm, out):
-            issue_prologue(tile, ring, st, src)
-            fetch_entries(AHEAD, ring, self.pre)
-            for it in T.serial(T.ceildiv(tile.n, stages)):
-                ring_steps(it, tile, ring, Q_s, P_s, st, src, sm)
-            parts.final_gemms(tile, P_s, st, sm)
+        def block_loop(tile, Q_s, P_s, ring, ring_stages, src, sm, outputs):
+            issue_prologue(tile, ring, ring_stages, src)
+            fetch_entries(AHEAD, ring, self.entries)
+            for it in T.serial(T.ceildiv(tile.num_blocks, stages)):
+                ring_steps(it, tile, ring, Q_s, P_s, ring_stages, src, sm)
+            parts.final_gemms(tile, P_s, ring_stages, sm)
             parts.consumer_sync()
-            parts.write_output(tile, sm, out)
+            parts.write_output(tile, sm, outputs)
 
         self.block_loop = block_loop
 
     def alloc_state(self, parts: ExtendParts):
         """The issuing warp's copy of the next stage item's index entries (K mode, K row, V mode, V row)."""
-        self.pre = parts.T.alloc_local([4], "int32")
+        self.entries = parts.T.alloc_local([4], "int32")
 
 
 def build_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, stages: int,
                     k_sparse: bool):
-    """The TileLang ``prim_func`` of the n64 tile (argument order: :meth:`ExtendParts.prim_func`)."""
+    """The TileLang ``prim_func`` of the n64 tile (arguments: :meth:`ExtendParts.prim_func`)."""
     parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, "n64", stages, k_sparse, producer=False)
     return parts.prim_func(OverlapSchedule(parts))

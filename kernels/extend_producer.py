@@ -35,67 +35,68 @@ class ProducerSchedule:
     def __init__(self, parts: ExtendParts):
         T = parts.T
         HALF, RB, stages, threads = parts.HALF, parts.RB, parts.stages, parts.threads
-        AHEAD = stages - 2 if stages >= 3 else stages - 1
 
         @T.macro
-        def produce_item(i, eparity, n, r, start, h, ring, stage, src):
+        def produce_item(i, empty_parity, num_blocks, request, first_block, h, ring, stage, src):
             # Stage item i (K of block i, V of block i - 1). Its first warp waits for the stage's release
             # (item i - stages). The next chunk of index entries is resolved at item c * HALF + stages + 1
             # of chunk c: the consumers have then released item c * HALF + 1, so no consumer reads the
             # entries of chunk c - 1, whose ring half it overwrites.
-            if i < n + 1:
+            if i < num_blocks + 1:
                 if T.get_thread_binding() < threads + 32:
                     if i >= stages:
-                        T.barrier_wait(stage.empty, eparity)
+                        T.barrier_wait(stage.empty, empty_parity)
                 if i % HALF == stages + 1:
-                    if (i // HALF + 1) * HALF < n:
+                    if (i // HALF + 1) * HALF < num_blocks:
                         T.sync_threads(7, 128)
-                        parts.resolve(i // HALF + 1, n, r, start, h, ring)
+                        parts.resolve(i // HALF + 1, num_blocks, request, first_block, h, ring)
                         T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
                         T.sync_threads(7, 128)
                 if T.get_thread_binding() < threads + 32:
-                    parts.load(i, n, h, ring, stage, src)
+                    parts.load(i, num_blocks, h, ring, stage, src)
                     parts.issuer_arrive(stage.full)
 
         @T.macro
-        def step(j, parity, eparity, n, r, start, jm, qlast, tv, scale2, h, ring, Q_s, P_s, stage, sm):
-            if j < n:
+        def step(j, parity, num_blocks, first_block, first_masked, last_pos, tile_tokens, scale_log2, ring, Q_s, P_s,
+                 stage, sm):
+            if j < num_blocks:
                 T.barrier_wait(stage.full, parity)
-                parts.block_step(j == 0, start + j, jm, qlast, tv, scale2, ring.mode[j % RB], j, Q_s, P_s, stage, sm,
-                                 True)
+                parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
+                                 ring.mode[j % RB], j, Q_s, P_s, stage, sm, True)
 
         # Plain Python (not parsed by TileLang): the stage ring unrolled.
-        def produce_items(it, tile, ring, st, src):
+        def produce_items(it, tile, ring, ring_stages, src):
             for s in range(stages):
                 # Item it * stages + s waits for the release of item (it - 1) * stages + s.
-                produce_item(it * stages + s, (it + 1) & 1, tile.n, tile.r, tile.start, tile.h, ring, st[s], src)
+                produce_item(it * stages + s, (it + 1) & 1, tile.num_blocks, tile.request, tile.first_block, tile.h,
+                             ring, ring_stages[s], src)
 
-        def ring_steps(it, tile, ring, Q_s, P_s, st, sm):
+        def ring_steps(it, tile, ring, Q_s, P_s, ring_stages, sm):
             for s in range(stages):
-                step(it * stages + s, it & 1, (it + 1 + (s + AHEAD) // stages) & 1, tile.n, tile.r, tile.start, tile.jm,
-                     tile.qlast, tile.tv, tile.scale2, tile.h, ring, Q_s, P_s, st[s], sm)
+                step(it * stages + s, it & 1, tile.num_blocks, tile.first_block, tile.first_masked, tile.last_pos,
+                     tile.tile_tokens, tile.scale_log2, ring, Q_s, P_s, ring_stages[s], sm)
 
         @T.macro
-        def block_loop(tile, Q_s, P_s, ring, st, src, sm, out):
+        def block_loop(tile, Q_s, P_s, ring, ring_stages, src, sm, outputs):
             tid = T.get_thread_binding()
             if tid >= threads:
                 T.set_max_nreg(REGISTERS[0], 0)
-                for it in T.serial(T.ceildiv(tile.n + 1, stages)):
-                    produce_items(it, tile, ring, st, src)
+                for it in T.serial(T.ceildiv(tile.num_blocks + 1, stages)):
+                    produce_items(it, tile, ring, ring_stages, src)
             else:
                 T.set_max_nreg(REGISTERS[1], 1)
-                parts.init_fragments(sm.out, sm.row_sums, sm.offsets)
+                parts.init_fragments(sm.oT, sm.row_sums, sm.offsets)
                 if tid >= 128:
-                    if tile.n >= 1:
+                    if tile.num_blocks >= 1:
                         T.named_barrier_arrive(10, 256)  # warpgroup 0 takes the first turn
-                for it in T.serial(T.ceildiv(tile.n, stages)):
-                    ring_steps(it, tile, ring, Q_s, P_s, st, sm)
-                parts.final_gemms(tile, P_s, st, sm)
+                for it in T.serial(T.ceildiv(tile.num_blocks, stages)):
+                    ring_steps(it, tile, ring, Q_s, P_s, ring_stages, sm)
+                parts.final_gemms(tile, P_s, ring_stages, sm)
                 if tid < 128:
-                    if tile.n >= 1:
+                    if tile.num_blocks >= 1:
                         T.sync_threads(10, 256)  # warpgroup 1's last hand-over: no arrival left pending
                 parts.consumer_sync()  # the warpgroups meet again before the CTA-wide reduction
-                parts.write_output(tile, sm, out)
+                parts.write_output(tile, sm, outputs)
 
         self.block_loop = block_loop
 
@@ -106,6 +107,6 @@ class ProducerSchedule:
 
 def build_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, stages: int,
                     k_sparse: bool):
-    """The TileLang ``prim_func`` of the n128 tile (argument order: :meth:`ExtendParts.prim_func`)."""
+    """The TileLang ``prim_func`` of the n128 tile (arguments: :meth:`ExtendParts.prim_func`)."""
     parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, "n128", stages, k_sparse, producer=True)
     return parts.prim_func(ProducerSchedule(parts))
