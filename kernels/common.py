@@ -153,3 +153,19 @@ class PoolArgs:
             self._or_dummy(pools.v_meta, "meta").reshape(-1, self.meta_rows, 16),
             k_index, v_index,
         )  # fmt: skip
+
+
+def precompile_main(description: str, build_one: Callable, configs: list) -> None:
+    """The command line of a kernel module's ``PRECOMPILE``: ``build_one`` (a module-level function)
+    over ``configs`` in ``--jobs`` processes, each kernel compiled into TileLang's disk cache."""
+    import argparse
+    import concurrent.futures
+    import time
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    t0 = time.time()
+    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        for cfg in pool.map(build_one, configs):
+            print(f"{cfg} ready ({time.time() - t0:.0f} s)", flush=True)

@@ -65,8 +65,8 @@ import torch
 
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import (
-    LN2, LOG2E, PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape, split_count,
-    tma_loads,
+    LN2, LOG2E, PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
+    precompile_main, split_count, tma_loads,
 )
 
 STAGES = 2
@@ -152,7 +152,8 @@ def build_decode_prim_func(batch: int, q_heads: int, kv_heads: int, head_dim: in
         block_max = T.alloc_local([1], accum)
         block_max[0] = -T.infinity(accum)
         for i in T.unroll(RPT):
-            lane_scores[i] = T.if_then_else(first_pos + row0 + i < seq_len, scores_sh[row0 + i, col], -T.infinity(accum))
+            lane_scores[i] = T.if_then_else(first_pos + row0 + i < seq_len, scores_sh[row0 + i, col],
+                                            -T.infinity(accum))
             block_max[0] = T.max(block_max[0], lane_scores[i])
         for k in T.unroll(len(SHUF)):
             block_max[0] = T.max(block_max[0], T.shfl_xor(block_max[0], TPC >> (k + 1)))
@@ -448,14 +449,4 @@ def _precompile_one(cfg):
 
 
 if __name__ == "__main__":
-    import argparse
-    import concurrent.futures
-    import time
-
-    ap = argparse.ArgumentParser(description="compile the decode kernels of the GPU tests")
-    ap.add_argument("--jobs", type=int, default=2)
-    args = ap.parse_args()
-    t0 = time.time()
-    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
-        for cfg in pool.map(_precompile_one, PRECOMPILE):
-            print(f"{cfg} ready ({time.time() - t0:.0f} s)", flush=True)
+    precompile_main("compile the decode kernels of the GPU tests", _precompile_one, PRECOMPILE)

@@ -91,7 +91,9 @@ import functools
 import torch
 
 from sglang_hs.format import BlockPools
-from sglang_hs.kernels.common import PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, PoolArgs, check_plan_shape, split_count
+from sglang_hs.kernels.common import (
+    PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, PoolArgs, check_plan_shape, precompile_main, split_count,
+)
 from sglang_hs.kernels.extend_common import TILES, resolve_chunk
 
 # Stage counts each tile builds, its default first. The n64 schedule refills the stage that item
@@ -333,14 +335,4 @@ def _precompile_one(cfg):
 
 
 if __name__ == "__main__":
-    import argparse
-    import concurrent.futures
-    import time
-
-    ap = argparse.ArgumentParser(description="compile the extend kernels of the tests and the benchmark")
-    ap.add_argument("--jobs", type=int, default=2)
-    args = ap.parse_args()
-    t0 = time.time()
-    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
-        for cfg in pool.map(_precompile_one, PRECOMPILE):
-            print(f"{cfg} ready ({time.time() - t0:.0f} s)", flush=True)
+    precompile_main("compile the extend kernels of the tests and the benchmark", _precompile_one, PRECOMPILE)

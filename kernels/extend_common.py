@@ -402,7 +402,8 @@ class ExtendParts:
                     weight_sh[tid] = 0.0
                     if tid // G < tile.tile_tokens:
                         if outputs.lse_part[q_row(tile, tid), q_head(tile, tid), s2] != NEG:
-                            weight_sh[tid] = T.exp2(outputs.lse_part[q_row(tile, tid), q_head(tile, tid), s2] - move_sh[tid])
+                            weight_sh[tid] = T.exp2(
+                                outputs.lse_part[q_row(tile, tid), q_head(tile, tid), s2] - move_sh[tid])
                 consumer_sync()
                 for d, c in T.Parallel(D, N):
                     oT[d, c] = T.if_then_else(
