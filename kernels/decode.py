@@ -17,8 +17,8 @@ Design (and why)
   shared, so both paths fold into one online softmax.
 * **GQA as the GEMM N dim.** One CTA (one warpgroup) serves the ``G = Hq/Hkv`` query heads of one KV
   head, so every KV byte is read once. N is padded to 8 for G in {1, 2, 4, 8} (16 up to G = 16):
-  ``m64n8`` is a legal wgmma shape and avoids the N = 24/40 bug (#2603) and wasted accumulator
-  registers.
+  ``m64n8`` is a legal wgmma shape and avoids TileLang's N = 24/40 bug (issue #2603) and wasted
+  accumulator registers.
 * **Split-KV.** Grid ``(num_splits, Hkv, bs)``: each CTA walks a contiguous range of its request's
   blocks and writes a partial ``O`` (fp32) and base-2 LSE to plan-owned scratch. The last CTA of a
   (request, KV head) to finish (an acq_rel atomic ticket per pair, reset by that CTA) merges the
@@ -45,10 +45,11 @@ Design (and why)
 * **Metadata by TMA.** The int16 metadata tile of a block is contiguous (1 KB at d 128); it is moved
   as a ``[E/16, 16]`` box and re-viewed as the ``[M, K/16]`` tile that ``T.gemm_sp`` reads.
 * **TileLang 0.1.11 work-arounds.** ``T.fence_proxy_async()`` after ``P^T`` is written to shared
-  memory and after ``Q`` is staged, before any (sparse) wgmma reads them (#2634). The automatic
-  thread-sync pass puts ``__syncthreads`` inside the elected-thread TMA branches (a deadlock), so it is
-  disabled and the kernel places its own barriers: one at the top of each block step (WAR on the
-  refilled stage, ``P_s`` and ``S_sh``), one after ``S^T`` is staged and one after ``P^T`` is written.
+  memory and after ``Q`` is staged, before any (sparse) wgmma reads them (TileLang issue #2634). The
+  automatic thread-sync pass puts ``__syncthreads`` inside the elected-thread TMA branches (a
+  deadlock), so it is disabled and the kernel places its own barriers: one at the top of each block
+  step (WAR on the refilled stage, ``P_s`` and ``scores_sh``), one after ``S^T`` is staged and one
+  after ``P^T`` is written.
 * **CUDA graphs.** ``run`` is one launch of a kernel compiled for the plan's batch size and
   ``max_blocks``; scratch is allocated in ``__init__``; no host synchronisation (seq_lens stay on the
   GPU: block ranges, masks and empty splits are computed in the kernel); TileLang launches on torch's

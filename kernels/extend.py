@@ -22,8 +22,8 @@ Design (and why)
   ``TQ = N / G`` consecutive query tokens of one request times the ``G`` query heads of one KV head,
   ordered (token, head): column ``c`` is token ``t0 + c // G``, head ``h*G + c % G``. Every KV byte a
   CTA reads serves N columns. Each warpgroup owns 64 columns of ``S^T`` and of ``O^T``, so the softmax
-  statistics of a column never leave its warpgroup. N is a multiple of 16 (no N = 24/40, TileLang bug
-  #2603).
+  statistics of a column never leave its warpgroup. N is a multiple of 16 (no N = 24/40: TileLang
+  issue #2603).
 * **Two tiles** (``TILES``), picked per call by the average request's query columns
   (:meth:`HieraSparseExtend.pick_tile`): ``n64`` (one warpgroup) up to 64 columns a request, so that a
   short chunk does not leave half a tile empty; ``n128`` above (a producer warpgroup and two ping-pong
@@ -74,9 +74,9 @@ Design (and why)
   same block loop (no second kernel, no LSE merge); only the blocks on a tile's diagonal are masked.
 * **Fast math** (``tl.enable_fast_math``): ``exp2f`` is one ``MUFU.EX2``.
 * **TileLang 0.1.11 work-arounds**: ``T.fence_proxy_async()`` after ``P^T`` and ``Q`` are written to
-  shared memory (#2634), and one after each index resolve (TileLang's proxy-fence pass would otherwise
-  put a ``fence.proxy.async`` before every TMA issue); automatic thread-sync insertion is disabled (it
-  deadlocks in the elected-thread TMA branches) and the kernel places its barriers itself.
+  shared memory (TileLang issue #2634), and one after each index resolve (TileLang's proxy-fence pass
+  would otherwise put a ``fence.proxy.async`` before every TMA issue); automatic thread-sync insertion
+  is disabled (it deadlocks in the elected-thread TMA branches) and the kernel places its barriers.
 * **One launch per call, no host synchronisation**: tile ids, splits, masks and empty splits are
   computed in the kernel from ``qo_indptr`` and ``seq_lens`` on the GPU; scratch grows on demand.
   Empty pools are replaced by one-row stand-ins (a TMA descriptor cannot describe a zero-length

@@ -339,7 +339,7 @@ class ExtendParts:
                 T.barrier_arrive(stage.empty)  # this warp's GEMMs on the stage are complete
             group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_s
             T.copy(sm.sT, P_s)
-            T.fence_proxy_async()  # #2634: generic writes of P^T before the (sparse) wgmma reads them
+            T.fence_proxy_async()  # TileLang issue #2634: P^T's generic writes before a (sparse) wgmma reads it
             group_barrier()
             sm.pending_mode[0] = mode
 
@@ -591,7 +591,7 @@ class ExtendParts:
                             T.cast(0, dtype))
                     if schedule.init_early:
                         parts.init_fragments(oT, row_sums, offsets)
-                    T.fence_proxy_async()  # #2634: Q_s written by generic stores before wgmma reads it
+                    T.fence_proxy_async()  # TileLang issue #2634: Q_s's generic writes before wgmma reads it
                     T.sync_threads()
 
                     tile = TileVars(tile_id, request, h, split, first_row, first_token, tile_tokens, last_pos,
