@@ -567,30 +567,36 @@ class FusedCompressor:
             table = self._address_tables[key] = address_table(k_buffers, v_buffers, store)
         return table
 
-    def __call__(self, store, pruner, k_buffers, v_buffers, slots, groups, *, backend=None) -> list[int]:
+    def __call__(self, store, pruner, k_buffers, v_buffers, slots, groups, *, backend=None,
+                 reduce_losses=None) -> list[int]:
         """Steps: page ids from ``slots`` (device op); the block choice that needs no loss, on the host
         (:func:`plan_choice`); for groups with a fractional count only, the loss pass of that operand
         and a ranking on the GPU, read back once; ``store.allocate``; one pack launch for all layers.
         ``backend``: an object with :class:`HieraSparseCompress`'s ``loss(addr, pages, operand)`` /
         ``pack(addr, pages, info)``, and optionally ``address_table(k_buffers, v_buffers, store)``
-        (default: the TileLang plan; the tests pass :class:`TorchEmulation` on CPU)."""
+        (default: the TileLang plan; the tests pass :class:`TorchEmulation` on CPU). ``reduce_losses``:
+        as in :func:`sglang_hs.pools.compress_prefix` (tensor parallelism)."""
         if backend is None:
             reason = unsupported_reason(store, pruner, k_buffers, v_buffers, slots)
             if reason is not None:
                 if reason not in self._reported:
                     self._reported.add(reason)
                     logger.info("hierasparse: fused compression not used (%s); PyTorch path", reason)
-                return compress_prefix(store, pruner, k_buffers, v_buffers, slots, groups)
+                return compress_prefix(store, pruner, k_buffers, v_buffers, slots, groups,
+                                       reduce_losses=reduce_losses)
             backend = self.plan(store)
         n = slots.numel() // store.block_size
         if n == 0:
-            return compress_prefix(store, pruner, k_buffers, v_buffers, slots, groups)
+            return compress_prefix(store, pruner, k_buffers, v_buffers, slots, groups, reduce_losses=reduce_losses)
         device = slots.device
         pages = page_ids(slots, store.block_size)
         own_table = getattr(backend, "address_table", None)
         addr = (own_table or self.address_table)(k_buffers, v_buffers, store)
         choice = {op: plan_choice(groups, n, op) for op in ("k", "v")}
-        ranked = {op: rank_on_device(backend.loss(addr, pages, op), rk) for op, (_, rk) in choice.items() if rk}
+        losses = {op: backend.loss(addr, pages, op) for op, (_, rk) in choice.items() if rk}
+        if losses and reduce_losses is not None:
+            losses = dict(zip(losses, reduce_losses(torch.stack(list(losses.values()))).unbind(0)))
+        ranked = {op: rank_on_device(losses[op], choice[op][1]) for op in losses}
         if ranked:
             back = torch.stack(list(ranked.values())).cpu()  # the one host sync: the allocator needs the choice
             ranked = dict(zip(ranked, back))

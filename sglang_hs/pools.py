@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -312,6 +312,18 @@ def block_losses(
     return loss["k"], loss["v"]
 
 
+LossReducer = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a float32 ``[2, n]`` tensor of block losses (K, V) over the tensor-parallel ranks. Each rank
+holds a share of the KV heads; ranking by the sum over every rank's heads gives all ranks the same
+sparse blocks (the same choice as one GPU holding all heads), so their stores' pools fill alike and
+their radix trees stay in step."""
+
+
+def needs_ranking(groups: list[tuple[torch.Tensor, float, float]]) -> bool:
+    """Whether any group's block choice depends on the losses: S = 0 and S = 1 do not."""
+    return any(0.0 < s < 1.0 for _, sk, sv in groups for s in (sk, sv))
+
+
 def compress_prefix(
     store: CompressedStore,
     pruner: PrunerChoice,
@@ -319,6 +331,8 @@ def compress_prefix(
     v_buffers: list[torch.Tensor],
     slots: torch.Tensor,
     groups: list[tuple[torch.Tensor, float, float]],
+    *,
+    reduce_losses: LossReducer | None = None,
 ) -> list[int]:
     """Prune and compress ``n`` whole blocks of dense KV (token ``slots``, ``n·B`` of them, page
     aligned) from SGLang's per-layer buffers into the store. Returns their virtual block ids.
@@ -327,8 +341,11 @@ def compress_prefix(
     generated blocks use different sparsities). Within each set the blocks whose pruning loss,
     summed over all layers and KV heads, is lowest become sparse. Two passes over the layers keep the
     temporary memory at one layer's blocks. ``pruner`` is one pruner or one per layer.
+    ``reduce_losses`` (tensor parallelism) sums the losses over the ranks before a fractional S ranks them.
     """
     loss_k, loss_v = block_losses(pruner, k_buffers, v_buffers, slots, store.block_size, store.kv_heads)
+    if reduce_losses is not None and needs_ranking(groups):
+        loss_k, loss_v = reduce_losses(torch.stack([loss_k, loss_v])).unbind(0)
     sparse_k = torch.zeros(loss_k.shape, dtype=torch.bool, device=slots.device)
     sparse_v = torch.zeros_like(sparse_k)
     for mask, sk, sv in groups:

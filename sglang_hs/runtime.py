@@ -19,6 +19,7 @@ The backend and the tree hold the same runtime; neither reaches into the other.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from sglang_hs.config import HieraSparseConfig
-from sglang_hs.pools import CompressedStore, StoreCapacity, VirtualSlots, compress_prefix
+from sglang_hs.pools import CompressedStore, LossReducer, StoreCapacity, VirtualSlots, compress_prefix
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -91,7 +92,30 @@ class HieraSparseRuntime:
             from sglang_hs.kernels.compress import FusedCompressor
 
             compressor = FusedCompressor()
+        reduce_losses = tensor_parallel_loss_sum(model_runner)
+        if reduce_losses is not None:
+            compressor = functools.partial(compressor, reduce_losses=reduce_losses)
         return cls(config, store, virtual, compressor, budget, kernels)
+
+
+def tensor_parallel_loss_sum(model_runner: ModelRunner) -> LossReducer | None:
+    """Under attention tensor parallelism, a reducer that sums block losses over the ranks (NCCL, on
+    the current stream); None on one rank. Every rank compresses the same nodes at the same point of
+    its (identical) schedule, so the collective is met by all ranks."""
+    if getattr(model_runner, "tp_size", 1) == 1:
+        return None
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    if parallel.attn_tp_size == 1:
+        return None
+    group = parallel.attn_tp_group.device_group
+
+    def reduce(losses: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(losses, group=group)
+        return losses
+
+    return reduce
 
 
 def tilelang_kernels_available() -> bool:
