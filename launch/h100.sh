@@ -27,7 +27,7 @@
 # server_check_s0_kernels_tp2_h100.json). The prefix step also takes MEM (--mem-fraction-static, 0.85),
 # CONTEXT (prefix tokens, 8192), OUTLEN (output tokens, 64), PPG (questions per group, 8), HICACHE_GB
 # (the hicache server's host pool; SGLang's default of twice the GPU pool exceeds the H100 host's free
-# memory at MEM 0.85) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
+# memory at MEM 0.85), PROBE=1 (run the capacity probe before numbered regimes too) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
 # run, or flashinfer, which needs the warmfi step first).
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
@@ -94,7 +94,7 @@ case "$step" in
     servers=${3:?SERVERS, e.g. triton,hs:1:1:auto}
     regimes=${4:-g10x20}
     probe=()
-    [[ $regimes == g* ]] || probe=(--skip-capacity-probe)
+    [[ $regimes == g* || ${PROBE:-0} = 1 ]] || probe=(--skip-capacity-probe)
     python3 -m sglang_hs.launch.bench_prefix --model-path $llama --load-format dummy --servers "$servers" \
         --regimes "$regimes" --api "${5:-sglang-oai}" --context $context --question-len 256 --output-len "${OUTLEN:-64}" \
         --prompts-per-group "${PPG:-8}" --max-concurrency 16 --request-rate 16 --mem-fraction-static "${MEM:-0.85}" \

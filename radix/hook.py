@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
-from sglang_hs.format import dense_block_bytes
+from sglang_hs.format import dense_block_bytes, sparse_count
 from sglang_hs.pools import CompressedStore, StoreFull, VirtualSlots
 from sglang_hs.pruner import make_pruner
 from sglang_hs.runtime import HieraSparseRuntime, runtime_of
@@ -316,7 +316,7 @@ class HieraSparseRadixCache(RadixCache):
         block_starts = torch.arange(first, last) * block
         prompt = block_starts < (self._prompt_len if self._prompt_len is not None else end)
         groups = [(prompt, cfg.sk_prefill, cfg.sv_prefill), (~prompt, cfg.sk_decode, cfg.sv_decode)]
-        self._make_room(last - first, keep=node)
+        self._make_room(pool_demand(groups, last - first), keep=node)
         vbs = self.runtime.compress_prefix(self.store, self.pruner, self.k_buffers, self.v_buffers, slots, groups)
         node.value[offset : offset + len(slots)] = self.virtual.slots_of(vbs, node.value.device)
         self.token_to_kv_pool_allocator.free(slots)
@@ -330,11 +330,16 @@ class HieraSparseRadixCache(RadixCache):
         self.publish_metrics()
         logger.debug("hierasparse: compressed %d blocks at positions %d..%d", len(vbs), first * block, last * block)
 
-    def _make_room(self, blocks: int, keep: TreeNode) -> None:
-        """Evict unlocked compressed leaves (LRU) until the store has ``blocks`` free virtual blocks."""
-        missing = blocks - self.store.free_counts()["virtual"]
-        if missing > 0:
+    def _make_room(self, demand: dict[str, int], keep: TreeNode) -> None:
+        """Evict unlocked compressed leaves (LRU) until every pool of the store has the free slots
+        ``demand`` names. At a fractional S the sparse and dense pools of K (or V) can run out before
+        the virtual blocks do: each is checked, and eviction goes on while it frees anything."""
+        free = self.store.free_counts()
+        while (missing := max(demand[pool] - free[pool] for pool in demand)) > 0:
             self._evict_leaves(missing * self.config.block_size, virtual_tokens, exclude=keep)
+            before, free = free, self.store.free_counts()
+            if free == before:
+                return  # nothing left to evict: the compression raises StoreFull
 
     def enable_metrics(self, gauges: "PrometheusGauges") -> None:
         """Export the status as Prometheus gauges, from now on: a scrape before the first request
@@ -447,6 +452,16 @@ def status_line_parts(result, pool_stats, *args, **kwargs) -> list[str] | None:
         f"hs saved: {s['bytes_saved'] / 2**20:.1f} MiB",
     ]
     return list(result or []) + parts
+
+
+def pool_demand(groups: list[tuple[torch.Tensor, float, float]], blocks: int) -> dict[str, int]:
+    """Free slots per store pool that compressing ``blocks`` blocks takes: each group of blocks
+    (prompt or generated, with its S_K and S_V) makes ``sparse_count`` of its blocks sparse, the
+    same count the compressor's ranking picks, so the demand is exact before any block is ranked."""
+    k_sparse = sum(sparse_count(int(mask.sum()), sk) for mask, sk, _ in groups)
+    v_sparse = sum(sparse_count(int(mask.sum()), sv) for mask, _, sv in groups)
+    return {"virtual": blocks, "k_sparse": k_sparse, "k_dense": blocks - k_sparse,
+            "v_sparse": v_sparse, "v_dense": blocks - v_sparse}  # fmt: skip
 
 
 def virtual_tokens(node: TreeNode) -> int:

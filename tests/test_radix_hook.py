@@ -269,24 +269,73 @@ def test_prometheus_gauges_follow_the_store(env):
     assert value("compressed_tokens") == 0
 
 
-def test_tensor_parallel_ranks_stay_in_step_with_different_block_masks(env):
+def test_tensor_parallel_ranks_stay_in_step(env):
     """Two trees fed the same requests over different KV (two tensor-parallel ranks hold different
-    heads) pick different sparse blocks at a fractional S_K, yet split, compress and evict alike: the
-    ``tree state`` line each rank logs at a flush is equal. A rank that diverges shows in it."""
+    heads), at a fractional S_K. Ranked by its own heads' losses, each rank makes different blocks
+    sparse, so evicting part of a node frees different sparse/dense pool counts and the ranks drift
+    apart. With the losses summed over the ranks (the runtime's all-reduce, simulated here by two
+    threads meeting at a barrier) both pick the same blocks, and the ``tree state`` line each rank logs
+    at a flush stays equal through splits, tail trims and evictions."""
+    import threading
+    from functools import partial
+
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    ranks = [env(sk=0.5, sv=1.0, store_blocks=24, seed=seed) for seed in (0, 1)]
-    for e in ranks:
-        for start in (100, 3000, 5000):
-            insert(e, list(range(start, start + 1024)))
-        insert(e, list(range(100, 612)) + list(range(7000, 7640)))  # splits the first prefix
-        e.tree.evict(EvictParams(num_tokens=300))
-    masks = [sorted(p.k_sparse for p in e.store.placements().values()) for e in ranks]
-    assert masks[0] == masks[1]  # as many sparse K blocks on each rank ...
-    slots = [{vb: p.k_sparse for vb, p in e.store.placements().items()} for e in ranks]
-    assert slots[0] != slots[1]  # ... but not the same ones
+    from sglang_hs.pools import compress_prefix
+
+    def run_ranks(reduce: bool) -> list:
+        ranks = [env(sk=0.5, sv=1.0, store_blocks=30, seed=seed) for seed in (0, 1)]
+        deposit, barrier = [None, None], threading.Barrier(2)
+
+        def all_reduce(rank: int, losses: torch.Tensor) -> torch.Tensor:
+            deposit[rank] = losses.clone()
+            barrier.wait()
+            total = deposit[0] + deposit[1]
+            barrier.wait()
+            return total
+
+        def serve(rank: int) -> None:
+            e = ranks[rank]
+            if reduce:
+                e.tree.runtime.compress_prefix = partial(compress_prefix, reduce_losses=partial(all_reduce, rank))
+            for start in (100, 3000, 5000):  # the store holds two prefixes: the third evicts one
+                insert(e, list(range(start, start + 1024)))
+            insert(e, list(range(3000, 3512)) + list(range(7000, 7640)))  # splits the second prefix
+            e.tree.evict(EvictParams(num_tokens=300))  # trims a tail, evicts part of a split node
+
+        threads = [threading.Thread(target=serve, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert all(balanced(e) and e.store.check() is None for e in ranks)
+        return ranks
+
+    own = run_ranks(reduce=False)
+    assert own[0].tree.rank_state() != own[1].tree.rank_state()  # pool counts drift apart
+    ranks = run_ranks(reduce=True)
+    placements = [{vb: p.k_sparse for vb, p in e.store.placements().items()} for e in ranks]
+    assert placements[0] == placements[1] and any(placements[0].values()) and not all(placements[0].values())
     states = [e.tree.rank_state() for e in ranks]
-    assert states[0] == states[1] and "splits=" in states[0] and "nodes=" in states[0]
-    assert all(balanced(e) and e.store.check() is None for e in ranks)
+    assert states[0] == states[1] and "splits=2 " in states[0] and "evicted_for_store=11 " in states[0]
     ranks[1].tree.evict(EvictParams(num_tokens=64))
     assert ranks[1].tree.rank_state() != states[0]
+
+
+def test_fractional_sparsity_evicts_for_the_pool_that_runs_out(env):
+    """At S_K = 0.5 a prefix of 5 compressible blocks takes 3 sparse-K and 2 dense-K slots, so the
+    sparse-K pool runs out while virtual blocks are still free. The next prefix must evict the
+    least recently used compressed prefix, not stay dense."""
+    e = env(sk=0.5, sv=1.0, store_blocks=20)  # 10 sparse-K slots, 10 dense-K slots
+    prefixes = [list(range(start, start + 640)) for start in (100, 2000, 4000, 6000)]  # 10 blocks: 5 compressed
+    for tokens in prefixes[:3]:
+        insert(e, tokens)
+    free = e.store.free_counts()
+    assert free["virtual"] == 5 and free["k_sparse"] == 1  # room for a 4th prefix but for its sparse K
+    insert(e, prefixes[3])
+    status = e.tree.status()
+    assert status["prefixes_kept_dense_total"] == 0 and status["blocks_evicted_for_store_total"] == 5
+    assert len(match(e, prefixes[0]).device_indices) == 0  # the oldest prefix made room
+    hit = match(e, prefixes[3]).device_indices
+    assert len(hit) == 640 and int(e.virtual.mask(hit).sum()) == 5 * 64
+    assert balanced(e) and e.store.check() is None
