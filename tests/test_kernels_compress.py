@@ -99,7 +99,7 @@ def torch_loss(buffers, pages, heads, operand):
     return total
 
 
-def run_pair(kb, vb, heads, dim, dtype, groups_list, prefixes, device, backend=None, **store_kw):
+def run_pair(kb, vb, heads, dim, dtype, groups_list, prefixes, device, backend=None, reduce_losses=None, **store_kw):
     """Compress the same prefixes (page lists) into two fresh stores, with the PyTorch path and with
     ours; returns (ours, theirs, [(vbs_ours, vbs_theirs)])."""
     layers = len(kb)
@@ -110,8 +110,8 @@ def run_pair(kb, vb, heads, dim, dtype, groups_list, prefixes, device, backend=N
     compressor = C.FusedCompressor()
     for pages, groups in zip(prefixes, groups_list):
         slots = page_slots(pages).to(device)
-        want = torch_compress_prefix(theirs, MagnitudePruner(), kb, vb, slots, groups)
-        got = compressor(ours, MagnitudePruner(), kb, vb, slots, groups, backend=backend)
+        want = torch_compress_prefix(theirs, MagnitudePruner(), kb, vb, slots, groups, reduce_losses=reduce_losses)
+        got = compressor(ours, MagnitudePruner(), kb, vb, slots, groups, backend=backend, reduce_losses=reduce_losses)
         ids.append((got, want))
     return ours, theirs, ids
 
@@ -227,6 +227,31 @@ def test_wrapper_on_emulation_equals_pytorch_path(heads, dim, dtype, layers, sk,
     for got, want in ids:
         assert got == want
     assert_same_store(ours, theirs)
+
+
+def test_loss_reduction_reaches_the_ranking_on_both_paths():
+    """Under tensor parallelism both compressors rank by the losses summed over the ranks. A stand-in
+    reduction that reverses the ranking (negated losses) must change the block choice of both paths
+    in the same way, and leave S = 0 / 1 (no ranking) alone."""
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(8)).tolist()
+    kb, vb = make_kv(2, 2, 64, torch.float16, 40, seed=9)
+    groups = [[(torch.ones(12, dtype=torch.bool), 0.5, 0.5)], [(torch.ones(6, dtype=torch.bool), 0.0, 1.0)]]
+    prefixes = [perm[:12], perm[12:18]]
+    calls = []
+
+    def negate(losses: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(losses.shape))
+        return -losses
+
+    plain, _, _ = run_pair(kb, vb, 2, 64, torch.float16, groups, prefixes, "cpu", backend=C.TorchEmulation())
+    ours, theirs, ids = run_pair(kb, vb, 2, 64, torch.float16, groups, prefixes, "cpu", backend=C.TorchEmulation(),
+                                 reduce_losses=negate)  # fmt: skip
+    assert calls == [(2, 12), (2, 12)]  # once per path for the fractional prefix, never for S = 0 / 1
+    for got, want in ids:
+        assert got == want
+    assert_same_store(ours, theirs)
+    sparse_k = [[store.placement(vb).k_sparse for vb in ids[0][0]] for store in (plain, ours)]
+    assert sum(sparse_k[0]) == sum(sparse_k[1]) == 6 and sparse_k[0] != sparse_k[1]
 
 
 def test_emulated_loss_matches_pytorch_loss():
