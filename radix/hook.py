@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from sglang_hs.format import dense_block_bytes, sparse_count
 from sglang_hs.pools import CompressedStore, StoreFull, VirtualSlots
 from sglang_hs.pruner import make_pruner
-from sglang_hs.runtime import HieraSparseRuntime, runtime_of
+from sglang_hs.runtime import HieraSparseRuntime
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -98,9 +98,11 @@ class HieraSparseRadixCache(RadixCache):
         runtime: HieraSparseRuntime,
         k_buffers: list[torch.Tensor],
         v_buffers: list[torch.Tensor],
+        **cache_kwargs,
     ):
         """``runtime`` is the one the attention backend reads (store, virtual slots, settings,
-        compressor); ``k_buffers``/``v_buffers`` are SGLang's per-layer KV buffers."""
+        compressor); ``k_buffers``/``v_buffers`` are SGLang's per-layer KV buffers; ``cache_kwargs``
+        go to the next tree class (``server_args`` for SGLang's hierarchical cache)."""
         self.runtime = runtime
         self.store, self.config, self.virtual = runtime.store, runtime.config, runtime.virtual
         self.k_buffers, self.v_buffers = k_buffers, v_buffers
@@ -108,7 +110,7 @@ class HieraSparseRadixCache(RadixCache):
         self.stats = CompressionStats()
         self.prometheus: PrometheusGauges | None = None
         self._prompt_len: int | None = None  # set while a finished request is inserted
-        super().__init__(params)
+        super().__init__(params, **cache_kwargs)
         make_virtual_aware(self.token_to_kv_pool_allocator, self.store, self.virtual)
 
     # ----------------------------------------------------------------------------- accounting
@@ -235,9 +237,10 @@ class HieraSparseRadixCache(RadixCache):
             self.stats.evicted_blocks["store" if freed_by is virtual_tokens else "dense"] += (
                 virtual_tokens(node) // self.config.block_size
             )
-            self._remove_leaf(node)
             parent = node.parent
-            if not parent.children and parent.lock_ref == 0 and candidate(parent):
+            self._remove_leaf(node)
+            # SGLang keeps evictable_leaves current: the parent is one once no child is on the device.
+            if parent in self.evictable_leaves and candidate(parent):
                 heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
         self.update_eviction_metrics(evicted_tokens, start)
         self.publish_metrics()
@@ -285,6 +288,10 @@ class HieraSparseRadixCache(RadixCache):
             return len(node.value)
         return len(node.value) - 1 - int(torch.nonzero(virtual)[-1])
 
+    def check_stores(self) -> str | None:
+        """None if the compressed store accounts for every slot, else what is wrong (idle check)."""
+        return self.store.check()
+
     # ----------------------------------------------------------------------------- compression
     def cache_finished_req(self, req, is_insert: bool = True, **kwargs):
         self._prompt_len = len(req.origin_input_ids)
@@ -295,8 +302,8 @@ class HieraSparseRadixCache(RadixCache):
 
     def _record_store_event(self, node: TreeNode, medium=None):
         super()._record_store_event(node, medium)
-        if self.disable:
-            return
+        if self.disable or medium is not None:
+            return  # a host-tier or load-back event (hierarchical cache): the node is compressed already
         try:
             self._compress_node(node)
         except StoreFull as exc:
@@ -366,6 +373,12 @@ class HieraSparseRadixCache(RadixCache):
             "tails_trimmed_total": self.stats.trimmed_tails,
             "blocks_evicted_for_dense_total": self.stats.evicted_blocks["dense"],
             "blocks_evicted_for_store_total": self.stats.evicted_blocks["store"],
+            # The host tier (hierarchical cache only; see sglang_hs.radix.hicache).
+            "host_compressed_tokens": 0,
+            "host_store_capacity_blocks": 0,
+            "blocks_backed_up_total": self.stats.backed_up_blocks,
+            "blocks_loaded_total": self.stats.loaded_blocks,
+            "blocks_evicted_from_host_total": self.stats.host_evicted_blocks,
         }
 
 
@@ -384,6 +397,11 @@ class PrometheusGauges:
         "tails_trimmed_total": "Dense tails cut off compressed prefixes to free dense pages",
         "blocks_evicted_for_dense_total": "Compressed blocks evicted to free dense pages",
         "blocks_evicted_for_store_total": "Compressed blocks evicted to make room in the store",
+        "host_compressed_tokens": "Prefix tokens resident in the host tier's compressed store",
+        "host_store_capacity_blocks": "Compressed blocks the host tier's store can hold",
+        "blocks_backed_up_total": "Compressed blocks written to the host tier since start",
+        "blocks_loaded_total": "Compressed blocks loaded back from the host tier since start",
+        "blocks_evicted_from_host_total": "Compressed blocks evicted from the host tier since start",
     }
 
     def __init__(self, labels: dict[str, str], registry=None):
@@ -409,19 +427,25 @@ class CompressionStats:
         self.kept_dense_prefixes = 0
         self.trimmed_tails = 0
         self.node_splits = 0
-        # Compressed blocks discarded by eviction, by what the eviction made room for.
+        # Compressed blocks evicted from the GPU store, by what the eviction made room for (with the
+        # hierarchical cache a block backed up on the host stays there).
         self.evicted_blocks = {"dense": 0, "store": 0}
+        # The host tier (hierarchical cache): compressed blocks written to, loaded from, evicted from it.
+        self.backed_up_blocks = 0
+        self.loaded_blocks = 0
+        self.host_evicted_blocks = 0
 
 
 def check_store_when_idle(result, checker, *args, **kwargs):
     """AFTER hook on SGLang's idle pool check (``SchedulerInvariantChecker._check_all_pools``): the
-    compressed store must account for every slot (free or owned by exactly one virtual block),
-    reported through SGLang's own leak path."""
+    compressed store must account for every slot (free or owned by exactly one virtual block), and
+    with the hierarchical cache the host tier too (``check_stores``); reported through SGLang's own
+    leak path."""
     tree = checker.tree_cache
     if not isinstance(tree, HieraSparseRadixCache):
         return None
     has_leak, messages = result
-    problem = tree.store.check()
+    problem = tree.check_stores()
     if problem is None:
         return None
     return True, [*messages, problem]
@@ -451,6 +475,8 @@ def status_line_parts(result, pool_stats, *args, **kwargs) -> list[str] | None:
         f"hs store usage: {s['store_used_blocks'] / max(1, s['store_capacity_blocks']):.2f}",
         f"hs saved: {s['bytes_saved'] / 2**20:.1f} MiB",
     ]
+    if s.get("host_store_capacity_blocks"):
+        parts.append(f"#hs host compressed token: {s['host_compressed_tokens']}")
     return list(result or []) + parts
 
 
@@ -483,23 +509,3 @@ def node_start(node: TreeNode) -> int:
         start += len(walk.key)
         walk = walk.parent
     return start
-
-
-def create_radix_cache(ctx) -> HieraSparseRadixCache:
-    """Build the tree for SGLang's scheduler over the model runner's runtime (set up by the attention
-    backend) and the KV pool's per-layer buffers."""
-    runner = ctx.tp_worker.model_runner
-    runtime = runtime_of(runner)
-    if runtime is None:
-        raise TypeError(f"--radix-cache-backend {RADIX_BACKEND_NAME} needs --attention-backend hierasparse")
-    kv_pool = runner.token_to_kv_pool
-    layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
-    tree = HieraSparseRadixCache(
-        ctx.params,
-        runtime,
-        [kv_pool.get_key_buffer(layer) for layer in layers],
-        [kv_pool.get_value_buffer(layer) for layer in layers],
-    )
-    if ctx.params.enable_metrics:
-        tree.enable_metrics(PrometheusGauges({"cache_type": type(tree).__name__}))
-    return tree

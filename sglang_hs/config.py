@@ -57,6 +57,9 @@ class HieraSparseConfig:
     """Name of the pruner that picks element masks and ranks blocks (see sglang_hs.pruner)."""
     store_fraction: float = 0.5
     """Share of SGLang's KV-cache memory budget given to the compressed store; the rest stays dense."""
+    host_store_fraction: float = 0.8
+    """With --enable-hierarchical-cache: share of the host tier's bytes given to compressed blocks; the
+    rest is SGLang's dense host pool (sinks, windows, requests' own tokens)."""
     dense_backend: str = "flashinfer"
     """SGLang backend that attends over the dense tokens (new tokens, sink, window)."""
     kernels: str = "decode,extend,compress"
@@ -92,6 +95,12 @@ class HieraSparseConfig:
             0.0 < self.store_fraction <= 0.95,
             cli_flag("store_fraction"),
             self.store_fraction,
+            "a fraction in (0, 0.95]",
+        )
+        _require(
+            0.0 < self.host_store_fraction <= 0.95,
+            cli_flag("host_store_fraction"),
+            self.host_store_fraction,
             "a fraction in (0, 0.95]",
         )
         _require(

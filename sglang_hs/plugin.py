@@ -102,7 +102,7 @@ status_line_parts = _lazy("sglang_hs.radix.hook.status_line_parts")
 """The compressed cache's status, appended to SGLang's periodic batch log line."""
 check_store_when_idle = _lazy("sglang_hs.radix.hook.check_store_when_idle")
 """The compressed store's own leak check, added to SGLang's idle memory check."""
-create_radix_cache = _lazy("sglang_hs.radix.hook.create_radix_cache")
+create_radix_cache = _lazy("sglang_hs.radix.factory.create_radix_cache")
 """Radix-cache factory (``--radix-cache-backend hierasparse``, set by the backend defaults)."""
 
 
@@ -117,6 +117,7 @@ _FLAG_HELP = {
     "sv_decode": "Fraction of generated-token blocks whose V is stored 2:4 sparse.",
     "pruner": "Pruner that picks element masks and ranks blocks.",
     "store_fraction": "Share of the KV-cache memory budget given to the compressed store.",
+    "host_store_fraction": "With --enable-hierarchical-cache: share of the host tier given to compressed blocks.",
     "dense_backend": "SGLang backend that attends over the dense tokens.",
     "kernels": "TileLang kernels to use (decode,extend,compress); 'none' runs the PyTorch paths.",
 }

@@ -115,7 +115,9 @@ class CompressedStore:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        pin_memory: bool = False,
     ):
+        """``pin_memory``: page-locked CPU pools (a host-tier store that GPU copy kernels read and write)."""
         self.capacity = capacity
         self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
         # The concrete device ("cuda:0", not "cuda"): callers compare it with their tensors' devices.
@@ -123,7 +125,8 @@ class CompressedStore:
         h, b, d = kv_heads, block_size, head_dim
 
         def pool(slots: int, *shape: int, dtype: torch.dtype = dtype) -> list[torch.Tensor]:
-            return [torch.zeros(slots * h, *shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            return [torch.zeros(slots * h, *shape, dtype=dtype, device=device, pin_memory=pin_memory)
+                    for _ in range(num_layers)]  # fmt: skip
 
         self.k_dense = pool(capacity.k_dense, b, d)
         self.k_values = pool(capacity.k_sparse, b, d // 2)
@@ -136,6 +139,7 @@ class CompressedStore:
         # Host-side ownership: per virtual block, (is_sparse, slot) of its K and of its V.
         self._k_slot: dict[int, tuple[bool, int]] = {}
         self._v_slot: dict[int, tuple[bool, int]] = {}
+        self._pointer_tables: dict[tuple[str, str], torch.Tensor] = {}
         self.clear()
 
     # ----------------------------------------------------------------------------- bookkeeping
@@ -240,6 +244,15 @@ class CompressedStore:
         self.v_index[:, columns] = entries(self._v_slot).to(self.device)
 
     # ----------------------------------------------------------------------------- data
+    def pointer_table(self, name: str, device: torch.device | str) -> torch.Tensor:
+        """uint64 addresses of pool tensor ``name``'s layers, on ``device``: SGLang's all-layer copy
+        kernels take such a table (built once per pool and device)."""
+        key = (name, str(device))
+        if key not in self._pointer_tables:
+            addresses = [tensor.data_ptr() for tensor in getattr(self, name)]
+            self._pointer_tables[key] = torch.tensor(addresses, dtype=torch.uint64, device=device)
+        return self._pointer_tables[key]
+
     def layer_pools(self, layer: int) -> BlockPools:
         return BlockPools(
             self.k_dense[layer], self.k_values[layer], self.k_meta[layer],

@@ -20,6 +20,7 @@ from sglang_hs.config import ENV_VAR, HieraSparseConfig, HieraSparseConfigError
         ({"window_tokens": -64}, "--hierasparse-window-tokens"),
         ({"pruner": "random"}, "--hierasparse-pruner"),
         ({"store_fraction": 0.0}, "--hierasparse-store-fraction"),
+        ({"host_store_fraction": 0.99}, "--hierasparse-host-store-fraction"),
         ({"dense_backend": "fa3"}, "--hierasparse-dense-backend"),
         ({"kernels": "decode,prefill"}, "--hierasparse-kernels"),
         ({"kernels": "decode,decode"}, "--hierasparse-kernels"),

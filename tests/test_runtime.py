@@ -69,7 +69,7 @@ def test_without_a_reservation_the_store_is_empty_and_settings_come_from_the_env
 
 
 def test_radix_cache_factory_needs_the_backends_runtime():
-    from sglang_hs.radix.hook import create_radix_cache
+    from sglang_hs.radix.factory import create_radix_cache
 
     ctx = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=fake_runner()), params=None)
     with pytest.raises(TypeError, match="needs --attention-backend hierasparse"):
