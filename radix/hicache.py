@@ -56,7 +56,7 @@ class HieraSparseHiRadixCache(HieraSparseRadixCache, HiRadixCache):
         """``server_args`` sizes SGLang's dense host pool (its ``hicache_size`` is the dense share, see
         :func:`~sglang_hs.radix.host_tier.host_budget`); ``host_capacity`` sizes the host store."""
         self._staged_write_back: list[tuple[TreeNode, torch.Tensor]] = []
-        self._host_checked_generation = -1
+        self._host_checked: tuple | None = None
         super().__init__(params, runtime, k_buffers, v_buffers, server_args=server_args)
         store = self.store
         pin = torch.cuda.is_available() and self.token_to_kv_pool_host.pin_memory
@@ -243,14 +243,15 @@ class HieraSparseHiRadixCache(HieraSparseRadixCache, HiRadixCache):
         """None if the tree's host values hold exactly the host slots in use (walked only when the host
         allocation changed since the last clean check), else what differs."""
         host = self.token_to_kv_pool_host
-        if not force and host.hs_generation == self._host_checked_generation:
+        signature = (host.hs_generation, host.available_size(), tuple(self.host_store.free_counts().values()))
+        if not force and signature == self._host_checked:
             return None
         held = self.host_held()
         used = (host.used_dense_slots(), self.host_store.used_blocks())
         if held != used:
             return (f"hierarchical cache host leak: the host holds {used[0]} dense tokens and {used[1]} compressed "
                     f"blocks, the tree {held[0]} and {held[1]}")  # fmt: skip
-        self._host_checked_generation = host.hs_generation
+        self._host_checked = signature
         return None
 
     def check_stores(self) -> str | None:

@@ -1,0 +1,408 @@
+"""The compressed radix cache on SGLang's hierarchical cache, driving SGLang's real HiRadixCache,
+HiCacheController, MHA host pool, paged allocator and KV pool on CPU.
+
+Faked, because they need a GPU: pinned host allocation (``cudaHostRegister``) and SGLang's dense
+host<->device copy kernels (``sgl_kernel.kvcacheio``), replaced by ``torch`` indexing over the same
+index tensors. CUDA streams and events are SGLang's own CPU stand-ins (``torch.cpu``). The compressed
+rows move through the product's own CPU path (``sglang_hs.transfer``)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_hs import reference as ref
+from sglang_hs.config import HieraSparseConfig
+from sglang_hs.pools import CompressedStore, StoreCapacity
+from test_radix_hook import DIM, HEADS, LAYERS, PAGE, POOL_TOKENS, balanced, insert, match
+
+pytestmark = pytest.mark.sglang
+
+TOKEN_BYTES = HEADS * DIM * LAYERS * 2 * 2
+"""K and V of one token in every layer and head (fp16)."""
+
+
+# --------------------------------------------------------------------------------------- fakes
+def unpinned_host_alloc(dims, dtype, device, pin_memory, allocator):
+    """Stands in for SGLang's pinned host allocation (``cudaHostRegister`` needs a GPU)."""
+    return torch.zeros(dims, dtype=dtype, device=device)
+
+
+def torch_backup_all_layers(host_pool, device_pool, host_indices, device_indices, io_backend):
+    """Stands in for SGLang's device->host copy kernels (layer_first layout)."""
+    for layer in range(host_pool.layer_num):
+        host_pool.k_buffer[layer][host_indices] = device_pool.k_buffer[layer][device_indices]
+        host_pool.v_buffer[layer][host_indices] = device_pool.v_buffer[layer][device_indices]
+
+
+def torch_load_one_layer(host_pool, device_pool, host_indices, device_indices, layer_id, io_backend):
+    """Stands in for SGLang's host->device copy kernels (layer_first layout)."""
+    device_pool.k_buffer[layer_id][device_indices] = host_pool.k_buffer[layer_id][host_indices]
+    device_pool.v_buffer[layer_id][device_indices] = host_pool.v_buffer[layer_id][host_indices]
+
+
+def hicache_server_args(hicache_size: float, policy: str = "write_through") -> SimpleNamespace:
+    """The server arguments HiRadixCache reads (layer_first host layout: the fakes above copy it)."""
+    return SimpleNamespace(
+        hicache_ratio=2.0, hicache_size=hicache_size, hicache_mem_layout="layer_first", hicache_io_backend="kernel",
+        hicache_write_policy=policy, hicache_storage_backend=None, hicache_storage_backend_extra_config=None,
+        hicache_storage_prefetch_policy="timeout", extra_metric_labels=None, served_model_name="test",
+    )  # fmt: skip
+
+
+def sglang_pools(seed: int = 0) -> SimpleNamespace:
+    """SGLang's request pool, KV pool (random KV) and paged allocator, as a scheduler builds them."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    torch.manual_seed(seed)
+    req_pool = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
+                          layer_num=LAYERS, device="cpu", enable_memory_saver=False)  # fmt: skip
+    for layer in range(LAYERS):
+        kv.k_buffer[layer].normal_()
+        kv.v_buffer[layer].normal_()
+    allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, device="cpu",
+                                            kvcache=kv, need_sort=False)  # fmt: skip
+    return SimpleNamespace(req_pool=req_pool, kv=kv, allocator=allocator)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """HiRadixCache asks torch.distributed for its TP group's size: a one-process gloo group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = tmp_path_factory.mktemp("dist") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def hienv(one_rank, monkeypatch):
+    """A hierarchical tree over SGLang's real pools, with a host tier of ``host_tokens`` dense host
+    slots and ``host_blocks`` compressed host blocks."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.pool_host import mha
+
+    from sglang_hs.pools import VirtualSlots
+    from sglang_hs.radix.hicache import HieraSparseHiRadixCache
+    from sglang_hs.runtime import HieraSparseRuntime
+
+    monkeypatch.setitem(mha.ALLOC_MEMORY_FUNCS, "cpu", unpinned_host_alloc)
+    monkeypatch.setattr(mha.MHATokenToKVPoolHost, "backup_from_device_all_layer", torch_backup_all_layers)
+    monkeypatch.setattr(mha.MHATokenToKVPoolHost, "load_to_device_per_layer", torch_load_one_layer)
+
+    def build(sk=1.0, sv=1.0, store_blocks=64, host_blocks=64, host_tokens=64 * 20, policy="write_through", seed=0):
+        pools = sglang_pools(seed)
+        req_pool, kv, allocator = pools.req_pool, pools.kv, pools.allocator
+
+        def capacity(blocks):
+            return StoreCapacity(blocks, *(int(blocks * f) for f in (1 - sk, sk, 1 - sv, sv)))
+
+        store = CompressedStore(capacity(store_blocks), LAYERS, HEADS, DIM, PAGE, torch.float16, "cpu")
+        config = HieraSparseConfig(sk_prefill=sk, sv_prefill=sv)
+        virtual = VirtualSlots(base=POOL_TOKENS + PAGE, block_size=PAGE)
+        params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
+                                 page_size=PAGE)  # fmt: skip
+        server_args = hicache_server_args((host_tokens - PAGE) * TOKEN_BYTES / 1e9, policy)
+        runtime = HieraSparseRuntime(config, store, virtual)
+        tree = HieraSparseHiRadixCache(params, server_args, runtime, kv.k_buffer, kv.v_buffer, capacity(host_blocks))
+        return SimpleNamespace(tree=tree, allocator=allocator, store=store, kv=kv, req_pool=req_pool,
+                               virtual=virtual, host=tree.token_to_kv_pool_host, host_store=tree.host_store)  # fmt: skip
+
+    return build
+
+
+# --------------------------------------------------------------------------------------- helpers
+def only_child(e):
+    return next(iter(e.tree.root_node.children.values()))
+
+
+def store_rows(store: CompressedStore, vb: int) -> list[torch.Tensor]:
+    """Every pool row of virtual block ``vb`` in every layer, with its placement kinds."""
+    p, heads = store.placement(vb), store.kv_heads
+    rows = []
+    for layer in range(store.num_layers):
+        k_names = ("k_values", "k_meta") if p.k_sparse else ("k_dense",)
+        v_names = ("v_values", "v_meta") if p.v_sparse else ("v_dense",)
+        rows += [getattr(store, n)[layer][p.k_slot * heads : (p.k_slot + 1) * heads].clone() for n in k_names]
+        rows += [getattr(store, n)[layer][p.v_slot * heads : (p.v_slot + 1) * heads].clone() for n in v_names]
+    return rows
+
+
+def blocks_of(slots: torch.Tensor, virtual) -> list[int]:
+    """Virtual blocks of ``slots``, in token order."""
+    starts = slots[virtual.mask(slots)][::PAGE]
+    return ((starts - virtual.base) // PAGE).tolist()
+
+
+def attend(e, row: torch.Tensor, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Reference attention of ``q`` over the block table of ``row`` (a matched prefix), per layer."""
+    table = e.virtual.block_table(row[None])
+    return [ref.paged_attention(q, [0, q.shape[0]], e.kv.k_buffer[l], e.kv.v_buffer[l], e.store.layer_pools(l),
+                                e.store.k_index, e.store.v_index, table, [len(row)]) for l in range(LAYERS)]  # fmt: skip
+
+
+def load_hit(e, tokens):
+    """What the scheduler does for a host hit: match, init_load_back, start the transfer, acknowledge it."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    result = match(e, tokens)
+    if result.host_hit_length == 0:
+        return result.device_indices
+    loaded, _ = e.tree.init_load_back(InitLoadBackParams(best_match_node=result.best_match_node,
+                                                         host_hit_length=result.host_hit_length))  # fmt: skip
+    e.tree.ready_to_load_host_cache()
+    e.tree.loading_check()
+    return torch.cat([result.device_indices, loaded])
+
+
+def host_consistent(e) -> bool:
+    return e.host_store.check() is None and e.tree.check_stores() is None
+
+
+# --------------------------------------------------------------------------------------- tests
+def test_write_through_copies_exactly_the_compressed_rows(hienv):
+    e = hienv(sk=0.5, sv=1.0)
+    tokens = list(range(1000, 2024))  # 16 blocks: sink 1, window 4 -> 11 compressed
+    insert(e, tokens)
+    node = only_child(e)
+    assert node.backuped and node.lock_ref == 1  # write-through: locked until the copy is acknowledged
+    e.tree.writing_check()
+    assert node.lock_ref == 0 and balanced(e)
+    dev_virtual, host_virtual = e.virtual.mask(node.value), e.tree.host_virtual.mask(node.host_value)
+    assert torch.equal(dev_virtual, host_virtual) and int(host_virtual.sum()) == 11 * PAGE
+    assert e.host_store.used_blocks() == 11 and e.host.used_dense_slots() == 1024 - 11 * PAGE
+    for dev_vb, host_vb in zip(blocks_of(node.value, e.virtual), blocks_of(node.host_value, e.tree.host_virtual)):
+        dp, hp = e.store.placement(dev_vb), e.host_store.placement(host_vb)
+        assert (dp.k_sparse, dp.v_sparse) == (hp.k_sparse, hp.v_sparse)
+        assert all(torch.equal(a, b) for a, b in zip(store_rows(e.store, dev_vb), store_rows(e.host_store, host_vb)))
+    dense_dev, dense_host = node.value[~dev_virtual], node.host_value[~host_virtual]
+    for layer in range(LAYERS):
+        assert torch.equal(e.host.k_buffer[layer][dense_host], e.kv.k_buffer[layer][dense_dev])
+        assert torch.equal(e.host.v_buffer[layer][dense_host], e.kv.v_buffer[layer][dense_dev])
+    # Host bytes of the compressed blocks: S_K = 0.5 (6 of 11 K blocks sparse), S_V = 1.
+    dense_bytes = 2 * 11 * PAGE * DIM * 2 * HEADS * LAYERS
+    assert e.host_store.stored_bytes() == e.store.stored_bytes() < dense_bytes / 1.28
+    assert e.tree.status()["blocks_backed_up_total"] == 11 and host_consistent(e)
+
+
+def test_device_eviction_keeps_the_host_copy_and_frees_store_blocks(hienv):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e = hienv()
+    start_free, start_store = e.allocator.available_size(), e.store.free_counts()
+    tokens = list(range(1000, 2024))
+    insert(e, tokens)
+    e.tree.writing_check()
+    e.tree.evict(EvictParams(num_tokens=10**6))
+    node = only_child(e)
+    assert node.evicted and node.backuped and e.tree.host_virtual_tokens(node) == 11 * PAGE
+    assert e.allocator.available_size() == start_free and e.store.free_counts() == start_store
+    assert e.host_store.used_blocks() == 11 and balanced(e) and host_consistent(e)
+    result = match(e, tokens)
+    assert len(result.device_indices) == 0 and result.host_hit_length == 1024
+
+
+def test_host_hit_restores_blocks_bit_identically_and_attention_matches(hienv):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e = hienv(sk=0.5, sv=1.0)
+    tokens = list(range(1000, 2024))
+    insert(e, tokens)
+    e.tree.writing_check()
+    before = match(e, tokens).device_indices
+    rows_before = [store_rows(e.store, vb) for vb in blocks_of(before, e.virtual)]
+    kinds_before = [e.store.placement(vb)[::2] for vb in blocks_of(before, e.virtual)]
+    dense_before = [(e.kv.k_buffer[l][before[~e.virtual.mask(before)]].clone(),
+                     e.kv.v_buffer[l][before[~e.virtual.mask(before)]].clone()) for l in range(LAYERS)]  # fmt: skip
+    q = torch.randn(5, 2 * HEADS, DIM).half()
+    expected = attend(e, before, q)
+    e.tree.evict(EvictParams(num_tokens=10**6))
+    # The freed GPU slots are reused by others in the meantime: scribble over every pool.
+    for tensors in (e.store.k_dense, e.store.k_values, e.store.v_dense, e.store.v_values, e.kv.k_buffer, e.kv.v_buffer):
+        for t in tensors:
+            t.normal_()
+    for tensors in (e.store.k_meta, e.store.v_meta):
+        for t in tensors:
+            t.random_(-(2**15), 2**15)
+    taken = e.store.allocate([True, True], [True, True])  # and some blocks are taken: the load gets other slots
+    after = load_hit(e, tokens)
+    assert len(after) == 1024 and torch.equal(e.virtual.mask(after), e.virtual.mask(before))
+    new_blocks = blocks_of(after, e.virtual)
+    assert new_blocks != blocks_of(before, e.virtual)  # fresh virtual slots
+    assert [e.store.placement(vb)[::2] for vb in new_blocks] == kinds_before
+    for vb, old in zip(new_blocks, rows_before):
+        assert all(torch.equal(a, b) for a, b in zip(store_rows(e.store, vb), old))
+    dense_after = after[~e.virtual.mask(after)]
+    for layer, (k, v) in enumerate(dense_before):
+        assert torch.equal(e.kv.k_buffer[layer][dense_after], k) and torch.equal(e.kv.v_buffer[layer][dense_after], v)
+    for (out, lse), (out0, lse0) in zip(attend(e, after, q), expected):
+        assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    node = only_child(e)
+    assert not node.evicted and node.lock_ref == 0 and e.tree.status()["blocks_loaded_total"] == 11
+    e.store.free(taken)
+    assert balanced(e) and e.tree.evictable_size() == 1024 - 11 * PAGE and host_consistent(e)
+
+
+def test_host_eviction_frees_host_slots(hienv):
+    """The host holds two prefixes' compressed blocks: backing up a third evicts the least recently
+    used host-only prefix, whole (dense host slots and compressed blocks)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e = hienv(host_blocks=24)
+    prefixes = [list(range(start, start + 1024)) for start in (100, 3000, 6000)]
+    for tokens in prefixes[:2]:
+        insert(e, tokens)
+        e.tree.writing_check()
+    e.tree.evict(EvictParams(num_tokens=10**6))  # both host-only now
+    assert e.host_store.used_blocks() == 22
+    insert(e, prefixes[2])
+    e.tree.writing_check()
+    assert match(e, prefixes[0]).host_hit_length == 0  # the oldest is gone from both tiers
+    assert match(e, prefixes[1]).host_hit_length == 1024 and len(match(e, prefixes[2]).device_indices) == 1024
+    assert e.host_store.used_blocks() == 22 and e.host.used_dense_slots() == 2 * 320
+    assert e.tree.status()["blocks_evicted_from_host_total"] == 11 and host_consistent(e) and balanced(e)
+
+
+def test_flush_empties_both_tiers(hienv, caplog):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e = hienv()
+    start_free, start_store, start_host = e.allocator.available_size(), e.store.free_counts(), e.host.available_size()
+    insert(e, list(range(100, 1124)))
+    insert(e, list(range(3000, 4024)))
+    e.tree.writing_check()
+    e.tree.evict(EvictParams(num_tokens=400))  # both windows go to the host only
+    with caplog.at_level(logging.INFO, logger="sglang_hs.radix.hicache"):
+        e.tree.reset()
+    assert "host tier at reset: 22 compressed blocks and 640 dense tokens, all owned by the tree" in caplog.text
+    e.allocator.clear()
+    assert e.allocator.available_size() == start_free and e.store.free_counts() == start_store
+    assert e.host.available_size() == start_host and e.host_store.used_blocks() == 0 and balanced(e)
+
+
+def test_idle_check_covers_the_host_tier(hienv):
+    from sglang_hs.radix.hook import check_store_when_idle
+
+    e = hienv()
+    insert(e, list(range(100, 1124)))
+    e.tree.writing_check()
+    checker = SimpleNamespace(tree_cache=e.tree)
+    assert check_store_when_idle((False, []), checker) is None
+    e.host_store.allocate([True], [True])  # a host block no node owns
+    leak, messages = check_store_when_idle((False, []), checker)
+    assert leak and messages == ["hierarchical cache host leak: the host holds 320 dense tokens and 12 compressed "
+                                 "blocks, the tree 320 and 11"]
+
+
+def test_write_back_backs_up_on_eviction_and_loads_back(hienv):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e = hienv(policy="write_back")
+    start_free, start_store = e.allocator.available_size(), e.store.free_counts()
+    tokens = list(range(1000, 2024))
+    insert(e, tokens)
+    assert not only_child(e).backuped and e.host_store.used_blocks() == 0
+    e.tree.evict(EvictParams(num_tokens=10**6))
+    node = only_child(e)
+    assert node.evicted and node.backuped and node.host_ref_counter == 0
+    assert e.allocator.available_size() == start_free and e.store.free_counts() == start_store
+    assert e.host_store.used_blocks() == 11 and balanced(e) and host_consistent(e)
+    assert len(load_hit(e, tokens)) == 1024 and e.store.used_blocks() == 11 and balanced(e)
+
+
+def test_load_back_makes_room_in_the_store(hienv):
+    """A host hit whose blocks do not fit the GPU store evicts the least recently used compressed
+    device leaf (to the host: it was written through) instead of failing."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e = hienv(store_blocks=24)
+    a, b, c = (list(range(start, start + 1024)) for start in (100, 3000, 6000))
+    insert(e, a)
+    insert(e, b)
+    e.tree.writing_check()
+    e.tree.evict(EvictParams(num_tokens=10**6))  # a and b on the host only
+    load_hit(e, b)
+    insert(e, c)  # the store holds b and c now
+    e.tree.writing_check()
+    assert e.store.free_counts()["virtual"] == 2
+    assert len(load_hit(e, a)) == 1024  # needs 11 blocks: b (least recently used) goes to the host
+    assert match(e, b).host_hit_length == 1024 and len(match(e, c).device_indices) == 1024
+    assert balanced(e) and e.store.check() is None and host_consistent(e)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_random_operations_leave_no_block_lost_or_leaked(hienv, policy):
+    """Random inserts (shared prefixes, divergent suffixes), host hits, partial evictions and late
+    acknowledgements; after every step both tiers account for every slot, and a flush frees all."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e = hienv(sk=0.5, sv=1.0, store_blocks=20, host_blocks=48, host_tokens=64 * 24, policy=policy)
+    start = (e.allocator.available_size(), e.store.free_counts(), e.host.available_size(), e.host_store.free_counts())
+    rng = random.Random(28)
+    bases = [list(range(s, s + 64 * rng.randint(6, 14))) for s in range(10_000, 70_000, 10_000)]
+    for step in range(150):
+        op = rng.choice(["insert", "insert", "hit", "evict", "ack"])
+        tokens = rng.choice(bases)
+        if op == "insert":
+            cut = rng.randint(1, len(tokens) // PAGE) * PAGE
+            tokens = tokens[:cut] + list(range(90_000 + step * 1000, 90_000 + step * 1000 + rng.randint(0, 5) * PAGE))
+            if e.allocator.available_size() < len(tokens):
+                e.tree.evict(EvictParams(num_tokens=len(tokens) - e.allocator.available_size()))
+            if e.allocator.available_size() >= len(tokens):
+                insert(e, tokens)
+        elif op == "hit":
+            load_hit(e, tokens)
+        elif op == "evict":
+            e.tree.evict(EvictParams(num_tokens=rng.randint(1, 20) * PAGE))
+        else:
+            e.tree.writing_check()
+        assert balanced(e), (step, op)
+        assert e.store.check() is None and host_consistent(e), (step, op, e.tree.check_stores())
+    e.tree.writing_check()
+    assert e.tree.protected_size() == 0
+    status = e.tree.status()
+    assert status["blocks_backed_up_total"] > 0 and status["blocks_loaded_total"] > 0, status
+    e.tree.reset()
+    e.allocator.clear()
+    end = (e.allocator.available_size(), e.store.free_counts(), e.host.available_size(), e.host_store.free_counts())
+    assert end == start
+
+
+def test_host_budget_split_and_the_factory_builds_the_hierarchical_tree(hienv, one_rank):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sglang_hs.radix.factory import create_radix_cache
+    from sglang_hs.radix.hicache import HieraSparseHiRadixCache
+    from sglang_hs.radix.host_tier import dense_host_args, host_budget
+    from sglang_hs.runtime import RUNTIME_ATTR
+
+    e = hienv()
+    runtime = e.tree.runtime
+    server_args = hicache_server_args(0.004)
+    budget = host_budget(server_args, e.kv, runtime)
+    assert budget.total_bytes == 4_000_000 and budget.dense_bytes == 800_000
+    assert budget.store_capacity.virtual_blocks == int(3_200_000 // (2 * 0.5625 * PAGE * DIM * 2 * HEADS * LAYERS))
+    assert dense_host_args(server_args, budget).hicache_size == 0.0008 and server_args.hicache_size == 0.004
+    ratio = host_budget(hicache_server_args(0), e.kv, runtime)
+    assert ratio.total_bytes == 2 * (POOL_TOKENS * TOKEN_BYTES + runtime.store_budget_bytes)
+    # The factory, given SGLang's build context with enable_hierarchical_cache.
+    counters, fresh = [], sglang_pools()
+    runtime.store.clear()
+    runner = SimpleNamespace(token_to_kv_pool=fresh.kv, **{RUNTIME_ATTR: runtime})
+    params = CacheInitParams(disable=False, req_to_token_pool=fresh.req_pool,
+                             token_to_kv_pool_allocator=fresh.allocator, page_size=PAGE)  # fmt: skip
+    ctx = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner,
+                                                    register_hicache_layer_transfer_counter=counters.append),
+                          params=params, server_args=server_args, enable_hierarchical_cache=True)  # fmt: skip
+    tree = create_radix_cache(ctx)
+    assert isinstance(tree, HieraSparseHiRadixCache) and counters == [tree.cache_controller.layer_done_counter]
+    assert tree.host_store.capacity == budget.store_capacity
+    assert tree.token_to_kv_pool_host.size == (800_000 // TOKEN_BYTES // PAGE + 1) * PAGE
