@@ -1,8 +1,16 @@
 """Shared-prefix serving benchmark: dense SGLang vs hierasparse at equal GPU memory.
 
     python -m sglang_hs.launch.bench_prefix --model-path DIR --load-format dummy \\
-        --servers flashinfer,hicache,hs:1:1,hs:0:1 --regimes 1,2,3 --context 8192 \\
-        --out launch/results/prefix_bench_h100.json
+        --servers flashinfer,hicache,hs:1:1,hs:0:1,hs+hicache:0:1 --regimes 1,2,3 --context 8192 \\
+        --hicache-size 40 --out launch/results/prefix_bench_h100.json
+
+Servers: ``flashinfer`` and ``triton`` (dense SGLang), ``hicache`` (flashinfer with SGLang's
+hierarchical cache), ``hs:SK:SV[:F]`` (hierasparse, store fraction F or ``auto``) and
+``hs+hicache[:SK:SV[:F]]`` (hierasparse with ``--enable-hierarchical-cache``: compressed prefixes
+on the host tier too; S_K/S_V default to the plugin's 0 and 1). ``--hicache-size`` gives both
+hierarchical servers the same host memory (hierasparse splits it between SGLang's dense host pool
+and its compressed host store, ``--hierasparse-host-store-fraction``); without it both use SGLang's
+``--hicache-ratio`` default (2x the device KV budget).
 
 For each server (started one after another on the same GPU with the same --mem-fraction-static):
 
@@ -65,6 +73,8 @@ class ServerSpec:
     sk: float | None = None
     sv: float | None = None
     store_fraction: float | str | None = None
+    hicache: bool = False
+    """Runs SGLang's hierarchical cache (a host tier): gets --hicache-size."""
 
     @classmethod
     def parse(cls, text: str, store_fraction: float) -> "ServerSpec":
@@ -72,16 +82,22 @@ class ServerSpec:
             return cls(text, text, ["--attention-backend", text])
         if text == "hicache":
             return cls("hicache", "flashinfer+hicache", ["--attention-backend", "flashinfer",
-                                                         "--enable-hierarchical-cache", "--page-size", "64"])  # fmt: skip
-        match = re.fullmatch(r"hs:([0-9.]+):([0-9.]+)(?::([0-9.]+|auto))?", text)
+                                                         "--enable-hierarchical-cache", "--page-size", "64"],
+                       hicache=True)  # fmt: skip
+        hicache = text.startswith("hs+hicache")
+        pattern = r"hs\+hicache(?::([0-9.]+):([0-9.]+)(?::([0-9.]+|auto))?)?" if hicache else (
+            r"hs:([0-9.]+):([0-9.]+)(?::([0-9.]+|auto))?")  # fmt: skip
+        match = re.fullmatch(pattern, text)
         if not match:
-            raise SystemExit(f"error: --servers entry {text!r}; allowed: flashinfer, triton, hicache, hs:SK:SV[:F] "
-                             "(F: this server's store fraction, or auto)")
-        sk, sv = float(match.group(1)), float(match.group(2))
-        args = ["--attention-backend", "hierasparse"]
+            raise SystemExit(f"error: --servers entry {text!r}; allowed: flashinfer, triton, hicache, hs:SK:SV[:F], "
+                             "hs+hicache[:SK:SV[:F]] (F: this server's store fraction, or auto)")
+        defaults = HieraSparseConfig()
+        sk = float(match.group(1)) if match.group(1) else defaults.sk_prefill
+        sv = float(match.group(2)) if match.group(2) else defaults.sv_prefill
+        args = ["--attention-backend", "hierasparse"] + (["--enable-hierarchical-cache"] if hicache else [])
         for phase in ("prefill", "decode"):
             args += [f"--hierasparse-sk-{phase}={sk}", f"--hierasparse-sv-{phase}={sv}"]
-        spec = cls(text, "hierasparse", args, sk, sv)
+        spec = cls(text, "hierasparse", args, sk, sv, hicache=hicache)
         spec.store_fraction = match.group(3) or store_fraction
         return spec
 
@@ -200,7 +216,9 @@ def metrics_fields(metrics: dict[str, float]) -> dict[str, float | None]:
     """The compressed-cache gauges (absent on dense servers) and SGLang's own cache hit rate."""
     fields = {"metrics_cache_hit_rate": metrics.get("sglang:cache_hit_rate")}
     for key in ("compressed_tokens", "store_used_blocks", "blocks_compressed_total", "bytes_saved",
-                "tails_trimmed_total", "blocks_evicted_for_dense_total", "blocks_evicted_for_store_total"):
+                "tails_trimmed_total", "blocks_evicted_for_dense_total", "blocks_evicted_for_store_total",
+                "host_compressed_tokens", "blocks_backed_up_total", "blocks_loaded_total",
+                "blocks_evicted_from_host_total"):  # fmt: skip
         fields[f"hs_{key}"] = metrics.get(f"sglang:hierasparse_{key}")
     return fields
 
@@ -255,10 +273,20 @@ def flush_check(server: SGLangServer) -> dict:
         "leak_reports": server.leak_reports(),
         # One line per rank and flush (the radix hook's ownership check; hierasparse servers only).
         "store_reset_lines": [line[-160:] for line in log.splitlines() if "hierasparse: cache reset" in line][-4:],
+        # With --enable-hierarchical-cache: the host tier's ownership line per rank and flush.
+        "host_reset_lines": [line[-160:] for line in log.splitlines()
+                             if "hierasparse: host tier at reset" in line][-4:],  # fmt: skip
         **server.rank_states(),
         "healthy_after_flush": server.healthy(),
     }
 
+
+
+def host_tier(spec: ServerSpec, hicache_size: int | None) -> str | None:
+    """The host memory of a server with SGLang's hierarchical cache (None without one)."""
+    if not spec.hicache:
+        return None
+    return f"{hicache_size} GB" if hicache_size else "hicache-ratio default"
 
 
 def device_name() -> str:
@@ -318,9 +346,11 @@ RATIO_FIELDS = (("req_throughput", "req/s", True), ("output_tok_throughput", "ou
 
 
 def same_setup(a: dict, b: dict) -> bool:
-    """Records measured at the same context, KV memory and tensor-parallel size (comparable servers)."""
+    """Records measured at the same context, KV memory and tensor-parallel size (comparable servers);
+    two servers with a host tier also with the same host memory."""
+    hosts = (a.get("host_tier"), b.get("host_tier"))
     return (a.get("context") == b.get("context") and a.get("mem_fraction_static") == b.get("mem_fraction_static")
-            and a.get("tp_size", 1) == b.get("tp_size", 1))  # fmt: skip
+            and a.get("tp_size", 1) == b.get("tp_size", 1) and (None in hosts or hosts[0] == hosts[1]))  # fmt: skip
 
 
 def ratio_lines(records: list[dict]) -> list[str]:
@@ -390,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-capacity-probe", action="store_true")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size of every server")
     parser.add_argument("--hicache-size", type=int, default=None,
-                        help="hicache server: host KV pool in GB (SGLang's default, 2x the GPU pool, may not fit the host)")
+                        help="hicache and hs+hicache servers: host KV memory in GB per rank (SGLang's default, 2x the GPU "
+                             "pool, may not fit the host)")  # fmt: skip
     parser.add_argument("--server-arg", action="append", default=[], help="extra flag for every server")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--bench-timeout", type=float, default=900)
@@ -435,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in specs:
             log_path = os.path.join(out_dir, f"server_{spec.label.replace(':', '_')}.log")
             launch_args = spec.server_args(dense_capacity, args.context, model_head_dim(model_config)) + common
-            if spec.label == "hicache" and args.hicache_size:
+            if spec.hicache and args.hicache_size:
                 launch_args += ["--hicache-size", str(args.hicache_size)]
             with SGLangServer(args.model_path, launch_args, args.port, log_path) as server:
                 info = http_json(server.base_url + "/get_server_info")
@@ -456,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
                     "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config, tp_size),
                     "tp_size": tp_size,
                     "mem_fraction_static": args.mem_fraction_static, "store_fraction": spec.store_fraction,
+                    "host_tier": host_tier(spec, args.hicache_size),
                     "device": device_name(),
                 }  # fmt: skip
                 server_records = []

@@ -121,9 +121,11 @@ class SGLangServer:
 
     def leak_reports(self) -> int:
         """Leaks reported in the log so far: SGLang's idle memory check (which the plugin extends with
-        the compressed store) and the radix hook's store-ownership check at each cache reset."""
+        the compressed store and the host tier) and the radix hooks' ownership checks at each cache reset
+        (GPU store; host tier with the hierarchical cache)."""
         log = self.log_text()
-        return log.count("memory leak detected") + log.count("compressed store leak")
+        return log.count("memory leak detected") + log.count("compressed store leak") + log.count(
+            "hierarchical cache host leak")
 
     def rank_states(self) -> dict:
         """Each tensor-parallel rank's last ``hierasparse: tree state`` line (the radix hook logs one

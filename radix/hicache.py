@@ -29,7 +29,8 @@ from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_hs.pools import CompressedStore, StoreCapacity
 from sglang_hs.radix.hook import HieraSparseRadixCache, virtual_tokens
-from sglang_hs.radix.host_tier import HieraSparseCacheController, HieraSparseHostPool, make_host_tier, make_tier_controller
+from sglang_hs.radix.host_tier import (HieraSparseCacheController, HieraSparseHostPool, make_host_tier,
+                                       make_tier_controller)  # fmt: skip
 from sglang_hs.runtime import HieraSparseRuntime
 
 if TYPE_CHECKING:
@@ -73,10 +74,18 @@ class HieraSparseHiRadixCache(HieraSparseRadixCache, HiRadixCache):
 
     # ----------------------------------------------------------------------------- host room
     def host_virtual_tokens(self, node: TreeNode) -> int:
-        """Compressed tokens of ``node``'s host copy (its ``host_value`` is on the CPU)."""
+        """Compressed tokens of ``node``'s host copy (counted on the CPU once per host value)."""
         if node.host_value is None or len(node.host_value) == 0:
             return 0
-        return int(self.host_virtual.mask(node.host_value).sum())
+        counted = getattr(node, "hs_host_virtual", None)
+        if counted is None:
+            counted = node.hs_host_virtual = int(self.host_virtual.mask(node.host_value).sum())
+        return counted
+
+    def _split_node(self, key, child: TreeNode, split_len: int) -> TreeNode:
+        new_node = super()._split_node(key, child, split_len)
+        new_node.hs_host_virtual = child.hs_host_virtual = None  # both host values changed: count again
+        return new_node
 
     def _host_shortage(self, demand: dict[str, int]) -> set[str]:
         host = self.token_to_kv_pool_host
@@ -128,6 +137,7 @@ class HieraSparseHiRadixCache(HieraSparseRadixCache, HiRadixCache):
         if host_indices is None:
             return 0
         node.host_value = host_indices.clone()
+        node.hs_host_virtual = len(plan.virtual_positions)
         self._track_write_through_node(node, len(node.key))
         if not write_back:
             self.inc_lock_ref(node)
@@ -220,9 +230,12 @@ class HieraSparseHiRadixCache(HieraSparseRadixCache, HiRadixCache):
     # ----------------------------------------------------------------------------- checks
     def reset(self):
         if hasattr(self, "host_store"):  # not on the first reset, inside RadixCache.__init__
-            logger.info("hierasparse: host tier at reset: %s", self._host_ownership_problem(force=True) or
-                        f"{self.host_store.used_blocks()} compressed blocks and "
-                        f"{self.token_to_kv_pool_host.used_dense_slots()} dense tokens, all owned by the tree")  # fmt: skip
+            problem = self._host_ownership_problem(force=True)
+            if problem:
+                logger.error("hierasparse: host tier at reset: %s", problem)
+            else:
+                logger.info("hierasparse: host tier at reset: %d compressed blocks and %d dense tokens, all owned by "
+                            "the tree", self.host_store.used_blocks(), self.token_to_kv_pool_host.used_dense_slots())
         self._staged_write_back = []
         super().reset()
 

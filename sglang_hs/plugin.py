@@ -9,6 +9,8 @@ applies the hooks registered here through its ``HookRegistry``. Nothing in SGLan
 - When the backend is selected, server-argument defaults it needs are applied (``--page-size`` =
   block size, no prefill CUDA graph) and the model and GPU are checked, so that a bad setting stops
   the launcher with one line instead of a traceback from a scheduler.
+- With ``--enable-hierarchical-cache`` the same radix-cache backend builds its hierarchical variant
+  (SGLang's HiRadixCache, host pool and controller; compressed prefixes on the host tier too).
 - In each scheduler process the KV-budget hook, the attention-backend factory and the radix-cache
   factory set up one :class:`sglang_hs.runtime.HieraSparseRuntime` on the model runner; the log-line
   and idle-check hooks find the tree through the scheduler objects SGLang hands them.
@@ -196,12 +198,15 @@ def apply_backend_defaults(_result, server_args) -> None:
     if not (has_tilelang and config.uses_kernel("decode")):
         server_args.cuda_graph_config.decode.backend = Backend.DISABLED
     if not server_args.disable_radix_cache:
-        if server_args.radix_cache_backend not in (None, BACKEND_NAME) or server_args.enable_hierarchical_cache:
+        if server_args.radix_cache_backend not in (None, BACKEND_NAME):
             raise HieraSparseConfigError(
-                f"hierasparse: --radix-cache-backend={server_args.radix_cache_backend} "
-                f"--enable-hierarchical-cache={server_args.enable_hierarchical_cache}; allowed: "
-                f"SGLang's radix cache (radix-cache backend unset or '{BACKEND_NAME}', no HiCache)"
+                f"hierasparse: --radix-cache-backend={server_args.radix_cache_backend} is invalid; allowed: "
+                f"unset or '{BACKEND_NAME}' (the compressed radix cache, hierarchical with "
+                "--enable-hierarchical-cache)"
             )
+        if server_args.enable_hierarchical_cache:
+            check_hierarchical_cache(server_args)
+        # The factory builds the hierarchical variant when SGLang's build context asks for HiCache.
         server_args.radix_cache_backend = BACKEND_NAME
 
     model_config = server_args.get_model_config()
@@ -222,6 +227,43 @@ def apply_backend_defaults(_result, server_args) -> None:
         HieraSparseConfig.validate_gpu(None)
     config.export()
     logger.info("hierasparse settings: %s", config.to_json())
+
+
+HICACHE_IO_BACKENDS = ("kernel", "direct")
+HICACHE_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+"""SGLang's MHA host pool layouts; the compressed blocks have their own host store in any of them."""
+
+
+def check_hierarchical_cache(server_args) -> None:
+    """``--enable-hierarchical-cache`` with hierasparse keeps compressed prefixes on the host tier
+    (``docs/hicache.md``). Refused, one line each: L3 storage backends (they move fixed-size dense pages,
+    and prefetch allocates dense host slots), speculative decoding (SGLang's draft host pool would reuse
+    the dense-only transfer indices), IO backends and host layouts SGLang's MHA host pool lacks on CUDA."""
+    if server_args.hicache_storage_backend is not None:
+        raise HieraSparseConfigError(
+            f"hierasparse: --hicache-storage-backend={server_args.hicache_storage_backend} is not supported yet; "
+            "allowed: unset (GPU and host tiers, compressed in both)"
+        )
+    if server_args.speculative_algorithm is not None:
+        raise HieraSparseConfigError(
+            f"hierasparse: --speculative-algorithm={server_args.speculative_algorithm} with "
+            "--enable-hierarchical-cache is invalid; allowed: unset"
+        )
+    if server_args.hicache_io_backend not in HICACHE_IO_BACKENDS:
+        raise HieraSparseConfigError(
+            f"hierasparse: --hicache-io-backend={server_args.hicache_io_backend} is invalid; allowed: one of "
+            f"{list(HICACHE_IO_BACKENDS)}"
+        )
+    if server_args.hicache_mem_layout not in HICACHE_LAYOUTS:
+        raise HieraSparseConfigError(
+            f"hierasparse: --hicache-mem-layout={server_args.hicache_mem_layout} is invalid; allowed: one of "
+            f"{list(HICACHE_LAYOUTS)}"
+        )
+    if server_args.hicache_size <= 0 and server_args.hicache_ratio <= 0:
+        raise HieraSparseConfigError(
+            f"hierasparse: --hicache-ratio={server_args.hicache_ratio} with --hicache-size=0 leaves no host tier; "
+            "allowed: a positive --hicache-ratio or --hicache-size"
+        )
 
 
 def check_sglang_version() -> None:

@@ -24,6 +24,42 @@ def test_server_specs():
         ServerSpec.parse("hs:one", 0.9)
 
 
+def test_hierarchical_server_specs():
+    """``hs+hicache[:SK:SV[:F]]``: hierasparse with SGLang's hierarchical cache, compared with the
+    ``hicache`` server at the same host memory."""
+    plain = ServerSpec.parse("hs+hicache", store_fraction=0.5)
+    assert plain.backend == "hierasparse" and plain.hicache and (plain.sk, plain.sv) == (0.0, 1.0)
+    args = plain.server_args(None, 8192, 128)
+    assert args[:3] == ["--attention-backend", "hierasparse", "--enable-hierarchical-cache"]
+    assert "--hierasparse-sv-prefill=1.0" in args and "--hierasparse-store-fraction=0.5" in args
+    full = ServerSpec.parse("hs+hicache:1:1:0.7", store_fraction=0.5)
+    assert (full.sk, full.sv, full.label) == (1.0, 1.0, "hs+hicache:1:1:0.7")
+    assert "--hierasparse-store-fraction=0.7" in full.server_args(None, 8192, 128)
+    auto = ServerSpec.parse("hs+hicache:0:1:auto", 0.5)
+    assert 0.5 < float(auto.server_args(400_000, 8192, 128)[-1].split("=")[1]) < 0.95
+    assert ServerSpec.parse("hicache", 0.5).hicache and not ServerSpec.parse("hs:0:1", 0.5).hicache
+    for bad in ("hs+hicache:1", "hs+hicache:1:1:x", "hs+hicachex", "hs:hicache"):
+        with pytest.raises(SystemExit, match=r"hs\+hicache\[:SK:SV\[:F\]\]"):
+            ServerSpec.parse(bad, 0.5)
+
+
+def test_hierarchical_ratio_needs_the_same_host_memory():
+    from sglang_hs.launch.bench_prefix import host_tier, ratio_lines
+
+    assert host_tier(ServerSpec.parse("hs+hicache", 0.5), 40) == "40 GB"
+    assert host_tier(ServerSpec.parse("hicache", 0.5), None) == "hicache-ratio default"
+    assert host_tier(ServerSpec.parse("hs:0:1", 0.5), 40) is None
+    common = {"context": 8192, "api": "sglang", "mem_fraction_static": 0.5, "tp_size": 1, "regime": 3}
+    hicache = {**common, "server": "hicache", "backend": "flashinfer+hicache", "req_throughput": 4.0,
+               "host_tier": "40 GB"}  # fmt: skip
+    ours = {**common, "server": "hs+hicache:0:1", "backend": "hierasparse", "req_throughput": 6.0,
+            "host_tier": "40 GB"}  # fmt: skip
+    no_host = {**common, "server": "hs:0:1", "backend": "hierasparse", "req_throughput": 2.0, "host_tier": None}
+    assert ratio_lines([hicache, ours, no_host]) == ["regime 3, hs+hicache:0:1 vs hicache: req/s 1.50x",
+                                                     "regime 3, hs:0:1 vs hicache: req/s 0.50x"]  # fmt: skip
+    assert ratio_lines([hicache, {**ours, "host_tier": "20 GB"}]) == []
+
+
 @pytest.mark.parametrize("dense_tokens", [262_144, 400_000, 811_000])
 @pytest.mark.parametrize("context", [8192, 32768])
 def test_auto_store_fraction_fits_the_most_prefixes(dense_tokens, context):

@@ -18,7 +18,7 @@ import torch
 from sglang_hs import reference as ref
 from sglang_hs.config import HieraSparseConfig
 from sglang_hs.pools import CompressedStore, StoreCapacity
-from test_radix_hook import DIM, HEADS, LAYERS, PAGE, POOL_TOKENS, balanced, insert, match
+from test_radix_hook import DIM, HEADS, LAYERS, PAGE, POOL_TOKENS, balanced, insert, match, sglang_pools
 
 pytestmark = pytest.mark.sglang
 
@@ -52,23 +52,6 @@ def hicache_server_args(hicache_size: float, policy: str = "write_through") -> S
         hicache_write_policy=policy, hicache_storage_backend=None, hicache_storage_backend_extra_config=None,
         hicache_storage_prefetch_policy="timeout", extra_metric_labels=None, served_model_name="test",
     )  # fmt: skip
-
-
-def sglang_pools(seed: int = 0) -> SimpleNamespace:
-    """SGLang's request pool, KV pool (random KV) and paged allocator, as a scheduler builds them."""
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-
-    torch.manual_seed(seed)
-    req_pool = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)
-    kv = MHATokenToKVPool(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
-                          layer_num=LAYERS, device="cpu", enable_memory_saver=False)  # fmt: skip
-    for layer in range(LAYERS):
-        kv.k_buffer[layer].normal_()
-        kv.v_buffer[layer].normal_()
-    allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, device="cpu",
-                                            kvcache=kv, need_sort=False)  # fmt: skip
-    return SimpleNamespace(req_pool=req_pool, kv=kv, allocator=allocator)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +96,8 @@ def hienv(one_rank, monkeypatch):
         server_args = hicache_server_args((host_tokens - PAGE) * TOKEN_BYTES / 1e9, policy)
         runtime = HieraSparseRuntime(config, store, virtual)
         tree = HieraSparseHiRadixCache(params, server_args, runtime, kv.k_buffer, kv.v_buffer, capacity(host_blocks))
-        return SimpleNamespace(tree=tree, allocator=allocator, store=store, kv=kv, req_pool=req_pool,
-                               virtual=virtual, host=tree.token_to_kv_pool_host, host_store=tree.host_store)  # fmt: skip
+        return SimpleNamespace(tree=tree, allocator=allocator, store=store, kv=kv, req_pool=req_pool, virtual=virtual,
+                               host=tree.token_to_kv_pool_host, host_store=tree.host_store)  # fmt: skip
 
     return build
 
@@ -145,8 +128,9 @@ def blocks_of(slots: torch.Tensor, virtual) -> list[int]:
 def attend(e, row: torch.Tensor, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Reference attention of ``q`` over the block table of ``row`` (a matched prefix), per layer."""
     table = e.virtual.block_table(row[None])
-    return [ref.paged_attention(q, [0, q.shape[0]], e.kv.k_buffer[l], e.kv.v_buffer[l], e.store.layer_pools(l),
-                                e.store.k_index, e.store.v_index, table, [len(row)]) for l in range(LAYERS)]  # fmt: skip
+    return [ref.paged_attention(q, [0, q.shape[0]], e.kv.k_buffer[layer], e.kv.v_buffer[layer],
+                                e.store.layer_pools(layer), e.store.k_index, e.store.v_index, table, [len(row)])
+            for layer in range(LAYERS)]  # fmt: skip
 
 
 def load_hit(e, tokens):
@@ -406,3 +390,57 @@ def test_host_budget_split_and_the_factory_builds_the_hierarchical_tree(hienv, o
     assert isinstance(tree, HieraSparseHiRadixCache) and counters == [tree.cache_controller.layer_done_counter]
     assert tree.host_store.capacity == budget.store_capacity
     assert tree.token_to_kv_pool_host.size == (800_000 // TOKEN_BYTES // PAGE + 1) * PAGE
+
+
+# --------------------------------------------------------------------------------------- start-up
+def hierarchical_server_args(**overrides) -> SimpleNamespace:
+    """What ``apply_backend_defaults`` reads of SGLang's ServerArgs, with --enable-hierarchical-cache."""
+
+    class ModelConfigReached(Exception):
+        pass
+
+    def get_model_config():
+        raise ModelConfigReached  # the radix-cache checks come before the model and GPU checks
+
+    phase = lambda: SimpleNamespace(backend="auto")  # noqa: E731
+    values = dict(
+        attention_backend="hierasparse", prefill_attention_backend=None, decode_attention_backend=None,
+        page_size=None, disable_radix_cache=False, radix_cache_backend=None, enable_hierarchical_cache=True,
+        hicache_storage_backend=None, speculative_algorithm=None, hicache_io_backend="kernel",
+        hicache_mem_layout="page_first", hicache_size=0, hicache_ratio=2.0,
+        cuda_graph_config=SimpleNamespace(prefill=phase(), decode=phase()), get_model_config=get_model_config,
+    )  # fmt: skip
+    values.update(overrides)
+    return SimpleNamespace(**values), ModelConfigReached
+
+
+def test_hierarchical_cache_selects_the_compressed_hierarchical_tree():
+    from sglang_hs.plugin import apply_backend_defaults
+
+    server_args, reached = hierarchical_server_args()
+    with pytest.raises(reached):
+        apply_backend_defaults(None, server_args)
+    assert server_args.radix_cache_backend == "hierasparse" and server_args.page_size == 64
+
+
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        ({"hicache_storage_backend": "file"}, "--hicache-storage-backend=file"),
+        ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm=EAGLE"),
+        ({"hicache_io_backend": "kernel_ascend"}, "--hicache-io-backend=kernel_ascend"),
+        ({"hicache_mem_layout": "page_first_kv_split"}, "--hicache-mem-layout=page_first_kv_split"),
+        ({"hicache_ratio": 0.0}, "--hicache-ratio=0.0"),
+        ({"radix_cache_backend": "flexkv"}, "--radix-cache-backend=flexkv"),
+        ({"page_size": 16}, "--page-size=16"),
+    ],
+)
+def test_unsupported_hierarchical_settings_stop_with_one_line(overrides, flag):
+    from sglang_hs.config import HieraSparseConfigError
+    from sglang_hs.plugin import apply_backend_defaults
+
+    server_args, _ = hierarchical_server_args(**overrides)
+    with pytest.raises(HieraSparseConfigError) as info:
+        apply_backend_defaults(None, server_args)
+    message = str(info.value)
+    assert flag in message and "allowed:" in message and "\n" not in message

@@ -19,27 +19,35 @@ PAGE, HEADS, DIM, LAYERS = 64, 2, 64, 2
 POOL_TOKENS = PAGE * 48
 
 
+def sglang_pools(seed: int = 0) -> SimpleNamespace:
+    """SGLang's request pool, KV pool (random KV) and paged allocator, as a scheduler builds them."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    torch.manual_seed(seed)
+    req_pool = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
+                          layer_num=LAYERS, device="cpu", enable_memory_saver=False)  # fmt: skip
+    for layer in range(LAYERS):
+        kv.k_buffer[layer].normal_()
+        kv.v_buffer[layer].normal_()
+    allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, device="cpu",
+                                            kvcache=kv, need_sort=False)  # fmt: skip
+    return SimpleNamespace(req_pool=req_pool, kv=kv, allocator=allocator)
+
+
 @pytest.fixture
 def env():
     """A tree over a real paged allocator and KV pool with random KV, plus a 1 MiB-per-block store."""
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
     from sglang_hs.pools import VirtualSlots
     from sglang_hs.radix.hook import HieraSparseRadixCache
     from sglang_hs.runtime import HieraSparseRuntime
 
     def build(sk=1.0, sv=1.0, store_blocks=64, window=256, seed=0):
-        torch.manual_seed(seed)
-        req_pool = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)
-        kv = MHATokenToKVPool(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
-                              layer_num=LAYERS, device="cpu", enable_memory_saver=False)  # fmt: skip
-        for layer in range(LAYERS):
-            kv.k_buffer[layer].normal_()
-            kv.v_buffer[layer].normal_()
-        allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, device="cpu",
-                                                kvcache=kv, need_sort=False)  # fmt: skip
+        pools = sglang_pools(seed)
+        req_pool, kv, allocator = pools.req_pool, pools.kv, pools.allocator
         capacity = StoreCapacity(store_blocks, *(int(store_blocks * f) for f in (1 - sk, sk, 1 - sv, sv)))
         store = CompressedStore(capacity, LAYERS, HEADS, DIM, PAGE, torch.float16, "cpu")
         config = HieraSparseConfig(sk_prefill=sk, sv_prefill=sv, window_tokens=window)
