@@ -20,11 +20,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 
 from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+from sglang.srt.mem_cache.pool_host.base import HICACHE_HOST_MEMORY_RESERVE_BYTES
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_hs.pools import CompressedStore, StoreCapacity
@@ -60,6 +62,11 @@ class HieraSparseHiRadixCache(HieraSparseRadixCache, HiRadixCache):
         self._host_checked: tuple | None = None
         super().__init__(params, runtime, k_buffers, v_buffers, server_args=server_args)
         store = self.store
+        host_bytes = host_capacity.nbytes(store.num_layers, store.kv_heads, store.head_dim, store.block_size)
+        available = psutil.virtual_memory().available - HICACHE_HOST_MEMORY_RESERVE_BYTES
+        if host_bytes > available:  # SGLang checks its own (dense) host pool the same way
+            raise ValueError(f"Not enough host memory for the compressed host store: {host_bytes / 1e9:.2f} GB "
+                             f"requested, {available / 1e9:.2f} GB free; reduce --hicache-size or --hicache-ratio")
         pin = torch.cuda.is_available() and self.token_to_kv_pool_host.pin_memory
         self.host_store = CompressedStore(host_capacity, store.num_layers, store.kv_heads, store.head_dim,
                                           store.block_size, store.dtype, "cpu", pin_memory=pin)  # fmt: skip
@@ -68,8 +75,7 @@ class HieraSparseHiRadixCache(HieraSparseRadixCache, HiRadixCache):
         self.host_virtual = self.token_to_kv_pool_host.hs_virtual
         logger.info(
             "hierasparse: host tier = SGLang's dense host pool (%d tokens) + compressed store (%d blocks, %.2f GB)",
-            self.token_to_kv_pool_host.size, host_capacity.virtual_blocks,
-            self.host_store.layer_pools(0).nbytes() * store.num_layers / 1e9 if store.num_layers else 0.0,
+            self.token_to_kv_pool_host.size, host_capacity.virtual_blocks, host_bytes / 1e9,
         )  # fmt: skip
 
     # ----------------------------------------------------------------------------- host room

@@ -100,6 +100,12 @@ class StoreCapacity:
             v_sparse=math.floor(sv * blocks),
         )
 
+    def nbytes(self, num_layers: int, kv_heads: int, head_dim: int, block_size: int) -> int:
+        """Bytes of a store of this capacity (16-bit values): what allocating it takes."""
+        dense = dense_block_bytes(block_size, head_dim) * kv_heads * num_layers
+        sparse = sparse_block_bytes(block_size, head_dim) * kv_heads * num_layers
+        return (self.k_dense + self.v_dense) * dense + (self.k_sparse + self.v_sparse) * sparse
+
 
 class StoreFull(Exception):
     """Not enough free slots for a compression; the caller evicts or keeps the prefix dense."""

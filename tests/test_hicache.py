@@ -444,3 +444,10 @@ def test_unsupported_hierarchical_settings_stop_with_one_line(overrides, flag):
         apply_backend_defaults(None, server_args)
     message = str(info.value)
     assert flag in message and "allowed:" in message and "\n" not in message
+
+
+def test_host_store_bytes_follow_its_capacity():
+    capacity = StoreCapacity(10, 4, 6, 0, 10)
+    store = CompressedStore(capacity, LAYERS, HEADS, DIM, PAGE, torch.float16, "cpu")
+    allocated = sum(store.layer_pools(layer).nbytes() for layer in range(LAYERS))
+    assert capacity.nbytes(LAYERS, HEADS, DIM, PAGE) == allocated
