@@ -1,10 +1,12 @@
 """The compressed radix cache on SGLang's hierarchical cache, driving SGLang's real HiRadixCache,
 HiCacheController, MHA host pool, paged allocator and KV pool on CPU.
 
-Faked, because they need a GPU: pinned host allocation (``cudaHostRegister``) and SGLang's dense
-host<->device copy kernels (``sgl_kernel.kvcacheio``), replaced by ``torch`` indexing over the same
-index tensors. CUDA streams and events are SGLang's own CPU stand-ins (``torch.cpu``). The compressed
-rows move through the product's own CPU path (``sglang_hs.transfer``)."""
+Faked on CPU, because they need a GPU: pinned host allocation (``cudaHostRegister``) and SGLang's
+dense host<->device copy kernels (``sgl_kernel.kvcacheio``), replaced by ``torch`` indexing over the
+same index tensors. CUDA streams and events are SGLang's own CPU stand-ins (``torch.cpu``). The
+compressed rows move through the product's own CPU path (``sglang_hs.transfer``). The ``gpu`` tests
+run the same round trip with nothing faked: SGLang's kernels and streams, and the kernel path of
+``sglang_hs.transfer`` on pinned host memory."""
 
 from __future__ import annotations
 
@@ -45,10 +47,10 @@ def torch_load_one_layer(host_pool, device_pool, host_indices, device_indices, l
     device_pool.v_buffer[layer_id][device_indices] = host_pool.v_buffer[layer_id][host_indices]
 
 
-def hicache_server_args(hicache_size: float, policy: str = "write_through") -> SimpleNamespace:
-    """The server arguments HiRadixCache reads (layer_first host layout: the fakes above copy it)."""
+def hicache_server_args(hicache_size: float, policy: str = "write_through", layout: str = "layer_first"):
+    """The server arguments HiRadixCache reads (on CPU the layer_first layout: the fakes above copy it)."""
     return SimpleNamespace(
-        hicache_ratio=2.0, hicache_size=hicache_size, hicache_mem_layout="layer_first", hicache_io_backend="kernel",
+        hicache_ratio=2.0, hicache_size=hicache_size, hicache_mem_layout=layout, hicache_io_backend="kernel",
         hicache_write_policy=policy, hicache_storage_backend=None, hicache_storage_backend_extra_config=None,
         hicache_storage_prefetch_policy="timeout", extra_metric_labels=None, served_model_name="test",
     )  # fmt: skip
@@ -77,23 +79,24 @@ def hienv(one_rank, monkeypatch):
     from sglang_hs.radix.hicache import HieraSparseHiRadixCache
     from sglang_hs.runtime import HieraSparseRuntime
 
-    monkeypatch.setitem(mha.ALLOC_MEMORY_FUNCS, "cpu", unpinned_host_alloc)
-    monkeypatch.setattr(mha.MHATokenToKVPoolHost, "backup_from_device_all_layer", torch_backup_all_layers)
-    monkeypatch.setattr(mha.MHATokenToKVPoolHost, "load_to_device_per_layer", torch_load_one_layer)
-
-    def build(sk=1.0, sv=1.0, store_blocks=64, host_blocks=64, host_tokens=64 * 20, policy="write_through", seed=0):
-        pools = sglang_pools(seed)
+    def build(sk=1.0, sv=1.0, store_blocks=64, host_blocks=64, host_tokens=64 * 20, policy="write_through", seed=0,
+              device="cpu", layout="layer_first"):  # fmt: skip
+        if device == "cpu":
+            monkeypatch.setitem(mha.ALLOC_MEMORY_FUNCS, "cpu", unpinned_host_alloc)
+            monkeypatch.setattr(mha.MHATokenToKVPoolHost, "backup_from_device_all_layer", torch_backup_all_layers)
+            monkeypatch.setattr(mha.MHATokenToKVPoolHost, "load_to_device_per_layer", torch_load_one_layer)
+        pools = sglang_pools(seed, device)
         req_pool, kv, allocator = pools.req_pool, pools.kv, pools.allocator
 
         def capacity(blocks):
             return StoreCapacity(blocks, *(int(blocks * f) for f in (1 - sk, sk, 1 - sv, sv)))
 
-        store = CompressedStore(capacity(store_blocks), LAYERS, HEADS, DIM, PAGE, torch.float16, "cpu")
+        store = CompressedStore(capacity(store_blocks), LAYERS, HEADS, DIM, PAGE, torch.float16, device)
         config = HieraSparseConfig(sk_prefill=sk, sv_prefill=sv)
         virtual = VirtualSlots(base=POOL_TOKENS + PAGE, block_size=PAGE)
         params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
                                  page_size=PAGE)  # fmt: skip
-        server_args = hicache_server_args((host_tokens - PAGE) * TOKEN_BYTES / 1e9, policy)
+        server_args = hicache_server_args((host_tokens - PAGE) * TOKEN_BYTES / 1e9, policy, layout)
         runtime = HieraSparseRuntime(config, store, virtual)
         tree = HieraSparseHiRadixCache(params, server_args, runtime, kv.k_buffer, kv.v_buffer, capacity(host_blocks))
         return SimpleNamespace(tree=tree, allocator=allocator, store=store, kv=kv, req_pool=req_pool, virtual=virtual,
@@ -114,8 +117,8 @@ def store_rows(store: CompressedStore, vb: int) -> list[torch.Tensor]:
     for layer in range(store.num_layers):
         k_names = ("k_values", "k_meta") if p.k_sparse else ("k_dense",)
         v_names = ("v_values", "v_meta") if p.v_sparse else ("v_dense",)
-        rows += [getattr(store, n)[layer][p.k_slot * heads : (p.k_slot + 1) * heads].clone() for n in k_names]
-        rows += [getattr(store, n)[layer][p.v_slot * heads : (p.v_slot + 1) * heads].clone() for n in v_names]
+        for names, slot in ((k_names, p.k_slot), (v_names, p.v_slot)):
+            rows += [getattr(store, n)[layer][slot * heads : (slot + 1) * heads].to("cpu", copy=True) for n in names]
     return rows
 
 
@@ -143,8 +146,15 @@ def load_hit(e, tokens):
     loaded, _ = e.tree.init_load_back(InitLoadBackParams(best_match_node=result.best_match_node,
                                                          host_hit_length=result.host_hit_length))  # fmt: skip
     e.tree.ready_to_load_host_cache()
+    synchronize()
     e.tree.loading_check()
     return torch.cat([result.device_indices, loaded])
+
+
+def synchronize() -> None:
+    """Let the transfer streams finish (SGLang's checks only take acknowledgements whose events are done)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def host_consistent(e) -> bool:
@@ -194,22 +204,25 @@ def test_device_eviction_keeps_the_host_copy_and_frees_store_blocks(hienv):
     assert len(result.device_indices) == 0 and result.host_hit_length == 1024
 
 
-def test_host_hit_restores_blocks_bit_identically_and_attention_matches(hienv):
+def check_round_trip(e) -> None:
+    """Write a prefix through to the host, evict its GPU copy, let others reuse and overwrite the
+    freed slots, hit it again: its compressed blocks come back bit-identical (pool rows and placement
+    kinds) into fresh virtual slots, its dense pages too, and attention equals attention before."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    e = hienv(sk=0.5, sv=1.0)
     tokens = list(range(1000, 2024))
     insert(e, tokens)
+    synchronize()
     e.tree.writing_check()
     before = match(e, tokens).device_indices
-    rows_before = [store_rows(e.store, vb) for vb in blocks_of(before, e.virtual)]
-    kinds_before = [e.store.placement(vb)[::2] for vb in blocks_of(before, e.virtual)]
-    dense_before = [(e.kv.k_buffer[l][before[~e.virtual.mask(before)]].clone(),
-                     e.kv.v_buffer[l][before[~e.virtual.mask(before)]].clone()) for l in range(LAYERS)]  # fmt: skip
-    q = torch.randn(5, 2 * HEADS, DIM).half()
+    old_blocks, dense = blocks_of(before, e.virtual), before[~e.virtual.mask(before)]
+    rows_before = [store_rows(e.store, vb) for vb in old_blocks]
+    kinds_before = [e.store.placement(vb)[::2] for vb in old_blocks]
+    dense_before = [(e.kv.k_buffer[layer][dense].clone(), e.kv.v_buffer[layer][dense].clone())
+                    for layer in range(LAYERS)]  # fmt: skip
+    q = torch.randn(5, 2 * HEADS, DIM, device=before.device).half()
     expected = attend(e, before, q)
     e.tree.evict(EvictParams(num_tokens=10**6))
-    # The freed GPU slots are reused by others in the meantime: scribble over every pool.
     for tensors in (e.store.k_dense, e.store.k_values, e.store.v_dense, e.store.v_values, e.kv.k_buffer, e.kv.v_buffer):
         for t in tensors:
             t.normal_()
@@ -220,7 +233,7 @@ def test_host_hit_restores_blocks_bit_identically_and_attention_matches(hienv):
     after = load_hit(e, tokens)
     assert len(after) == 1024 and torch.equal(e.virtual.mask(after), e.virtual.mask(before))
     new_blocks = blocks_of(after, e.virtual)
-    assert new_blocks != blocks_of(before, e.virtual)  # fresh virtual slots
+    assert new_blocks != old_blocks  # fresh virtual slots
     assert [e.store.placement(vb)[::2] for vb in new_blocks] == kinds_before
     for vb, old in zip(new_blocks, rows_before):
         assert all(torch.equal(a, b) for a, b in zip(store_rows(e.store, vb), old))
@@ -233,6 +246,49 @@ def test_host_hit_restores_blocks_bit_identically_and_attention_matches(hienv):
     assert not node.evicted and node.lock_ref == 0 and e.tree.status()["blocks_loaded_total"] == 11
     e.store.free(taken)
     assert balanced(e) and e.tree.evictable_size() == 1024 - 11 * PAGE and host_consistent(e)
+
+
+def test_host_hit_restores_blocks_bit_identically_and_attention_matches(hienv):
+    check_round_trip(hienv(sk=0.5, sv=1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_head"])
+def test_gpu_round_trip_through_sglang_kernels(hienv, layout):
+    """Nothing faked: SGLang's streams, events and dense copy kernels, the compressed rows through
+    SGLang's item-copy kernels on a pinned host store."""
+    e = hienv(sk=0.5, sv=1.0, device="cuda", layout=layout)
+    assert e.host_store.k_dense[0].is_pinned()
+    check_round_trip(e)
+
+
+@pytest.mark.gpu
+def test_gpu_block_copy_kernels_match_torch():
+    """``copy_blocks`` on a GPU store and a pinned host store (all layers, then one layer) moves the
+    same rows as the CPU path."""
+    from sglang_hs.transfer import copy_blocks, plan_block_copy
+
+    capacity = StoreCapacity(8, 4, 4, 0, 8)
+    gpu = CompressedStore(capacity, LAYERS, HEADS, DIM, PAGE, torch.float16, "cuda")
+    host = CompressedStore(capacity, LAYERS, HEADS, DIM, PAGE, torch.float16, "cpu", pin_memory=True)
+    for name in ("k_dense", "k_values", "v_values"):
+        for t in getattr(gpu, name):
+            t.normal_()
+    for name in ("k_meta", "v_meta"):
+        for t in getattr(gpu, name):
+            t.random_(-(2**15), 2**15)
+    kinds = ([True, False, True], [True, True, True])
+    src, dst = gpu.allocate(*kinds), host.allocate(*kinds)
+    copy_blocks(gpu, host, plan_block_copy(gpu, src, host, dst))
+    torch.cuda.synchronize()
+    for a, b in zip(src, dst):
+        assert all(torch.equal(x, y) for x, y in zip(store_rows(gpu, a), store_rows(host, b)))
+    back = gpu.allocate(*kinds)
+    for layer in range(LAYERS):
+        copy_blocks(host, gpu, plan_block_copy(host, dst, gpu, back), layer)
+    torch.cuda.synchronize()
+    for a, b in zip(src, back):
+        assert all(torch.equal(x, y) for x, y in zip(store_rows(gpu, a), store_rows(gpu, b)))
 
 
 def test_host_eviction_frees_host_slots(hienv):

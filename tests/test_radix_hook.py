@@ -19,19 +19,19 @@ PAGE, HEADS, DIM, LAYERS = 64, 2, 64, 2
 POOL_TOKENS = PAGE * 48
 
 
-def sglang_pools(seed: int = 0) -> SimpleNamespace:
+def sglang_pools(seed: int = 0, device: str = "cpu") -> SimpleNamespace:
     """SGLang's request pool, KV pool (random KV) and paged allocator, as a scheduler builds them."""
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
     torch.manual_seed(seed)
-    req_pool = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    req_pool = ReqToTokenPool(size=4, max_context_len=4096, device=device, enable_memory_saver=False)
     kv = MHATokenToKVPool(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
-                          layer_num=LAYERS, device="cpu", enable_memory_saver=False)  # fmt: skip
+                          layer_num=LAYERS, device=device, enable_memory_saver=False)  # fmt: skip
     for layer in range(LAYERS):
         kv.k_buffer[layer].normal_()
         kv.v_buffer[layer].normal_()
-    allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, device="cpu",
+    allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, device=device,
                                             kvcache=kv, need_sort=False)  # fmt: skip
     return SimpleNamespace(req_pool=req_pool, kv=kv, allocator=allocator)
 
