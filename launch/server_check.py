@@ -6,7 +6,11 @@
 Each server gets OpenAI chat completions (a long shared system prompt and distinct questions, each
 sent twice so the second round hits the radix cache), two plain ``/generate`` prompts, and one
 SGLang frontend-language program (``sgl.function`` + ``run_batch`` over a shared prefix). All
-sampling is greedy and ignores EOS, so every answer has ``--max-tokens`` tokens. Afterwards the
+sampling is greedy and ignores EOS, so every answer has ``--max-tokens`` tokens. With
+``--evict-between-rounds X`` distinct filler prompts of X times the server's KV capacity
+(``max_total_num_tokens``) pass between the two chat rounds, so the second round finds the shared
+prompt evicted from the GPU: with ``--enable-hierarchical-cache`` it is loaded back from the host
+tier (the ``loaded=`` count of the tree-state lines), otherwise prefilled again. Afterwards the
 cache is flushed and one more request is served, so SGLang's idle memory check (which stops the
 server on any leaked slot) has run. The script exits non-zero when any output differs, unless
 ``--allow-mismatch`` (used to show that the comparison can see a sparsity setting's effect).
@@ -40,12 +44,31 @@ def shared_prompt(n_words: int, seed: int = 0) -> str:
     return "You are a helpful assistant. " + " ".join(rng.choice(_WORDS) for _ in range(n_words)) + "\n"
 
 
-def run_workload(server: SGLangServer, system_prompt: str, max_tokens: int) -> dict[str, str]:
+def push_out_of_gpu(server: SGLangServer, times_capacity: float, prompt_words: int) -> int:
+    """Send distinct filler prompts (one output token each) until ``times_capacity`` times the
+    server's KV capacity has been prefilled; returns how many were sent."""
+    from sglang_hs.launch.server import http_json
+
+    capacity = int(http_json(server.base_url + "/get_server_info").get("max_total_num_tokens", 0))
+    sent = tokens = 0
+    while tokens < times_capacity * capacity:
+        sent += 1
+        answer = server.post("/generate", {"text": shared_prompt(prompt_words, seed=1000 + sent),
+                                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}})  # fmt: skip
+        tokens += int(answer["meta_info"].get("prompt_tokens", 0)) or prompt_words
+    return sent
+
+
+def run_workload(server: SGLangServer, system_prompt: str, max_tokens: int, evict_between_rounds: float = 0.0,
+                 prompt_words: int = 600) -> dict[str, str]:  # fmt: skip
     """Every greedy output of the workload, keyed by a stable name."""
     import sglang as sgl
 
     outputs: dict[str, str] = {}
     for round_ in range(2):
+        if round_ == 1 and evict_between_rounds > 0:
+            sent = push_out_of_gpu(server, evict_between_rounds, prompt_words)
+            print(f"[check] {sent} filler prompts between the rounds", flush=True)
         for i, question in enumerate(QUESTIONS):
             answer = server.post(
                 "/v1/chat/completions",
@@ -94,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-mismatch", action="store_true", help="report differences, exit 0")
     parser.add_argument("--baseline-from", help="reuse the baseline outputs of an earlier --out JSON")
     parser.add_argument("--log-prefix", default="/tmp/server_check")
+    parser.add_argument("--evict-between-rounds", type=float, default=0.0, metavar="X",
+                        help="between the chat rounds, prefill filler prompts of X times the KV capacity")
     args = parser.parse_args(argv)
 
     system_prompt = shared_prompt(args.prompt_words)
@@ -108,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         del runs[args.baseline]
     for name, backend_args in runs.items():
         print(f"[check] === {name} ===", flush=True)
-        with SGLangServer(args.model_path, backend_args + args.common_arg, args.port, f"{args.log_prefix}_{name}.log") as server:
-            results[name] = run_workload(server, system_prompt, args.max_tokens)
+        log_path = f"{args.log_prefix}_{name}.log"
+        with SGLangServer(args.model_path, backend_args + args.common_arg, args.port, log_path) as server:
+            results[name] = run_workload(server, system_prompt, args.max_tokens, args.evict_between_rounds,
+                                         args.prompt_words)  # fmt: skip
             if name == "hierasparse":
                 log = server.log_text().splitlines()
                 results["hierasparse_log_lines"] = [line for line in log if "hierasparse" in line.lower()][-10:]
@@ -117,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["problems"] = [line for line in log if "leak" in line.lower() or "Traceback" in line]
                 # One line per rank at the flush: its compressed blocks, all owned by its tree.
                 results["store_reset_lines"] = [line for line in log if "hierasparse: cache reset" in line][-8:]
+                # With --enable-hierarchical-cache: the host tier's ownership line per rank at the flush.
+                results["host_reset_lines"] = [line for line in log if "hierasparse: host tier at reset" in line][-8:]
                 results.update(server.rank_states())
     baseline, ours = results[args.baseline], results["hierasparse"]
     mismatches = sorted(key for key in baseline if baseline[key] != ours.get(key) and key != "after_flush")
@@ -128,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         "status_lines": results["status_lines"][-3:],
         "problems": results["problems"],
         "store_reset_lines": results["store_reset_lines"],
+        "host_reset_lines": results["host_reset_lines"],
+        "rank_tree_states": results.get("rank_tree_states"),
         "ranks_in_step": results.get("ranks_in_step"),
     }
     with open(args.out, "w") as f:
