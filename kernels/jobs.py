@@ -25,6 +25,7 @@ import fcntl
 import multiprocessing
 import os
 import time
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterator
 
 from sglang_hs.config import KERNEL_GQA_GROUPS
@@ -99,6 +100,16 @@ def _hide_gpus() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+def _run_in_worker(builder: Callable[[Job], Job], job: Job) -> Job:
+    """One job in a worker; TileLang's per-kernel INFO lines stay out of the server's log (the parent
+    logs progress)."""
+    if builder is build:
+        import tilelang
+
+        tilelang.set_log_level("WARNING")
+    return builder(job)
+
+
 def compile_parallel(jobs: list[Job], workers: int, on_done: Callable[[int, Job, float], None],
                      builder: Callable[[Job], Job] | None = None) -> None:
     """Run ``builder`` (a module-level function: it is pickled) over ``jobs`` in ``workers`` spawned
@@ -108,7 +119,7 @@ def compile_parallel(jobs: list[Job], workers: int, on_done: Callable[[int, Job,
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max(1, min(workers, len(jobs))), mp_context=context,
                                                 initializer=_hide_gpus) as pool:
-        futures = {pool.submit(builder or build, job): job for job in jobs}
+        futures = {pool.submit(_run_in_worker, builder or build, job): job for job in jobs}
         for k, future in enumerate(concurrent.futures.as_completed(futures), 1):
             future.result()
             on_done(k, futures[future], time.time() - start)
@@ -171,13 +182,31 @@ def compile_missing(jobs: list[Job], log: Callable[[str], None], workers: int | 
                     procs = max(1, min(workers or default_workers(), n))
                     log(f"hierasparse: compiling {n} kernels (0/{n}) in {procs} processes into {where} (the first "
                         "start of this model shape; later starts load them)")
-                    compile_parallel(missing, procs, lambda k, job, s: log(
-                        f"hierasparse: compiling {n} kernels ({k}/{n}) {describe(job)} done at {s:.0f} s"), builder)
+                    _compile_with_progress(missing, procs, log, builder)
                     compiled += n
                 missing = []
         if waited:  # the other process is done: load what it compiled, compile what is still missing
             missing = [job for job in missing if not probe(job)]
     return compiled
+
+
+def _compile_with_progress(jobs: list[Job], workers: int, log: Callable[[str], None],
+                           builder: Callable[[Job], Job] | None) -> None:
+    """:func:`compile_parallel` with ``(k/N)`` lines; if worker processes cannot run here (a daemonic
+    process, a worker killed for memory), the jobs not done yet compile in this process."""
+    n, done, start = len(jobs), [], time.time()
+
+    def on_done(k: int, job: Job, seconds: float) -> None:
+        done.append(job)
+        log(f"hierasparse: compiling {n} kernels ({k}/{n}) {describe(job)} done at {seconds:.0f} s")
+
+    try:
+        compile_parallel(jobs, workers, on_done, builder)
+    except (AssertionError, OSError, BrokenProcessPool) as exc:
+        log(f"hierasparse: worker processes failed ({type(exc).__name__}: {exc}); compiling in this process")
+        for job in [job for job in jobs if job not in done]:
+            (builder or build)(job)
+            on_done(len(done) + 1, job, time.time() - start)
 
 
 def cache_enabled() -> bool:

@@ -286,7 +286,8 @@ class HieraSparseAttnBackend(AttentionBackend):
         device = self.req_to_token.device
         self._graph_table = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=device)
         self._graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-        if self.use_decode_kernel and (self._decode_plan_obj is None or self._decode_plan_obj.batch_size < max_bs):
+        plan = self._decode_plan_obj
+        if self.use_decode_kernel and (plan is None or (plan.batch_size < max_bs and not plan.captured)):
             # Before any capture: the scratch every captured batch size views, allocated once.
             self._decode_plan_obj = self._new_decode_plan(max_bs)
 

@@ -123,3 +123,20 @@ def test_a_second_process_waits_for_the_compiler_and_compiles_nothing(tmp_path):
                           builder=fake_build)
     thread.join()
     assert n == 0 and len(lines) == 1 and lines[0].startswith("hierasparse: waiting for another process")
+
+
+def test_jobs_left_by_failed_workers_compile_in_this_process(monkeypatch, tmp_path):
+    from concurrent.futures.process import BrokenProcessPool
+
+    def broken(jobs, workers, on_done, builder):
+        on_done(1, jobs[0], 30.0)
+        raise BrokenProcessPool("a worker was killed")
+
+    monkeypatch.setattr(J, "compile_parallel", broken)
+    built, lines = [], []
+    jobs = [("decode", (1,)), ("pack", (2,)), ("loss", (3,))]
+    n = J.compile_missing(jobs, lines.append, lock_path=str(tmp_path / "lock"), probe=lambda job: False,
+                          builder=built.append)
+    assert n == 3 and built == jobs[1:]
+    assert "worker processes failed (BrokenProcessPool" in lines[2]
+    assert [line.split(") ")[0][-3:] for line in lines if "done at" in line] == ["1/3", "2/3", "3/3"]
