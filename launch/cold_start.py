@@ -7,14 +7,15 @@ warm kernel caches, for hierasparse and a dense backend on the same machine.
 
 For each server (in the order given) the script starts ``sglang.launch_server`` with SGLang's default
 CUDA-graph settings twice: first with empty kernel caches (``cache: "empty"``: a fresh
-``TILELANG_CACHE_DIR`` and ``TRITON_CACHE_DIR`` under ``OUT/caches/``), then again with the caches that
-first start filled (``"warm"``). Other JIT caches of the machine (FlashInfer's) are left as they are;
-hierasparse runs first, so it is the server that would pay for them. Hierasparse attends dense tokens
-with the dense server's backend (``--hs-dense-backend``, default ``--dense-backend``), so both start the
-same SGLang kernels. ``kernels_compiled`` counts the
+``TILELANG_CACHE_DIR`` and ``TRITON_CACHE_DIR`` under ``--cache-root``, default ``OUT/caches/``),
+then again with the caches that first start filled (``"warm"``). Other JIT caches of the machine
+(FlashInfer's) are left as they are; hierasparse runs first, so it is the server that would pay for
+them. Hierasparse attends dense tokens with the dense server's backend (``--hs-dense-backend``,
+default ``--dense-backend``), so both start the same SGLang kernels. ``kernels_compiled`` counts the
 ``hierasparse: compiling N kernels (k/N)`` progress lines in the server's log (0 for a dense server).
-Writes ``OUT/cold_start_<model>[_tpN]_<tag>.json`` (after every start): a list of ``{"server": "dense"|"hierasparse", "model",
-"cache": "empty"|"warm", "ready_s", "kernels_compiled", "device", ...}`` records, and the logs beside it.
+Writes ``OUT/cold_start_<model>[_tpN]_<tag>.json`` after every start: a list of ``{"server":
+"dense"|"hierasparse", "model", "cache": "empty"|"warm", "ready_s", "kernels_compiled", "device",
+...}`` records; the server logs go beside it.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace, save) -> list[dict]:
     device = device_name()
     records: list[dict] = []
     for server in args.servers.split(","):
-        caches = os.path.join(args.out, "caches", f"{server}_{args.model}")
+        caches = os.path.join(args.cache_root or os.path.join(args.out, "caches"), f"{server}_{args.model}")
         shutil.rmtree(caches, ignore_errors=True)
         env = {"TILELANG_CACHE_DIR": os.path.join(caches, "tilelang"), "TRITON_CACHE_DIR": os.path.join(caches, "triton")}
         for cache in ("empty", "warm"):
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hs-dense-backend", default=None,
                         help="hierasparse's --hierasparse-dense-backend (default: --dense-backend)")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to every server (repeatable)")
+    parser.add_argument("--cache-root", default=None, help="where the fresh kernel caches go (default: OUT/caches)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--timeout", type=float, default=900, help="seconds a start may take")
     parser.add_argument("--tag", default=None, help="file tag (default: h100/h200 from the GPU's name)")

@@ -81,7 +81,8 @@ case "$step" in
     [ "$model" = llama8b ] && path=$llama
     tp_args=()
     [ "${TP:-1}" = 1 ] || tp_args=(--server-arg=--tp-size=$TP)
-    python3 -m sglang_hs.launch.cold_start --model "$model" --model-path $path --out "$out" "${tp_args[@]}" 2>&1 |
+    python3 -m sglang_hs.launch.cold_start --model "$model" --model-path $path --out "$out" \
+        --cache-root /tmp/hs_cold_caches "${tp_args[@]}" 2>&1 |
         grep "\[cold_start\]" | cut -c1-300
     ;;
   extend)
