@@ -108,7 +108,8 @@ def run(args: argparse.Namespace, save) -> list[dict]:
     for server in args.servers.split(","):
         caches = os.path.join(args.cache_root or os.path.join(args.out, "caches"), f"{server}_{args.model}")
         shutil.rmtree(caches, ignore_errors=True)
-        env = {"TILELANG_CACHE_DIR": os.path.join(caches, "tilelang"), "TRITON_CACHE_DIR": os.path.join(caches, "triton")}
+        env = {"TILELANG_CACHE_DIR": os.path.join(caches, "tilelang"),
+               "TRITON_CACHE_DIR": os.path.join(caches, "triton")}
         for cache in ("empty", "warm"):
             log = os.path.join(args.out, f"cold_start_{server}_{args.model}_{cache}.log")
             record = dict(server="hierasparse" if server == "hierasparse" else "dense", model=args.model, cache=cache,

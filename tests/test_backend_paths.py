@@ -201,7 +201,8 @@ def test_start_up_compiles_the_kernels_the_settings_use(monkeypatch):
         ("decode", 2), ("extend", False), ("extend", False), ("pack", 64)]
     backend.config = HieraSparseConfig(sk_decode=0.5)
     backend._prepare_kernels(every)
-    assert [kind for kind, _ in seen[-1]] == ["decode", "extend", "extend", "pack", "loss"] and seen[-1][-1][1][0] == "k"
+    assert [kind for kind, _ in seen[-1]] == ["decode", "extend", "extend", "pack", "loss"]
+    assert seen[-1][-1][1][0] == "k"
     backend._prepare_kernels(SimpleNamespace(kernels_available=True, uses_kernel=lambda name: name == "compress"))
     assert [kind for kind, _ in seen[-1]] == ["pack", "loss"]
     calls = len(seen)

@@ -26,7 +26,8 @@ def test_server_arguments():
     args = argparse.Namespace(model="llama8b", server_arg=["--tp-size=2"], hs_dense_backend="triton",
                               dense_backend="triton")
     assert C.server_args("hierasparse", args) == [
-        "--attention-backend", "hierasparse", "--hierasparse-dense-backend=triton", "--tp-size=2", "--load-format=dummy"]
+        "--attention-backend", "hierasparse", "--hierasparse-dense-backend=triton", "--tp-size=2",
+        "--load-format=dummy"]
     assert C.server_args("dense", args) == ["--attention-backend", "triton", "--tp-size=2", "--load-format=dummy"]
     args.model = "tiny"
     assert C.server_args("dense", args) == ["--attention-backend", "triton", "--tp-size=2"]

@@ -39,7 +39,8 @@ def test_job_arguments_are_the_builders_cache_keys(monkeypatch):
     from sglang_hs.kernels import common
 
     seen = []
-    monkeypatch.setattr(common, "compile_cached", lambda kind, args, make, passes, target=None: seen.append((kind, args)))
+    monkeypatch.setattr(common, "compile_cached",
+                        lambda kind, args, make, passes, target=None: seen.append((kind, args)))
     from sglang_hs.kernels import compress, decode, extend
 
     for module in (compress, decode, extend):

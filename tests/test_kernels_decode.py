@@ -220,7 +220,8 @@ class RecordingKernel:
 def recording_builder(monkeypatch):
     """``build_decode_kernel`` replaced by a recorder: {builder arguments: kernel}."""
     built = {}
-    monkeypatch.setattr(decode_module, "build_decode_kernel", lambda *args: built.setdefault(args, RecordingKernel(args)))
+    monkeypatch.setattr(decode_module, "build_decode_kernel",
+                        lambda *args: built.setdefault(args, RecordingKernel(args)))
     return built
 
 
