@@ -61,7 +61,7 @@ def main(argv=None):
                     help="pool/page layouts to time: natural (allocation order) and/or shuffled (random rows)")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the PNG of an existing JSON")
     ap.add_argument("--new-tokens", default="64,16,256,1024,2048",
-                    help="extend: new tokens per request (the issue's goal point, 64, first)")
+                    help="extend: new tokens per request (64, the headline point, first)")
     ap.add_argument("--fi-backend", default="fa2", help="extend: FlashInfer prefill backend (SGLang uses fa2)")
     ap.add_argument("--flashinfer-us", type=float, help="compress: dense prefill time (us, all layers) to use "
                     "instead of measuring FlashInfer")

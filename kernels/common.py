@@ -6,6 +6,9 @@ Importing this module needs neither TileLang nor a GPU.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
 from typing import Callable, NamedTuple
 
 import torch
@@ -101,16 +104,16 @@ def check_plan_shape(q_heads: int, kv_heads: int, head_dim: int, block_size: int
 
 
 def split_count(pairs: int, blocks: int, num_sms: int, ctas_per_sm: int | Callable[[int], int], max_splits: int,
-                cta_overhead_blocks: float = 0.0) -> int:
-    """The split-KV cost model of both attention kernels: the fewest splits ``S`` per (work item, KV
-    head) within 2% of the best modelled time (fewer splits: less scratch, cheaper merge).
+                cta_overhead_blocks: float = 0.0, min_splits: int = 1) -> int:
+    """The split-KV cost model of both attention kernels: the fewest splits ``S >= min_splits`` per
+    (work item, KV head) within 2% of the best modelled time (fewer splits: less scratch, cheaper merge).
 
     ``pairs`` CTAs per split run in waves of ``num_sms * ctas_per_sm`` (``ctas_per_sm`` may depend on
     ``S``: a callable); a CTA costs ``ceil(blocks / S)`` block steps plus ``cta_overhead_blocks``; each
     split adds a twentieth of a block (its partial and its share of the merge).
     """
     best = []
-    for s in range(1, min(max_splits, blocks) + 1):
+    for s in range(min_splits, max(min_splits, min(max_splits, blocks)) + 1):
         slots = max(1, num_sms * (ctas_per_sm(s) if callable(ctas_per_sm) else ctas_per_sm))
         waves = -(-pairs * s // slots)
         cost = waves * (-(-blocks // s) + cta_overhead_blocks) + 0.05 * s
@@ -153,6 +156,59 @@ class PoolArgs:
             self._or_dummy(pools.v_meta, "meta").reshape(-1, self.meta_rows, 16),
             k_index, v_index,
         )  # fmt: skip
+
+
+KERNEL_SOURCES = ("common.py", "decode.py", "extend.py", "extend_common.py", "extend_overlap.py",
+                  "extend_producer.py", "compress.py")
+"""The files whose text defines the compiled kernels (with ``sglang_hs/format.py``): their digest is
+part of every kernel's cache entry, so an edited kernel is never loaded from a stale entry."""
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source_digest() -> str:
+    """sha256 of the kernel sources (read once per process)."""
+    from sglang_hs import format as block_format
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for path in [os.path.join(here, name) for name in KERNEL_SOURCES] + [block_format.__file__]:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _frontend_key(kind: str, args: tuple) -> dict:
+    return {"project": "sglang-hierasparse", "kind": kind, "args": repr(tuple(args)),
+            "sources": kernel_source_digest()}
+
+
+def load_cached(kind: str, args: tuple, pass_configs: dict, target=None):
+    """The kernel ``kind(*args)`` from TileLang's disk cache, or None when it was never compiled there.
+
+    Entries are found by (kind, args, source digest) through TileLang's frontend cache
+    (``tilelang.cache.load_frontend_cached``), so a hit builds no ``prim_func`` and hashes no TIR: a
+    warm start loads each kernel in a fraction of a second."""
+    import tilelang  # noqa: F401 (first: importing tilelang.cache alone is a circular import in 0.1.11)
+    from tilelang.cache import load_frontend_cached
+
+    return load_frontend_cached(_frontend_key(kind, args), target=target or SM90_TARGET, pass_configs=pass_configs)
+
+
+def compile_cached(kind: str, args: tuple, make_func: Callable[[], object], pass_configs: dict, target=None):
+    """``tilelang.compile(make_func())`` through :func:`load_cached`: load the kernel when its entry
+    exists, else compile it (into TileLang's disk cache) and record the entry. ``args`` must be every
+    argument the kernel depends on (the builder's parameters but ``target``)."""
+    import tilelang
+    from tilelang.cache import store_frontend_cache
+
+    kernel = load_cached(kind, args, pass_configs, target)
+    if kernel is None:
+        kernel = tilelang.compile(make_func(), target=target or SM90_TARGET, pass_configs=pass_configs)
+        key = getattr(kernel, "_tilelang_cache_key", None)
+        if key:
+            store_frontend_cache(_frontend_key(kind, args), key, target=target or SM90_TARGET,
+                                 pass_configs=pass_configs)
+    return kernel
 
 
 def precompile_main(description: str, build_one: Callable, configs: list) -> None:

@@ -89,6 +89,7 @@ import logging
 import torch
 
 from sglang_hs.format import sparse_count
+from sglang_hs.kernels.common import compile_cached
 from sglang_hs.pools import compress_prefix
 from sglang_hs.pruner import MagnitudePruner, Pruner
 
@@ -343,20 +344,16 @@ def build_loss_prim_func(operand: str, kv_heads: int, head_dim: int, block_size:
 @functools.lru_cache(maxsize=None)
 def build_pack_kernel(kv_heads: int, head_dim: int, block_size: int, target=None):
     """Compile (or load from TileLang's cache) the pack kernel. Needs TileLang, not a GPU."""
-    import tilelang
-
-    func = build_pack_prim_func(kv_heads, head_dim, block_size)
-    return tilelang.compile(func, target=target or SM90_TARGET, pass_configs=PASS_CONFIGS)
+    args = (kv_heads, head_dim, block_size)
+    return compile_cached("pack", args, lambda: build_pack_prim_func(*args), PASS_CONFIGS, target or SM90_TARGET)
 
 
 @functools.lru_cache(maxsize=None)
 def build_loss_kernel(operand: str, kv_heads: int, head_dim: int, block_size: int, dtype: str = "float16",
                       target=None):
     """Compile (or load from TileLang's cache) the loss kernel of one operand. Needs TileLang, not a GPU."""
-    import tilelang
-
-    func = build_loss_prim_func(operand, kv_heads, head_dim, block_size, dtype)
-    return tilelang.compile(func, target=target or SM90_TARGET, pass_configs=PASS_CONFIGS)
+    args = (operand, kv_heads, head_dim, block_size, dtype)
+    return compile_cached("loss", args, lambda: build_loss_prim_func(*args), PASS_CONFIGS, target or SM90_TARGET)
 
 
 # --------------------------------------------------------------------------------------- plan / run

@@ -23,8 +23,14 @@ Design (and why)
   blocks and writes a partial ``O`` (fp32) and base-2 LSE to plan-owned scratch. The last CTA of a
   (request, KV head) to finish (an acq_rel atomic ticket per pair, reset by that CTA) merges the
   splits into ``out`` and the natural-log LSE, so a call is one kernel launch. A decode batch has few
-  (request, KV head) pairs for 132 SMs, so splitting is what fills the GPU; ``num_splits`` is chosen at
-  plan time from the SM count and the CTAs that fit an SM.
+  (request, KV head) pairs for 132 SMs, so splitting is what fills the GPU; the split count is chosen
+  per call shape on the host from the SM count and the CTAs that fit an SM (:func:`plan_num_splits`).
+* **One kernel per model shape.** The batch size, the block table's width and the split count are
+  dynamic (``T.dynamic``; the split count is ``o_part``'s third extent and the grid's x extent), so a
+  server compiles one decode kernel whatever its CUDA-graph batch sizes and context length. A CTA's
+  index maps have a fixed capacity (:data:`SPLIT_CAPACITY` blocks) and plans use at least
+  ``ceil(width / SPLIT_CAPACITY)`` splits, so shared memory, and the CTAs per SM, do not depend on
+  the context either.
 * **Data-dependent dispatch without losing the pipeline.** Decode is memory bound; the win is reading
   0.5625x the bytes of a sparse block, so what matters is bytes in flight. TileLang's ``T.Pipelined``
   does not pipeline copies whose shape depends on a runtime branch, so the loop is software-pipelined
@@ -50,11 +56,12 @@ Design (and why)
   deadlock), so it is disabled and the kernel places its own barriers: one at the top of each block
   step (WAR on the refilled stage, ``P_s`` and ``scores_sh``), one after ``S^T`` is staged and one
   after ``P^T`` is written.
-* **CUDA graphs.** ``run`` is one launch of a kernel compiled for the plan's batch size and
-  ``max_blocks``; scratch is allocated in ``__init__``; no host synchronisation (seq_lens stay on the
-  GPU: block ranges, masks and empty splits are computed in the kernel); TileLang launches on torch's
-  current stream. Empty pools are replaced by one-row stand-ins (never read) because a TMA descriptor
-  cannot describe a zero-length tensor. A plan's scratch and tickets are its own: one call at a time.
+* **CUDA graphs.** ``run`` is one launch; scratch is allocated once, for the plan's largest batch,
+  and every call views its prefix, so graphs captured at different batch sizes share it at fixed
+  addresses; no host synchronisation (seq_lens stay on the GPU: block ranges, masks and empty splits
+  are computed in the kernel); TileLang launches on torch's current stream. Empty pools are replaced
+  by one-row stand-ins (never read) because a TMA descriptor cannot describe a zero-length tensor. A
+  plan's scratch and tickets are its own: one call at a time.
 
 The module imports neither TileLang nor a GPU at import time; ``build_decode_kernel`` does.
 """
@@ -66,12 +73,17 @@ import torch
 
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import (
-    LN2, LOG2E, PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
+    LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape, compile_cached,
     precompile_main, split_count, tma_loads,
 )
 
 STAGES = 2
 THREADS = 128  # one warpgroup: wgmma M = 64 per instruction
+SPLIT_CAPACITY = 512
+"""Blocks one CTA can walk (its index maps in shared memory, 6 KB): plans use at least
+``ceil(max_blocks / SPLIT_CAPACITY)`` splits. At d 128 two CTAs still fit an SM (the 32K benchmark's
+CTAs take 128-133 blocks)."""
+MAX_SPLITS = 128
 
 
 def _n_pad(group: int) -> int:
@@ -80,8 +92,9 @@ def _n_pad(group: int) -> int:
     return 8 if group <= 8 else 16
 
 
-def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int) -> int:
-    """Shared memory of one CTA (bytes), matching the buffers of :func:`build_decode_prim_func`."""
+def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int = SPLIT_CAPACITY) -> int:
+    """Shared memory of one CTA (bytes), an upper bound of the buffers of :func:`build_decode_prim_func`
+    (its index maps hold ``blocks_per_split`` entries: the kernel's :data:`SPLIT_CAPACITY`)."""
     n = _n_pad(group)
     elems = block_size * head_dim
     stage = 2 * (elems * 2 + elems + elems // 8)  # K and V: dense tile, 2:4 values, int16 metadata
@@ -89,34 +102,44 @@ def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_p
     return stages * stage + other
 
 
-def build_decode_prim_func(batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
-                           max_blocks: int, num_splits: int, dtype: str = "float16", stages: int = STAGES):
-    """The TileLang ``prim_func`` of one plan (the batch size and the block table's width are static).
+def min_splits(max_blocks: int) -> int:
+    """The fewest splits that fit a block table ``max_blocks`` wide: a CTA resolves at most
+    :data:`SPLIT_CAPACITY` blocks."""
+    return max(1, -(-max_blocks // SPLIT_CAPACITY))
 
-    Arguments, in order (``S`` = ``num_splits``): ``q [bs, Hq, D]``, ``k_cache, v_cache [slots, Hkv,
-    D]``, the six pools as :class:`sglang_hs.kernels.common.PoolArgs` gives them (``k_dense [rows, B,
-    D]``, ``k_values [rows, B, D/2]``, ``k_meta [rows, B*D/256, 16]`` int16, ``v_dense [rows, B, D]``,
-    ``v_values [rows, D, B/2]``, ``v_meta [rows, B*D/256, 16]`` int16), ``k_index, v_index [Hkv,
-    n_virtual]``, ``block_table [bs, max_blocks]``, ``seq_lens [bs]``, ``sm_scale``, ``o_part [bs, Hq,
-    S, D]`` and ``lse_part [bs, Hq, S]`` (fp32 split partials), ``out [bs, Hq, D]``, ``lse [bs, Hq]``
-    (fp32, natural log), ``tickets [bs, Hkv]`` (int32 split tickets, zero between calls).
+
+def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64, dtype: str = "float16",
+                           stages: int = STAGES):
+    """The TileLang ``prim_func`` of one model shape. The batch size, the block table's width and the
+    split count are dynamic (bound from the arguments' shapes), so one kernel serves every plan.
+
+    Arguments, in order (``S`` = the split count, bound from ``o_part``'s shape; it must be at least
+    ``min_splits(max_blocks)``): ``q [bs, Hq, D]``, ``k_cache, v_cache [slots, Hkv, D]``, the six pools
+    as :class:`sglang_hs.kernels.common.PoolArgs` gives them (``k_dense [rows, B, D]``, ``k_values
+    [rows, B, D/2]``, ``k_meta [rows, B*D/256, 16]`` int16, ``v_dense [rows, B, D]``, ``v_values [rows,
+    D, B/2]``, ``v_meta [rows, B*D/256, 16]`` int16), ``k_index, v_index [Hkv, n_virtual]``,
+    ``block_table [bs, max_blocks]``, ``seq_lens [bs]``, ``sm_scale``, ``o_part [bs, Hq, S, D]`` and
+    ``lse_part [bs, Hq, S]`` (fp32 split partials), ``out [bs, Hq, D]``, ``lse [bs, Hq]`` (fp32,
+    natural log), ``tickets [bs, Hkv]`` (int32 split tickets, zero between calls). Every tensor is
+    contiguous.
     """
     import tilelang.language as T
 
-    B, D, S = block_size, head_dim, num_splits
+    B, D = block_size, head_dim
     G = q_heads // kv_heads
     NH = _n_pad(G)
     accum = "float32"
     threads = THREADS
-    bps = -(-max_blocks // S)  # static upper bound of blocks per split
+    bps = SPLIT_CAPACITY  # index-map entries a CTA holds: the most blocks a split may have
     e_rows = B * D // 16 // 16  # metadata tile as [e_rows, 16] int16 (contiguous 2*B*D/16 bytes)
     assert q_heads % kv_heads == 0 and D % 32 == 0 and B % 32 == 0 and stages >= 2
     TPC = threads // NH  # threads per column (a power of two dividing 32)
     RPT = B // TPC  # rows per thread
     SHUF = [TPC >> k for k in range(1, TPC.bit_length()) if TPC >> k]  # xor offsets TPC/2 .. 1
     # The call's dynamic extents (bound from the arguments' shapes).
-    num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual = T.dynamic(
-        "num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual")
+    (num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual, batch, max_blocks,
+     S) = T.dynamic("num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual, batch, "
+                    "max_blocks, num_splits")
     load_k, load_v = tma_loads(T, B)
 
     def alloc_stages():
@@ -243,11 +266,14 @@ def build_decode_prim_func(batch: int, q_heads: int, kv_heads: int, head_dim: in
             run_max = T.alloc_local([1], accum)
             run_sum = T.alloc_local([1], accum)
 
+            # Plain bindings (inlined expressions, as before the split count was dynamic): the block loop's
+            # generated code stays that of a static split count but for the (loop-invariant) division.
             seq_len = seq_lens[request]
             seq_blocks = T.ceildiv(seq_len, B)
             per_split = T.ceildiv(seq_blocks, S)
             first_block = split * per_split
-            num_blocks = T.max(T.min(per_split, seq_blocks - first_block), 0)
+            # The plan keeps S >= ceil(max_blocks / bps), so per_split <= bps; the bound only guards the maps.
+            num_blocks = T.max(T.min(T.min(per_split, bps), seq_blocks - first_block), 0)
             scale_log2 = sm_scale * LOG2E
 
             # Resolve this CTA's blocks: mode = k_mode | v_mode << 2 (0 cache page, 1 dense row, 2 2:4 row).
@@ -330,80 +356,99 @@ def build_decode_prim_func(batch: int, q_heads: int, kv_heads: int, head_dim: in
 
 
 @functools.lru_cache(maxsize=None)
-def build_decode_kernel(batch, q_heads, kv_heads, head_dim, block_size, max_blocks, num_splits,
-                        dtype="float16", stages=STAGES, target=None):
-    """Compile (or load from TileLang's cache) the kernel of one plan. Needs TileLang, not a GPU."""
-    import tilelang
-
-    func = build_decode_prim_func(batch, q_heads, kv_heads, head_dim, block_size, max_blocks, num_splits,
-                                  dtype=dtype, stages=stages)
-    return tilelang.compile(func, target=target or SM90_TARGET, pass_configs=PASS_CONFIGS)
+def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES, target=None):
+    """Compile (or load from TileLang's cache) the kernel of one model shape. Needs TileLang, not a GPU."""
+    args = (q_heads, kv_heads, head_dim, block_size, dtype, stages)
+    return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
-                      ctas_per_sm: int | Callable[[int], int], max_splits: int = 128) -> int:
+                      ctas_per_sm: int | Callable[[int], int], max_splits: int = MAX_SPLITS) -> int:
     """Splits per (request, KV head): the fewest that keep every resident CTA slot busy
-    (:func:`sglang_hs.kernels.common.split_count`; a CTA costs just its ``ceil(max_blocks / S)`` blocks).
-    ``ctas_per_sm`` may depend on ``S`` (a callable): a CTA's index maps hold its ``ceil(max_blocks / S)``
-    blocks."""
-    return split_count(batch * kv_heads, max_blocks, num_sms, ctas_per_sm, max_splits)
+    (:func:`sglang_hs.kernels.common.split_count`; a CTA costs just its ``ceil(max_blocks / S)`` blocks),
+    and at least :func:`min_splits`."""
+    return split_count(batch * kv_heads, max_blocks, num_sms, ctas_per_sm, max_splits,
+                       min_splits=min_splits(max_blocks))
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                     stages: int, num_sms: int) -> int:
-    """The split count a plan uses by default (a plan's kernel is compiled for it, so ahead-of-time
-    compilation needs it without a GPU: pass the target GPU's SM count).
+    """The split count of a call with ``batch`` requests and a block table ``max_blocks`` wide on a GPU
+    of ``num_sms`` SMs (host arithmetic on shapes only: no device value is read).
 
-    Occupancy is counted per candidate split count: at a 32K context (529 blocks) the index maps of an
-    unsplit CTA push it just past half an SM's shared memory, so one split would leave one CTA per SM
-    where two halves of the range fit two (and one CTA per SM hides less of a block step's latency)."""
-
-    def ctas_per_sm(splits: int) -> int:
-        per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, -(-max_blocks // splits)) + 1024
-        return max(1, min(SMEM_PER_SM // per_cta, 8))
-
+    A CTA's shared memory does not depend on the call (its index maps hold :data:`SPLIT_CAPACITY`
+    blocks), so the CTAs per SM are fixed by the model shape: two at d 128 for the GQA groups the
+    server takes. At a 32K context (512-529 blocks) and 8 requests of 8 KV heads that is 4 splits."""
+    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads) + 1024
+    ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 8))
     return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas_per_sm)
 
 
 class HieraSparseDecode:
     """Plan + run of the mixed dense/2:4-sparse split-KV decode kernel (see the module docstring).
 
-    ``__init__`` compiles or loads the kernel for the given batch size and ``max_blocks`` (the width of
-    ``block_table``) and allocates the split-KV scratch; ``num_splits`` defaults to
-    :func:`plan_num_splits` on this GPU. ``run`` is CUDA-graph capturable.
+    One plan serves every batch size and block-table width: ``__init__`` loads (or compiles) the
+    kernel of the model shape and allocates the split-KV scratch once, for ``batch_size`` requests
+    and block tables up to ``max_blocks`` wide; each call views the prefix of it that its shape needs,
+    so CUDA graphs captured at different batch sizes keep valid addresses. A larger batch grows the
+    scratch while no CUDA graph has captured the plan, and runs in chunks of ``batch_size`` after.
+    ``num_splits`` forces the split count (else :func:`plan_num_splits` per call shape, on
+    ``num_sms`` SMs: this GPU's by default). One call at a time per plan.
     """
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None, stages: int = STAGES):
+                 max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None, stages: int = STAGES,
+                 num_sms: int | None = None):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
-        self.batch_size, self.q_heads, self.kv_heads = batch_size, q_heads, kv_heads
+        self.q_heads, self.kv_heads = q_heads, kv_heads
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
         self.dtype, self.device, self.stages = dtype, torch.device(device), stages
-        if num_splits is None:
+        if num_splits is not None and num_splits < min_splits(max_blocks):
+            raise ValueError(f"num_splits={num_splits} < {min_splits(max_blocks)}: a split walks at most "
+                             f"{SPLIT_CAPACITY} of the {max_blocks} blocks")
+        self.forced_splits = num_splits
+        if num_splits is None and num_sms is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            num_splits = plan_num_splits(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, stages,
-                                         num_sms)
-        self.num_splits = int(num_splits)
+        self.num_sms = num_sms
         dt = "float16" if dtype == torch.float16 else "bfloat16"
-        self.kernel = build_decode_kernel(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks,
-                                          self.num_splits, dt, stages)
-        f32 = dict(dtype=torch.float32, device=self.device)
-        self.o_part = torch.empty(batch_size, q_heads, self.num_splits, head_dim, **f32)
-        self.lse_part = torch.empty(batch_size, q_heads, self.num_splits, **f32)
-        self.lse = torch.empty(batch_size, q_heads, **f32)
-        # Split tickets of the fused merge; the merging CTA resets its entry, so it stays zero between calls.
-        self.counter = torch.zeros(batch_size, kv_heads, dtype=torch.int32, device=self.device)
+        self.kernel = build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
+        self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
+        self._allocate(batch_size)
+        self.num_splits = self.splits(batch_size, max_blocks)  # at the plan's full shape (reported)
+        self.last_num_splits = None
+
+    def splits(self, batch: int, width: int) -> int:
+        """The split count of a call of ``batch`` requests over a block table ``width`` wide."""
+        if self.forced_splits is not None:
+            return self.forced_splits
+        return plan_num_splits(batch, self.q_heads, self.kv_heads, self.head_dim, self.block_size, width,
+                               self.stages, self.num_sms)
+
+    def _allocate(self, batch_size: int) -> None:
+        """Scratch for up to ``batch_size`` requests at the split counts their calls choose."""
+        self.batch_size = batch_size
+        parts = max(bs * self.splits(bs, self.max_blocks) for bs in range(1, batch_size + 1))
+        hq, d = self.q_heads, self.head_dim
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.part_capacity = parts  # (request, split) pairs
+        self.o_part = torch.empty(parts * hq * d, **f32)
+        self.lse_part = torch.empty(parts * hq, **f32)
+        self.lse = torch.empty(batch_size, hq, **f32)
+        # Split tickets of the fused merge; the merging CTA resets its entry, so it stays zero between calls.
+        self.counter = torch.zeros(batch_size, self.kv_heads, dtype=torch.int32, device=self.device)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pools: BlockPools,
             k_index: torch.Tensor, v_index: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
             sm_scale: float, out: torch.Tensor | None = None, return_lse: bool = False):
-        """Decode attention of one layer; one kernel launch, no host synchronisation.
+        """Decode attention of one layer; one kernel launch per ``batch_size`` requests, no host
+        synchronisation.
 
-        Shapes (``bs`` = the plan's ``batch_size``, ``B`` = ``block_size``, ``D`` = ``head_dim``,
+        Shapes (``bs`` = the call's requests, ``B`` = ``block_size``, ``D`` = ``head_dim``,
         ``Hq``/``Hkv`` query/KV heads, all on the plan's device; 16-bit tensors in the plan's dtype):
 
-        * ``q``: ``[bs, Hq, D]``, one query token per request.
+        * ``q``: ``[bs, Hq, D]``, contiguous, one query token per request.
         * ``k_cache``, ``v_cache``: ``[slots, Hkv, D]``, SGLang's buffers of the layer (page ``e`` = slots
           ``e*B .. e*B + B - 1``).
         * ``pools``: the layer's :class:`~sglang_hs.format.BlockPools`: ``k_dense [Nd_k, B, D]``,
@@ -411,41 +456,59 @@ class HieraSparseDecode:
           ``v_values [Ns_v, D, B/2]``, ``v_meta [Ns_v, D, B/16]`` int16 (any of them may be empty).
         * ``k_index``, ``v_index``: ``[Hkv, n_virtual]`` int32, virtual block -> pool row (``>= 0``
           dense row, ``< 0`` 2:4 row ``-i - 1``).
-        * ``block_table``: ``[bs, max_blocks]`` int32 (the plan's ``max_blocks``), a request's blocks in
+        * ``block_table``: ``[bs, W]`` int32, contiguous, ``W <= max_blocks``: a request's blocks in
           order (``>= 0`` cache page, ``< 0`` virtual block ``-e - 1``); columns past a request's blocks
           are never read.
         * ``seq_lens``: ``[bs]`` int32, tokens of each request (0: a padded request, output 0, LSE -inf).
         * ``out``: ``[bs, Hq, D]``, contiguous, written if given.
 
         Returns ``out [bs, Hq, D]``, and with ``return_lse`` also the natural-log LSE ``[bs, Hq]`` fp32
-        (a plan-owned buffer, overwritten by the next call).
+        (a plan-owned buffer up to ``batch_size`` requests, overwritten by the next call).
         """
+        bs, width = q.shape[0], block_table.shape[1]
+        if width > self.max_blocks:
+            raise ValueError(f"block table {width} wide > the plan's max_blocks {self.max_blocks}")
         if out is None:
             out = torch.empty_like(q)
-        self.kernel(
-            q, k_cache, v_cache, *self.pools(pools, k_index, v_index),
-            block_table, seq_lens, float(sm_scale),
-            self.o_part, self.lse_part, out, self.lse, self.counter,
-        )
-        return (out, self.lse) if return_lse else out
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self.captured = True
+        if bs > self.batch_size and not self.captured:
+            self._allocate(bs)
+        lse = self.lse if bs <= self.batch_size else torch.empty(bs, self.q_heads, dtype=torch.float32,
+                                                                 device=self.device)
+        kv = (k_cache, v_cache, *self.pools(pools, k_index, v_index))
+        for start in range(0, bs, self.batch_size):
+            stop = min(bs, start + self.batch_size)
+            self._launch(q[start:stop], kv, block_table[start:stop], seq_lens[start:stop], float(sm_scale),
+                         out[start:stop], lse[start:stop])
+        lse = lse[:bs]
+        return (out, lse) if return_lse else out
+
+    def _launch(self, q, kv: tuple, block_table, seq_lens, sm_scale: float, out, lse) -> None:
+        """One launch for at most ``batch_size`` requests, on views of the plan's scratch."""
+        n, hq, d = q.shape[0], self.q_heads, self.head_dim
+        width = block_table.shape[1]
+        # The split count fits the scratch: at the plan's width it is the chosen one (the scratch was
+        # sized for it); a narrower table never needs more than min_splits(max_blocks) <= what fits.
+        s = max(min(self.splits(n, width), self.part_capacity // n), min_splits(width))
+        self.last_num_splits = s
+        o_part = self.o_part[:n * hq * s * d].view(n, hq, s, d)
+        lse_part = self.lse_part[:n * hq * s].view(n, hq, s)
+        self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, out, lse[:n], self.counter[:n])
 
 
-# The plans the GPU tests build, as (batch, q_heads, kv_heads, head_dim, block_size, max_blocks, num_splits,
-# dtype); ``None`` splits: the plan's own choice on a 132-SM GPU (H100 SXM, H200).
-# ``python -m sglang_hs.kernels.decode [--jobs N]`` compiles them into TileLang's cache on any machine.
+# The kernels the GPU tests build, as (q_heads, kv_heads, head_dim, dtype); every batch size, block-table
+# width and split count runs on the one kernel of its shape. ``python -m sglang_hs.kernels.decode
+# [--jobs N]`` compiles them into TileLang's cache on any machine.
 PRECOMPILE = [
-    (4, 32, 8, 128, 64, 20, 4, "float16"), (4, 16, 2, 128, 64, 20, 4, "bfloat16"),
-    (4, 4, 4, 64, 64, 20, 4, "float16"), (4, 8, 4, 128, 64, 20, 4, "float16"),
-    (4, 32, 8, 128, 64, 128, None, "float16"), (8, 32, 8, 128, 64, 512, None, "float16"),
+    (32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (4, 4, 64, "float16"), (8, 4, 128, "float16"),
+    (8, 2, 64, "float16"), (4, 1, 64, "float16"),
 ]
-H100_SMS = 132
 
 
 def _precompile_one(cfg):
-    bs, hq, hkv, d, b, mb, splits, dt = cfg
-    if splits is None:
-        splits = plan_num_splits(bs, hq, hkv, d, b, mb, STAGES, H100_SMS)
-    build_decode_kernel(bs, hq, hkv, d, b, mb, splits, dt)
+    hq, hkv, d, dt = cfg
+    build_decode_kernel(hq, hkv, d, 64, dt, STAGES)
     return cfg
 
 

@@ -92,7 +92,7 @@ import torch
 
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import (
-    PASS_CONFIGS, SM90_TARGET, SMEM_PER_SM, PoolArgs, check_plan_shape, precompile_main, split_count,
+    PASS_CONFIGS, SMEM_PER_SM, PoolArgs, check_plan_shape, compile_cached, precompile_main, split_count,
 )
 from sglang_hs.kernels.extend_common import TILES, resolve_chunk
 
@@ -134,10 +134,8 @@ def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
                         k_sparse=True, target=None):
     """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU."""
-    import tilelang
-
-    func = build_extend_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse)
-    return tilelang.compile(func, target=target or SM90_TARGET, pass_configs=EXTEND_PASS_CONFIGS)
+    args = (q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse)
+    return compile_cached("extend", args, lambda: build_extend_prim_func(*args), EXTEND_PASS_CONFIGS, target)
 
 
 def tile_count(total_tokens: int, batch: int, tokens_per_tile: int) -> int:

@@ -3,8 +3,15 @@
 # TileLang 0.1.11 and FlashInfer installed (or the offline bundle of ../shared/device extracted and on
 # PYTHONPATH) and this project installed with `pip install -e .`.
 #
-#   bash launch/h100.sh warm                 compile every kernel below into TileLang's cache, in parallel
+#   bash launch/h100.sh warm                 compile every kernel below into TileLang's cache, in parallel (servers
+#                                            compile their own kernels at start-up; this warms the tests' too)
 #   bash launch/h100.sh kernels OUT          kernel GPU tests, extend and compress benchmarks -> OUT/
+#   bash launch/h100.sh decode OUT           the decode kernel: its GPU tests (their kernels compiled first, in
+#                                            parallel) and the benchmark at the committed shape -> OUT/
+#   bash launch/h100.sh cold_start OUT [MODEL]
+#                                            first start of a server (tiny (default) or llama8b): hierasparse and
+#                                            triton, each with empty then warm kernel caches, ready = the first
+#                                            /health_generate 200 -> OUT/cold_start_MODEL[_tpN]_h100.json
 #   bash launch/h100.sh extend OUT [PART]    the extend kernel: PART tests (its GPU tests), bench (extend at NEW new
 #                                            tokens (64), then full prefill at L (32768), every tile / stages
 #                                            variant) or all
@@ -34,7 +41,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-step=${1:?usage: bash launch/h100.sh warm|kernels|extend|tiny|prefix|warmfi|soak|sanitize|smollm2|quality OUT ...}
+step=${1:?usage: bash launch/h100.sh warm|kernels|decode|cold_start|extend|tiny|prefix|warmfi|soak|sanitize|smollm2|quality OUT ...}
 out=${2:-out}
 mkdir -p "$out"
 tiny=/tmp/hs_tiny
@@ -53,16 +60,30 @@ smol=/tmp/smollm2
 
 case "$step" in
   warm)
-    python3 -m sglang_hs.launch.warm_kernels --model-path $tiny --cuda-graph-max-bs 4 &&
-    python3 -m sglang_hs.launch.warm_kernels --model-path $llama --context-length 16384 --cuda-graph-max-bs 32 \
-        --max-running-requests 64 &&
-    python3 -m sglang_hs.kernels.extend
+    python3 -m sglang_hs.launch.warm_kernels --model-path $tiny --tp-size ${TP:-1} &&
+    python3 -m sglang_hs.launch.warm_kernels --model-path $llama --tp-size ${TP:-1} &&
+    python3 -m sglang_hs.kernels.extend --jobs 8 && python3 -m sglang_hs.kernels.decode --jobs 8
     ;;
   kernels)
     python3 -m pytest -q -m gpu tests/test_kernels_decode.py tests/test_kernels_extend.py tests/test_kernels_compress.py \
         2>&1 | tee "$out/gpu_tests.log" | tail -3
     python3 -m sglang_hs.kernels.bench --kernel extend --quick --out "$out" | tail -12
     python3 -m sglang_hs.kernels.bench --kernel compress --merge "$out/kernels_h100.json" --out "$out" | tail -6
+    ;;
+  decode)
+    python3 -m sglang_hs.kernels.decode --jobs 8 | tail -1
+    timeout 300 python3 -m pytest -q -m gpu tests/test_kernels_decode.py 2>&1 | tee "$out/gpu_tests_decode.log" | tail -3
+    timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --out "$out" | tail -4
+    ;;
+  cold_start)
+    model=${3:-tiny}
+    path=$tiny
+    [ "$model" = llama8b ] && path=$llama
+    tp_args=()
+    [ "${TP:-1}" = 1 ] || tp_args=(--server-arg=--tp-size=$TP)
+    python3 -m sglang_hs.launch.cold_start --model "$model" --model-path $path --out "$out" \
+        --cache-root /tmp/hs_cold_caches "${tp_args[@]}" 2>&1 |
+        grep "\[cold_start\]" | cut -c1-300
     ;;
   extend)
     part=${3:-all}
@@ -132,7 +153,7 @@ case "$step" in
         --server-arg=--hierasparse-kernels=compress --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
     ;;
   *)
-    echo "unknown step $step; allowed: warm, kernels, extend, tiny, prefix, warmfi, soak, sanitize, smollm2, quality" >&2
+    echo "unknown step $step; allowed: warm, kernels, decode, cold_start, extend, tiny, prefix, warmfi, soak, sanitize, smollm2, quality" >&2
     exit 2
     ;;
 esac

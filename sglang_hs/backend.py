@@ -93,10 +93,11 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.q_heads = model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
         self.max_blocks = -(-self.req_to_token.shape[1] // self.config.block_size)
         self.use_decode_kernel = runtime.uses_kernel("decode")
+        self.kernels_compiled = self._prepare_kernels(runtime)
         self.extend_plan = None
         if runtime.uses_kernel("extend"):
             self.extend_plan = self._extend_plan(self.token_to_kv_pool, self.store.capacity.k_sparse > 0)
-        self._decode_plans: dict[int, object] = {}
+        self._decode_plan_obj = None  # one plan (one kernel, one scratch) for every decode batch
         self._graph_table: torch.Tensor | None = None
         self._graph_seq_lens: torch.Tensor | None = None
         logger.info(
@@ -121,15 +122,12 @@ class HieraSparseAttnBackend(AttentionBackend):
     # ----------------------------------------------------------------------------- metadata
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         if self.use_decode_kernel and forward_batch.forward_mode.is_decode():
-            # Eager decode (batches beyond the captured sizes): pad to a power of two so that a few
-            # compiled plans serve every batch size. Padding rows read the padding page, length 1.
+            # Eager decode (batches beyond the captured sizes, or no CUDA graphs): the kernel takes any
+            # batch size, so no padding.
             bs = forward_batch.batch_size
-            padded = 1 << (bs - 1).bit_length()
             table, seq_lens = self._decode_inputs(forward_batch, bs)
-            table = torch.cat([table, table.new_zeros(padded - bs, table.shape[1])])
-            seq_lens = torch.cat([seq_lens, seq_lens.new_ones(padded - bs)])
             self.forward_metadata = ForwardMetadata(
-                Path.DECODE_KERNEL, block_table=table, seq_lens_gpu=seq_lens, decode_plan=self._decode_plan(padded)
+                Path.DECODE_KERNEL, block_table=table, seq_lens_gpu=seq_lens, decode_plan=self._decode_plan(bs)
             )
             return
         self.dense.init_forward_metadata(forward_batch)
@@ -156,15 +154,45 @@ class HieraSparseAttnBackend(AttentionBackend):
         return self.virtual.block_table(rows), forward_batch.seq_lens[:bs].to(torch.int32)
 
     def _decode_plan(self, bs: int):
-        if bs not in self._decode_plans:
-            from sglang_hs.kernels.decode import HieraSparseDecode
+        """The one decode plan: every batch size runs the model shape's one compiled kernel on views of
+        one scratch. Built for the largest captured batch before capture (``init_cuda_graph_state``),
+        else for the first eager batch (it grows while no graph holds it, and runs larger batches in
+        chunks once one does)."""
+        if self._decode_plan_obj is None:
+            self._decode_plan_obj = self._new_decode_plan(bs)
+        return self._decode_plan_obj
 
-            kv_pool = self.token_to_kv_pool
-            self._decode_plans[bs] = HieraSparseDecode(
-                bs, self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size,
-                self.max_blocks, kv_pool.dtype, kv_pool.device,
-            )  # fmt: skip
-        return self._decode_plans[bs]
+    def _new_decode_plan(self, batch_size: int):
+        from sglang_hs.kernels.decode import HieraSparseDecode
+
+        kv_pool = self.token_to_kv_pool
+        return HieraSparseDecode(
+            batch_size, self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size, self.max_blocks,
+            kv_pool.dtype, kv_pool.device,
+        )  # fmt: skip
+
+    def _prepare_kernels(self, runtime: HieraSparseRuntime) -> int:
+        """Compile, in parallel processes, the TileLang kernels this server will use that TileLang's disk
+        cache lacks, and load them all now (progress lines in the log); returns how many were compiled.
+        The set depends on the model shape and the settings only: one decode kernel, the two extend
+        tiles (with 2:4 K buffers when the store holds 2:4 K rows), the pack kernel and, for a fractional
+        S, the loss kernel of that operand."""
+        if not runtime.kernels_available:
+            return 0
+        from sglang_hs.kernels.jobs import model_jobs, prepare_kernels
+
+        kv_pool, config = self.token_to_kv_pool, self.config
+        compress = runtime.uses_kernel("compress")
+        loss = [op for op, values in (("k", (config.sk_prefill, config.sk_decode)),
+                                      ("v", (config.sv_prefill, config.sv_decode)))
+                if compress and any(0 < v < 1 for v in values)]  # fmt: skip
+        jobs = model_jobs(
+            self.q_heads, kv_pool.head_num, kv_pool.head_dim, str(kv_pool.dtype).removeprefix("torch."),
+            decode=runtime.uses_kernel("decode"),
+            extend_k_sparse=(self.store.capacity.k_sparse > 0,) if runtime.uses_kernel("extend") else (),
+            compress=compress, loss_operands=tuple(loss),
+        )  # fmt: skip
+        return prepare_kernels(jobs, logger.info) if jobs else 0
 
     def _extend_plan(self, kv_pool, k_sparse: bool):
         """The extend kernel's plan; both of its tiles are compiled (or loaded from TileLang's disk
@@ -220,13 +248,11 @@ class HieraSparseAttnBackend(AttentionBackend):
     def _forward_decode_kernel(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
         self._save_kv(k, v, layer, forward_batch, save_kv_cache)
         meta = self.forward_metadata
-        bs, padded = q.shape[0], meta.block_table.shape[0]
+        bs = meta.block_table.shape[0]
         # q arrives as a strided view of the fused QKV projection; the kernel reads packed rows.
         q = q.reshape(bs, layer.tp_q_head_num, layer.head_dim).contiguous()
-        if padded > bs:
-            q = torch.cat([q, q.new_zeros(padded - bs, *q.shape[1:])])
         out = meta.decode_plan.run(q, *self._kernel_kv(layer), meta.block_table, meta.seq_lens_gpu, layer.scaling)
-        return out[:bs].reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+        return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def _forward_extend_kernel(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
         """The new tokens' K/V go to their cache pages first; the kernel reads them there, in the
@@ -260,6 +286,10 @@ class HieraSparseAttnBackend(AttentionBackend):
         device = self.req_to_token.device
         self._graph_table = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=device)
         self._graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        plan = self._decode_plan_obj
+        if self.use_decode_kernel and (plan is None or (plan.batch_size < max_bs and not plan.captured)):
+            # Before any capture: the scratch every captured batch size views, allocated once.
+            self._decode_plan_obj = self._new_decode_plan(max_bs)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1

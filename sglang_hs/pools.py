@@ -332,7 +332,8 @@ def block_losses(
 
 
 LossReducer = Callable[[torch.Tensor], torch.Tensor]
-"""Sums a float32 ``[2, n]`` tensor of block losses (K, V) over the tensor-parallel ranks. Each rank
+"""Sums a float32 ``[2, n]`` tensor of block losses (K, V) over the tensor-parallel ranks, with the
+same bits on every rank. Each rank
 holds a share of the KV heads; ranking by the sum over every rank's heads gives all ranks the same
 sparse blocks (the same choice as one GPU holding all heads), so their stores' pools fill alike and
 their radix trees stay in step."""

@@ -99,9 +99,12 @@ class HieraSparseRuntime:
 
 
 def tensor_parallel_loss_sum(model_runner: ModelRunner) -> LossReducer | None:
-    """Under attention tensor parallelism, a reducer that sums block losses over the ranks (NCCL, on
-    the current stream); None on one rank. Every rank compresses the same nodes at the same point of
-    its (identical) schedule, so the collective is met by all ranks."""
+    """Under attention tensor parallelism, a reducer that sums block losses over the ranks; None on one
+    rank. Every rank compresses the same nodes at the same point of its (identical) schedule, so the
+    collective is met by all ranks. It runs on the group's CPU (gloo) side, like SGLang's own
+    scheduler-thread collectives, so it never interleaves with the forward pass's NCCL kernels; and it
+    gathers every rank's losses and adds them in rank order, so all ranks hold bit-identical sums (a
+    reduction's summation order may differ per rank) and rank the blocks identically."""
     if getattr(model_runner, "tp_size", 1) == 1:
         return None
     from sglang.srt.runtime_context import get_parallel
@@ -109,13 +112,19 @@ def tensor_parallel_loss_sum(model_runner: ModelRunner) -> LossReducer | None:
     parallel = get_parallel()
     if parallel.attn_tp_size == 1:
         return None
-    group = parallel.attn_tp_group.device_group
+    return functools.partial(ordered_sum, group=parallel.attn_tp_group)
 
-    def reduce(losses: torch.Tensor) -> torch.Tensor:
-        torch.distributed.all_reduce(losses, group=group)
-        return losses
 
-    return reduce
+def ordered_sum(losses: torch.Tensor, group) -> torch.Tensor:
+    """The sum of ``losses`` over the ranks of ``group`` (an SGLang ``GroupCoordinator``: its
+    ``world_size`` and gloo ``cpu_group``), added in rank order so that every rank gets the same bits."""
+    host = losses.detach().to("cpu", torch.float32)
+    parts = [torch.empty_like(host) for _ in range(group.world_size)]
+    torch.distributed.all_gather(parts, host, group=group.cpu_group)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total.to(losses.device)
 
 
 def tilelang_kernels_available() -> bool:

@@ -128,3 +128,83 @@ def test_kv_budget_split_only_with_the_radix_cache(disable_radix_cache, monkeypa
         assert reservation.config == HieraSparseConfig(store_fraction=0.25)
     resized = reserve_store_budget(config_from_budget, configurator, 4 << 30, cap_tokens=1000)
     assert resized.budget_bytes == 4 << 30 and resized.cap_tokens == 1000 and not hasattr(resized, RESERVATION_ATTR)
+
+
+class RecordingDecodeKernel:
+    """Stands in for the compiled decode kernel: records the batch of each launch, writes ones."""
+
+    def __init__(self):
+        self.batches = []
+
+    def __call__(self, q, *args):
+        out = args[-3]
+        self.batches.append(q.shape[0])
+        out.fill_(1.0)
+
+
+def decode_backend(monkeypatch, built: dict):
+    from sglang_hs.config import HieraSparseConfig
+    from sglang_hs.kernels import decode
+
+    monkeypatch.setattr(decode, "build_decode_kernel", lambda *args: built.setdefault(args, RecordingDecodeKernel()))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    backend = make_backend(None)
+    pool = backend.token_to_kv_pool
+    pool.__dict__.update(head_num=HKV, head_dim=D, dtype=torch.float16, device=torch.device("cpu"))
+    backend.__dict__.update(use_decode_kernel=True, q_heads=HQ, max_blocks=8, config=HieraSparseConfig(),
+                            _decode_plan_obj=None)  # fmt: skip
+    return backend
+
+
+def decode_batch(bs: int):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return SimpleNamespace(batch_size=bs, req_pool_indices=torch.arange(bs) % 2, seq_lens=torch.full((bs,), 200),
+                           forward_mode=ForwardMode.DECODE, out_cache_loc=torch.arange(bs))  # fmt: skip
+
+
+def test_every_decode_batch_size_shares_one_plan_and_one_kernel(monkeypatch):
+    """CPU, with a recording kernel: the CUDA-graph state builds one plan for the largest captured batch;
+    every captured batch size (SGLang's 36 defaults) and an eager batch beyond them run on it, views of
+    one scratch, and the model shape compiles one decode kernel."""
+    built = {}
+    backend = decode_backend(monkeypatch, built)
+    capture = [1, 2, 4, 8, 12, 16, 24, 32] + list(range(40, 257, 8))
+    backend.init_cuda_graph_state(max(capture), max(capture))
+    plan = backend._decode_plan_obj
+    assert plan.batch_size == 256
+    for bs in capture:
+        backend.init_forward_metadata_out_graph(decode_batch(bs))
+        meta = backend.forward_metadata
+        assert meta.decode_plan is plan and meta.block_table.shape == (bs, 8) and meta.seq_lens_gpu.shape == (bs,)
+    backend.init_forward_metadata(decode_batch(300))  # eager, no padding
+    assert backend.forward_metadata.decode_plan is plan and backend.forward_metadata.block_table.shape == (300, 8)
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=HQ, head_dim=D, v_head_dim=D, scaling=0.125)
+    out = backend.forward_decode(torch.zeros(300, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(300),
+                                 save_kv_cache=False)
+    assert out.shape == (300, HQ * D) and bool((out == 1).all())
+    assert list(built) == [(HQ, HKV, D, 64, "float16", 2)]
+
+
+def test_start_up_compiles_the_kernels_the_settings_use(monkeypatch):
+    """The jobs handed to the parallel compiler at construction: one decode kernel, both extend tiles
+    in the store's K form, the pack kernel, and a loss kernel only for a fractional S."""
+    from sglang_hs.config import HieraSparseConfig
+    from sglang_hs.kernels import jobs
+
+    seen = []
+    monkeypatch.setattr(jobs, "prepare_kernels", lambda job_list, log: seen.append(job_list) or 0)
+    backend = decode_backend(monkeypatch, {})
+    every = SimpleNamespace(kernels_available=True, uses_kernel=lambda name: True)
+    assert backend._prepare_kernels(every) == 0
+    assert [(kind, args[-1]) for kind, args in seen[-1]] == [
+        ("decode", 2), ("extend", False), ("extend", False), ("pack", 64)]
+    backend.config = HieraSparseConfig(sk_decode=0.5)
+    backend._prepare_kernels(every)
+    assert [kind for kind, _ in seen[-1]] == ["decode", "extend", "extend", "pack", "loss"]
+    assert seen[-1][-1][1][0] == "k"
+    backend._prepare_kernels(SimpleNamespace(kernels_available=True, uses_kernel=lambda name: name == "compress"))
+    assert [kind for kind, _ in seen[-1]] == ["pack", "loss"]
+    calls = len(seen)
+    assert backend._prepare_kernels(SimpleNamespace(kernels_available=False, uses_kernel=lambda name: True)) == 0
+    assert len(seen) == calls

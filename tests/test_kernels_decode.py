@@ -11,7 +11,8 @@ import torch
 
 from sglang_hs import reference as R
 from sglang_hs.kernels import cases
-from sglang_hs.kernels.decode import HieraSparseDecode, choose_num_splits
+from sglang_hs.kernels import decode as decode_module
+from sglang_hs.kernels.decode import SPLIT_CAPACITY, HieraSparseDecode, choose_num_splits, min_splits
 
 # (q_heads, kv_heads, head_dim, dtype, S_K, S_V): GQA groups 4, 8, 1, 2; head_dim 128 and 64; fp16/bf16.
 SMALL = [
@@ -180,17 +181,170 @@ def test_shared_prefix_case_reads_each_groups_blocks():
     torch.testing.assert_close(out[3:4], alone)
 
 
-def test_split_count_counts_occupancy_per_split():
-    """CPU: at a 32K server context (529 blocks), an unsplit CTA's index maps make it too large for two
-    CTAs per SM; the plan must see that two splits fit two (it chose one split, one CTA per SM, before)."""
+def test_split_count_respects_the_capacity():
+    """CPU: a CTA's index maps hold SPLIT_CAPACITY blocks, so no plan uses fewer splits than its block
+    table needs; shared memory no longer grows with the width (two CTAs per SM at d 128 for every GQA
+    group the server takes); the benchmark and server shapes at 32K keep their 4 splits."""
     from sglang_hs.kernels.common import SMEM_PER_SM
     from sglang_hs.kernels.decode import plan_num_splits, smem_bytes
 
-    def ctas(blocks_per_split):
-        return SMEM_PER_SM // (smem_bytes(128, 64, 2, 4, blocks_per_split) + 1024)
+    for group in (1, 2, 4, 8):
+        assert SMEM_PER_SM // (smem_bytes(128, 64, 2, group) + 1024) == 2
+    assert min_splits(SPLIT_CAPACITY) == 1 and min_splits(SPLIT_CAPACITY + 1) == 2 and min_splits(2049) == 5
+    for width in (512, 529):
+        assert plan_num_splits(8, 32, 8, 128, 64, width, 2, 132) == 4
+    for bs in (1, 8, 16, 32, 64, 256, 1000):
+        for width in (20, 257, 512, 513, 1025, 2049):
+            s = plan_num_splits(bs, 32, 8, 128, 64, width, 2, 132)
+            assert s >= min_splits(width) and -(-width // s) <= SPLIT_CAPACITY, (bs, width, s)
 
-    assert ctas(529) == 1 and ctas(265) == 2
-    for bs in (8, 16, 32):
-        s = plan_num_splits(bs, 32, 8, 128, 64, 529, 2, 132)
-        assert ctas(-(-529 // s)) == 2, (bs, s)
-        assert bs * 8 * s <= 2 * 132 * 2  # at most two waves of CTAs
+
+class RecordingKernel:
+    """Stands in for the compiled kernel on CPU: checks and records each launch's arguments."""
+
+    def __init__(self, key):
+        self.key, self.launches = key, []
+
+    def __call__(self, q, k_cache, v_cache, *rest):
+        block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets = rest[8:]
+        n, hq, s, d = o_part.shape
+        assert q.shape == out.shape == (n, hq, d) and block_table.shape[0] == seq_lens.shape[0] == n
+        assert lse_part.shape == (n, hq, s) and lse.shape == (n, hq) and tickets.shape[0] == n
+        assert all(t.is_contiguous() for t in (q, block_table, seq_lens, o_part, lse_part, out, lse, tickets))
+        self.launches.append(dict(n=n, splits=s, width=block_table.shape[1], o_part=o_part.data_ptr(),
+                                  lse_part=lse_part.data_ptr(), tickets=tickets.data_ptr(), out=out.data_ptr()))
+        out.fill_(1.0)
+
+
+@pytest.fixture
+def recording_builder(monkeypatch):
+    """``build_decode_kernel`` replaced by a recorder: {builder arguments: kernel}."""
+    built = {}
+    monkeypatch.setattr(decode_module, "build_decode_kernel",
+                        lambda *args: built.setdefault(args, RecordingKernel(args)))
+    return built
+
+
+CAPTURE_SIZES = [1, 2, 4, 8, 12, 16, 24, 32] + list(range(40, 257, 8))  # SGLang's default decode graphs
+
+
+def test_one_kernel_for_every_batch_size_and_context(recording_builder):
+    """CPU: plans for every CUDA-graph batch size and context length of a model shape build one kernel."""
+    for width in (20, 257, 513, 2049):
+        for bs in CAPTURE_SIZES[::5] + [256, 300]:
+            HieraSparseDecode(bs, 32, 8, 128, 64, width, torch.float16, "cpu", num_sms=132)
+    assert list(recording_builder) == [(32, 8, 128, 64, "float16", 2)]
+
+
+def _cpu_run(plan, bs, width, out=None):
+    case = dict(k_cache=torch.zeros(64, plan.kv_heads, plan.head_dim, dtype=plan.dtype),
+                k_index=torch.zeros(plan.kv_heads, 0, dtype=torch.int32))
+    pools = cases.BlockPools(*(torch.zeros(0) for _ in range(6)))
+    q = torch.zeros(bs, plan.q_heads, plan.head_dim, dtype=plan.dtype)
+    table, seq_lens = torch.zeros(bs, width, dtype=torch.int32), torch.ones(bs, dtype=torch.int32)
+    return plan.run(q, case["k_cache"], case["k_cache"], pools, case["k_index"], case["k_index"], table, seq_lens,
+                    0.125, out=out)
+
+
+def test_scratch_views_fixed_addresses_and_large_batches(recording_builder):
+    """CPU: every batch size views the same scratch (CUDA graphs keep their addresses) with at least the
+    width's minimum split count; a batch above the plan's size grows the scratch until a graph has
+    captured the plan, and runs in chunks of the plan's size after."""
+    plan = HieraSparseDecode(16, 8, 2, 64, 64, 513, torch.float16, "cpu", num_sms=132)
+    kernel, base = plan.kernel, (plan.o_part.data_ptr(), plan.lse_part.data_ptr(), plan.counter.data_ptr())
+    for bs in range(1, 17):
+        for width in (20, 513):
+            _cpu_run(plan, bs, width)
+            launch = kernel.launches[-1]
+            assert (launch["o_part"], launch["lse_part"], launch["tickets"]) == base
+            assert launch["n"] == bs and launch["splits"] >= min_splits(width)
+            assert bs * launch["splits"] <= plan.part_capacity
+            if width == 513:
+                assert launch["splits"] == plan.splits(bs, 513)  # the cost model's choice, not clipped
+    plan.captured = True
+    kernel.launches.clear()
+    out = _cpu_run(plan, 40, 513)
+    assert [launch["n"] for launch in kernel.launches] == [16, 16, 8] and plan.batch_size == 16
+    assert [launch["out"] for launch in kernel.launches] == [out[i].data_ptr() for i in (0, 16, 32)]
+    assert (plan.o_part.data_ptr(), plan.lse_part.data_ptr()) == base[:2] and bool((out == 1).all())
+    eager = HieraSparseDecode(2, 8, 2, 64, 64, 513, torch.float16, "cpu", num_sms=132)
+    assert eager.kernel is kernel
+    kernel.launches.clear()
+    _cpu_run(eager, 40, 513)
+    assert eager.batch_size == 40 and [launch["n"] for launch in eager.kernel.launches] == [40]
+    with pytest.raises(ValueError, match="wide"):
+        _cpu_run(plan, 2, 514)
+    with pytest.raises(ValueError, match="num_splits"):
+        HieraSparseDecode(2, 8, 2, 64, 64, 513, torch.float16, "cpu", num_splits=1)
+
+
+def _check_against_reference(case, out, lse=None) -> None:
+    ref_out, ref_lse = _reference(case)
+    for r in range(case["q"].shape[0]):
+        assert cases.rel_err(out[r].cpu(), ref_out[r]) < _tol(case["q"].dtype), f"request {r}"
+    if lse is not None:
+        assert (lse.cpu() - ref_lse).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_one_kernel_serves_batch_sizes_widths_and_graphs():
+    """One plan (one compiled kernel) over batches of 1, 3 and 6 requests with block tables 20, 64 and
+    129 wide and ragged lengths; CUDA graphs captured at two batch sizes share its scratch and replay
+    right; once a graph holds the plan, an eager batch larger than the plan runs in chunks."""
+    hq, hkv, d, dtype = 8, 2, 64, torch.float16
+    plan = HieraSparseDecode(6, hq, hkv, d, 64, 129, dtype, "cuda")
+    other = HieraSparseDecode(2, hq, hkv, d, 64, 20, dtype, "cuda")
+    assert other.kernel is plan.kernel
+    batches = [([1000], 20), ([64 * 7, 300, 64 * 60 + 5], 64), ([77, 4096, 2500, 64, 1, 8000], 129)]
+    made = [cases.make_case(lens, hq, hkv, d, 0.5, 1.0, dtype, "cuda", max_blocks=width, seed=30 + i)
+            for i, (lens, width) in enumerate(batches)]
+    for case in made:
+        out, lse = plan.run(*cases.run_args(case), return_lse=True)
+        torch.cuda.synchronize()
+        _check_against_reference(case, out, lse)
+    graphs, outs = [], []
+    stream = torch.cuda.Stream()
+    for case in made[1:]:
+        args, out = cases.run_args(case), torch.empty_like(case["q"])
+        plan.run(*args, out=out)
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            plan.run(*args, out=out)
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs.append(graph)
+        outs.append(out)
+    assert plan.captured and plan.batch_size == 6
+    for case, graph, out in zip(made[1:], graphs, outs):
+        case["q"].copy_(torch.randn_like(case["q"]))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plan.run(*cases.run_args(case)))
+        _check_against_reference(case, out)
+    big = cases.make_case([3000 + 97 * r for r in range(9)], hq, hkv, d, 1.0, 1.0, dtype, "cuda", max_blocks=129,
+                          seed=40)
+    out, lse = plan.run(*cases.run_args(big), return_lse=True)  # 9 requests: chunks of 6 and 3
+    torch.cuda.synchronize()
+    assert plan.batch_size == 6 and not plan.counter.any()
+    _check_against_reference(big, out, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", [SPLIT_CAPACITY - 1, SPLIT_CAPACITY, SPLIT_CAPACITY + 1])
+def test_split_capacity_edges(blocks):
+    """Block tables just below, at and just above a CTA's capacity (the tiny model's shape at TP 2):
+    the fewest splits the width allows walk every block; one split fewer is refused."""
+    hq, hkv, d, dtype = 4, 1, 64, torch.float16
+    lens = [blocks * 64, blocks * 64 - 37, 64 * 3 + 1]  # the whole table, a partial last page, a short one
+    case = cases.make_case(lens, hq, hkv, d, 0.0, 1.0, dtype, "cuda", max_blocks=blocks, seed=50 + blocks % 7)
+    fewest = min_splits(blocks)
+    assert fewest == (1 if blocks <= SPLIT_CAPACITY else 2)
+    if fewest > 1:
+        with pytest.raises(ValueError, match="num_splits"):
+            _plan(case, num_splits=fewest - 1)
+    for splits in (fewest, None):
+        plan = _plan(case, num_splits=splits)
+        out, lse = plan.run(*cases.run_args(case), return_lse=True)
+        torch.cuda.synchronize()
+        assert plan.last_num_splits >= fewest
+        _check_against_reference(case, out, lse)

@@ -219,7 +219,7 @@ def test_zero_new_tokens_and_strided_q():
 @pytest.mark.gpu
 def test_tile_ids_and_split_heuristic():
     """Tile ids are disjoint, increasing and below the host's bound; the split heuristic fills the GPU
-    for the issue's extend regime (bs 8 x 64 new tokens x 8 KV heads over 32K)."""
+    for the benchmark's extend shape (bs 8 x 64 new tokens x 8 KV heads over 32K)."""
     for qo, tq in (([0, 37, 101, 251, 252, 352, 552], 32), ([0, 0, 5, 5, 70], 16), ([0, 2048] * 1, 8)):
         ids = tile_ids(qo, tq)
         got = [t for t, _, _ in ids]

@@ -96,3 +96,42 @@ def test_log_line_and_idle_check_find_the_tree_through_scheduler_objects():
     tree.store = SimpleNamespace(check=lambda: "compressed store leak: ...")
     assert check_store_when_idle((False, ["ok"]), checker) == (True, ["ok", "compressed store leak: ..."])
     assert check_store_when_idle((False, ["ok"]), SimpleNamespace(tree_cache=object())) is None
+
+
+def _ordered_sum_rank(rank: int, world: int, init_file: str, seed_base: int, queue) -> None:
+    import torch.distributed as dist
+
+    from sglang_hs.runtime import ordered_sum
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mine = torch.randn(2, 37, generator=torch.Generator().manual_seed(seed_base + rank)) * 10 ** (rank - 1)
+        total = ordered_sum(mine, SimpleNamespace(world_size=world, cpu_group=dist.group.WORLD))
+        queue.put((rank, total))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ordered_sum_gives_every_rank_the_same_bits(tmp_path):
+    """The tensor-parallel loss reduction over real gloo processes: every rank gets the rank-ordered sum
+    of all ranks' losses, bit for bit (the block choice of every rank depends on it)."""
+    import torch.multiprocessing as mp
+
+    world, seed_base = 3, 100
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_ordered_sum_rank, args=(r, world, str(tmp_path / "init"), seed_base, queue))
+             for r in range(world)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get(timeout=120) for _ in range(world))
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    parts = [torch.randn(2, 37, generator=torch.Generator().manual_seed(seed_base + r)) * 10 ** (r - 1)
+             for r in range(world)]  # fmt: skip
+    expected = parts[0].clone()
+    for part in parts[1:]:
+        expected += part
+    for rank in range(world):
+        assert torch.equal(results[rank], expected)

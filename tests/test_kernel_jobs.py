@@ -1,0 +1,143 @@
+"""Start-up compilation (``sglang_hs.kernels.jobs``) on CPU: which kernels a model shape needs, the
+progress lines, the parallel worker processes (with a stand-in compiler) and the compile lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+from sglang_hs.kernels import jobs as J
+
+
+def fake_build(job: J.Job) -> J.Job:
+    """A stand-in compiler (module level: the worker processes unpickle it): records its process, its
+    time window and the GPUs it sees in a file named by the job."""
+    _, (folder, i) = job
+    start = time.time()
+    time.sleep(1.5)
+    with open(os.path.join(folder, f"{i}.json"), "w") as f:
+        json.dump({"pid": os.getpid(), "start": start, "end": time.time(),
+                   "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}, f)  # fmt: skip
+    return job
+
+
+def test_model_jobs_do_not_depend_on_batch_or_context():
+    jobs = J.model_jobs(8, 2, 64, "float16")
+    assert [kind for kind, _ in jobs] == ["decode"] + ["extend"] * 4 + ["pack", "loss", "loss"]
+    assert jobs[0] == ("decode", (8, 2, 64, 64, "float16", 2))
+    server = J.model_jobs(8, 2, 64, "float16", extend_k_sparse=(False,), loss_operands=())
+    assert [kind for kind, _ in server] == ["decode", "extend", "extend", "pack"]
+    assert {args[5] for kind, args in server if kind == "extend"} == {"n64", "n128"}
+    assert [kind for kind, _ in J.model_jobs(9, 3, 64, "float16")] == ["pack", "loss", "loss"]  # GQA 3
+
+
+def test_job_arguments_are_the_builders_cache_keys(monkeypatch):
+    """``build(job)`` reaches each builder's cache entry with exactly the job's arguments, so a job
+    compiled by a worker process is the kernel the server's plans load."""
+    from sglang_hs.kernels import common
+
+    seen = []
+    monkeypatch.setattr(common, "compile_cached",
+                        lambda kind, args, make, passes, target=None: seen.append((kind, args)))
+    from sglang_hs.kernels import compress, decode, extend
+
+    for module in (compress, decode, extend):
+        monkeypatch.setattr(module, "compile_cached", common.compile_cached)
+    for builder in (decode.build_decode_kernel, extend.build_extend_kernel, compress.build_pack_kernel,
+                    compress.build_loss_kernel):
+        builder.cache_clear()
+    jobs = J.model_jobs(4, 1, 64, "bfloat16")
+    for job in jobs:
+        J.build(job)
+    assert seen == jobs
+    for builder in (decode.build_decode_kernel, extend.build_extend_kernel, compress.build_pack_kernel,
+                    compress.build_loss_kernel):
+        builder.cache_clear()
+
+
+def test_compile_missing_reports_progress(monkeypatch, tmp_path):
+    lines, compiled = [], []
+
+    def fake_parallel(jobs, workers, on_done, builder):
+        for k, job in enumerate(jobs, 1):
+            compiled.append(job)
+            on_done(k, job, 20.0 * k)
+
+    monkeypatch.setattr(J, "compile_parallel", fake_parallel)
+    jobs = [("decode", (1,)), ("pack", (2,)), ("loss", (3,))]
+    cached = {jobs[1]}
+    n = J.compile_missing(jobs, lines.append, workers=8, lock_path=str(tmp_path / "lock"), probe=cached.__contains__)
+    assert n == 2 and compiled == [jobs[0], jobs[2]]
+    assert lines[0].startswith("hierasparse: compiling 2 kernels (0/2) in 2 processes")
+    assert lines[1] == "hierasparse: compiling 2 kernels (1/2) decode(1,) done at 20 s"
+    assert lines[2] == "hierasparse: compiling 2 kernels (2/2) loss(3,) done at 40 s" and len(lines) == 3
+    lines.clear()
+    assert J.compile_missing(jobs, lines.append, lock_path=str(tmp_path / "lock"), probe=lambda job: True) == 0
+    assert lines == []
+
+
+def test_warm_start_prints_one_line(monkeypatch, tmp_path):
+    lines, loaded = [], []
+    monkeypatch.setattr(J, "cache_enabled", lambda: True)
+    monkeypatch.setattr(J, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(J, "is_cached", lambda job: True)
+    monkeypatch.setattr(J, "build", loaded.append)
+    jobs = J.model_jobs(8, 2, 64, "float16", extend_k_sparse=(False,), loss_operands=())
+    assert J.prepare_kernels(jobs, lines.append) == 0
+    assert loaded == jobs and len(lines) == 1 and "4 kernels loaded from TileLang's cache" in lines[0]
+
+
+def test_parallel_compile_uses_worker_processes_without_gpus(tmp_path):
+    jobs = [("fake", (str(tmp_path), i)) for i in range(4)]
+    done = []
+    J.compile_parallel(jobs, 2, lambda k, job, s: done.append((k, job)), builder=fake_build)
+    assert [k for k, _ in done] == [1, 2, 3, 4] and sorted(job for _, job in done) == sorted(jobs)
+    records = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(4)]
+    pids = {r["pid"] for r in records}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert all(r["gpus"] == "" for r in records)
+    first, second = sorted(records, key=lambda r: r["start"])[:2]
+    assert second["start"] < first["end"], "the two workers never ran at the same time"
+
+
+def test_a_second_process_waits_for_the_compiler_and_compiles_nothing(tmp_path):
+    """Tensor-parallel ranks: the rank that finds the lock held waits, then loads what the holder
+    compiled (one line says it waited) instead of compiling it again."""
+    lock = str(tmp_path / J.LOCK_NAME)
+    compiled, holding, release = set(), threading.Event(), threading.Event()
+
+    def compiler():
+        with J._exclusive(lock, lambda: None):
+            holding.set()
+            release.wait(10)
+            compiled.add(("decode", (1,)))
+
+    thread = threading.Thread(target=compiler)
+    thread.start()
+    holding.wait(10)
+    lines = []
+    timer = threading.Timer(0.5, release.set)
+    timer.start()
+    n = J.compile_missing([("decode", (1,))], lines.append, lock_path=lock, probe=compiled.__contains__,
+                          builder=fake_build)
+    thread.join()
+    assert n == 0 and len(lines) == 1 and lines[0].startswith("hierasparse: waiting for another process")
+
+
+def test_jobs_left_by_failed_workers_compile_in_this_process(monkeypatch, tmp_path):
+    from concurrent.futures.process import BrokenProcessPool
+
+    def broken(jobs, workers, on_done, builder):
+        on_done(1, jobs[0], 30.0)
+        raise BrokenProcessPool("a worker was killed")
+
+    monkeypatch.setattr(J, "compile_parallel", broken)
+    built, lines = [], []
+    jobs = [("decode", (1,)), ("pack", (2,)), ("loss", (3,))]
+    n = J.compile_missing(jobs, lines.append, lock_path=str(tmp_path / "lock"), probe=lambda job: False,
+                          builder=built.append)
+    assert n == 3 and built == jobs[1:]
+    assert "worker processes failed (BrokenProcessPool" in lines[2]
+    assert [line.split(") ")[0][-3:] for line in lines if "done at" in line] == ["1/3", "2/3", "3/3"]
