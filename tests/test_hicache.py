@@ -428,9 +428,9 @@ def test_host_budget_split_and_the_factory_builds_the_hierarchical_tree(hienv, o
     runtime = e.tree.runtime
     server_args = hicache_server_args(0.004)
     budget = host_budget(server_args, e.kv, runtime)
-    assert budget.total_bytes == 4_000_000 and budget.dense_bytes == 800_000
-    assert budget.store_capacity.virtual_blocks == int(3_200_000 // (2 * 0.5625 * PAGE * DIM * 2 * HEADS * LAYERS))
-    assert dense_host_args(server_args, budget).hicache_size == 0.0008 and server_args.hicache_size == 0.004
+    assert budget.total_bytes == 4_000_000 and budget.dense_bytes == 400_000  # host store fraction 0.9
+    assert budget.store_capacity.virtual_blocks == int(3_600_000 // (2 * 0.5625 * PAGE * DIM * 2 * HEADS * LAYERS))
+    assert dense_host_args(server_args, budget).hicache_size == 0.0004 and server_args.hicache_size == 0.004
     ratio = host_budget(hicache_server_args(0), e.kv, runtime)
     assert ratio.total_bytes == 2 * (POOL_TOKENS * TOKEN_BYTES + runtime.store_budget_bytes)
     # The factory, given SGLang's build context with enable_hierarchical_cache.
@@ -445,7 +445,7 @@ def test_host_budget_split_and_the_factory_builds_the_hierarchical_tree(hienv, o
     tree = create_radix_cache(ctx)
     assert isinstance(tree, HieraSparseHiRadixCache) and counters == [tree.cache_controller.layer_done_counter]
     assert tree.host_store.capacity == budget.store_capacity
-    assert tree.token_to_kv_pool_host.size == (800_000 // TOKEN_BYTES // PAGE + 1) * PAGE
+    assert tree.token_to_kv_pool_host.size == (400_000 // TOKEN_BYTES // PAGE + 1) * PAGE
 
 
 # --------------------------------------------------------------------------------------- start-up
