@@ -378,17 +378,14 @@ def test_load_back_makes_room_in_the_store(hienv):
     assert balanced(e) and e.store.check() is None and host_consistent(e)
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
-def test_random_operations_leave_no_block_lost_or_leaked(hienv, policy):
+def random_operations(e, seed: int, steps: int):
     """Random inserts (shared prefixes, divergent suffixes), host hits, partial evictions and late
-    acknowledgements; after every step both tiers account for every slot, and a flush frees all."""
+    write acknowledgements; yields (step, operation) after each."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    e = hienv(sk=0.5, sv=1.0, store_blocks=20, host_blocks=48, host_tokens=64 * 24, policy=policy)
-    start = (e.allocator.available_size(), e.store.free_counts(), e.host.available_size(), e.host_store.free_counts())
-    rng = random.Random(28)
+    rng = random.Random(seed)
     bases = [list(range(s, s + 64 * rng.randint(6, 14))) for s in range(10_000, 70_000, 10_000)]
-    for step in range(150):
+    for step in range(steps):
         op = rng.choice(["insert", "insert", "hit", "evict", "ack"])
         tokens = rng.choice(bases)
         if op == "insert":
@@ -404,6 +401,15 @@ def test_random_operations_leave_no_block_lost_or_leaked(hienv, policy):
             e.tree.evict(EvictParams(num_tokens=rng.randint(1, 20) * PAGE))
         else:
             e.tree.writing_check()
+        yield step, op
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_random_operations_leave_no_block_lost_or_leaked(hienv, policy):
+    """After every random step both tiers account for every slot; a flush frees all."""
+    e = hienv(sk=0.5, sv=1.0, store_blocks=20, host_blocks=48, host_tokens=64 * 24, policy=policy)
+    start = (e.allocator.available_size(), e.store.free_counts(), e.host.available_size(), e.host_store.free_counts())
+    for step, op in random_operations(e, seed=28, steps=150):
         assert balanced(e), (step, op)
         assert e.store.check() is None and host_consistent(e), (step, op, e.tree.check_stores())
     e.tree.writing_check()
@@ -414,6 +420,18 @@ def test_random_operations_leave_no_block_lost_or_leaked(hienv, policy):
     e.allocator.clear()
     end = (e.allocator.available_size(), e.store.free_counts(), e.host.available_size(), e.host_store.free_counts())
     assert end == start
+
+
+def test_tensor_parallel_ranks_stay_in_step_across_tiers(hienv):
+    """Two ranks (different KV heads, same requests) at S_K = 0, S_V = 1: every split, compression,
+    backup, load and eviction on both tiers happens alike, so their tree-state lines (which include
+    the host tier's free counts) stay equal step by step."""
+    ranks = [hienv(sk=0.0, sv=1.0, store_blocks=20, host_blocks=48, host_tokens=64 * 24, seed=seed) for seed in (0, 1)]
+    runs = [random_operations(e, seed=7, steps=100) for e in ranks]
+    for (step, op), _ in zip(*runs):
+        states = [e.tree.rank_state() for e in ranks]
+        assert states[0] == states[1], (step, op, states)
+    assert "loaded=0 " not in states[0] + " " and not torch.equal(ranks[0].kv.k_buffer[0], ranks[1].kv.k_buffer[0])
 
 
 def test_host_budget_split_and_the_factory_builds_the_hierarchical_tree(hienv, one_rank):
