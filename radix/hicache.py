@@ -27,6 +27,7 @@ from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.pool_host.base import HICACHE_HOST_MEMORY_RESERVE_BYTES
+from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS, HostTensorAllocator, _cuda_host_unregister
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_hs.pools import CompressedStore, StoreCapacity
@@ -67,9 +68,9 @@ class HieraSparseHiRadixCache(HieraSparseRadixCache, HiRadixCache):
         if host_bytes > available:  # SGLang checks its own (dense) host pool the same way
             raise ValueError(f"Not enough host memory for the compressed host store: {host_bytes / 1e9:.2f} GB "
                              f"requested, {available / 1e9:.2f} GB free; reduce --hicache-size or --hicache-ratio")
-        pin = torch.cuda.is_available() and self.token_to_kv_pool_host.pin_memory
         self.host_store = CompressedStore(host_capacity, store.num_layers, store.kv_heads, store.head_dim,
-                                          store.block_size, store.dtype, "cpu", pin_memory=pin)  # fmt: skip
+                                          store.block_size, store.dtype, "cpu",
+                                          allocate=self._host_allocation())  # fmt: skip
         make_host_tier(self.token_to_kv_pool_host, self.host_store, store)
         make_tier_controller(self.cache_controller, self.virtual)
         self.host_virtual = self.token_to_kv_pool_host.hs_virtual
@@ -77,6 +78,28 @@ class HieraSparseHiRadixCache(HieraSparseRadixCache, HiRadixCache):
             "hierasparse: host tier = SGLang's dense host pool (%d tokens) + compressed store (%d blocks, %.2f GB)",
             self.token_to_kv_pool_host.size, host_capacity.virtual_blocks, host_bytes / 1e9,
         )  # fmt: skip
+
+    def _host_allocation(self):
+        """The host store's tensors come from SGLang's host allocation, as its host pool's do: anonymous
+        mmap, pinned with ``cudaHostRegister`` (exact sizes, unlike torch's pinned allocator, which
+        rounds each tensor up to a power of two)."""
+        host_pool = self.token_to_kv_pool_host
+        alloc, allocator = ALLOC_MEMORY_FUNCS[host_pool.device_pool.device], HostTensorAllocator()
+
+        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return alloc(shape, dtype=dtype, device="cpu", pin_memory=host_pool.pin_memory, allocator=allocator)
+
+        return allocate
+
+    def release_host_resources(self) -> None:
+        """SGLang unpins its host pool at shutdown; the host store's pinned buffers likewise."""
+        super().release_host_resources()
+        host_pool = self.token_to_kv_pool_host
+        if hasattr(self, "host_store") and host_pool.pin_memory and torch.cuda.is_available():
+            for name in ("k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta"):
+                for tensor in getattr(self.host_store, name):
+                    if tensor.numel():
+                        _cuda_host_unregister(tensor)
 
     # ----------------------------------------------------------------------------- host room
     def host_virtual_tokens(self, node: TreeNode) -> int:

@@ -121,9 +121,11 @@ class CompressedStore:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        pin_memory: bool = False,
+        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ):
-        """``pin_memory``: page-locked CPU pools (a host-tier store that GPU copy kernels read and write)."""
+        """``allocate(shape, dtype)`` makes the zero-filled pool tensors (default: ``torch.zeros`` on
+        ``device``); a host-tier store passes SGLang's pinned host allocation, which GPU copy kernels
+        read and write directly."""
         self.capacity = capacity
         self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
         # The concrete device ("cuda:0", not "cuda"): callers compare it with their tensors' devices.
@@ -131,8 +133,9 @@ class CompressedStore:
         h, b, d = kv_heads, block_size, head_dim
 
         def pool(slots: int, *shape: int, dtype: torch.dtype = dtype) -> list[torch.Tensor]:
-            return [torch.zeros(slots * h, *shape, dtype=dtype, device=device, pin_memory=pin_memory)
-                    for _ in range(num_layers)]  # fmt: skip
+            if allocate is None or slots == 0:
+                return [torch.zeros(slots * h, *shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            return [allocate((slots * h, *shape), dtype) for _ in range(num_layers)]
 
         self.k_dense = pool(capacity.k_dense, b, d)
         self.k_values = pool(capacity.k_sparse, b, d // 2)

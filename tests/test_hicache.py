@@ -258,7 +258,7 @@ def test_gpu_round_trip_through_sglang_kernels(hienv, layout):
     """Nothing faked: SGLang's streams, events and dense copy kernels, the compressed rows through
     SGLang's item-copy kernels on a pinned host store."""
     e = hienv(sk=0.5, sv=1.0, device="cuda", layout=layout)
-    assert e.host_store.k_dense[0].is_pinned()
+    assert e.host_store.k_dense[0].is_pinned() and e.host_store.v_values[1].is_pinned()
     check_round_trip(e)
 
 
@@ -270,7 +270,8 @@ def test_gpu_block_copy_kernels_match_torch():
 
     capacity = StoreCapacity(8, 4, 4, 0, 8)
     gpu = CompressedStore(capacity, LAYERS, HEADS, DIM, PAGE, torch.float16, "cuda")
-    host = CompressedStore(capacity, LAYERS, HEADS, DIM, PAGE, torch.float16, "cpu", pin_memory=True)
+    host = CompressedStore(capacity, LAYERS, HEADS, DIM, PAGE, torch.float16, "cpu",
+                           allocate=lambda shape, dtype: torch.zeros(shape, dtype=dtype, pin_memory=True))
     for name in ("k_dense", "k_values", "v_values"):
         for t in getattr(gpu, name):
             t.normal_()
