@@ -286,7 +286,9 @@ def host_budget(server_args, kv_pool, runtime: HieraSparseRuntime) -> HostBudget
 
 def dense_host_args(server_args, budget: HostBudget):
     """A copy of ``server_args`` whose ``hicache_size`` makes SGLang size its dense host pool to the
-    dense share (SGLang reads ``hicache_size · 1e9 // bytes per token``; a float is fine)."""
+    dense share (SGLang reads ``hicache_size · 1e9 // bytes per token``; a float is fine). SGLang's
+    resolved ``ServerArgs`` refuse assignment, and ``override`` would also record the change in the
+    shared provenance lists, so the field is set on the private copy only."""
     args = copy.copy(server_args)
-    args.hicache_size = budget.dense_bytes / 1e9
+    object.__setattr__(args, "hicache_size", budget.dense_bytes / 1e9)
     return args

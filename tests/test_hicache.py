@@ -56,6 +56,17 @@ def hicache_server_args(hicache_size: float, policy: str = "write_through", layo
     )  # fmt: skip
 
 
+def resolved_server_args(**fields):
+    """A real ``ServerArgs`` in its resolved (read-only) state, holding only ``fields``."""
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs.__new__(ServerArgs)
+    for name, value in fields.items():
+        object.__setattr__(args, name, value)
+    object.__setattr__(args, "_declarations_materialized", True)
+    return args
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     """HiRadixCache asks torch.distributed for its TP group's size: a one-process gloo group."""
@@ -450,6 +461,10 @@ def test_host_budget_split_and_the_factory_builds_the_hierarchical_tree(hienv, o
     assert budget.total_bytes == 4_000_000 and budget.dense_bytes == 400_000  # host store fraction 0.9
     assert budget.store_capacity.virtual_blocks == int(3_600_000 // (2 * 0.5625 * PAGE * DIM * 2 * HEADS * LAYERS))
     assert dense_host_args(server_args, budget).hicache_size == 0.0004 and server_args.hicache_size == 0.004
+    resolved = resolved_server_args(hicache_size=0.004)  # SGLang's ServerArgs refuse assignment once resolved
+    with pytest.raises(AttributeError):
+        resolved.hicache_size = 1.0
+    assert dense_host_args(resolved, budget).hicache_size == 0.0004 and resolved.hicache_size == 0.004
     ratio = host_budget(hicache_server_args(0), e.kv, runtime)
     assert ratio.total_bytes == 2 * (POOL_TOKENS * TOKEN_BYTES + runtime.store_budget_bytes)
     # The factory, given SGLang's build context with enable_hierarchical_cache.
