@@ -11,7 +11,7 @@
 #   bash launch/h100.sh cold_start OUT [MODEL]
 #                                            first start of a server (tiny (default) or llama8b): hierasparse and
 #                                            triton, each with empty then warm kernel caches, ready = the first
-#                                            /health_generate 200 -> OUT/cold_start_MODEL[_tpN]_h100.json
+#                                            /health_generate 200 -> OUT/cold_start_MODEL[_tpN]_GPU.json
 #   bash launch/h100.sh extend OUT [PART]    the extend kernel: PART tests (its GPU tests), bench (extend at NEW new
 #                                            tokens (64), then full prefill at L (32768), every tile / stages
 #                                            variant) or all
@@ -31,7 +31,7 @@
 #                                            --merge; compressor kernel only (GQA group 3: decode/extend in PyTorch)
 #
 # TP=N runs the tiny and prefix steps with --tp-size N (the tiny step then writes
-# server_check_s0_kernels_tp2_h100.json). The prefix step also takes MEM (--mem-fraction-static, 0.85),
+# server_check_s0_kernels_tp2_GPU.json; GPU is h100 or h200). The prefix step also takes MEM (--mem-fraction-static, 0.85),
 # CONTEXT (prefix tokens, 8192), OUTLEN (output tokens, 64), PPG (questions per group, 8), HICACHE_GB
 # (the hicache server's host pool; SGLang's default of twice the GPU pool exceeds the H100 host's free
 # memory at MEM 0.85), PROBE=1 (run the capacity probe before numbered regimes too) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
@@ -56,6 +56,8 @@ PREFIX_ARGS=(--server-arg=--context-length=$ctxlen --server-arg=--cuda-graph-max
              --server-arg=--hierasparse-dense-backend=${HS_DENSE:-triton} --tp-size=${TP:-1})
 tp_tag=""
 [ "${TP:-1}" = 1 ] || tp_tag="_tp${TP}"
+# File names say which GPU ran them (h100, h200); the kernel benchmark names its own files.
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -q H200 && echo h200 || echo h100)
 smol=/tmp/smollm2
 
 case "$step" in
@@ -104,7 +106,7 @@ case "$step" in
         --common-arg=--sampling-backend=pytorch --common-arg=--grammar-backend=none \
         --hs-arg=--hierasparse-dense-backend=triton --hs-arg=--hierasparse-sk-prefill=0 \
         --hs-arg=--hierasparse-sv-prefill=0 --hs-arg=--hierasparse-sk-decode=0 --hs-arg=--hierasparse-sv-decode=0 \
-        --out "$out/server_check_s0_kernels${tp_tag}_h100.json" --log-prefix "$out/tiny$tp_tag" | tail -25
+        --out "$out/server_check_s0_kernels${tp_tag}_${gpu}.json" --log-prefix "$out/tiny$tp_tag" | tail -25
     ;;
   prefix)
     servers=${3:?SERVERS, e.g. triton,hs:1:1:auto}
@@ -115,7 +117,7 @@ case "$step" in
         --regimes "$regimes" --api "${5:-sglang-oai}" --context $context --question-len 256 --output-len "${OUTLEN:-64}" \
         --prompts-per-group "${PPG:-8}" --max-concurrency 16 --request-rate 16 --mem-fraction-static "${MEM:-0.85}" \
         --hicache-size "${HICACHE_GB:-0}" "${probe[@]}" "${PREFIX_ARGS[@]}" \
-        --out "$out/prefix_bench${tp_tag}_h100.json" 2>&1 | grep "\[bench\]" | cut -c1-400
+        --out "$out/prefix_bench${tp_tag}_${gpu}.json" 2>&1 | grep "\[bench\]" | cut -c1-400
     ;;
   warmfi)
     # FlashInfer JIT-compiles its attention kernels on first use (minutes; ~/.cache/flashinfer keeps them
@@ -127,7 +129,7 @@ case "$step" in
   soak)
     python3 -m sglang_hs.launch.soak --model-path $llama --load-format dummy --minutes "${3:-8}" --context-length 16384 \
         --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64 \
-        --server-arg=--mem-fraction-static=0.6 --out "$out/soak_h100.json" | tail -20
+        --server-arg=--mem-fraction-static=0.6 --out "$out/soak_${gpu}.json" | tail -20
     ;;
   sanitize)
     # A decode, an extend and a compress test, each over several sparsities; compiled first (in parallel)
@@ -136,8 +138,8 @@ case "$step" in
            tests/test_kernels_compress.py::test_llama8b_shape_all_layers_one_launch)
     python3 -m pytest -q -n 8 -m gpu "${tests[@]}" 2>&1 | tail -2
     compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider -m gpu "${tests[@]}" \
-        > "$out/sanitizer_h100.log" 2>&1
-    echo "compute-sanitizer exit code $?"; grep -E "ERROR SUMMARY|passed|failed" "$out/sanitizer_h100.log" | tail -4
+        > "$out/sanitizer_${gpu}.log" 2>&1
+    echo "compute-sanitizer exit code $?"; grep -E "ERROR SUMMARY|passed|failed" "$out/sanitizer_${gpu}.log" | tail -4
     ;;
   smollm2)
     if [ ! -f $smol/config.json ]; then
