@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any
 
+from sglang_hs.format import SAVING_PER_SPARSE_SIDE
 from sglang_hs.launch.quality_inputs import TASKS, MissingInput, PrefixGeometry, Setting, setting_from_name
 from sglang_hs.plotting import pyplot
 
@@ -19,12 +20,14 @@ def summarize(records: list[dict], settings: list[Setting], geometry: PrefixGeom
     for setting in settings:
         fid = [r for r in records if r["kind"] == "fidelity" and r["setting"] == setting.name]
         ndl = [r for r in records if r["kind"] == "needle" and r["setting"] == setting.name]
-        row: dict[str, Any] = {"setting": setting.name, "pruner": setting.pruner, "sk": setting.sk, "sv": setting.sv}
+        row: dict[str, Any] = {"setting": setting.name, "pruner": setting.pruner, "sk": setting.sk, "sv": setting.sv,
+                               "sk_setting": setting.sk, "sv_setting": setting.sv}  # fmt: skip
         prefix_lens = [r["prefix_tokens"] for r in fid + ndl]
         row["kv_saved"] = (
             0.0 if setting.is_dense or not prefix_lens
             else sum(geometry.kv_saving(n, setting.sk, setting.sv) for n in prefix_lens) / len(prefix_lens)
         )  # fmt: skip
+        row.update(_effective_sparsity(fid + ndl))
         row.update(_fidelity_summary(fid))
         row.update(_needle_summary(ndl))
         lengths = sorted({r["length"] for r in fid + ndl})
@@ -36,6 +39,18 @@ def summarize(records: list[dict], settings: list[Setting], geometry: PrefixGeom
         row["by_task"] = {t: _needle_summary([r for r in ndl if r["task"] == t]) for t in TASKS if any(r["task"] == t for r in ndl)}
         rows.append(row)
     return rows
+
+
+def _effective_sparsity(records: list[dict]) -> dict:
+    """Where the records say what was stored: the effective S_K / S_V (the fraction of compressible
+    K / V block x head x layer rows stored sparse, over every prefix of the setting) in ``sk`` /
+    ``sv``, and ``bytes_saved``, the fraction of the compressed blocks' K+V bytes saved."""
+    blocks = sum(r.get("compressed_blocks", 0) for r in records)
+    if not blocks:
+        return {}
+    sk = sum(r["sparse_k_blocks"] for r in records) / blocks
+    sv = sum(r["sparse_v_blocks"] for r in records) / blocks
+    return {"sk": round(sk, 4), "sv": round(sv, 4), "bytes_saved": SAVING_PER_SPARSE_SIDE * (sk + sv)}
 
 
 def _fidelity_summary(fid: list[dict]) -> dict:
@@ -75,13 +90,15 @@ def markdown_report(meta: dict, rows: list[dict]) -> str:
         f"{meta['block']}, sink {meta['sink']}, window {meta['window']} tokens; KV stored as {meta['kv_dtype']}. "
         f"Run time {meta['seconds'] / 60:.1f} min.",
         "",
-        "| setting | S_K | S_V | prefix KV saved | KL (nats/token) | top-1 agree | ppl | needle acc | acc, needles in compressed blocks | answer = dense |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | S_K | S_V | effective S_K | bytes saved, compressed blocks | prefix KV saved | KL (nats/token) "
+        "| top-1 agree | ppl | needle acc | acc, needles in compressed blocks | answer = dense |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pruner = "dense" if r["pruner"] == "dense" else r["pruner"]
         lines.append(
-            f"| {pruner} | {_fmt(r['sk'], 1)} | {_fmt(r['sv'], 1)} | {r['kv_saved']:.1%} | {_fmt(r.get('kl'), 4)} | "
+            f"| {pruner} | {_fmt(_nominal(r, 'sk'), 2)} | {_fmt(_nominal(r, 'sv'), 2)} | {_fmt(r['sk'])} | "
+            f"{r.get('bytes_saved', 0.0):.1%} | {r['kv_saved']:.1%} | {_fmt(r.get('kl'), 4)} | "
             f"{_fmt(r.get('top1'))} | {_fmt(r.get('ppl'), 2)} | {_fmt(r.get('accuracy'))} | "
             f"{_fmt(r.get('accuracy_compressed'))} | {_fmt(r.get('agree'))} |"
         )
@@ -102,9 +119,14 @@ def markdown_report(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _nominal(row: dict, key: str) -> float:
+    """The setting's S_K / S_V (``sk`` / ``sv`` hold the effective values; older runs have only those)."""
+    return row.get(key + "_setting", row[key])
+
+
 def checks(rows: list[dict]) -> list[str]:
     """One-line verdicts: the S=0 identity, the paper's V-vs-K direction, the pruners compared."""
-    by = {(r["pruner"], r["sk"], r["sv"]): r for r in rows}
+    by = {(r["pruner"], _nominal(r, "sk"), _nominal(r, "sv")): r for r in rows}
     dense = by.get(("dense", 0.0, 0.0), {})
     out = []
     zero = by.get(("magnitude", 0.0, 0.0))
@@ -139,10 +161,10 @@ def checks(rows: list[dict]) -> list[str]:
 
 def plot(rows: list[dict], path: str, title: str) -> None:
     plt = pyplot()
-    by = {(r["pruner"], r["sk"], r["sv"]): r for r in rows}
+    by = {(r["pruner"], _nominal(r, "sk"), _nominal(r, "sv")): r for r in rows}
     dense = by.get(("dense", 0.0, 0.0))
     pruners = [p for p in dict.fromkeys(r["pruner"] for r in rows) if p != "dense"]
-    grid = sorted({r["sk"] for r in rows} | {r["sv"] for r in rows})
+    grid = sorted({_nominal(r, "sk") for r in rows} | {_nominal(r, "sv") for r in rows})
     lines = {"V only (S_K=0)": lambda s: (0.0, s), "K only (S_V=0)": lambda s: (s, 0.0), "K and V (S_K=S_V)": lambda s: (s, s)}
     colors = {"V only (S_K=0)": "tab:blue", "K only (S_V=0)": "tab:red", "K and V (S_K=S_V)": "tab:purple"}
     styles = ["-", "--", ":", "-."]
