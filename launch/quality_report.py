@@ -240,16 +240,17 @@ READING_GUIDE = """
 
 
 # Meta fields that must agree for runs to be merged into one report.
-MERGE_KEYS = ("model", "backend", "lengths", "tasks", "samples", "fidelity_windows", "fidelity_tokens", "block", "sink",
-              "window", "seed")
+MERGE_KEYS = ("model", "backend", "tasks", "samples", "fidelity_windows", "fidelity_tokens", "block", "sink", "window",
+              "seed")  # fmt: skip
 
 
 def merge_runs(runs: list[dict], names: list[str]) -> tuple[dict, list[Setting], list[dict]]:
-    """One evaluation split over several processes (one per GPU, say), each with its own dense
-    baseline: the settings in order of first appearance, each setting's records from the first run
-    that has it (so KL and agreement are against the dense server of that run), and in the meta
-    whether every run's dense server gave the same answers and logprobs (it should: same server,
-    same prompts, greedy)."""
+    """One evaluation split over several processes (one per GPU, say, or one per context length),
+    each with its own dense baseline: the settings in order of first appearance and, per (setting,
+    length), the records of the first run that has them (so KL and agreement are against the dense
+    baseline of that run). Runs may split the settings, the lengths or both, as long as every length
+    ends up with the same settings. The meta says whether the dense baselines of runs that share a
+    length gave the same answers and logprobs (they should: same model, same prompts, greedy)."""
     first = runs[0]["meta"]
     for name, run in zip(names[1:], runs[1:]):
         differ = [k for k in MERGE_KEYS if run["meta"].get(k) != first.get(k)]
@@ -257,17 +258,30 @@ def merge_runs(runs: list[dict], names: list[str]) -> tuple[dict, list[Setting],
             raise MissingInput(f"--merge: {name} differs from {names[0]} in {differ}; merge runs of one evaluation")
     settings: list[Setting] = []
     records: list[dict] = []
+    covered: dict[int, set[str]] = {}
     for run in runs:
-        new = [s["name"] for s in run["settings"] if s["name"] not in {t.name for t in settings}]
-        settings += [setting_from_name(n) for n in new]
-        records += [r for r in run["records"] if r["setting"] in new]
+        taken = {(r["setting"], r["length"]) for r in records}
+        settings += [setting_from_name(s["name"]) for s in run["settings"] if s["name"] not in {t.name for t in settings}]
+        records += [r for r in run["records"] if (r["setting"], r["length"]) not in taken]
+        for length in run["meta"]["lengths"]:
+            covered.setdefault(length, set()).update(s["name"] for s in run["settings"])
+    if len({frozenset(c) for c in covered.values()}) > 1:
+        raise MissingInput(f"--merge: the runs cover different settings at different lengths ({covered}); "
+                           "merge runs of one evaluation")  # fmt: skip
 
-    def dense_view(run: dict) -> list:
+    def dense_view(run: dict, lengths: set[int]) -> list:
         return [(r["kind"], r["length"], r.get("output"), r.get("nll"), r.get("kl")) for r in run["records"]
-                if r["setting"] == "dense"]  # fmt: skip
+                if r["setting"] == "dense" and r["length"] in lengths]  # fmt: skip
 
+    identical = all(dense_view(run, shared) == dense_view(other, shared) for i, run in enumerate(runs)
+                    for other in runs[i + 1 :] if (shared := set(run["meta"]["lengths"]) & set(other["meta"]["lengths"])))
+    dense = [r for r in records if r["setting"] == "dense"]
     meta = {**first, "merged_from": names, "seconds": max(run["meta"]["seconds"] for run in runs),
-            "dense_runs_identical": all(dense_view(run) == dense_view(runs[0]) for run in runs[1:])}  # fmt: skip
+            "lengths": sorted(covered), "questions": sum(r["kind"] == "needle" for r in dense),
+            "fidelity_tokens_total": sum(r["tokens"] for r in dense if r["kind"] == "fidelity"),
+            "dense_runs_identical": identical}  # fmt: skip
+    if any(run["meta"].get("command") != first.get("command") for run in runs[1:]):
+        meta["commands"] = [run["meta"].get("command") for run in runs]
     return meta, settings, records
 
 
