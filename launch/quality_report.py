@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any
 
+from sglang_hs.format import SAVING_PER_SPARSE_SIDE
 from sglang_hs.launch.quality_inputs import TASKS, MissingInput, PrefixGeometry, Setting, setting_from_name
 from sglang_hs.plotting import pyplot
 
@@ -19,12 +20,14 @@ def summarize(records: list[dict], settings: list[Setting], geometry: PrefixGeom
     for setting in settings:
         fid = [r for r in records if r["kind"] == "fidelity" and r["setting"] == setting.name]
         ndl = [r for r in records if r["kind"] == "needle" and r["setting"] == setting.name]
-        row: dict[str, Any] = {"setting": setting.name, "pruner": setting.pruner, "sk": setting.sk, "sv": setting.sv}
+        row: dict[str, Any] = {"setting": setting.name, "pruner": setting.pruner, "sk": setting.sk, "sv": setting.sv,
+                               "sk_setting": setting.sk, "sv_setting": setting.sv}  # fmt: skip
         prefix_lens = [r["prefix_tokens"] for r in fid + ndl]
         row["kv_saved"] = (
             0.0 if setting.is_dense or not prefix_lens
             else sum(geometry.kv_saving(n, setting.sk, setting.sv) for n in prefix_lens) / len(prefix_lens)
         )  # fmt: skip
+        row.update(_effective_sparsity(fid + ndl))
         row.update(_fidelity_summary(fid))
         row.update(_needle_summary(ndl))
         lengths = sorted({r["length"] for r in fid + ndl})
@@ -36,6 +39,18 @@ def summarize(records: list[dict], settings: list[Setting], geometry: PrefixGeom
         row["by_task"] = {t: _needle_summary([r for r in ndl if r["task"] == t]) for t in TASKS if any(r["task"] == t for r in ndl)}
         rows.append(row)
     return rows
+
+
+def _effective_sparsity(records: list[dict]) -> dict:
+    """Where the records say what was stored: the effective S_K / S_V (the fraction of compressible
+    K / V block x head x layer rows stored sparse, over every prefix of the setting) in ``sk`` /
+    ``sv``, and ``bytes_saved``, the fraction of the compressed blocks' K+V bytes saved."""
+    blocks = sum(r.get("compressed_blocks", 0) for r in records)
+    if not blocks:
+        return {}
+    sk = sum(r["sparse_k_blocks"] for r in records) / blocks
+    sv = sum(r["sparse_v_blocks"] for r in records) / blocks
+    return {"sk": round(sk, 4), "sv": round(sv, 4), "bytes_saved": SAVING_PER_SPARSE_SIDE * (sk + sv)}
 
 
 def _fidelity_summary(fid: list[dict]) -> dict:
@@ -75,13 +90,15 @@ def markdown_report(meta: dict, rows: list[dict]) -> str:
         f"{meta['block']}, sink {meta['sink']}, window {meta['window']} tokens; KV stored as {meta['kv_dtype']}. "
         f"Run time {meta['seconds'] / 60:.1f} min.",
         "",
-        "| setting | S_K | S_V | prefix KV saved | KL (nats/token) | top-1 agree | ppl | needle acc | acc, needles in compressed blocks | answer = dense |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | S_K | S_V | effective S_K | bytes saved, compressed blocks | prefix KV saved | KL (nats/token) "
+        "| top-1 agree | ppl | needle acc | acc, needles in compressed blocks | answer = dense |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pruner = "dense" if r["pruner"] == "dense" else r["pruner"]
         lines.append(
-            f"| {pruner} | {_fmt(r['sk'], 1)} | {_fmt(r['sv'], 1)} | {r['kv_saved']:.1%} | {_fmt(r.get('kl'), 4)} | "
+            f"| {pruner} | {_fmt(_nominal(r, 'sk'), 2)} | {_fmt(_nominal(r, 'sv'), 2)} | {_fmt(r['sk'])} | "
+            f"{r.get('bytes_saved', 0.0):.1%} | {r['kv_saved']:.1%} | {_fmt(r.get('kl'), 4)} | "
             f"{_fmt(r.get('top1'))} | {_fmt(r.get('ppl'), 2)} | {_fmt(r.get('accuracy'))} | "
             f"{_fmt(r.get('accuracy_compressed'))} | {_fmt(r.get('agree'))} |"
         )
@@ -102,9 +119,14 @@ def markdown_report(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _nominal(row: dict, key: str) -> float:
+    """The setting's S_K / S_V (``sk`` / ``sv`` hold the effective values; older runs have only those)."""
+    return row.get(key + "_setting", row[key])
+
+
 def checks(rows: list[dict]) -> list[str]:
     """One-line verdicts: the S=0 identity, the paper's V-vs-K direction, the pruners compared."""
-    by = {(r["pruner"], r["sk"], r["sv"]): r for r in rows}
+    by = {(r["pruner"], _nominal(r, "sk"), _nominal(r, "sv")): r for r in rows}
     dense = by.get(("dense", 0.0, 0.0), {})
     out = []
     zero = by.get(("magnitude", 0.0, 0.0))
@@ -139,10 +161,10 @@ def checks(rows: list[dict]) -> list[str]:
 
 def plot(rows: list[dict], path: str, title: str) -> None:
     plt = pyplot()
-    by = {(r["pruner"], r["sk"], r["sv"]): r for r in rows}
+    by = {(r["pruner"], _nominal(r, "sk"), _nominal(r, "sv")): r for r in rows}
     dense = by.get(("dense", 0.0, 0.0))
     pruners = [p for p in dict.fromkeys(r["pruner"] for r in rows) if p != "dense"]
-    grid = sorted({r["sk"] for r in rows} | {r["sv"] for r in rows})
+    grid = sorted({_nominal(r, "sk") for r in rows} | {_nominal(r, "sv") for r in rows})
     lines = {"V only (S_K=0)": lambda s: (0.0, s), "K only (S_V=0)": lambda s: (s, 0.0), "K and V (S_K=S_V)": lambda s: (s, s)}
     colors = {"V only (S_K=0)": "tab:blue", "K only (S_V=0)": "tab:red", "K and V (S_K=S_V)": "tab:purple"}
     styles = ["-", "--", ":", "-."]
@@ -218,16 +240,17 @@ READING_GUIDE = """
 
 
 # Meta fields that must agree for runs to be merged into one report.
-MERGE_KEYS = ("model", "backend", "lengths", "tasks", "samples", "fidelity_windows", "fidelity_tokens", "block", "sink",
-              "window", "seed")
+MERGE_KEYS = ("model", "backend", "tasks", "samples", "fidelity_windows", "fidelity_tokens", "block", "sink", "window",
+              "seed")  # fmt: skip
 
 
 def merge_runs(runs: list[dict], names: list[str]) -> tuple[dict, list[Setting], list[dict]]:
-    """One evaluation split over several processes (one per GPU, say), each with its own dense
-    baseline: the settings in order of first appearance, each setting's records from the first run
-    that has it (so KL and agreement are against the dense server of that run), and in the meta
-    whether every run's dense server gave the same answers and logprobs (it should: same server,
-    same prompts, greedy)."""
+    """One evaluation split over several processes (one per GPU, say, or one per context length),
+    each with its own dense baseline: the settings in order of first appearance and, per (setting,
+    length), the records of the first run that has them (so KL and agreement are against the dense
+    baseline of that run). Runs may split the settings, the lengths or both, as long as every length
+    ends up with the same settings. The meta says whether the dense baselines of runs that share a
+    length gave the same answers and logprobs (they should: same model, same prompts, greedy)."""
     first = runs[0]["meta"]
     for name, run in zip(names[1:], runs[1:]):
         differ = [k for k in MERGE_KEYS if run["meta"].get(k) != first.get(k)]
@@ -235,17 +258,30 @@ def merge_runs(runs: list[dict], names: list[str]) -> tuple[dict, list[Setting],
             raise MissingInput(f"--merge: {name} differs from {names[0]} in {differ}; merge runs of one evaluation")
     settings: list[Setting] = []
     records: list[dict] = []
+    covered: dict[int, set[str]] = {}
     for run in runs:
-        new = [s["name"] for s in run["settings"] if s["name"] not in {t.name for t in settings}]
-        settings += [setting_from_name(n) for n in new]
-        records += [r for r in run["records"] if r["setting"] in new]
+        taken = {(r["setting"], r["length"]) for r in records}
+        settings += [setting_from_name(s["name"]) for s in run["settings"] if s["name"] not in {t.name for t in settings}]
+        records += [r for r in run["records"] if (r["setting"], r["length"]) not in taken]
+        for length in run["meta"]["lengths"]:
+            covered.setdefault(length, set()).update(s["name"] for s in run["settings"])
+    if len({frozenset(c) for c in covered.values()}) > 1:
+        raise MissingInput(f"--merge: the runs cover different settings at different lengths ({covered}); "
+                           "merge runs of one evaluation")  # fmt: skip
 
-    def dense_view(run: dict) -> list:
+    def dense_view(run: dict, lengths: set[int]) -> list:
         return [(r["kind"], r["length"], r.get("output"), r.get("nll"), r.get("kl")) for r in run["records"]
-                if r["setting"] == "dense"]  # fmt: skip
+                if r["setting"] == "dense" and r["length"] in lengths]  # fmt: skip
 
+    identical = all(dense_view(run, shared) == dense_view(other, shared) for i, run in enumerate(runs)
+                    for other in runs[i + 1 :] if (shared := set(run["meta"]["lengths"]) & set(other["meta"]["lengths"])))
+    dense = [r for r in records if r["setting"] == "dense"]
     meta = {**first, "merged_from": names, "seconds": max(run["meta"]["seconds"] for run in runs),
-            "dense_runs_identical": all(dense_view(run) == dense_view(runs[0]) for run in runs[1:])}  # fmt: skip
+            "lengths": sorted(covered), "questions": sum(r["kind"] == "needle" for r in dense),
+            "fidelity_tokens_total": sum(r["tokens"] for r in dense if r["kind"] == "fidelity"),
+            "dense_runs_identical": identical}  # fmt: skip
+    if any(run["meta"].get("command") != first.get("command") for run in runs[1:]):
+        meta["commands"] = [run["meta"].get("command") for run in runs]
     return meta, settings, records
 
 

@@ -234,8 +234,8 @@ def test_cli_writes_json_markdown_and_plot(tiny_model, corpus_dir, tmp_path):
 
 
 def test_merge_combines_runs_of_one_evaluation(tiny_model, corpus_dir, tmp_path):
-    """Settings split over two runs (each with its own dense baseline) merge into one report; runs
-    of different evaluations are refused."""
+    """Settings split over two runs (each with its own dense baseline) merge into one report, and so
+    do runs split by length; runs of different evaluations are refused."""
     common = ["--backend", "reference", "--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", corpus_dir,
               "--lengths", "1024", "--samples", "1", "--tasks", "single", "--fidelity-windows", "1",
               "--fidelity-tokens", "32", "--window-tokens", "128"]  # fmt: skip
@@ -251,6 +251,13 @@ def test_merge_combines_runs_of_one_evaluation(tiny_model, corpus_dir, tmp_path)
     assert merged["summary"][1] == a["summary"][1]  # a setting in both runs is taken from the first
     assert eq.main([*common, "--tag", "c", "--lengths", "768", "--settings", "magnitude:sk=1,sv=1"]) == 0
     assert eq.main(["--merge", parts[0], str(tmp_path / "quality_c.json"), "--out", str(tmp_path)]) == 2
+    # Runs of the same settings at other lengths merge too (an evaluation split by context length).
+    assert eq.main([*common, "--tag", "d", "--lengths", "768", "--settings", "magnitude:sk=0,sv=1"]) == 0
+    assert eq.main(["--merge", parts[0], str(tmp_path / "quality_d.json"), "--out", str(tmp_path), "--tag", "ad"]) == 0
+    merged = json.loads((tmp_path / "quality_ad.json").read_text())
+    d = json.loads((tmp_path / "quality_d.json").read_text())
+    assert merged["meta"]["lengths"] == [768, 1024] and merged["records"] == a["records"] + d["records"]
+    assert merged["meta"]["questions"] == 2 and set(merged["summary"][1]["by_length"]) == {"768", "1024"}
 
 
 def test_cli_names_the_fix_for_missing_inputs(tiny_model, tmp_path, monkeypatch, capsys):

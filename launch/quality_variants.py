@@ -1,0 +1,234 @@
+"""K-pruning variants of the quality evaluation beyond the server's pruners (reference backend only).
+
+A setting's pruner name selects a variant (``+`` joins parts):
+
+- ``headmap-<score>``: head-adaptive K (:mod:`sglang_hs.head_map`): the (layer, KV head) pairs with
+  the lowest calibration ``<score>`` (``needle``, ``needle_drop``, ``copy``, ``copy_drop``, or
+  ``random``, a seeded control) store K 2:4, the others keep K dense, so that the effective S_K
+  (fraction of compressible K block x head x layer rows stored sparse) meets the setting's S_K;
+- ``mustafar``: MUSTAFAR-style per-token unstructured magnitude pruning of K (the largest
+  ``(1 - S_K/2)·D`` |k| of every token and head survive) on every compressible block, i.e. the
+  element sparsity of 2:4 at S_K; a comparison row, the store cannot hold it;
+- ``perm``: 2:4 K along a calibrated permutation of head_dim per (layer, KV head)
+  (:func:`sglang_hs.head_map.channel_permutations`; the store would hold K permuted and the kernels
+  permute Q alike): the server compressor's output on the permuted K, read back and un-permuted;
+- ``refit``: 2:4 K (magnitude, or ``perm``'s support) whose kept values are re-fitted to the
+  calibration queries' second moment (:func:`sglang_hs.head_map.refit_kept`).
+
+``perm`` and ``refit`` prune K on every block the magnitude ranking picks at S_K, or, after
+``headmap-<score>+``, on the rows the head map picks (e.g. ``headmap-copy+perm+refit``).
+
+V is always the magnitude pruner's (2:4, the server's block ranking at S_V). The sparse K of the
+magnitude and head-map variants is the server compressor's output read back from the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang_hs import head_map
+from sglang_hs.head_map import SCORE_NAMES
+from sglang_hs.launch.quality_inputs import MissingInput, Setting
+from sglang_hs.pools import prefix_blocks
+from sglang_hs.pruner import MagnitudePruner, rank_sparse
+
+HEADMAP = "headmap-"
+MUSTAFAR = "mustafar"
+REFIT = "refit"
+PERM = "perm"
+RANDOM_SCORE = "random"
+CALIBRATION_CORPUS = "/usr/share/common-licenses"
+"""Default calibration filler: licence texts (Debian's ``base-files``), disjoint from the essays."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    score: str | None  # head-map score name, or None (every head alike)
+    refit: bool
+    mustafar: bool
+    perm: bool = False
+
+
+def parse_variant(pruner: str) -> Variant | None:
+    """The variant a pruner name selects, or None for the server's own pruners."""
+    parts = pruner.split("+")
+    score, refit, mustafar, perm = None, False, False, False
+    for part in parts:
+        if part.startswith(HEADMAP) and score is None:
+            score = part[len(HEADMAP) :].replace("-", "_")
+            if score not in (*SCORE_NAMES, RANDOM_SCORE):
+                raise ValueError(f"unknown head-map score {score!r}; allowed: {[*SCORE_NAMES, RANDOM_SCORE]}")
+        elif part == REFIT:
+            refit = True
+        elif part == PERM:
+            perm = True
+        elif part == MUSTAFAR and len(parts) == 1:
+            mustafar = True
+        elif len(parts) == 1:
+            return None
+        else:
+            raise ValueError(f"unknown variant part {part!r} in {pruner!r}")
+    return Variant(score, refit, mustafar, perm)
+
+
+def needs_calibration(pruners: list[str]) -> bool:
+    variants = [parse_variant(p) for p in pruners if p != "dense"]
+    return any(v and (v.refit or v.perm or (v.score and v.score != RANDOM_SCORE)) for v in variants)
+
+
+def mustafar_keep(k: torch.Tensor, element_sparsity: float) -> torch.Tensor:
+    """bool like ``k [..., D]``: per token (row), the ``D - round(p·D)`` largest |k| (ties to the lower channel)."""
+    dim = k.shape[-1]
+    kept = dim - round(element_sparsity * dim)
+    order = k.float().abs().argsort(dim=-1, descending=True, stable=True)
+    return torch.zeros_like(k, dtype=torch.bool).scatter_(-1, order[..., :kept], True)
+
+
+def token_mask(mask: torch.Tensor, block: int) -> torch.Tensor:
+    """``[H, n]`` block mask -> ``[n·B, H, 1]`` token mask (the ``[tokens, H, D]`` K layout)."""
+    return mask.repeat_interleave(block, dim=-1).transpose(0, 1)[..., None]
+
+
+def load_calibration_texts(folder: str | None) -> list[str]:
+    """Every regular text file of ``folder`` (default :data:`CALIBRATION_CORPUS`), sorted by name,
+    links to the same file counted once."""
+    folder = folder or CALIBRATION_CORPUS
+    if not os.path.isdir(folder):
+        raise MissingInput(f"calibration text folder {folder} is missing: pass --calib-corpus DIR (any .txt files "
+                           "that the evaluation's haystacks do not contain)")  # fmt: skip
+    seen, texts = set(), []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.realpath(os.path.join(folder, name))
+        if path in seen or not os.path.isfile(path):
+            continue
+        seen.add(path)
+        with open(path, encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+    if not texts:
+        raise MissingInput(f"calibration text folder {folder} holds no files")
+    return texts
+
+
+def kv_stats(blocks: range, sparse: tuple[torch.Tensor, torch.Tensor] | None, rows: int = 1) -> dict:
+    """Compressed blocks and how many of them are sparse. ``sparse`` holds block masks ``[n]`` or
+    (head-adaptive K) row masks ``[L, H, n]`` with ``rows = L·H``: then ``sparse_k_blocks`` is the
+    sparse row count over ``rows`` (a fraction of a block when heads differ)."""
+
+    def count(mask: torch.Tensor) -> int | float:
+        return int(mask.sum()) if mask.dim() == 1 else round(int(mask.sum()) / rows, 4)
+
+    return {
+        "compressed_blocks": len(blocks) if sparse is not None else 0,
+        "sparse_k_blocks": count(sparse[0]) if sparse is not None else 0,
+        "sparse_v_blocks": count(sparse[1]) if sparse is not None else 0,
+    }
+
+
+class VariantKV:
+    """The reference backend's K/V for variant settings (mixed into
+    :class:`sglang_hs.launch.eval_quality.ReferenceBackend`, whose model, geometry, store and
+    ``_compress`` / ``_all_sparse`` / ``_slots`` it uses), and the head calibration."""
+
+    head_scores: head_map.HeadScores | None
+    random_seed: int
+
+    def variant_kv(self, state: Any, setting: Setting, variant: Variant, blocks: range):
+        """K/V of a :mod:`sglang_hs.launch.quality_variants` setting: V (and the 2:4 K) as the magnitude
+        compressor stores them, K dense or sparse per (layer, head, block) as the variant says."""
+        layers, (loss_k, loss_v) = self._all_sparse(state, "magnitude", blocks)
+        b, n, rows = self.geometry.block, len(blocks), self.num_layers * self.kv_heads
+        lo, hi = blocks.start * b, blocks.stop * b
+        every = torch.ones(n, dtype=torch.bool)
+        sparse_v = rank_sparse(loss_v, every, setting.sv)
+        tokens_v = sparse_v.repeat_interleave(b)[:, None, None]
+        v = [torch.cat([vl[:lo], torch.where(tokens_v, vb, vl[lo:hi]), vl[hi:]]) for vl, (_, vb) in zip(state.v, layers)]
+        if variant.mustafar:  # per-token unstructured, at the element sparsity of 2:4 at S_K
+            k = [torch.cat([kl[:lo], torch.where(mustafar_keep(kl[lo:hi], setting.sk / 2), kl[lo:hi], 0), kl[hi:]])
+                 for kl in state.k]  # fmt: skip
+            stats = kv_stats(blocks, (every, sparse_v))
+            stats["sparse_k_blocks"] = round(setting.sk * n, 4)  # element-sparsity equivalent of 2:4 rows
+            return k, v, stats
+        if variant.score is not None:
+            sparse_k = self.head_mask(state, variant.score, setting.sk, blocks)
+        else:
+            sparse_k = rank_sparse(loss_k, every, setting.sk).expand(self.num_layers, self.kv_heads, n)
+        if variant.refit:
+            k_sparse = self._refit(state, blocks, variant.perm)
+        else:
+            k_sparse = self._permuted(state, blocks) if variant.perm else [kb for kb, _ in layers]
+        k = [torch.cat([kl[:lo], torch.where(token_mask(mask, b), kb, kl[lo:hi]), kl[hi:]])
+             for kl, kb, mask in zip(state.k, k_sparse, sparse_k)]  # fmt: skip
+        return k, v, kv_stats(blocks, (sparse_k, sparse_v.expand(self.num_layers, self.kv_heads, n)), rows)
+
+    def head_mask(self, state: Any, score: str, sk: float, blocks: range) -> torch.Tensor:
+        """bool ``[L, H, n]``: the K rows the head map of ``score`` at budget ``sk`` stores sparse."""
+        if score == RANDOM_SCORE:
+            scores = head_map.random_scores(self.num_layers, self.kv_heads, self.random_seed)
+        elif self.head_scores is None or score not in self.head_scores.scores:
+            raise RuntimeError(f"head-map score {score!r} needs calibrate() first")
+        else:
+            scores = self.head_scores.scores[score]
+        if "head_losses" not in state.pruned:
+            state.pruned["head_losses"] = head_map.head_block_losses(
+                MagnitudePruner(), state.k, self._slots(blocks), self.geometry.block, self.kv_heads)
+        every = torch.ones(len(blocks), dtype=torch.bool)
+        return head_map.head_sparse_masks(head_map.budget_map(scores, sk), state.pruned["head_losses"], every)
+
+    def permutations(self) -> torch.Tensor:
+        """int64 ``[L, H, D]``: the calibrated channel permutation of K (and Q) per (layer, KV head)."""
+        hs = self.head_scores
+        if hs is None or hs.key_energy is None or hs.query_moment is None:
+            raise RuntimeError("perm needs calibrate() first (the key and query channel energies)")
+        return head_map.channel_permutations(hs.key_energy, hs.query_moment.diagonal(dim1=-2, dim2=-1))
+
+    def _permuted(self, state: Any, blocks: range) -> list[torch.Tensor]:
+        """Per layer ``[n·B, H, D]``: the compressible blocks' K pruned 2:4 along the permuted channels,
+        i.e. the compressor's output (every block sparse) on permuted K, read back and un-permuted."""
+        if "perm" not in state.pruned:
+            perms = self.permutations()
+            k_perm = [kl.gather(-1, p[None].expand_as(kl)) for kl, p in zip(state.k, perms)]
+            layers, _ = self._compress(dataclasses.replace(state, k=k_perm, pruned={}), "magnitude", 1.0, 1.0, blocks)
+            state.pruned["perm"] = [torch.empty_like(kb).scatter_(-1, p[None].expand_as(kb), kb)
+                                    for (kb, _), p in zip(layers, perms)]  # fmt: skip
+        return state.pruned["perm"]
+
+    def _refit(self, state: Any, blocks: range, perm: bool) -> list[torch.Tensor]:
+        """Per layer ``[n·B, H, D]``: the 2:4 K (magnitude or permuted support) of the compressible
+        blocks with re-fitted kept values."""
+        if self.head_scores is None or self.head_scores.query_moment is None:
+            raise RuntimeError("refit needs calibrate() first (the query second moments)")
+        key = "refit+perm" if perm else "refit"
+        if key not in state.pruned:
+            perms = self.permutations() if perm else None
+            out = []
+            for layer, kl in enumerate(state.k):
+                blk = prefix_blocks(kl, self._slots(blocks), self.geometry.block, self.kv_heads)
+                keep = head_map.permuted_keep(blk, perms[layer]) if perms is not None else head_map.magnitude_keep(blk)
+                fitted = head_map.refit_kept(blk, keep, self.head_scores.query_moment[layer])
+                out.append(fitted.to(self.kv_dtype).permute(1, 2, 0, 3).reshape(-1, self.kv_heads, self.head_dim))
+            state.pruned[key] = out
+        return state.pruned[key]
+
+    @torch.no_grad()
+    def probe_forward(self, ids, on_layer: head_map.LayerProbe) -> None:
+        """A forward over ``ids`` that hands every layer's post-RoPE query and key to ``on_layer``."""
+        self.capture.probe = on_layer
+        try:
+            self.model.model(input_ids=torch.tensor([list(ids)]), use_cache=False)
+        finally:
+            self.capture.probe = None
+
+    def calibrate(self, texts: list[str], spec: head_map.CalibrationSpec) -> head_map.HeadScores:
+        """Head scores (and query moments) from the calibration probes on ``texts``."""
+        builder = head_map.ProbeBuilder(self.tokenizer, texts)
+        probes = head_map.needle_probes(builder, spec) + head_map.copy_probes(builder, spec)
+        g = self.geometry
+        self.head_scores = head_map.calibrate(self.probe_forward, probes, self.num_layers, self.kv_heads, self.head_dim,
+                                              g.block, g.sink, g.window, lambda m: print(f"[eval] {m}", flush=True))  # fmt: skip
+        self.random_seed = spec.seed
+        return self.head_scores

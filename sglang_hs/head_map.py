@@ -1,0 +1,382 @@
+"""Head-adaptive K sparsity: which (layer, KV head) pairs keep K dense, calibrated offline.
+
+A cached prefix serves future questions the compressor never sees, and pruning K 2:4 everywhere
+stops retrieval (needle accuracy falls to a few percent). Retrieval, however, runs through a few
+heads (Wu et al. 2024, "Retrieval Head"; DuoAttention; HARD-KV): this module finds them on
+synthetic calibration prompts that share nothing with the evaluation, turns their scores into a
+per-(layer, head) K sparsity that meets a byte budget, and expands that map into per-(layer,
+head, block) sparse masks for a prefix. V stays 2:4 everywhere (pruning V barely hurts retrieval).
+
+Three parts, each usable by the product's compressor later:
+
+1. **Calibration** (:func:`needle_probes`, :func:`copy_probes`, :func:`calibrate`). A *probe* is a
+   prompt plus, for some query positions, the key positions whose attention mass counts. A head's
+   score is that mass, summed over the query heads of its KV head (GQA group), averaged over query
+   positions and prompts. Two probe families:
+
+   - ``needle``: a pass key hidden in filler text at a given depth, then the question; queries are
+     the question's tokens, targets the needle's tokens (the retrieval lead of the issue);
+   - ``copy`` (needle-free, KVzip-style context reconstruction): the prompt asks to continue a
+     passage quoted from the filler and the answer is that passage, teacher-forced; each answer
+     token's query targets the filler position of the token it must copy next. Any text works.
+
+   Each family also yields a ``*_drop`` score: the mass lost when that head's K is 2:4 pruned
+   (magnitude) on the blocks the server would compress, with the dense model's queries.
+   :func:`calibrate` also accumulates each KV head's query second moment ``E[q qᵀ]`` (post-RoPE,
+   over its query heads), used by :func:`refit_kept` (error compensation).
+2. **Budgeted map** (:func:`budget_map`): per (layer, head), the fraction of its compressible K
+   blocks stored sparse. Heads are pruned from the lowest score up until the mean fraction equals
+   the budget S_K exactly; at most one head (the boundary) gets a fraction strictly between 0 and 1.
+3. **Masks** (:func:`head_sparse_masks`): the pure function from a map and the per-(layer, head,
+   block) pruning losses to bool ``[L, H, n]`` sparse masks: each head's ``ceil(f·n)`` least-loss
+   blocks, as :func:`sglang_hs.pruner.rank_sparse` does per block today.
+
+Calibration never sees the evaluation: its random streams are keyed under :data:`SEED_NAMESPACE`,
+its prompt lengths and depths are its own (:class:`CalibrationSpec`), and its filler text is
+whatever the caller passes (the study uses the licence texts of ``/usr/share/common-licenses``,
+which the essays used as evaluation haystacks do not contain).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from sglang_hs.format import SAVING_PER_SPARSE_SIDE, sparse_count
+from sglang_hs.pools import prefix_blocks
+from sglang_hs.pruner import MagnitudePruner, Pruner, top2_of_4
+
+SEED_NAMESPACE = "head-calibration"
+"""Prefix of every calibration random stream key (the evaluation's keys start with a number)."""
+SCORE_NAMES = ("needle", "needle_drop", "copy", "copy_drop")
+_QUESTION_MARK = "\x00QUESTION\x00"
+PASSKEY_INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize "
+                       "it. I will ask you about it afterwards.\n\n")  # fmt: skip
+COPY_INSTRUCTION = "Read the following document carefully.\n\n"
+
+
+# ===================================================================================== probes
+@dataclass(frozen=True)
+class Probe:
+    """One calibration prompt: ``ids``; for each scored query position ``queries[i]``, the key
+    positions ``[start, end)`` of ``targets[i]`` whose attention mass counts. ``prefix_len`` is the
+    part a server would cache (the document), the rest is the question (and teacher-forced answer)."""
+
+    kind: str
+    ids: tuple[int, ...]
+    queries: tuple[int, ...]
+    targets: tuple[tuple[int, int], ...]
+    prefix_len: int
+    length: int
+    depth: float
+    seed_key: str
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """Lengths (prompt tokens) and depths of the calibration prompts; none is used by the
+    evaluation (its lengths are 1K/2K/4K and held-out ones; see the tests)."""
+
+    needle_lengths: tuple[int, ...] = (1536, 2560)
+    needle_depths: tuple[float, ...] = (0.1, 0.35, 0.6, 0.85)
+    copy_lengths: tuple[int, ...] = (1536, 2560)
+    copy_depths: tuple[float, ...] = (0.15, 0.4, 0.65, 0.9)
+    copy_tokens: int = 96  # teacher-forced answer length of a copy probe
+    quote_tokens: int = 12  # tokens of the passage quoted in the copy question (not scored)
+    seed: int = 0
+
+    def seed_key(self, kind: str, length: int, index: int) -> str:
+        return f"{SEED_NAMESPACE}/{self.seed}/{kind}/{length}/{index}"
+
+
+class ProbeBuilder:
+    """Builds probes from a tokenizer (``tokenizer(text, add_special_tokens=False)`` and, if it has
+    one, ``apply_chat_template``) and filler texts. Pieces are tokenized apart and concatenated as
+    ids, so every position is exact."""
+
+    def __init__(self, tokenizer, texts: Iterable[str]):
+        self.tok = tokenizer
+        sentences = [s for text in texts for s in re.split(r"(?<=[.!?;:])\s+", " ".join(text.split())) if len(s) > 1]
+        if not sentences:
+            raise ValueError("calibration needs some filler text")
+        self.sentences = [self.encode(" " + s) for s in sentences]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def chat(self, question: str, answer_prefix: str) -> tuple[list[int], list[int]]:
+        """(ids before the user's document, ids after it up to the answer): the user turn holds the
+        document then ``question``; the assistant turn opens with ``answer_prefix``."""
+        if getattr(self.tok, "chat_template", None):
+            rendered = self.tok.apply_chat_template([{"role": "user", "content": _QUESTION_MARK}], tokenize=False,
+                                                    add_generation_prompt=True)  # fmt: skip
+            head, tail = rendered.split(_QUESTION_MARK)
+            return self.encode(head), self.encode("\n" + question + tail + answer_prefix)
+        return [], self.encode("\n" + question + "\nAnswer:" + answer_prefix)
+
+    def filler(self, rng: random.Random, n_tokens: int) -> list[list[int]]:
+        """Consecutive sentences (token ids each) from a random start, about ``n_tokens`` in all."""
+        start, out, total = rng.randrange(len(self.sentences)), [], 0
+        while total < n_tokens:
+            sentence = self.sentences[(start + len(out)) % len(self.sentences)]
+            if total + len(sentence) > n_tokens and out:
+                break
+            out.append(sentence)
+            total += len(sentence)
+        return out
+
+    def needle(self, spec: CalibrationSpec, length: int, depth: float, index: int) -> Probe:
+        key = spec.seed_key("needle", length, index)
+        rng = random.Random(key)
+        passkey = str(rng.randrange(10_000, 100_000))
+        needle = self.encode(f" The pass key is {passkey}. Remember it. {passkey} is the pass key.")
+        head, tail = self.chat("What is the pass key?", " The pass key is")
+        head = head + self.encode(PASSKEY_INSTRUCTION)
+        sentences = self.filler(rng, length - len(head) - len(needle) - len(tail) - 8)
+        at = round(depth * len(sentences))
+        before = [t for s in sentences[:at] for t in s]
+        after = [t for s in sentences[at:] for t in s]
+        ids = head + before + needle + after
+        start = len(head) + len(before)
+        queries = tuple(range(len(ids), len(ids) + len(tail)))
+        return Probe("needle", tuple(ids + tail), queries, ((start, start + len(needle)),) * len(queries), len(ids),
+                     length, depth, key)  # fmt: skip
+
+    def copy(self, spec: CalibrationSpec, length: int, depth: float, index: int) -> Probe:
+        key = spec.seed_key("copy", length, index)
+        rng = random.Random(key)
+        answer_len = spec.copy_tokens
+        head = self.encode(COPY_INSTRUCTION)
+        probe_tail_guess = 40 + spec.quote_tokens * 2
+        doc = [t for s in self.filler(rng, length - len(head) - answer_len - probe_tail_guess - 24) for t in s]
+        span = min(max(0, round(depth * len(doc))), len(doc) - answer_len - 1)
+        quote = self.tok.decode(doc[span : span + spec.quote_tokens]).strip()
+        chat_head, tail = self.chat(f'Continue the passage of the document that starts with "{quote}", word for word.', "")
+        ids = chat_head + head + doc
+        start = len(chat_head) + len(head) + span  # document position of the answer's first token
+        prompt = ids + tail
+        answer = doc[span : span + answer_len]
+        # Answer token j sits at len(prompt) + j and predicts answer token j + 1 = document token start + j + 1.
+        queries = tuple(len(prompt) + j for j in range(spec.quote_tokens, answer_len - 1))
+        targets = tuple((start + j + 1, start + j + 2) for j in range(spec.quote_tokens, answer_len - 1))
+        return Probe("copy", tuple(prompt + answer), queries, targets, len(ids), length, depth, key)
+
+
+def needle_probes(builder: ProbeBuilder, spec: CalibrationSpec) -> list[Probe]:
+    return [builder.needle(spec, length, depth, i) for length in spec.needle_lengths
+            for i, depth in enumerate(spec.needle_depths)]  # fmt: skip
+
+
+def copy_probes(builder: ProbeBuilder, spec: CalibrationSpec) -> list[Probe]:
+    return [builder.copy(spec, length, depth, i) for length in spec.copy_lengths for i, depth in enumerate(spec.copy_depths)]
+
+
+# ===================================================================================== scoring
+def compressible_range(prefix_len: int, block: int, sink: int, window: int) -> tuple[int, int]:
+    """Token range ``[lo, hi)`` of the blocks a server compresses in a cached prefix of this length
+    (after the sink, before the node's last ``window`` tokens; the node is the whole blocks)."""
+    lo = -(-sink // block) * block
+    hi = max(lo, (prefix_len // block * block - window) // block * block)
+    return lo, hi
+
+
+def prune_k_rows(key: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``key [H, L, D]`` with positions ``[lo, hi)`` 2:4 magnitude-pruned along head_dim."""
+    out = key.clone()
+    part = key[:, lo:hi]
+    out[:, lo:hi] = part * top2_of_4(part.abs(), -1)
+    return out
+
+
+def attention_mass(query: torch.Tensor, key: torch.Tensor, scaling: float, probe: Probe) -> torch.Tensor:
+    """float64 ``[H]``: attention mass of the probe's query positions on their targets (causal
+    softmax over every key up to the query), summed over each KV head's query heads, averaged over
+    query positions. ``query [Hq, L, D]`` and ``key [H, L, D]`` are one layer's post-RoPE tensors."""
+    heads, length, dim = key.shape
+    group = query.shape[0] // heads
+    positions = torch.tensor(probe.queries)
+    q = query[:, positions].float().reshape(heads, group * len(positions), dim)
+    logits = torch.bmm(q, key.float().transpose(1, 2)).mul_(scaling).view(heads, group, len(positions), length)
+    keys = torch.arange(length)
+    logits.masked_fill_(keys[None, :] > positions[:, None], -torch.inf)
+    probs = torch.softmax(logits, dim=-1)
+    bounds = torch.tensor(probe.targets)
+    target = (keys[None, :] >= bounds[:, :1]) & (keys[None, :] < bounds[:, 1:])  # [R, L]
+    return (probs * target).sum(-1).sum(1).mean(-1).double()
+
+
+@dataclass
+class HeadScores:
+    """Calibration result: per score name a float64 ``[L, H]`` tensor (higher = keep K dense), the
+    per-(layer, KV head) query second moments ``[L, H, D, D]`` and a description of the run."""
+
+    scores: dict[str, torch.Tensor]
+    query_moment: torch.Tensor | None = None
+    meta: dict = field(default_factory=dict)
+    key_energy: torch.Tensor | None = None
+    """float64 ``[L, H, D]``: mean squared K per channel over the probes' compressible positions."""
+
+    def to_json(self) -> dict:
+        return {"scores": {k: [[round(float(x), 6) for x in row] for row in v] for k, v in self.scores.items()},
+                "meta": self.meta}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict) -> "HeadScores":
+        return cls({k: torch.tensor(v, dtype=torch.float64) for k, v in data["scores"].items()}, None, data.get("meta", {}))
+
+
+LayerProbe = Callable[[int, torch.Tensor, torch.Tensor, float], None]
+"""Called once per layer by a model forward: ``(layer, query [Hq, L, D], key [H, L, D], scaling)``
+(post-RoPE, batch row 0)."""
+ProbeForward = Callable[[Sequence[int], LayerProbe], None]
+"""Runs the model over token ids, calling the layer probe from every attention layer."""
+
+
+def calibrate(forward: ProbeForward, probes: Sequence[Probe], num_layers: int, kv_heads: int, head_dim: int,
+              block: int, sink: int, window: int, progress: Callable[[str], None] | None = None) -> HeadScores:  # fmt: skip
+    """Scores of every (layer, KV head) from ``probes``: for each probe kind ``k`` the mean
+    attention mass ``k`` and its drop ``k_drop`` under 2:4 K pruning of the compressible blocks,
+    plus the query second moments over every position of every probe."""
+    sums = {name: torch.zeros(num_layers, kv_heads, dtype=torch.float64) for name in SCORE_NAMES}
+    counts = dict.fromkeys({p.kind for p in probes}, 0)
+    moment = torch.zeros(num_layers, kv_heads, head_dim, head_dim, dtype=torch.float64)
+    key_energy = torch.zeros(num_layers, kv_heads, head_dim, dtype=torch.float64)
+    key_count = 0
+    started = time.time()
+    for i, probe in enumerate(probes):
+        lo, hi = compressible_range(probe.prefix_len, block, sink, window)
+
+        def on_layer(layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, probe: Probe = probe) -> None:
+            dense = attention_mass(query, key, scaling, probe)
+            pruned = attention_mass(query, prune_k_rows(key.float(), lo, hi), scaling, probe)
+            sums[probe.kind][layer] += dense
+            sums[probe.kind + "_drop"][layer] += dense - pruned
+            q = query.double().reshape(kv_heads, -1, head_dim)
+            moment[layer] += torch.bmm(q.transpose(1, 2), q)
+            key_energy[layer] += key[:, lo:hi].double().square().sum(1)
+
+        forward(probe.ids, on_layer)
+        counts[probe.kind] += 1
+        key_count += hi - lo
+        if progress:
+            progress(f"calibration {i + 1}/{len(probes)}: {probe.kind} {probe.length} tokens, depth {probe.depth:g} "
+                     f"({time.time() - started:.0f} s)")  # fmt: skip
+    scores = {name: sums[name] / counts[name.split("_")[0]] for name in SCORE_NAMES if counts.get(name.split("_")[0])}
+    total_positions = sum(len(p.ids) for p in probes)
+    meta = {
+        "probes": [{"kind": p.kind, "length": p.length, "depth": p.depth, "tokens": len(p.ids), "seed_key": p.seed_key}
+                   for p in probes],
+        "seconds": time.time() - started,
+    }  # fmt: skip
+    return HeadScores(scores, moment / max(1, total_positions), meta, key_energy / max(1, key_count))
+
+
+def random_scores(num_layers: int, kv_heads: int, seed: int = 0) -> torch.Tensor:
+    """Seeded random scores: the control that tells whether a score's head choice matters."""
+    return torch.rand(num_layers, kv_heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+# ===================================================================================== map and masks
+def budget_map(scores: torch.Tensor, sk: float) -> torch.Tensor:
+    """float64 ``[L, H]``: each (layer, head)'s fraction of compressible K blocks stored sparse, so
+    that the mean is exactly ``sk``. Heads are pruned in increasing score order (ties: lower flat
+    index first); the first ``floor(sk·L·H)`` are fully sparse, the next takes the remainder."""
+    if not 0.0 <= sk <= 1.0:
+        raise ValueError(f"S_K budget {sk} is outside [0, 1]")
+    n = scores.numel()
+    units = round(sk * n, 9)
+    full = math.floor(units)
+    order = scores.flatten().double().argsort(stable=True)
+    fractions = torch.zeros(n, dtype=torch.float64)
+    fractions[order[:full]] = 1.0
+    if full < n and units > full:
+        fractions[order[full]] = units - full
+    return fractions.view(scores.shape)
+
+
+def head_sparse_masks(fractions: torch.Tensor, losses: torch.Tensor, prunable: torch.Tensor) -> torch.Tensor:
+    """bool ``[L, H, n]``: per (layer, head), its ``ceil(f·n_prunable)`` prunable blocks of least
+    ``losses [L, H, n]`` (stable: ties to the earlier block). A pure function of its inputs."""
+    n_prunable = int(prunable.sum())
+    counts = torch.tensor([sparse_count(n_prunable, float(f)) for f in fractions.flatten()]).view(fractions.shape)
+    ranked = torch.where(prunable, losses.float(), torch.inf).argsort(dim=-1, stable=True)
+    rank = ranked.argsort(dim=-1)
+    return (rank < counts[..., None]) & prunable
+
+
+def head_block_losses(pruner: Pruner, k_buffers: Sequence[torch.Tensor], slots: torch.Tensor, block_size: int,
+                      kv_heads: int) -> torch.Tensor:  # fmt: skip
+    """float32 ``[L, H, n]``: each K block's pruning loss per layer and KV head (the compressor's
+    first pass, before it sums over layers and heads)."""
+    out = []
+    for buffer in k_buffers:
+        blocks = prefix_blocks(buffer, slots, block_size, kv_heads)
+        out.append(pruner.operand_loss(blocks, "k", pruner.element_mask(blocks, "k")))
+    return torch.stack(out)
+
+
+def saved_fraction(sk: float, sv: float) -> float:
+    """Fraction of the compressed blocks' K+V bytes saved at effective S_K, S_V (sparse = 0.5625)."""
+    return SAVING_PER_SPARSE_SIDE * (sk + sv)
+
+
+# ===================================================================================== compensation
+def refit_kept(blocks: torch.Tensor, keep: torch.Tensor, moment: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
+    """float32 like ``blocks [H, n, B, D]``: each K row's kept values re-fitted, pruned ones zero.
+
+    With the 2:4 support ``S`` of a row ``k`` fixed (``keep``), the kept values ``k'`` minimise the
+    expected logit error ``E[(q·k - q_S·k'_S)²] = (k - k')ᵀ Σ (k - k')`` under the KV head's query
+    second moment ``Σ = moment [H, D, D]``: ``k'_S = k_S + Σ_SS⁻¹ Σ_SP k_P`` (P: the pruned
+    channels), as OBS/SparseGPT re-fit weights. ``ridge`` (times Σ's mean diagonal) keeps the solve
+    well posed.
+    """
+    heads, n, b, dim = blocks.shape
+    x = blocks.float().reshape(heads, n * b, dim)
+    kept = keep.reshape(heads, n * b, dim)
+    order = (~kept).to(torch.int8).argsort(dim=-1, stable=True)  # kept channels first, ascending
+    s_idx, p_idx = order[..., : dim // 2], order[..., dim // 2 :]
+    out = torch.zeros_like(x)
+    for h in range(heads):
+        sigma = moment[h].double()
+        sigma = sigma + ridge * sigma.diagonal().mean() * torch.eye(dim, dtype=torch.float64)
+        s, p = s_idx[h], p_idx[h]
+        s_ss = sigma[s[:, :, None], s[:, None, :]]
+        s_sp = sigma[s[:, :, None], p[:, None, :]]
+        x_s, x_p = x[h].double().gather(-1, s), x[h].double().gather(-1, p)
+        fitted = x_s + torch.linalg.solve(s_ss, (s_sp @ x_p[..., None]))[..., 0]
+        out[h].scatter_(-1, s, fitted.float())
+    return out.view(heads, n, b, dim)
+
+
+# ===================================================================================== channel permutation
+def channel_permutations(key_energy: torch.Tensor, query_energy: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[L, H, D]``: per (layer, KV head) a permutation of head_dim whose consecutive groups
+    of 4 each take one channel from every quarter of the channels ranked by importance
+    (``E[k_c²]``, times ``E[q_c²]`` when given): group ``g`` holds the channels ranked ``g``,
+    ``g + D/4``, ``g + D/2`` and ``g + 3D/4``. Magnitude 2:4 along the permuted axis then never has
+    to drop one of two large channels that happen to sit side by side (low-frequency RoPE channels
+    carry most of K's energy and are adjacent). Applied to K and to Q alike after RoPE it leaves
+    ``q·k`` unchanged."""
+    importance = key_energy if query_energy is None else key_energy * query_energy
+    layers, heads, dim = importance.shape
+    order = importance.argsort(dim=-1, descending=True, stable=True)
+    return order.view(layers, heads, 4, dim // 4).transpose(-1, -2).reshape(layers, heads, dim)
+
+
+def permuted_keep(blocks: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """bool like ``blocks [H, ..., D]`` (original channel order): magnitude 2:4 along head_dim
+    after permuting the channels of head ``h`` by ``perm [H, D]``."""
+    index = perm.view(perm.shape[0], *[1] * (blocks.dim() - 2), perm.shape[1]).expand_as(blocks)
+    keep = top2_of_4(blocks.float().abs().gather(-1, index), -1)
+    return torch.zeros_like(keep).scatter_(-1, index, keep)
+
+
+def magnitude_keep(blocks: torch.Tensor) -> torch.Tensor:
+    """The product's K element mask (magnitude 2:4 along head_dim) of ``[H, n, B, D]`` blocks."""
+    return MagnitudePruner().element_mask(blocks, "k")
