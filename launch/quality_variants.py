@@ -12,6 +12,10 @@ A setting's pruner name selects a variant (``+`` joins parts):
 - ``perm``: 2:4 K along a calibrated permutation of head_dim per (layer, KV head)
   (:func:`sglang_hs.head_map.channel_permutations`; the store would hold K permuted and the kernels
   permute Q alike): the server compressor's output on the permuted K, read back and un-permuted;
+- ``wperm``: ``perm`` with the permutation computed from the checkpoint's q/k projection and norm
+  weights alone (:func:`sglang_hs.head_map.weight_channel_energy`), no calibration text;
+- ``sperm``: ``perm`` with one fixed stride permutation for every head
+  (:func:`sglang_hs.head_map.stride_permutation`), data-free;
 - ``refit``: 2:4 K (magnitude, or ``perm``'s support) whose kept values are re-fitted to the
   calibration queries' second moment (:func:`sglang_hs.head_map.refit_kept`).
 
@@ -41,6 +45,8 @@ HEADMAP = "headmap-"
 MUSTAFAR = "mustafar"
 REFIT = "refit"
 PERM = "perm"
+WEIGHT_PERM = "wperm"
+STRIDE_PERM = "sperm"
 RANDOM_SCORE = "random"
 CALIBRATION_CORPUS = "/usr/share/common-licenses"
 """Default calibration filler: licence texts (Debian's ``base-files``), disjoint from the essays."""
@@ -52,12 +58,13 @@ class Variant:
     refit: bool
     mustafar: bool
     perm: bool = False
+    perm_source: str = "calibration"  # or "weights" (wperm), "stride" (sperm)
 
 
 def parse_variant(pruner: str) -> Variant | None:
     """The variant a pruner name selects, or None for the server's own pruners."""
     parts = pruner.split("+")
-    score, refit, mustafar, perm = None, False, False, False
+    score, refit, mustafar, perm, source = None, False, False, False, "calibration"
     for part in parts:
         if part.startswith(HEADMAP) and score is None:
             score = part[len(HEADMAP) :].replace("-", "_")
@@ -67,18 +74,23 @@ def parse_variant(pruner: str) -> Variant | None:
             refit = True
         elif part == PERM:
             perm = True
+        elif part in (WEIGHT_PERM, STRIDE_PERM):
+            perm, source = True, "weights" if part == WEIGHT_PERM else "stride"
         elif part == MUSTAFAR and len(parts) == 1:
             mustafar = True
         elif len(parts) == 1:
             return None
         else:
             raise ValueError(f"unknown variant part {part!r} in {pruner!r}")
-    return Variant(score, refit, mustafar, perm)
+    if refit and source != "calibration":
+        raise ValueError(f"{pruner!r}: refit takes the calibrated permutation (perm) only")
+    return Variant(score, refit, mustafar, perm, source)
 
 
 def needs_calibration(pruners: list[str]) -> bool:
     variants = [parse_variant(p) for p in pruners if p != "dense"]
-    return any(v and (v.refit or v.perm or (v.score and v.score != RANDOM_SCORE)) for v in variants)
+    return any(v and (v.refit or (v.perm and v.perm_source == "calibration") or (v.score and v.score != RANDOM_SCORE))
+               for v in variants)  # fmt: skip
 
 
 def mustafar_keep(k: torch.Tensor, element_sparsity: float) -> torch.Tensor:
@@ -160,7 +172,7 @@ class VariantKV:
         if variant.refit:
             k_sparse = self._refit(state, blocks, variant.perm)
         else:
-            k_sparse = self._permuted(state, blocks) if variant.perm else [kb for kb, _ in layers]
+            k_sparse = self._permuted(state, blocks, variant.perm_source) if variant.perm else [kb for kb, _ in layers]
         k = [torch.cat([kl[:lo], torch.where(token_mask(mask, b), kb, kl[lo:hi]), kl[hi:]])
              for kl, kb, mask in zip(state.k, k_sparse, sparse_k)]  # fmt: skip
         return k, v, kv_stats(blocks, (sparse_k, sparse_v.expand(self.num_layers, self.kv_heads, n)), rows)
@@ -179,6 +191,19 @@ class VariantKV:
         every = torch.ones(len(blocks), dtype=torch.bool)
         return head_map.head_sparse_masks(head_map.budget_map(scores, sk), state.pruned["head_losses"], every)
 
+    def weight_permutations(self) -> torch.Tensor:
+        """int64 ``[L, H, D]``: the channel permutation of K (and Q) per (layer, KV head) from the
+        projection and norm weights alone."""
+        config, d = self.model.config, self.head_dim
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or config.rope_theta
+        key, query = [], []
+        for layer in self.model.model.layers:
+            attn, gain = layer.self_attn, layer.input_layernorm.weight
+            key.append(head_map.weight_channel_energy(attn.k_proj.weight, gain, self.kv_heads, d, theta))
+            q = head_map.weight_channel_energy(attn.q_proj.weight, gain, attn.q_proj.weight.shape[0] // d, d, theta)
+            query.append(q.view(self.kv_heads, -1, d).sum(1))
+        return head_map.channel_permutations(torch.stack(key), torch.stack(query))
+
     def permutations(self) -> torch.Tensor:
         """int64 ``[L, H, D]``: the calibrated channel permutation of K (and Q) per (layer, KV head)."""
         hs = self.head_scores
@@ -186,16 +211,20 @@ class VariantKV:
             raise RuntimeError("perm needs calibrate() first (the key and query channel energies)")
         return head_map.channel_permutations(hs.key_energy, hs.query_moment.diagonal(dim1=-2, dim2=-1))
 
-    def _permuted(self, state: Any, blocks: range) -> list[torch.Tensor]:
+    def _permuted(self, state: Any, blocks: range, source: str = "calibration") -> list[torch.Tensor]:
         """Per layer ``[n·B, H, D]``: the compressible blocks' K pruned 2:4 along the permuted channels,
         i.e. the compressor's output (every block sparse) on permuted K, read back and un-permuted."""
-        if "perm" not in state.pruned:
-            perms = self.permutations()
+        key = f"perm/{source}"
+        if key not in state.pruned:
+            if source == "stride":
+                perms = head_map.stride_permutation(self.head_dim).expand(self.num_layers, self.kv_heads, -1)
+            else:
+                perms = self.weight_permutations() if source == "weights" else self.permutations()
             k_perm = [kl.gather(-1, p[None].expand_as(kl)) for kl, p in zip(state.k, perms)]
             layers, _ = self._compress(dataclasses.replace(state, k=k_perm, pruned={}), "magnitude", 1.0, 1.0, blocks)
-            state.pruned["perm"] = [torch.empty_like(kb).scatter_(-1, p[None].expand_as(kb), kb)
-                                    for (kb, _), p in zip(layers, perms)]  # fmt: skip
-        return state.pruned["perm"]
+            state.pruned[key] = [torch.empty_like(kb).scatter_(-1, p[None].expand_as(kb), kb)
+                                 for (kb, _), p in zip(layers, perms)]  # fmt: skip
+        return state.pruned[key]
 
     def _refit(self, state: Any, blocks: range, perm: bool) -> list[torch.Tensor]:
         """Per layer ``[n·B, H, D]``: the 2:4 K (magnitude or permuted support) of the compressible

@@ -369,6 +369,31 @@ def channel_permutations(key_energy: torch.Tensor, query_energy: torch.Tensor | 
     return order.view(layers, heads, 4, dim // 4).transpose(-1, -2).reshape(layers, heads, dim)
 
 
+def stride_permutation(head_dim: int) -> torch.Tensor:
+    """int64 ``[D]``: group ``g`` of 4 holds channels ``g``, ``g + D/4``, ``g + D/2``, ``g + 3D/4``: the
+    data-free counterpart of :func:`channel_permutations` (no channel ranking), which only separates
+    neighbouring channels (RoPE puts channels of similar frequency, and energy, side by side)."""
+    return torch.arange(head_dim).view(4, head_dim // 4).t().reshape(-1)
+
+
+def weight_channel_energy(proj_weight: torch.Tensor, norm_weight: torch.Tensor, heads: int, head_dim: int,
+                          rope_theta: float, context: int = 4096) -> torch.Tensor:
+    """float ``[heads, D]``: a data-free proxy of ``E[x_c²]`` for the post-RoPE output channels of a
+    q or k projection (``proj_weight [heads·D, hidden]``) fed by an RMSNorm with gain ``norm_weight``:
+    the normalised input is taken as white, so a channel's energy is its row's squared norm after
+    the gain. RoPE rotates channel ``i`` with ``i + D/2`` (rotate-half layout) at frequency
+    ``θ^(-2i/D)``; over positions ``0 .. context`` the pair shares its energy by the mean of
+    ``cos²``, so slow pairs keep their own and fast pairs average. Needs only the checkpoint, so a
+    server can compute it at start-up, the same on every tensor-parallel rank for a head."""
+    w = proj_weight.float() * norm_weight.float()[None, :]
+    pre = w.square().sum(-1).view(heads, head_dim)
+    half = head_dim // 2
+    freq = rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / head_dim)
+    cos2 = torch.cos(freq[:, None] * torch.arange(context, dtype=torch.float64)[None, :]).square().mean(-1).float()
+    low, high = pre[:, :half], pre[:, half:]
+    return torch.cat([cos2 * low + (1 - cos2) * high, cos2 * high + (1 - cos2) * low], dim=-1)
+
+
 def permuted_keep(blocks: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """bool like ``blocks [H, ..., D]`` (original channel order): magnitude 2:4 along head_dim
     after permuting the channels of head ``h`` by ``perm [H, D]``."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import re
 import subprocess
 import sys
 
@@ -26,3 +28,26 @@ def run_python(*args: str, cwd: str = REPO_ROOT, timeout: int = 600) -> subproce
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A 2-layer random-weight Llama with a local tokenizer (``make_model tiny``)."""
+    from sglang_hs.launch.make_model import write_tiny
+
+    out = str(tmp_path_factory.mktemp("tiny"))
+    write_tiny(out, layers=2, seed=0)
+    return out
+
+
+def write_essays(folder, seed: int) -> str:
+    """Ten 'essays' of sentences over the tiny tokenizer's training words (few tokens per word) in
+    ``folder``; ``seed`` picks the sentences, so two test modules can hold disjoint corpora."""
+    from sglang_hs.launch.make_model import _CORPUS
+
+    words = sorted(set(re.findall(r"[a-z]+", " ".join(_CORPUS).lower())))
+    for i in range(10):
+        rng = random.Random(seed + i)
+        sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "." for _ in range(150)]
+        (folder / f"essay{i:02d}.txt").write_text(" ".join(sentences))
+    return str(folder)

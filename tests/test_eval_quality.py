@@ -11,11 +11,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import random
-import re
 
 import pytest
 import torch
+from conftest import write_essays
 
 from sglang_hs.launch import eval_quality as eq
 from sglang_hs.launch import quality_inputs as qi
@@ -30,26 +29,8 @@ GRID = qi.make_settings(["magnitude", "output_aware"], [0.0, 0.5, 1.0])
 
 # ------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    from sglang_hs.launch.make_model import write_tiny
-
-    out = str(tmp_path_factory.mktemp("tiny"))
-    write_tiny(out, layers=2, seed=0)
-    return out
-
-
-@pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> str:
-    """Ten 'essays' of sentences over the tiny tokenizer's training words (few tokens per word)."""
-    from sglang_hs.launch.make_model import _CORPUS
-
-    words = sorted(set(re.findall(r"[a-z]+", " ".join(_CORPUS).lower())))
-    out = tmp_path_factory.mktemp("essays")
-    for i in range(10):
-        rng = random.Random(i)
-        sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "." for _ in range(150)]
-        (out / f"essay{i:02d}.txt").write_text(" ".join(sentences))
-    return str(out)
+    return write_essays(tmp_path_factory.mktemp("essays"), seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ map equals S_K = 0 bit for bit, with an all-sparse map S_K = 1.
 
 from __future__ import annotations
 
-import random
 import re
 
 import pytest
 import torch
+from conftest import write_essays
 
 from sglang_hs import head_map as hm
 from sglang_hs.launch import eval_quality as eq
@@ -160,6 +160,26 @@ def test_channel_permutation_spreads_the_important_channels():
     assert keep[..., 0:3].all() and int(keep.sum()) == 2 * 32 and not hm.magnitude_keep(blocks)[..., 0:3].all()
 
 
+def test_stride_permutation_separates_neighbours():
+    perm = hm.stride_permutation(64)
+    assert sorted(perm.tolist()) == list(range(64))
+    assert perm[:8].tolist() == [0, 16, 32, 48, 1, 17, 33, 49]  # each group of 4 spans the four quarters
+
+
+def test_weight_energy_follows_the_rows_and_mixes_fast_rope_pairs():
+    heads, dim, hidden = 2, 8, 4
+    weight = torch.zeros(heads * dim, hidden)
+    weight[0, 0] = 3.0  # head 0, channel 0 (the fastest RoPE pair, with channel 4)
+    weight[3, 1] = 2.0  # head 0, channel 3 (the slowest pair, with channel 7)
+    gain = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    energy = hm.weight_channel_energy(weight, gain, heads, dim, rope_theta=1e6, context=4096)
+    assert energy.shape == (heads, dim) and not energy[1].any()
+    assert energy[0, 0] == pytest.approx(4.5, rel=0.01) and energy[0, 4] == pytest.approx(4.5, rel=0.01)  # shared
+    assert energy[0, 3] > 3.9 and energy[0, 7] < 0.1  # the slow pair barely turns within the context
+    gain_off = hm.weight_channel_energy(weight, torch.zeros(hidden), heads, dim, rope_theta=1e6)
+    assert not gain_off.any()
+
+
 def test_mustafar_keeps_the_largest_entries_of_each_token():
     k = torch.tensor([[[3.0, -1.0, 0.5, -4.0, 2.0, 0.1, 0.0, 1.5]]])
     assert qv.mustafar_keep(k, 0.5).flatten().tolist() == [1, 0, 0, 1, 1, 0, 0, 1]
@@ -173,6 +193,11 @@ def test_variant_names_parse():
     assert qv.parse_variant("mustafar") == qv.Variant(None, False, True)
     assert qv.parse_variant("refit") == qv.Variant(None, True, False)
     assert qv.parse_variant("headmap-copy+perm+refit") == qv.Variant("copy", True, False, True)
+    assert qv.parse_variant("wperm") == qv.Variant(None, False, False, True, "weights")
+    assert qv.parse_variant("headmap-needle+sperm") == qv.Variant("needle", False, False, True, "stride")
+    with pytest.raises(ValueError):
+        qv.parse_variant("sperm+refit")
+    assert not qv.needs_calibration(["wperm", "sperm"]) and qv.needs_calibration(["perm"])
     with pytest.raises(ValueError):
         qv.parse_variant("headmap-nope")
     assert qv.needs_calibration(["magnitude", "headmap-needle"]) and not qv.needs_calibration(["headmap-random", "mustafar"])
@@ -180,25 +205,8 @@ def test_variant_names_parse():
 
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    from sglang_hs.launch.make_model import write_tiny
-
-    out = str(tmp_path_factory.mktemp("tiny"))
-    write_tiny(out, layers=2, seed=0)
-    return out
-
-
-@pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> str:
-    from sglang_hs.launch.make_model import _CORPUS
-
-    words = sorted(set(re.findall(r"[a-z]+", " ".join(_CORPUS).lower())))
-    out = tmp_path_factory.mktemp("essays")
-    for i in range(10):
-        rng = random.Random(100 + i)
-        sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "." for _ in range(150)]
-        (out / f"essay{i:02d}.txt").write_text(" ".join(sentences))
-    return str(out)
+    return write_essays(tmp_path_factory.mktemp("essays"), seed=100)
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +261,19 @@ def test_permuted_k_through_the_store_is_the_permuted_2to4_of_k(calibrated):
         dense = state.k[layer][blocks.start * 64 : blocks.stop * 64]
         keep = hm.permuted_keep(dense.transpose(0, 1), perms[layer]).transpose(0, 1)
         assert torch.equal(k, torch.where(keep, dense, 0))
+
+
+def test_data_free_permutations_go_through_the_store(calibrated):
+    torch.manual_seed(2)
+    ids = torch.randint(5, 1000, (900,)).tolist()
+    state = calibrated.prefix_state(ids, GEOMETRY.reused(900, 900), calibrate=False)
+    blocks = GEOMETRY.compressed_blocks(900, state.reused)
+    for source, perms in (("stride", hm.stride_permutation(calibrated.head_dim).expand(2, calibrated.kv_heads, -1)),
+                          ("weights", calibrated.weight_permutations())):  # fmt: skip
+        for layer, k in enumerate(calibrated._permuted(state, blocks, source)):
+            dense = state.k[layer][blocks.start * 64 : blocks.stop * 64]
+            keep = hm.permuted_keep(dense.transpose(0, 1), perms[layer]).transpose(0, 1)
+            assert torch.equal(k, torch.where(keep, dense, 0)), source
 
 
 def test_evaluation_rows_report_effective_sparsity(calibrated, corpus_dir):
