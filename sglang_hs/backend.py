@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_hs.channel_order import ChannelPermuter
 from sglang_hs.fallback import decompressed_paged_attention
 from sglang_hs.runtime import HieraSparseRuntime, attach_runtime
 
@@ -93,6 +94,10 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.q_heads = model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
         self.max_blocks = -(-self.req_to_token.shape[1] // self.config.block_size)
         self.use_decode_kernel = runtime.uses_kernel("decode")
+        # q and k enter every path (dense delegate, kernels, fallback) in the K channel order, so the
+        # cache and the store hold K in it; scores and outputs do not change.
+        order = runtime.channel_order
+        self.permute = ChannelPermuter(order, self.token_to_kv_pool.device) if order is not None else None
         self.kernels_compiled = self._prepare_kernels(runtime)
         self.extend_plan = None
         if runtime.uses_kernel("extend"):
@@ -303,6 +308,8 @@ class HieraSparseAttnBackend(AttentionBackend):
 
     def _forward(self, dense_forward, q, k, v, layer, forward_batch, save_kv_cache: bool, **kwargs):
         """Run the path the batch's metadata chose; ``dense_forward`` is the delegate's own method."""
+        if self.permute is not None:
+            q, k = self.permute(layer.layer_id, q, k)
         path = self.forward_metadata.path
         if path is Path.DENSE:
             return dense_forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)

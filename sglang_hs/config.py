@@ -65,6 +65,9 @@ class HieraSparseConfig:
     """SGLang backend that attends over the dense tokens (new tokens, sink, window)."""
     kernels: str = "decode,extend,compress"
     """TileLang kernels to use (comma list); ``none`` runs every compressed path in PyTorch."""
+    k_channel_order: str = ""
+    """File of a calibrated permutation of head_dim per (layer, KV head) applied to q and k (see
+    ``sglang_hs.channel_order``), so that 2:4 K keeps retrieval; empty: natural order."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -109,6 +112,12 @@ class HieraSparseConfig:
             cli_flag("dense_backend"),
             self.dense_backend,
             f"one of {list(DENSE_BACKENDS)}",
+        )
+        _require(
+            not self.k_channel_order or os.path.isfile(self.k_channel_order),
+            cli_flag("k_channel_order"),
+            self.k_channel_order,
+            "a file written by python -m sglang_hs.launch.calibrate_channels",
         )
         names = self.kernels.split(",")
         _require(

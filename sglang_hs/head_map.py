@@ -48,6 +48,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from sglang_hs.channel_order import ranked_quarter_permutations
 from sglang_hs.format import SAVING_PER_SPARSE_SIDE, sparse_count
 from sglang_hs.pools import prefix_blocks
 from sglang_hs.pruner import MagnitudePruner, Pruner, top2_of_4
@@ -364,9 +365,7 @@ def channel_permutations(key_energy: torch.Tensor, query_energy: torch.Tensor | 
     carry most of K's energy and are adjacent). Applied to K and to Q alike after RoPE it leaves
     ``q·k`` unchanged."""
     importance = key_energy if query_energy is None else key_energy * query_energy
-    layers, heads, dim = importance.shape
-    order = importance.argsort(dim=-1, descending=True, stable=True)
-    return order.view(layers, heads, 4, dim // 4).transpose(-1, -2).reshape(layers, heads, dim)
+    return ranked_quarter_permutations(importance)
 
 
 def stride_permutation(head_dim: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from sglang_hs.channel_order import ChannelOrder
 from sglang_hs.config import HieraSparseConfig
 from sglang_hs.pools import CompressedStore, LossReducer, StoreCapacity, VirtualSlots, compress_prefix
 
@@ -64,6 +65,8 @@ class HieraSparseRuntime:
     store_budget_bytes: int = 0
     kernels_available: bool = False
     """TileLang and a Hopper GPU are present (each kernel also needs its ``--hierasparse-kernels`` entry)."""
+    channel_order: ChannelOrder | None = None
+    """This rank's K channel order (``--hierasparse-k-channel-order``), or None: natural order."""
 
     def uses_kernel(self, name: str) -> bool:
         """Whether the TileLang kernel ``name`` runs (available and enabled by the settings)."""
@@ -95,7 +98,19 @@ class HieraSparseRuntime:
         reduce_losses = tensor_parallel_loss_sum(model_runner)
         if reduce_losses is not None:
             compressor = functools.partial(compressor, reduce_losses=reduce_losses)
-        return cls(config, store, virtual, compressor, budget, kernels)
+        order = rank_channel_order(config.k_channel_order, kv_pool) if config.k_channel_order else None
+        return cls(config, store, virtual, compressor, budget, kernels, order)
+
+
+def rank_channel_order(path: str, kv_pool) -> ChannelOrder:
+    """The K channel order of ``path`` for this rank's KV heads, checked against the KV pool's shape."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    rank, size = (parallel.attn_tp_rank, parallel.attn_tp_size) if parallel.attn_tp_size > 1 else (0, 1)
+    order = ChannelOrder.load(path).for_rank(kv_pool.head_num, rank, size)
+    order.check_model(kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim)
+    return order
 
 
 def tensor_parallel_loss_sum(model_runner: ModelRunner) -> LossReducer | None:

@@ -42,7 +42,8 @@ def make_backend(extend_plan):
                            set_kv_buffer=lambda *a: None)  # fmt: skip
     dense = SimpleNamespace(forward_extend=lambda *a, **k: "dense extend", forward_decode=lambda *a, **k: "dense decode")
     backend.__dict__.update(store=store, virtual=virtual, req_to_token=req_to_token, extend_plan=extend_plan,
-                            use_decode_kernel=False, token_to_kv_pool=pool, forward_metadata=None, dense=dense)  # fmt: skip
+                            use_decode_kernel=False, token_to_kv_pool=pool, forward_metadata=None, dense=dense,
+                            permute=None)  # fmt: skip
     return backend
 
 
