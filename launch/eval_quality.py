@@ -636,6 +636,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     calib.add_argument("--calib-corpus", help="folder of calibration filler texts (default: the licence texts of "
                        "/usr/share/common-licenses, disjoint from the essays)")  # fmt: skip
     calib.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration prompts and the random control")
+    calib.add_argument("--k-channel-order", metavar="FILE", help="the fperm variant's K channel order "
+                       "(python -m sglang_hs.launch.calibrate_channels)")  # fmt: skip
     calib.add_argument("--head-scores", metavar="PT", help="cache of the calibration (torch file): loaded if it exists, "
                        "else written after calibrating")  # fmt: skip
     reference = parser.add_argument_group("reference backend")
@@ -688,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "reference":
         backend: Any = ReferenceBackend(args.model_path, geometry, args.kv_dtype, args.threads, args.batch)
         backend.random_seed = args.calib_seed
+        backend.channel_order_file = args.k_channel_order
         if needs_calibration([s.pruner for s in settings]):
             spec = head_map.CalibrationSpec(seed=args.calib_seed)
             shared = set(args.lengths) & set(spec.needle_lengths + spec.copy_lengths)

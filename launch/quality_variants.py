@@ -14,6 +14,8 @@ A setting's pruner name selects a variant (``+`` joins parts):
   permute Q alike): the server compressor's output on the permuted K, read back and un-permuted;
 - ``wperm``: ``perm`` with the permutation computed from the checkpoint's q/k projection and norm
   weights alone (:func:`sglang_hs.head_map.weight_channel_energy`), no calibration text;
+- ``fperm``: ``perm`` with the K channel order of ``--k-channel-order FILE`` (what a server given
+  ``--hierasparse-k-channel-order FILE`` stores; ``python -m sglang_hs.launch.calibrate_channels``);
 - ``sperm``: ``perm`` with one fixed stride permutation for every head
   (:func:`sglang_hs.head_map.stride_permutation`), data-free;
 - ``refit``: 2:4 K (magnitude, or ``perm``'s support) whose kept values are re-fitted to the
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 
 from sglang_hs import head_map
+from sglang_hs.channel_order import ChannelOrder
 from sglang_hs.head_map import SCORE_NAMES
 from sglang_hs.launch.quality_inputs import MissingInput, Setting
 from sglang_hs.pools import prefix_blocks
@@ -47,6 +50,7 @@ REFIT = "refit"
 PERM = "perm"
 WEIGHT_PERM = "wperm"
 STRIDE_PERM = "sperm"
+FILE_PERM = "fperm"
 RANDOM_SCORE = "random"
 CALIBRATION_CORPUS = "/usr/share/common-licenses"
 """Default calibration filler: licence texts (Debian's ``base-files``), disjoint from the essays."""
@@ -58,7 +62,7 @@ class Variant:
     refit: bool
     mustafar: bool
     perm: bool = False
-    perm_source: str = "calibration"  # or "weights" (wperm), "stride" (sperm)
+    perm_source: str = "calibration"  # or "weights" (wperm), "stride" (sperm), "file" (fperm)
 
 
 def parse_variant(pruner: str) -> Variant | None:
@@ -74,8 +78,8 @@ def parse_variant(pruner: str) -> Variant | None:
             refit = True
         elif part == PERM:
             perm = True
-        elif part in (WEIGHT_PERM, STRIDE_PERM):
-            perm, source = True, "weights" if part == WEIGHT_PERM else "stride"
+        elif part in (WEIGHT_PERM, STRIDE_PERM, FILE_PERM):
+            perm, source = True, {WEIGHT_PERM: "weights", STRIDE_PERM: "stride", FILE_PERM: "file"}[part]
         elif part == MUSTAFAR and len(parts) == 1:
             mustafar = True
         elif len(parts) == 1:
@@ -148,6 +152,7 @@ class VariantKV:
 
     head_scores: head_map.HeadScores | None
     random_seed: int
+    channel_order_file: str | None = None  # the fperm variant's order (--k-channel-order)
 
     def variant_kv(self, state: Any, setting: Setting, variant: Variant, blocks: range):
         """K/V of a :mod:`sglang_hs.launch.quality_variants` setting: V (and the 2:4 K) as the magnitude
@@ -218,6 +223,12 @@ class VariantKV:
         if key not in state.pruned:
             if source == "stride":
                 perms = head_map.stride_permutation(self.head_dim).expand(self.num_layers, self.kv_heads, -1)
+            elif source == "file":
+                if not self.channel_order_file:
+                    raise RuntimeError("fperm needs --k-channel-order FILE")
+                order = ChannelOrder.load(self.channel_order_file)
+                order.check_model(self.num_layers, self.kv_heads, self.head_dim)
+                perms = order.perm
             else:
                 perms = self.weight_permutations() if source == "weights" else self.permutations()
             k_perm = [kl.gather(-1, p[None].expand_as(kl)) for kl, p in zip(state.k, perms)]

@@ -15,6 +15,7 @@ import torch
 from conftest import write_essays
 
 from sglang_hs import head_map as hm
+from sglang_hs.channel_order import ChannelOrder
 from sglang_hs.launch import eval_quality as eq
 from sglang_hs.launch import quality_inputs as qi
 from sglang_hs.launch import quality_report as qr
@@ -197,7 +198,8 @@ def test_variant_names_parse():
     assert qv.parse_variant("headmap-needle+sperm") == qv.Variant("needle", False, False, True, "stride")
     with pytest.raises(ValueError):
         qv.parse_variant("sperm+refit")
-    assert not qv.needs_calibration(["wperm", "sperm"]) and qv.needs_calibration(["perm"])
+    assert not qv.needs_calibration(["wperm", "sperm", "fperm"]) and qv.needs_calibration(["perm"])
+    assert qv.parse_variant("fperm") == qv.Variant(None, False, False, True, "file")
     with pytest.raises(ValueError):
         qv.parse_variant("headmap-nope")
     assert qv.needs_calibration(["magnitude", "headmap-needle"]) and not qv.needs_calibration(["headmap-random", "mustafar"])
@@ -263,13 +265,16 @@ def test_permuted_k_through_the_store_is_the_permuted_2to4_of_k(calibrated):
         assert torch.equal(k, torch.where(keep, dense, 0))
 
 
-def test_data_free_permutations_go_through_the_store(calibrated):
+def test_data_free_and_file_permutations_go_through_the_store(calibrated, tmp_path):
     torch.manual_seed(2)
     ids = torch.randint(5, 1000, (900,)).tolist()
     state = calibrated.prefix_state(ids, GEOMETRY.reused(900, 900), calibrate=False)
     blocks = GEOMETRY.compressed_blocks(900, state.reused)
+    order = ChannelOrder(calibrated.weight_permutations().flip(-1))
+    order.save(str(tmp_path / "order.pt"))
+    calibrated.channel_order_file = str(tmp_path / "order.pt")
     for source, perms in (("stride", hm.stride_permutation(calibrated.head_dim).expand(2, calibrated.kv_heads, -1)),
-                          ("weights", calibrated.weight_permutations())):  # fmt: skip
+                          ("weights", calibrated.weight_permutations()), ("file", order.perm)):  # fmt: skip
         for layer, k in enumerate(calibrated._permuted(state, blocks, source)):
             dense = state.k[layer][blocks.start * 64 : blocks.stop * 64]
             keep = hm.permuted_keep(dense.transpose(0, 1), perms[layer]).transpose(0, 1)
