@@ -30,6 +30,8 @@
 #                                            side (one per GPU: CUDA_VISIBLE_DEVICES, PORT) merge with eval_quality
 #                                            --merge; compressor kernel only (GQA group 3: decode/extend in PyTorch)
 #
+# KORDER=1 runs the tiny step with a K channel order calibrated on the tiny model (file names get
+# _korder); KORDER=FILE gives the quality step's hierasparse servers that K channel order.
 # TP=N runs the tiny and prefix steps with --tp-size N (the tiny step then writes
 # server_check_s0_kernels_tp2_GPU.json; GPU is h100 or h200). The prefix step also takes MEM (--mem-fraction-static, 0.85),
 # CONTEXT (prefix tokens, 8192), OUTLEN (output tokens, 64), PPG (questions per group, 8), HICACHE_GB
@@ -101,7 +103,13 @@ case "$step" in
     fi
     ;;
   tiny)
-    python3 -m sglang_hs.launch.server_check --model-path $tiny --baseline triton --common-arg=--tp-size=${TP:-1} \
+    korder=()
+    if [ "${KORDER:-0}" = 1 ]; then  # with a K channel order calibrated on the tiny model (S = 0: outputs must not move)
+      python3 -m sglang_hs.launch.calibrate_channels --model-path $tiny --chunks 2 --chunk-tokens 512 --corpus "${CORPUS:-/usr/share/common-licenses}" | tail -1
+      korder=(--hs-arg=--hierasparse-k-channel-order=$tiny/hierasparse_k_channel_order.pt)
+      tp_tag="${tp_tag}_korder"
+    fi
+    python3 -m sglang_hs.launch.server_check --model-path $tiny --baseline triton --common-arg=--tp-size=${TP:-1} "${korder[@]}" \
         --common-arg=--mem-fraction-static=0.3 --common-arg=--cuda-graph-max-bs=4 \
         --common-arg=--sampling-backend=pytorch --common-arg=--grammar-backend=none \
         --hs-arg=--hierasparse-dense-backend=triton --hs-arg=--hierasparse-sk-prefill=0 \
@@ -152,7 +160,8 @@ case "$step" in
     python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" --tag "$tag" \
         --lengths 1024 2048 4096 8128 --samples 2 --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
         --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=0.5 \
-        --server-arg=--hierasparse-kernels=compress --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
+        --server-arg=--hierasparse-kernels=compress ${KORDER:+--server-arg=--hierasparse-k-channel-order=$KORDER} \
+        --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
     ;;
   *)
     echo "unknown step $step; allowed: warm, kernels, decode, cold_start, extend, tiny, prefix, warmfi, soak, sanitize, smollm2, quality" >&2
