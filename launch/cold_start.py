@@ -7,10 +7,10 @@ warm kernel caches, for hierasparse and a dense backend on the same machine.
 
 For each server (in the order given) the script starts ``sglang.launch_server`` with SGLang's default
 CUDA-graph settings twice: first with empty kernel caches (``cache: "empty"``: a fresh
-``TILELANG_CACHE_DIR`` and ``TRITON_CACHE_DIR`` under ``--cache-root``, default ``OUT/caches/``),
-then again with the caches that first start filled (``"warm"``). Other JIT caches of the machine
-(FlashInfer's) are left as they are; hierasparse runs first, so it is the server that would pay for
-them. Hierasparse attends dense tokens with the dense server's backend (``--hs-dense-backend``,
+``TILELANG_CACHE_DIR``, ``TRITON_CACHE_DIR`` and FlashInfer workspace (``FLASHINFER_WORKSPACE_BASE``:
+its JIT-compiled sampling and attention ops) under ``--cache-root``, default ``OUT/caches/``), then
+again with the caches that first start filled (``"warm"``). So each server's empty start pays every
+JIT compilation a fresh machine would, whichever server runs first. Hierasparse attends dense tokens with the dense server's backend (``--hs-dense-backend``,
 default ``--dense-backend``), so both start the same SGLang kernels. ``kernels_compiled`` counts the
 ``hierasparse: compiling N kernels (k/N)`` progress lines in the server's log (0 for a dense server).
 Writes ``OUT/cold_start_<model>[_tpN]_<tag>.json`` after every start: a list of ``{"server":
@@ -109,7 +109,8 @@ def run(args: argparse.Namespace, save) -> list[dict]:
         caches = os.path.join(args.cache_root or os.path.join(args.out, "caches"), f"{server}_{args.model}")
         shutil.rmtree(caches, ignore_errors=True)
         env = {"TILELANG_CACHE_DIR": os.path.join(caches, "tilelang"),
-               "TRITON_CACHE_DIR": os.path.join(caches, "triton")}
+               "TRITON_CACHE_DIR": os.path.join(caches, "triton"),
+               "FLASHINFER_WORKSPACE_BASE": os.path.join(caches, "flashinfer")}
         for cache in ("empty", "warm"):
             log = os.path.join(args.out, f"cold_start_{server}_{args.model}_{cache}.log")
             record = dict(server="hierasparse" if server == "hierasparse" else "dense", model=args.model, cache=cache,

@@ -36,6 +36,8 @@ def test_server_arguments():
 FAKE_SERVER = '''
 import http.server, os, sys, time
 cache = os.environ["TILELANG_CACHE_DIR"]
+assert os.path.dirname(cache) == os.path.dirname(os.environ["FLASHINFER_WORKSPACE_BASE"])  # one fresh set a server
+assert os.path.dirname(cache) == os.path.dirname(os.environ["TRITON_CACHE_DIR"])
 if "hierasparse" in sys.argv:
     if os.path.isdir(cache):
         print("hierasparse: 2 kernels loaded from TileLang's cache in 0.3 s", flush=True)
