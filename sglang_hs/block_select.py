@@ -1,0 +1,91 @@
+"""Decode-time block selection over a cached prefix: which KV blocks a decode query reads.
+
+Two rules from the literature, as PyTorch references that the decode modes' kernels will be checked
+against (no kernel or server path uses them yet):
+
+- **top-k** (Quest's bound, Kascade's selection): score every block by an upper bound of ``q . k`` over
+  its keys, from a per-block summary kept with the block (the channel-wise min and max of its keys,
+  :func:`key_bounds`), and read the ``k`` best blocks per KV head. Kascade computes exact block masses
+  on a few anchor layers (:func:`exact_block_mass`) and reuses their top-k in the layers between.
+- **mass threshold** (PSA): read, per KV head, the fewest blocks whose estimated attention mass reaches
+  a fraction ``tau`` of the total (:func:`select_mass`); the budget follows how peaked attention is.
+
+The sink and the window blocks are always read (``always``). Shapes: ``n`` blocks of ``B`` tokens,
+``H`` KV heads, ``Hq`` query heads (a KV head's query heads are consecutive), ``D`` head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    """fp32 for 16-bit inputs (scores are compared, not stored); fp64 stays fp64."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def key_bounds(k: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k [n*B, H, D]`` -> channel-wise ``(min, max)`` of each block's keys, each ``[n, H, D]``: the
+    summary a block keeps so that selection never reads its keys."""
+    blocks = k.unflatten(0, (-1, block))
+    return blocks.amin(1), blocks.amax(1)
+
+
+def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
+    """float ``[H, n]``: per KV head and block an upper bound of ``scale * q . k`` over the block's keys
+    and the head's query heads (``q [Hq, D]``): ``sum_c max(q_c kmin_c, q_c kmax_c)``."""
+    heads = kmin.shape[1]
+    qg = _real(q).unflatten(0, (heads, -1))  # [H, G, D]
+    upper = torch.maximum(qg[:, :, None] * _real(kmin).transpose(0, 1)[:, None],
+                          qg[:, :, None] * _real(kmax).transpose(0, 1)[:, None])  # [H, G, n, D]  # fmt: skip
+    return scale * upper.sum(-1).amax(1)
+
+
+def exact_block_mass(q: torch.Tensor, k: torch.Tensor, block: int, scale: float) -> torch.Tensor:
+    """float ``[H, n]``: the softmax attention mass of each block, summed over a KV head's query heads
+    (``q [Hq, D]``, ``k [n*B, H, D]``): what an anchor layer measures exactly."""
+    heads = k.shape[1]
+    qg = _real(q).unflatten(0, (heads, -1))  # [H, G, D]
+    logits = scale * torch.einsum("hgd,thd->hgt", qg, _real(k))
+    probs = logits.softmax(-1)
+    return probs.unflatten(-1, (-1, block)).sum(-1).sum(1)
+
+
+def select_topk(scores: torch.Tensor, k: int, always: torch.Tensor) -> torch.Tensor:
+    """bool ``[H, n]``: the ``always`` blocks (bool ``[n]``) plus the ``k`` highest-scoring other blocks
+    of each head (ties to the lower block)."""
+    masked = scores.masked_fill(always, -math.inf)
+    k = min(k, int((~always).sum()))
+    order = masked.argsort(dim=-1, descending=True, stable=True)[:, :k]
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
+    return chosen | always
+
+
+def select_mass(log_mass: torch.Tensor, tau: float, always: torch.Tensor) -> torch.Tensor:
+    """bool ``[H, n]``: per head the ``always`` blocks plus the fewest highest blocks whose estimated mass
+    (``softmax`` of ``log_mass [H, n]``, e.g. bound scores plus ``log B``) brings the selected share to
+    at least ``tau`` in ``(0, 1]``."""
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"tau={tau} is not in (0, 1]")
+    mass = _real(log_mass).softmax(-1)
+    base = (mass * always).sum(-1, keepdim=True)
+    other = mass.masked_fill(always, 0.0)
+    order = other.argsort(dim=-1, descending=True, stable=True)
+    before = other.gather(-1, order).cumsum(-1) - other.gather(-1, order)  # mass chosen before each block
+    take = (base + before < tau - 1e-6) & (other.gather(-1, order) > 0)
+    chosen = torch.zeros_like(take).scatter_(-1, order, take)
+    return chosen | always
+
+
+def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor, block: int,
+                       scale: float) -> torch.Tensor:  # fmt: skip
+    """float ``[Hq, D]``: decode attention of ``q [Hq, D]`` over ``k``, ``v [n*B, H, D]`` reading only the
+    blocks ``selected [H, n]`` of each KV head."""
+    heads = k.shape[1]
+    qg = _real(q).unflatten(0, (heads, -1))
+    logits = scale * torch.einsum("hgd,thd->hgt", qg, _real(k))
+    keep = selected.repeat_interleave(block, dim=-1)[:, None]  # [H, 1, n*B]
+    probs = logits.masked_fill(~keep, -math.inf).softmax(-1)
+    return torch.einsum("hgt,thd->hgd", probs, _real(v)).flatten(0, 1)
