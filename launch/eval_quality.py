@@ -156,6 +156,7 @@ class CalibrationCapture:
         self.width = 0
         self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.probe: head_map.LayerProbe | None = None  # head calibration: called per layer of a prefix forward
+        self.select: DecodeSelection | None = None  # decode steps read only the blocks this picks
 
     def attach(self, model) -> None:
         for module in model.modules():
@@ -180,6 +181,8 @@ def capture_attention(module, query, key, value, attention_mask, scaling=None, *
         positions = torch.arange(kv_len - q_len, kv_len, device=query.device)
         attention_mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions[:, None])[None, None]
     mask = attention_mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(attention_mask.shape[0], 1, group * q_len, kv_len)
+    if capture is not None and capture.select is not None and q_len == 1:
+        mask = mask & capture.select.key_mask(query, key, scaling)
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(batch, heads, group * q_len, dim), key, value, attn_mask=mask, scale=scaling
     )
@@ -194,6 +197,55 @@ def register_capture_attention() -> str:
     AttentionInterface.register("hs_capture", capture_attention)
     AttentionMaskInterface.register("hs_capture", sdpa_mask)
     return "hs_capture"
+
+
+@dataclass
+class DecodeSelection:
+    """Decode-time block selection (``--decode-select``, ``sglang_hs.block_select``) on the rows
+    ``rows`` of a batch: a decode step reads the compressible prefix blocks ``[lo, hi)`` (token
+    positions) that ``rule`` picks per KV head, and every other position in full."""
+
+    rule: str  # "topk:K" (K blocks by key-bound score) or "mass:TAU" (estimated attention mass)
+    lo: int
+    hi: int
+    block: int
+    rows: list[bool]
+
+    def key_mask(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        """bool ``[batch, heads, 1, kv_len]``: False on the unselected blocks of the selected rows."""
+        from sglang_hs import block_select
+
+        batch, heads, kv_len = key.shape[0], key.shape[1], key.shape[2]
+        keep = torch.ones(batch, heads, 1, kv_len, dtype=torch.bool)
+        kind, value = self.rule.split(":")
+        n = (self.hi - self.lo) // self.block
+        for row in range(batch):
+            if not self.rows[row] or n == 0:
+                continue
+            region = key[row, :, self.lo : self.hi].transpose(0, 1)  # [n*B, H, D]
+            kmin, kmax = block_select.key_bounds(region, self.block)
+            scores = block_select.bound_scores(query[row, :, 0], kmin, kmax, scaling)
+            none = torch.zeros(n, dtype=torch.bool)
+            if kind == "topk":
+                chosen = block_select.select_topk(scores, int(value), none)
+            else:
+                chosen = block_select.select_mass(scores + math.log(self.block), float(value), none)
+            keep[row, :, 0, self.lo : self.hi] = chosen.repeat_interleave(self.block, dim=-1)
+        return keep
+
+
+def parse_decode_select(rule: str | None) -> str | None:
+    """``topk:K`` (K >= 1) or ``mass:TAU`` (0 < TAU <= 1); ValueError with one line otherwise."""
+    if rule is None:
+        return None
+    kind, _, value = rule.partition(":")
+    try:
+        ok = (kind == "topk" and int(value) >= 1) or (kind == "mass" and 0 < float(value) <= 1)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"--decode-select {rule!r}: expected topk:K (K >= 1) or mass:TAU (0 < TAU <= 1)")
+    return rule
 
 
 @dataclass
@@ -238,6 +290,7 @@ class ReferenceBackend(VariantKV):
         self._store: CompressedStore | None = None
         self.head_scores: head_map.HeadScores | None = None  # from calibrate(), for the head-map variants
         self.random_seed = 0  # seed of the random head-map control
+        self.decode_select: str | None = None  # --decode-select: block selection on the non-dense rows' decode steps
 
     # ------------------------------------------------------------------------- pieces
     def store_for(self, n_blocks: int) -> CompressedStore:
@@ -362,12 +415,21 @@ class ReferenceBackend(VariantKV):
         return cache
 
     @torch.no_grad()
-    def greedy(self, kvs, suffix_ids: list[int], max_new_tokens: int) -> list[list[int]]:
+    def greedy(self, kvs, suffix_ids: list[int], max_new_tokens: int,
+               select: DecodeSelection | None = None) -> list[list[int]]:  # fmt: skip
         """Greedy continuations of ``suffix_ids`` over each of ``kvs`` (one batch row per setting: all
-        rows have the same length at every step, so no padding is involved)."""
+        rows have the same length at every step, so no padding is involved); the decode steps (not the
+        suffix's prefill) read only the blocks ``select`` picks on its rows."""
         cache = self._cache(kvs, room=len(suffix_ids) + max_new_tokens)
         rows = len(kvs)
         out = self.model(input_ids=torch.tensor([suffix_ids] * rows), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.capture.select = select
+        try:
+            return self._decode(out, cache, rows, max_new_tokens)
+        finally:
+            self.capture.select = None
+
+    def _decode(self, out, cache, rows: int, max_new_tokens: int) -> list[list[int]]:
         generated: list[list[int]] = [[] for _ in range(rows)]
         running = [True] * rows
         for step in range(max_new_tokens):
@@ -406,15 +468,19 @@ class ReferenceBackend(VariantKV):
             reused = self.geometry.reused(len(sample.prefix_ids), len(sample.prefix_ids))
             state = self.prefix_state(sample.prefix_ids, reused, calibrate)
             views = {setting: self.fast_kv(state, setting) for setting in settings}  # shared by the questions
+            blocks = self.geometry.compressed_blocks(len(sample.prefix_ids), reused)
             for qi, question in enumerate(sample.questions):
                 suffix = sample.prefix_ids[reused:] + question.suffix_ids
                 outputs: dict[Setting, tuple[list[int], dict]] = {}
                 for chunk in chunks:
-                    ids = self.greedy([views[s][:2] for s in chunk], suffix, question.max_new_tokens)
+                    select = self.decode_select and DecodeSelection(
+                        self.decode_select, blocks.start * self.geometry.block, blocks.stop * self.geometry.block,
+                        self.geometry.block, [not s.is_dense for s in chunk])  # fmt: skip
+                    ids = self.greedy([views[s][:2] for s in chunk], suffix, question.max_new_tokens, select or None)
                     outputs.update({s: (i, views[s][2]) for s, i in zip(chunk, ids)})
                 dense_ids = outputs[settings[0]][0]
                 for setting, (ids, stats) in outputs.items():
-                    if setting.is_identity and ids != dense_ids:
+                    if setting.is_identity and not self.decode_select and ids != dense_ids:
                         raise AssertionError(f"{sample.name} q{qi}: S=0 output differs from dense")
                     records.append(self._needle_record(setting, sample, qi, question, ids, ids == dense_ids, stats))
             del views, state
@@ -644,6 +710,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     reference.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     reference.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is "
                            "faster on a CPU shared with other jobs)")  # fmt: skip
+    reference.add_argument("--decode-select", metavar="RULE", help="decode steps of every non-dense setting read only "
+                           "the compressible prefix blocks RULE picks: topk:K or mass:TAU (sglang_hs.block_select)")  # fmt: skip
     reference.add_argument("--batch", type=int, default=8, help="settings run together as one batch")
     server = parser.add_argument_group("server backend")
     server.add_argument("--port", type=int, default=30000)
@@ -691,6 +759,11 @@ def main(argv: list[str] | None = None) -> int:
         backend: Any = ReferenceBackend(args.model_path, geometry, args.kv_dtype, args.threads, args.batch)
         backend.random_seed = args.calib_seed
         backend.channel_order_file = args.k_channel_order
+        try:
+            backend.decode_select = parse_decode_select(args.decode_select)
+        except ValueError as exc:
+            print(f"eval_quality: {exc}", file=sys.stderr)
+            return 2
         if needs_calibration([s.pruner for s in settings]):
             spec = head_map.CalibrationSpec(seed=args.calib_seed)
             shared = set(args.lengths) & set(spec.needle_lengths + spec.copy_lengths)
@@ -740,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
         "fidelity_tokens_total": sum(len(w.continuation_ids) for w in windows),
         "block": args.block_size, "sink": args.sink_tokens, "window": args.window_tokens,
         "kv_dtype": args.kv_dtype if args.backend == "reference" else "server dtype", "seed": args.seed,
+        "decode_select": getattr(args, "decode_select", None),
         "seconds": time.time() - started, "command": "python -m sglang_hs.launch.eval_quality " + " ".join(argv or sys.argv[1:]),
     }  # fmt: skip
     if calibration is not None:

@@ -312,3 +312,21 @@ def test_prompts_longer_than_the_server_takes_are_refused(monkeypatch):
     eq.check_prompt_lengths(stand_in, [], fits)
     with pytest.raises(qi.MissingInput, match="101 tokens, the server takes 100"):
         eq.check_prompt_lengths(stand_in, [], [qi.Window(128, 0, list(range(81)), list(range(20)))])
+
+
+def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, corpus_dir, tmp_path):
+    """``--decode-select``: at ``mass:1`` every block is read, so S = 0 still answers as dense; ``topk:1``
+    changes what decode steps see; a bad rule is refused with one line."""
+    common = ["--backend", "reference", "--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", corpus_dir,
+              "--lengths", "1024", "--samples", "1", "--tasks", "single", "multikey", "--fidelity-windows", "0",
+              "--window-tokens", "128", "--settings", "magnitude:sk=0,sv=0"]  # fmt: skip
+    assert eq.main([*common, "--tag", "all", "--decode-select", "mass:1"]) == 0
+    data = json.loads((tmp_path / "quality_all.json").read_text())
+    assert data["meta"]["decode_select"] == "mass:1"
+    assert all(r["agrees_with_dense"] for r in data["records"] if r["setting"] == "magnitude:sk=0,sv=0")
+    selection = eq.DecodeSelection("topk:1", 64, 64 * 5, 64, [False, True])
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 400, 16)
+    keep = selection.key_mask(q, k, 0.25)
+    assert keep[0].all() and keep[1, :, 0, :64].all() and keep[1, :, 0, 320:].all()
+    assert (keep[1, :, 0, 64:320].sum(-1) == 64).all()  # one block of four per KV head
+    assert eq.main([*common, "--decode-select", "topk:0"]) == 2
