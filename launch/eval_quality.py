@@ -205,7 +205,7 @@ class DecodeSelection:
     ``rows`` of a batch: a decode step reads the compressible prefix blocks ``[lo, hi)`` (token
     positions) that ``rule`` picks per KV head, and every other position in full."""
 
-    rule: str  # "topk:K" (K blocks by key-bound score) or "mass:TAU" (estimated attention mass)
+    rule: str  # "topk:K" (K blocks by key-bound score), "exact:K" (by exact mass) or "mass:TAU" (estimated mass)
     lo: int
     hi: int
     block: int
@@ -226,7 +226,10 @@ class DecodeSelection:
             kmin, kmax = block_select.key_bounds(region, self.block)
             scores = block_select.bound_scores(query[row, :, 0], kmin, kmax, scaling)
             none = torch.zeros(n, dtype=torch.bool)
-            if kind == "topk":
+            if kind == "exact":  # the oracle of top-k: each layer's exact block masses (Kascade measures them on anchors)
+                mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
+                chosen = block_select.select_topk(mass, int(value), none)
+            elif kind == "topk":
                 chosen = block_select.select_topk(scores, int(value), none)
             else:
                 chosen = block_select.select_mass(scores + math.log(self.block), float(value), none)
@@ -235,16 +238,16 @@ class DecodeSelection:
 
 
 def parse_decode_select(rule: str | None) -> str | None:
-    """``topk:K`` (K >= 1) or ``mass:TAU`` (0 < TAU <= 1); ValueError with one line otherwise."""
+    """``topk:K`` / ``exact:K`` (K >= 1) or ``mass:TAU`` (0 < TAU <= 1); ValueError with one line otherwise."""
     if rule is None:
         return None
     kind, _, value = rule.partition(":")
     try:
-        ok = (kind == "topk" and int(value) >= 1) or (kind == "mass" and 0 < float(value) <= 1)
+        ok = (kind in ("topk", "exact") and int(value) >= 1) or (kind == "mass" and 0 < float(value) <= 1)
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"--decode-select {rule!r}: expected topk:K (K >= 1) or mass:TAU (0 < TAU <= 1)")
+        raise ValueError(f"--decode-select {rule!r}: expected topk:K or exact:K (K >= 1), or mass:TAU (0 < TAU <= 1)")
     return rule
 
 
@@ -711,7 +714,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     reference.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is "
                            "faster on a CPU shared with other jobs)")  # fmt: skip
     reference.add_argument("--decode-select", metavar="RULE", help="decode steps of every non-dense setting read only "
-                           "the compressible prefix blocks RULE picks: topk:K or mass:TAU (sglang_hs.block_select)")  # fmt: skip
+                           "the compressible prefix blocks RULE picks: topk:K (key bounds), exact:K (exact masses, an oracle) or "
+                           "mass:TAU (sglang_hs.block_select)")  # fmt: skip
     reference.add_argument("--batch", type=int, default=8, help="settings run together as one batch")
     server = parser.add_argument_group("server backend")
     server.add_argument("--port", type=int, default=30000)

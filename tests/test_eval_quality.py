@@ -329,4 +329,6 @@ def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, corpus
     keep = selection.key_mask(q, k, 0.25)
     assert keep[0].all() and keep[1, :, 0, :64].all() and keep[1, :, 0, 320:].all()
     assert (keep[1, :, 0, 64:320].sum(-1) == 64).all()  # one block of four per KV head
+    exact = eq.DecodeSelection("exact:2", 64, 64 * 5, 64, [True, False]).key_mask(q, k, 0.25)
+    assert (exact[0, :, 0, 64:320].sum(-1) == 128).all() and exact[1].all()
     assert eq.main([*common, "--decode-select", "topk:0"]) == 2
