@@ -182,7 +182,7 @@ def capture_attention(module, query, key, value, attention_mask, scaling=None, *
         attention_mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions[:, None])[None, None]
     mask = attention_mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(attention_mask.shape[0], 1, group * q_len, kv_len)
     if capture is not None and capture.select is not None and q_len == 1:
-        mask = mask & capture.select.key_mask(query, key, scaling)
+        mask = mask & capture.select.key_mask(query, key, scaling, module.layer_idx)
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(batch, heads, group * q_len, dim), key, value, attn_mask=mask, scale=scaling
     )
@@ -210,22 +210,32 @@ class DecodeSelection:
     hi: int
     block: int
     rows: list[bool]
+    anchor_choice: dict[int, torch.Tensor] = field(default_factory=dict)  # per row: the last anchor's top-k
 
-    def key_mask(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-        """bool ``[batch, heads, 1, kv_len]``: False on the unselected blocks of the selected rows."""
+    def key_mask(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer: int = 0) -> torch.Tensor:
+        """bool ``[batch, heads, 1, kv_len]``: False on the unselected blocks of the selected rows.
+        ``anchor:K:S`` measures exact masses on every S-th layer (0, S, 2S, ...) and reuses that
+        top-K in the layers up to the next anchor (same KV head), as Kascade does."""
         from sglang_hs import block_select
 
         batch, heads, kv_len = key.shape[0], key.shape[1], key.shape[2]
         keep = torch.ones(batch, heads, 1, kv_len, dtype=torch.bool)
-        kind, value = self.rule.split(":")
+        kind, value, *rest = self.rule.split(":")
         n = (self.hi - self.lo) // self.block
         for row in range(batch):
             if not self.rows[row] or n == 0:
                 continue
             region = key[row, :, self.lo : self.hi].transpose(0, 1)  # [n*B, H, D]
+            none = torch.zeros(n, dtype=torch.bool)
+            if kind == "anchor":
+                if layer % int(rest[0]) == 0:
+                    mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
+                    self.anchor_choice[row] = block_select.select_topk(mass, int(value), none)
+                chosen = self.anchor_choice[row]
+                keep[row, :, 0, self.lo : self.hi] = chosen.repeat_interleave(self.block, dim=-1)
+                continue
             kmin, kmax = block_select.key_bounds(region, self.block)
             scores = block_select.bound_scores(query[row, :, 0], kmin, kmax, scaling)
-            none = torch.zeros(n, dtype=torch.bool)
             if kind == "exact":  # the oracle of top-k: each layer's exact block masses (Kascade measures them on anchors)
                 mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
                 chosen = block_select.select_topk(mass, int(value), none)
@@ -243,11 +253,15 @@ def parse_decode_select(rule: str | None) -> str | None:
         return None
     kind, _, value = rule.partition(":")
     try:
-        ok = (kind in ("topk", "exact") and int(value) >= 1) or (kind == "mass" and 0 < float(value) <= 1)
+        if kind == "anchor":
+            k, stride = value.split(":")
+            ok = int(k) >= 1 and int(stride) >= 1
+        else:
+            ok = (kind in ("topk", "exact") and int(value) >= 1) or (kind == "mass" and 0 < float(value) <= 1)
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"--decode-select {rule!r}: expected topk:K or exact:K (K >= 1), or mass:TAU (0 < TAU <= 1)")
+        raise ValueError(f"--decode-select {rule!r}: expected topk:K, exact:K, anchor:K:STRIDE or mass:TAU (0 < TAU <= 1)")
     return rule
 
 
@@ -714,8 +728,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     reference.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is "
                            "faster on a CPU shared with other jobs)")  # fmt: skip
     reference.add_argument("--decode-select", metavar="RULE", help="decode steps of every non-dense setting read only "
-                           "the compressible prefix blocks RULE picks: topk:K (key bounds), exact:K (exact masses, an oracle) or "
-                           "mass:TAU (sglang_hs.block_select)")  # fmt: skip
+                           "the compressible prefix blocks RULE picks: topk:K (key bounds), exact:K (exact masses, an oracle), "
+                           "anchor:K:S (exact top-K on every S-th layer, reused between) or mass:TAU (sglang_hs.block_select)")  # fmt: skip
     reference.add_argument("--batch", type=int, default=8, help="settings run together as one batch")
     server = parser.add_argument_group("server backend")
     server.add_argument("--port", type=int, default=30000)

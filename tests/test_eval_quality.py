@@ -325,10 +325,15 @@ def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, corpus
     assert data["meta"]["decode_select"] == "mass:1"
     assert all(r["agrees_with_dense"] for r in data["records"] if r["setting"] == "magnitude:sk=0,sv=0")
     selection = eq.DecodeSelection("topk:1", 64, 64 * 5, 64, [False, True])
-    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 400, 16)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 2, 400, 16, generator=g)
     keep = selection.key_mask(q, k, 0.25)
     assert keep[0].all() and keep[1, :, 0, :64].all() and keep[1, :, 0, 320:].all()
     assert (keep[1, :, 0, 64:320].sum(-1) == 64).all()  # one block of four per KV head
     exact = eq.DecodeSelection("exact:2", 64, 64 * 5, 64, [True, False]).key_mask(q, k, 0.25)
     assert (exact[0, :, 0, 64:320].sum(-1) == 128).all() and exact[1].all()
+    anchors = eq.DecodeSelection("anchor:2:2", 64, 64 * 5, 64, [True, False])
+    first = anchors.key_mask(q, k, 0.25, layer=0)
+    assert torch.equal(first, exact) and torch.equal(anchors.key_mask(-q, k, 0.25, layer=1), first)  # reused
+    assert not torch.equal(anchors.key_mask(-q, k, 0.25, layer=2), first)  # a new anchor chooses again
     assert eq.main([*common, "--decode-select", "topk:0"]) == 2
