@@ -92,6 +92,7 @@ from typing import Any
 import torch
 
 from sglang_hs import head_map
+from sglang_hs.channel_order import ChannelOrder
 from sglang_hs.format import decompress_blocks
 from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry, Question, Sample, Setting, TaskBuilder,
                                              Window, load_corpus, make_samples, make_settings, make_windows,
@@ -234,15 +235,14 @@ class DecodeSelection:
                 chosen = self.anchor_choice[row]
                 keep[row, :, 0, self.lo : self.hi] = chosen.repeat_interleave(self.block, dim=-1)
                 continue
-            kmin, kmax = block_select.key_bounds(region, self.block)
-            scores = block_select.bound_scores(query[row, :, 0], kmin, kmax, scaling)
             if kind == "exact":  # the oracle of top-k: each layer's exact block masses (Kascade measures them on anchors)
                 mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
                 chosen = block_select.select_topk(mass, int(value), none)
-            elif kind == "topk":
-                chosen = block_select.select_topk(scores, int(value), none)
             else:
-                chosen = block_select.select_mass(scores + math.log(self.block), float(value), none)
+                kmin, kmax = block_select.key_bounds(region, self.block)
+                scores = block_select.bound_scores(query[row, :, 0], kmin, kmax, scaling)
+                chosen = (block_select.select_topk(scores, int(value), none) if kind == "topk" else
+                          block_select.select_mass(scores + math.log(self.block), float(value), none))  # fmt: skip
             keep[row, :, 0, self.lo : self.hi] = chosen.repeat_interleave(self.block, dim=-1)
         return keep
 
@@ -490,10 +490,10 @@ class ReferenceBackend(VariantKV):
                 suffix = sample.prefix_ids[reused:] + question.suffix_ids
                 outputs: dict[Setting, tuple[list[int], dict]] = {}
                 for chunk in chunks:
-                    select = self.decode_select and DecodeSelection(
+                    select = DecodeSelection(
                         self.decode_select, blocks.start * self.geometry.block, blocks.stop * self.geometry.block,
-                        self.geometry.block, [not s.is_dense for s in chunk])  # fmt: skip
-                    ids = self.greedy([views[s][:2] for s in chunk], suffix, question.max_new_tokens, select or None)
+                        self.geometry.block, [not s.is_dense for s in chunk]) if self.decode_select else None  # fmt: skip
+                    ids = self.greedy([views[s][:2] for s in chunk], suffix, question.max_new_tokens, select)
                     outputs.update({s: (i, views[s][2]) for s, i in zip(chunk, ids)})
                 dense_ids = outputs[settings[0]][0]
                 for setting, (ids, stats) in outputs.items():
@@ -776,7 +776,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "reference":
         backend: Any = ReferenceBackend(args.model_path, geometry, args.kv_dtype, args.threads, args.batch)
         backend.random_seed = args.calib_seed
-        backend.channel_order_file = args.k_channel_order
+        if args.k_channel_order:
+            try:
+                backend.channel_order = ChannelOrder.load(args.k_channel_order)
+                backend.channel_order.check_model(backend.num_layers, backend.kv_heads, backend.head_dim)
+            except ValueError as exc:
+                print(f"eval_quality: {exc}", file=sys.stderr)
+                return 2
         try:
             backend.decode_select = parse_decode_select(args.decode_select)
         except ValueError as exc:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from sglang_hs import head_map
-from sglang_hs.channel_order import ChannelOrder
+from sglang_hs.channel_order import ChannelOrder, unpermute
 from sglang_hs.head_map import SCORE_NAMES
 from sglang_hs.launch.quality_inputs import MissingInput, Setting
 from sglang_hs.pools import prefix_blocks
@@ -152,7 +152,7 @@ class VariantKV:
 
     head_scores: head_map.HeadScores | None
     random_seed: int
-    channel_order_file: str | None = None  # the fperm variant's order (--k-channel-order)
+    channel_order: ChannelOrder | None = None  # the fperm variant's order (--k-channel-order), loaded once
 
     def variant_kv(self, state: Any, setting: Setting, variant: Variant, blocks: range):
         """K/V of a :mod:`sglang_hs.launch.quality_variants` setting: V (and the 2:4 K) as the magnitude
@@ -224,17 +224,14 @@ class VariantKV:
             if source == "stride":
                 perms = head_map.stride_permutation(self.head_dim).expand(self.num_layers, self.kv_heads, -1)
             elif source == "file":
-                if not self.channel_order_file:
+                if self.channel_order is None:
                     raise RuntimeError("fperm needs --k-channel-order FILE")
-                order = ChannelOrder.load(self.channel_order_file)
-                order.check_model(self.num_layers, self.kv_heads, self.head_dim)
-                perms = order.perm
+                perms = self.channel_order.perm
             else:
                 perms = self.weight_permutations() if source == "weights" else self.permutations()
             k_perm = [kl.gather(-1, p[None].expand_as(kl)) for kl, p in zip(state.k, perms)]
             layers, _ = self._compress(dataclasses.replace(state, k=k_perm, pruned={}), "magnitude", 1.0, 1.0, blocks)
-            state.pruned[key] = [torch.empty_like(kb).scatter_(-1, p[None].expand_as(kb), kb)
-                                 for (kb, _), p in zip(layers, perms)]  # fmt: skip
+            state.pruned[key] = [unpermute(kb, p) for (kb, _), p in zip(layers, perms)]
         return state.pruned[key]
 
     def _refit(self, state: Any, blocks: range, perm: bool) -> list[torch.Tensor]:

@@ -272,7 +272,7 @@ def test_data_free_and_file_permutations_go_through_the_store(calibrated, tmp_pa
     blocks = GEOMETRY.compressed_blocks(900, state.reused)
     order = ChannelOrder(calibrated.weight_permutations().flip(-1))
     order.save(str(tmp_path / "order.pt"))
-    calibrated.channel_order_file = str(tmp_path / "order.pt")
+    calibrated.channel_order = ChannelOrder.load(str(tmp_path / "order.pt"))
     for source, perms in (("stride", hm.stride_permutation(calibrated.head_dim).expand(2, calibrated.kv_heads, -1)),
                           ("weights", calibrated.weight_permutations()), ("file", order.perm)):  # fmt: skip
         for layer, k in enumerate(calibrated._permuted(state, blocks, source)):
