@@ -102,7 +102,6 @@ class ChannelPermuter:
     built once; two gathers per layer and forward)."""
 
     def __init__(self, order: ChannelOrder, device) -> None:
-        self.shape = order.shape
         self.index = [p.to(device) for p in order.perm]  # per layer [H, D] int64
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None):
