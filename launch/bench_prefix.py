@@ -23,9 +23,9 @@ For each server (started one after another on the same GPU with the same --mem-f
    OpenAI API: ``sglang-oai`` completions, ``sglang-oai-chat``). G is chosen from the dense server's
    KV capacity so that the working set (G × context) is 0.5× (regime 1: fits), 1.4× (regime 2:
    between 1× and 1.78×) or 2.5× (regime 3: beyond both) of it; a regime ``gN`` runs N groups
-   (``gNxM``: N groups of M questions). The dense flashinfer server must therefore run first, in this
-   run or an earlier one whose records are in ``--out`` (or a triton one), or ``--dense-capacity`` must
-   be given. Prompt lengths are calibrated so that the server sees ``--context`` and
+   (``gNxM``: N groups of M questions). A dense server (flashinfer, triton, or hicache, whose GPU pool
+   is the dense one) must therefore run first, in this run or an earlier one whose records are in
+   ``--out``, or ``--dense-capacity`` must be given. Prompt lengths are calibrated so that the server sees ``--context`` and
    ``--question-len`` tokens (bench_serving's random text re-encodes to more tokens than it asked
    for: about 1.5x with the random-weight models' tokenizers; ``prompt_tokens_mean`` records it).
 3. **Flush check.** After its loads a server's cache is flushed (``/flush_cache``) and its metrics
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     # and TP size can provide it.
     setup = {"context": args.context, "mem_fraction_static": args.mem_fraction_static, "tp_size": args.tp_size}
     dense_capacity = args.dense_capacity or next(
-        (r["dense_kv_tokens"] for r in reversed(records) if r.get("server") in DENSE_SERVERS and same_setup(r, setup)),
+        (r["dense_kv_tokens"] for r in reversed(records) if r.get("server") in BASELINES and same_setup(r, setup)),
         None,
     )
     if regimes:
@@ -472,10 +472,10 @@ def main(argv: list[str] | None = None) -> int:
                 info = http_json(server.base_url + "/get_server_info")
                 kv_tokens = int(info.get("max_total_num_tokens", 0))
                 tp_size = int(info.get("tp_size") or 1)
-                if spec.label in DENSE_SERVERS:
+                if spec.label in BASELINES:  # hicache's GPU pool is the dense one; its host tier is extra
                     dense_capacity = kv_tokens
                 if not dense_capacity:
-                    raise SystemExit("error: run a dense server (flashinfer or triton) first or pass --dense-capacity")
+                    raise SystemExit("error: run a dense server (flashinfer, triton or hicache) first or pass --dense-capacity")
                 resident = None
                 if not args.skip_capacity_probe:
                     count = int(2.2 * dense_capacity / args.context) + 1

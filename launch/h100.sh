@@ -31,12 +31,14 @@
 #                                            --merge; compressor kernel only (GQA group 3: decode/extend in PyTorch)
 #
 # KORDER=1 runs the tiny step with a K channel order calibrated on the tiny model (file names get
-# _korder); KORDER=FILE gives the quality step's hierasparse servers that K channel order.
+# _korder); KORDER=FILE gives the quality step's hierasparse servers that K channel order. HICACHE=1 runs
+# the tiny step with --enable-hierarchical-cache and the shared prompt pushed out of the GPU between its
+# two chat rounds (_hicache). PORT (30000) lets steps run side by side, one GPU each (CUDA_VISIBLE_DEVICES).
 # TP=N runs the tiny and prefix steps with --tp-size N (the tiny step then writes
 # server_check_s0_kernels_tp2_GPU.json; GPU is h100 or h200). The prefix step also takes MEM (--mem-fraction-static, 0.85),
 # CONTEXT (prefix tokens, 8192), OUTLEN (output tokens, 64), PPG (questions per group, 8), HICACHE_GB
 # (the hicache server's host pool; SGLang's default of twice the GPU pool exceeds the H100 host's free
-# memory at MEM 0.85), PROBE=1 (run the capacity probe before numbered regimes too) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
+# memory at MEM 0.85), PROBE=1 (run the capacity probe before numbered regimes too; PROBE=0: not before gN either) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
 # run, or flashinfer, which needs the warmfi step first).
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
@@ -86,7 +88,7 @@ case "$step" in
     tp_args=()
     [ "${TP:-1}" = 1 ] || tp_args=(--server-arg=--tp-size=$TP)
     python3 -m sglang_hs.launch.cold_start --model "$model" --model-path $path --out "$out" \
-        --cache-root /tmp/hs_cold_caches "${tp_args[@]}" 2>&1 |
+        --cache-root /tmp/hs_cold_caches --port "${PORT:-30000}" "${tp_args[@]}" 2>&1 |
         grep "\[cold_start\]" | cut -c1-300
     ;;
   extend)
@@ -109,8 +111,14 @@ case "$step" in
       korder=(--hs-arg=--hierasparse-k-channel-order=$tiny/hierasparse_k_channel_order.pt)
       tp_tag="${tp_tag}_korder"
     fi
+    mem=0.3
+    if [ "${HICACHE:-0}" = 1 ]; then  # a small GPU pool, filled 3x between the chat rounds: round 2 loads from the host tier
+      korder+=(--hs-arg=--enable-hierarchical-cache --hs-arg=--hicache-size=16 --prompt-words 3000 --evict-between-rounds 3)
+      mem=0.05
+      tp_tag="${tp_tag}_hicache"
+    fi
     python3 -m sglang_hs.launch.server_check --model-path $tiny --baseline triton --common-arg=--tp-size=${TP:-1} "${korder[@]}" \
-        --common-arg=--mem-fraction-static=0.3 --common-arg=--cuda-graph-max-bs=4 \
+        --common-arg=--mem-fraction-static=$mem --common-arg=--cuda-graph-max-bs=4 --port "${PORT:-30000}" \
         --common-arg=--sampling-backend=pytorch --common-arg=--grammar-backend=none \
         --hs-arg=--hierasparse-dense-backend=triton --hs-arg=--hierasparse-sk-prefill=0 \
         --hs-arg=--hierasparse-sv-prefill=0 --hs-arg=--hierasparse-sk-decode=0 --hs-arg=--hierasparse-sv-decode=0 \
@@ -119,12 +127,12 @@ case "$step" in
   prefix)
     servers=${3:?SERVERS, e.g. triton,hs:1:1:auto}
     regimes=${4:-g10x20}
-    probe=()
-    [[ $regimes == g* || ${PROBE:-0} = 1 ]] || probe=(--skip-capacity-probe)
+    probe=()  # the capacity probe runs before gN loads (PROBE=0: not) and before numbered regimes only with PROBE=1
+    [[ ${PROBE:-} = 1 || ($regimes == g* && ${PROBE:-} != 0) ]] || probe=(--skip-capacity-probe)
     python3 -m sglang_hs.launch.bench_prefix --model-path $llama --load-format dummy --servers "$servers" \
         --regimes "$regimes" --api "${5:-sglang-oai}" --context $context --question-len 256 --output-len "${OUTLEN:-64}" \
         --prompts-per-group "${PPG:-8}" --max-concurrency 16 --request-rate 16 --mem-fraction-static "${MEM:-0.85}" \
-        --hicache-size "${HICACHE_GB:-0}" "${probe[@]}" "${PREFIX_ARGS[@]}" \
+        --hicache-size "${HICACHE_GB:-0}" "${probe[@]}" "${PREFIX_ARGS[@]}" --port "${PORT:-30000}" \
         --out "$out/prefix_bench${tp_tag}_${gpu}.json" 2>&1 | grep "\[bench\]" | cut -c1-400
     ;;
   warmfi)
@@ -132,7 +140,7 @@ case "$step" in
     # while the machine is up): one flashinfer server answers one shared-prefix request, nothing is kept.
     python3 -m sglang_hs.launch.bench_prefix --model-path $llama --load-format dummy --servers flashinfer \
         --regimes g1x2 --skip-capacity-probe --context 1024 --question-len 64 --output-len 8 \
-        "${PREFIX_ARGS[@]}" --out /tmp/hs_warmfi/warm.json 2>&1 | grep "\[bench\]" | cut -c1-200 | tail -3
+        "${PREFIX_ARGS[@]}" --port "${PORT:-30000}" --out /tmp/hs_warmfi/warm.json 2>&1 | grep "\[bench\]" | cut -c1-200 | tail -3
     ;;
   soak)
     python3 -m sglang_hs.launch.soak --model-path $llama --load-format dummy --minutes "${3:-8}" --context-length 16384 \
