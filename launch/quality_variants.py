@@ -6,23 +6,18 @@ A setting's pruner name selects a variant (``+`` joins parts):
   the lowest calibration ``<score>`` (``needle``, ``needle_drop``, ``copy``, ``copy_drop``, or
   ``random``, a seeded control) store K 2:4, the others keep K dense, so that the effective S_K
   (fraction of compressible K block x head x layer rows stored sparse) meets the setting's S_K;
-- ``mustafar``: MUSTAFAR-style per-token unstructured magnitude pruning of K (the largest
-  ``(1 - S_K/2)·D`` |k| of every token and head survive) on every compressible block, i.e. the
-  element sparsity of 2:4 at S_K; a comparison row, the store cannot hold it;
 - ``perm``: 2:4 K along a calibrated permutation of head_dim per (layer, KV head)
   (:func:`sglang_hs.head_map.channel_permutations`; the store would hold K permuted and the kernels
   permute Q alike): the server compressor's output on the permuted K, read back and un-permuted;
-- ``wperm``: ``perm`` with the permutation computed from the checkpoint's q/k projection and norm
-  weights alone (:func:`sglang_hs.head_map.weight_channel_energy`), no calibration text;
 - ``fperm``: ``perm`` with the K channel order of ``--k-channel-order FILE`` (what a server given
   ``--hierasparse-k-channel-order FILE`` stores; ``python -m sglang_hs.launch.calibrate_channels``);
-- ``sperm``: ``perm`` with one fixed stride permutation for every head
-  (:func:`sglang_hs.head_map.stride_permutation`), data-free;
-- ``refit``: 2:4 K (magnitude, or ``perm``'s support) whose kept values are re-fitted to the
-  calibration queries' second moment (:func:`sglang_hs.head_map.refit_kept`).
 
-``perm`` and ``refit`` prune K on every block the magnitude ranking picks at S_K, or, after
-``headmap-<score>+``, on the rows the head map picks (e.g. ``headmap-copy+perm+refit``).
+``perm`` and ``fperm`` prune K on every block the magnitude ranking picks at S_K, or, after
+``headmap-<score>+``, on the rows the head map picks (e.g. ``headmap-copy+perm``).
+
+Variants that lost (``mustafar``: per-token unstructured K; ``wperm``/``sperm``: data-free channel
+orders; ``refit``: kept values re-fitted to the query second moment) are described with their
+results in ``docs/quality.md`` and live in git history (commit 8f42e89).
 
 V is always the magnitude pruner's (2:4, the server's block ranking at S_V). The sparse K of the
 magnitude and head-map variants is the server compressor's output read back from the store.
@@ -41,15 +36,10 @@ from sglang_hs import head_map
 from sglang_hs.channel_order import ChannelOrder, unpermute
 from sglang_hs.head_map import SCORE_NAMES
 from sglang_hs.launch.quality_inputs import MissingInput, Setting
-from sglang_hs.pools import prefix_blocks
 from sglang_hs.pruner import MagnitudePruner, rank_sparse
 
 HEADMAP = "headmap-"
-MUSTAFAR = "mustafar"
-REFIT = "refit"
 PERM = "perm"
-WEIGHT_PERM = "wperm"
-STRIDE_PERM = "sperm"
 FILE_PERM = "fperm"
 RANDOM_SCORE = "random"
 CALIBRATION_CORPUS = "/usr/share/common-licenses"
@@ -59,50 +49,34 @@ CALIBRATION_CORPUS = "/usr/share/common-licenses"
 @dataclass(frozen=True)
 class Variant:
     score: str | None  # head-map score name, or None (every head alike)
-    refit: bool
-    mustafar: bool
     perm: bool = False
-    perm_source: str = "calibration"  # or "weights" (wperm), "stride" (sperm), "file" (fperm)
+    perm_source: str = "calibration"  # or "file" (fperm)
 
 
 def parse_variant(pruner: str) -> Variant | None:
     """The variant a pruner name selects, or None for the server's own pruners."""
     parts = pruner.split("+")
-    score, refit, mustafar, perm, source = None, False, False, False, "calibration"
+    score, perm, source = None, False, "calibration"
     for part in parts:
         if part.startswith(HEADMAP) and score is None:
             score = part[len(HEADMAP) :].replace("-", "_")
             if score not in (*SCORE_NAMES, RANDOM_SCORE):
                 raise ValueError(f"unknown head-map score {score!r}; allowed: {[*SCORE_NAMES, RANDOM_SCORE]}")
-        elif part == REFIT:
-            refit = True
         elif part == PERM:
             perm = True
-        elif part in (WEIGHT_PERM, STRIDE_PERM, FILE_PERM):
-            perm, source = True, {WEIGHT_PERM: "weights", STRIDE_PERM: "stride", FILE_PERM: "file"}[part]
-        elif part == MUSTAFAR and len(parts) == 1:
-            mustafar = True
+        elif part == FILE_PERM:
+            perm, source = True, "file"
         elif len(parts) == 1:
             return None
         else:
             raise ValueError(f"unknown variant part {part!r} in {pruner!r}")
-    if refit and source != "calibration":
-        raise ValueError(f"{pruner!r}: refit takes the calibrated permutation (perm) only")
-    return Variant(score, refit, mustafar, perm, source)
+    return Variant(score, perm, source)
 
 
 def needs_calibration(pruners: list[str]) -> bool:
     variants = [parse_variant(p) for p in pruners if p != "dense"]
-    return any(v and (v.refit or (v.perm and v.perm_source == "calibration") or (v.score and v.score != RANDOM_SCORE))
+    return any(v and ((v.perm and v.perm_source == "calibration") or (v.score and v.score != RANDOM_SCORE))
                for v in variants)  # fmt: skip
-
-
-def mustafar_keep(k: torch.Tensor, element_sparsity: float) -> torch.Tensor:
-    """bool like ``k [..., D]``: per token (row), the ``D - round(p·D)`` largest |k| (ties to the lower channel)."""
-    dim = k.shape[-1]
-    kept = dim - round(element_sparsity * dim)
-    order = k.float().abs().argsort(dim=-1, descending=True, stable=True)
-    return torch.zeros_like(k, dtype=torch.bool).scatter_(-1, order[..., :kept], True)
 
 
 def token_mask(mask: torch.Tensor, block: int) -> torch.Tensor:
@@ -164,20 +138,11 @@ class VariantKV:
         sparse_v = rank_sparse(loss_v, every, setting.sv)
         tokens_v = sparse_v.repeat_interleave(b)[:, None, None]
         v = [torch.cat([vl[:lo], torch.where(tokens_v, vb, vl[lo:hi]), vl[hi:]]) for vl, (_, vb) in zip(state.v, layers)]
-        if variant.mustafar:  # per-token unstructured, at the element sparsity of 2:4 at S_K
-            k = [torch.cat([kl[:lo], torch.where(mustafar_keep(kl[lo:hi], setting.sk / 2), kl[lo:hi], 0), kl[hi:]])
-                 for kl in state.k]  # fmt: skip
-            stats = kv_stats(blocks, (every, sparse_v))
-            stats["sparse_k_blocks"] = round(setting.sk * n, 4)  # element-sparsity equivalent of 2:4 rows
-            return k, v, stats
         if variant.score is not None:
             sparse_k = self.head_mask(state, variant.score, setting.sk, blocks)
         else:
             sparse_k = rank_sparse(loss_k, every, setting.sk).expand(self.num_layers, self.kv_heads, n)
-        if variant.refit:
-            k_sparse = self._refit(state, blocks, variant.perm)
-        else:
-            k_sparse = self._permuted(state, blocks, variant.perm_source) if variant.perm else [kb for kb, _ in layers]
+        k_sparse = self._permuted(state, blocks, variant.perm_source) if variant.perm else [kb for kb, _ in layers]
         k = [torch.cat([kl[:lo], torch.where(token_mask(mask, b), kb, kl[lo:hi]), kl[hi:]])
              for kl, kb, mask in zip(state.k, k_sparse, sparse_k)]  # fmt: skip
         return k, v, kv_stats(blocks, (sparse_k, sparse_v.expand(self.num_layers, self.kv_heads, n)), rows)
@@ -196,19 +161,6 @@ class VariantKV:
         every = torch.ones(len(blocks), dtype=torch.bool)
         return head_map.head_sparse_masks(head_map.budget_map(scores, sk), state.pruned["head_losses"], every)
 
-    def weight_permutations(self) -> torch.Tensor:
-        """int64 ``[L, H, D]``: the channel permutation of K (and Q) per (layer, KV head) from the
-        projection and norm weights alone."""
-        config, d = self.model.config, self.head_dim
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or config.rope_theta
-        key, query = [], []
-        for layer in self.model.model.layers:
-            attn, gain = layer.self_attn, layer.input_layernorm.weight
-            key.append(head_map.weight_channel_energy(attn.k_proj.weight, gain, self.kv_heads, d, theta))
-            q = head_map.weight_channel_energy(attn.q_proj.weight, gain, attn.q_proj.weight.shape[0] // d, d, theta)
-            query.append(q.view(self.kv_heads, -1, d).sum(1))
-        return head_map.channel_permutations(torch.stack(key), torch.stack(query))
-
     def permutations(self) -> torch.Tensor:
         """int64 ``[L, H, D]``: the calibrated channel permutation of K (and Q) per (layer, KV head)."""
         hs = self.head_scores
@@ -221,34 +173,15 @@ class VariantKV:
         i.e. the compressor's output (every block sparse) on permuted K, read back and un-permuted."""
         key = f"perm/{source}"
         if key not in state.pruned:
-            if source == "stride":
-                perms = head_map.stride_permutation(self.head_dim).expand(self.num_layers, self.kv_heads, -1)
-            elif source == "file":
+            if source == "file":
                 if self.channel_order is None:
                     raise RuntimeError("fperm needs --k-channel-order FILE")
                 perms = self.channel_order.perm
             else:
-                perms = self.weight_permutations() if source == "weights" else self.permutations()
+                perms = self.permutations()
             k_perm = [kl.gather(-1, p[None].expand_as(kl)) for kl, p in zip(state.k, perms)]
             layers, _ = self._compress(dataclasses.replace(state, k=k_perm, pruned={}), "magnitude", 1.0, 1.0, blocks)
             state.pruned[key] = [unpermute(kb, p) for (kb, _), p in zip(layers, perms)]
-        return state.pruned[key]
-
-    def _refit(self, state: Any, blocks: range, perm: bool) -> list[torch.Tensor]:
-        """Per layer ``[n·B, H, D]``: the 2:4 K (magnitude or permuted support) of the compressible
-        blocks with re-fitted kept values."""
-        if self.head_scores is None or self.head_scores.query_moment is None:
-            raise RuntimeError("refit needs calibrate() first (the query second moments)")
-        key = "refit+perm" if perm else "refit"
-        if key not in state.pruned:
-            perms = self.permutations() if perm else None
-            out = []
-            for layer, kl in enumerate(state.k):
-                blk = prefix_blocks(kl, self._slots(blocks), self.geometry.block, self.kv_heads)
-                keep = head_map.permuted_keep(blk, perms[layer]) if perms is not None else head_map.magnitude_keep(blk)
-                fitted = head_map.refit_kept(blk, keep, self.head_scores.query_moment[layer])
-                out.append(fitted.to(self.kv_dtype).permute(1, 2, 0, 3).reshape(-1, self.kv_heads, self.head_dim))
-            state.pruned[key] = out
         return state.pruned[key]
 
     @torch.no_grad()

@@ -23,7 +23,7 @@ Three parts, each usable by the product's compressor later:
    Each family also yields a ``*_drop`` score: the mass lost when that head's K is 2:4 pruned
    (magnitude) on the blocks the server would compress, with the dense model's queries.
    :func:`calibrate` also accumulates each KV head's query second moment ``E[q qᵀ]`` (post-RoPE,
-   over its query heads), used by :func:`refit_kept` (error compensation).
+   over its query heads), whose diagonal ranks channels for :func:`channel_permutations`.
 2. **Budgeted map** (:func:`budget_map`): per (layer, head), the fraction of its compressible K
    blocks stored sparse. Heads are pruned from the lowest score up until the mean fraction equals
    the budget S_K exactly; at most one head (the boundary) gets a fraction strictly between 0 and 1.
@@ -51,7 +51,7 @@ import torch
 from sglang_hs.channel_order import ranked_quarter_permutations
 from sglang_hs.format import SAVING_PER_SPARSE_SIDE, sparse_count
 from sglang_hs.pools import prefix_blocks
-from sglang_hs.pruner import MagnitudePruner, Pruner, top2_of_4
+from sglang_hs.pruner import Pruner, top2_of_4
 
 SEED_NAMESPACE = "head-calibration"
 """Prefix of every calibration random stream key (the evaluation's keys start with a number)."""
@@ -327,34 +327,6 @@ def saved_fraction(sk: float, sv: float) -> float:
     return SAVING_PER_SPARSE_SIDE * (sk + sv)
 
 
-# ===================================================================================== compensation
-def refit_kept(blocks: torch.Tensor, keep: torch.Tensor, moment: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
-    """float32 like ``blocks [H, n, B, D]``: each K row's kept values re-fitted, pruned ones zero.
-
-    With the 2:4 support ``S`` of a row ``k`` fixed (``keep``), the kept values ``k'`` minimise the
-    expected logit error ``E[(q·k - q_S·k'_S)²] = (k - k')ᵀ Σ (k - k')`` under the KV head's query
-    second moment ``Σ = moment [H, D, D]``: ``k'_S = k_S + Σ_SS⁻¹ Σ_SP k_P`` (P: the pruned
-    channels), as OBS/SparseGPT re-fit weights. ``ridge`` (times Σ's mean diagonal) keeps the solve
-    well posed.
-    """
-    heads, n, b, dim = blocks.shape
-    x = blocks.float().reshape(heads, n * b, dim)
-    kept = keep.reshape(heads, n * b, dim)
-    order = (~kept).to(torch.int8).argsort(dim=-1, stable=True)  # kept channels first, ascending
-    s_idx, p_idx = order[..., : dim // 2], order[..., dim // 2 :]
-    out = torch.zeros_like(x)
-    for h in range(heads):
-        sigma = moment[h].double()
-        sigma = sigma + ridge * sigma.diagonal().mean() * torch.eye(dim, dtype=torch.float64)
-        s, p = s_idx[h], p_idx[h]
-        s_ss = sigma[s[:, :, None], s[:, None, :]]
-        s_sp = sigma[s[:, :, None], p[:, None, :]]
-        x_s, x_p = x[h].double().gather(-1, s), x[h].double().gather(-1, p)
-        fitted = x_s + torch.linalg.solve(s_ss, (s_sp @ x_p[..., None]))[..., 0]
-        out[h].scatter_(-1, s, fitted.float())
-    return out.view(heads, n, b, dim)
-
-
 # ===================================================================================== channel permutation
 def channel_permutations(key_energy: torch.Tensor, query_energy: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[L, H, D]``: per (layer, KV head) a permutation of head_dim whose consecutive groups
@@ -368,31 +340,6 @@ def channel_permutations(key_energy: torch.Tensor, query_energy: torch.Tensor | 
     return ranked_quarter_permutations(importance)
 
 
-def stride_permutation(head_dim: int) -> torch.Tensor:
-    """int64 ``[D]``: group ``g`` of 4 holds channels ``g``, ``g + D/4``, ``g + D/2``, ``g + 3D/4``: the
-    data-free counterpart of :func:`channel_permutations` (no channel ranking), which only separates
-    neighbouring channels (RoPE puts channels of similar frequency, and energy, side by side)."""
-    return torch.arange(head_dim).view(4, head_dim // 4).t().reshape(-1)
-
-
-def weight_channel_energy(proj_weight: torch.Tensor, norm_weight: torch.Tensor, heads: int, head_dim: int,
-                          rope_theta: float, context: int = 4096) -> torch.Tensor:
-    """float ``[heads, D]``: a data-free proxy of ``E[x_c²]`` for the post-RoPE output channels of a
-    q or k projection (``proj_weight [heads·D, hidden]``) fed by an RMSNorm with gain ``norm_weight``:
-    the normalised input is taken as white, so a channel's energy is its row's squared norm after
-    the gain. RoPE rotates channel ``i`` with ``i + D/2`` (rotate-half layout) at frequency
-    ``θ^(-2i/D)``; over positions ``0 .. context`` the pair shares its energy by the mean of
-    ``cos²``, so slow pairs keep their own and fast pairs average. Needs only the checkpoint, so a
-    server can compute it at start-up, the same on every tensor-parallel rank for a head."""
-    w = proj_weight.float() * norm_weight.float()[None, :]
-    pre = w.square().sum(-1).view(heads, head_dim)
-    half = head_dim // 2
-    freq = rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / head_dim)
-    cos2 = torch.cos(freq[:, None] * torch.arange(context, dtype=torch.float64)[None, :]).square().mean(-1).float()
-    low, high = pre[:, :half], pre[:, half:]
-    return torch.cat([cos2 * low + (1 - cos2) * high, cos2 * high + (1 - cos2) * low], dim=-1)
-
-
 def permuted_keep(blocks: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """bool like ``blocks [H, ..., D]`` (original channel order): magnitude 2:4 along head_dim
     after permuting the channels of head ``h`` by ``perm [H, D]``."""
@@ -400,7 +347,3 @@ def permuted_keep(blocks: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     keep = top2_of_4(blocks.float().abs().gather(-1, index), -1)
     return torch.zeros_like(keep).scatter_(-1, index, keep)
 
-
-def magnitude_keep(blocks: torch.Tensor) -> torch.Tensor:
-    """The product's K element mask (magnitude 2:4 along head_dim) of ``[H, n, B, D]`` blocks."""
-    return MagnitudePruner().element_mask(blocks, "k")

@@ -20,6 +20,7 @@ from sglang_hs.launch import eval_quality as eq
 from sglang_hs.launch import quality_inputs as qi
 from sglang_hs.launch import quality_report as qr
 from sglang_hs.launch import quality_variants as qv
+from sglang_hs.pruner import MagnitudePruner
 
 GEOMETRY = qi.PrefixGeometry(block=64, sink=64, window=128)
 TINY_SPEC = hm.CalibrationSpec(needle_lengths=(448, 640), needle_depths=(0.3, 0.7), copy_lengths=(576,),
@@ -127,22 +128,7 @@ def test_compressible_range_follows_the_geometry():
         assert (lo, hi) == ((blocks.start * 64, blocks.stop * 64) if len(blocks) else (lo, lo))
 
 
-# ------------------------------------------------------------------------------------------ compensation
-def test_refit_lowers_the_expected_logit_error():
-    g = torch.Generator().manual_seed(5)
-    blocks = torch.randn(2, 3, 64, 64, generator=g) + 0.5
-    keep = hm.magnitude_keep(blocks)
-    a = torch.randn(2, 64, 64, generator=g, dtype=torch.float64)
-    moment = a @ a.transpose(1, 2) / 64 + torch.ones(64, 64, dtype=torch.float64)  # correlated channels with a mean
-    fitted = hm.refit_kept(blocks, keep, moment, ridge=0.0)
-    assert not fitted[~keep].any()
-    err = lambda x: torch.einsum("hnbc,hcd,hnbd->", (blocks - x).double(), moment, (blocks - x).double())  # noqa: E731
-    assert float(err(fitted)) < 0.5 * float(err(blocks * keep))
-    # With uncorrelated queries (moment = I) the best kept values are the original ones.
-    eye = torch.eye(64, dtype=torch.float64).expand(2, 64, 64)
-    assert torch.allclose(hm.refit_kept(blocks, keep, eye, ridge=0.0), blocks * keep, atol=1e-5)
-
-
+# ------------------------------------------------------------------------------------------ channel order
 def test_channel_permutation_spreads_the_important_channels():
     g = torch.Generator().manual_seed(6)
     energy = torch.rand(3, 2, 64, generator=g, dtype=torch.float64)
@@ -158,51 +144,21 @@ def test_channel_permutation_spreads_the_important_channels():
     e = torch.ones(1, 2, 64, dtype=torch.float64)
     e[..., 0:3] = 100.0
     keep = hm.permuted_keep(blocks, hm.channel_permutations(e)[0])
-    assert keep[..., 0:3].all() and int(keep.sum()) == 2 * 32 and not hm.magnitude_keep(blocks)[..., 0:3].all()
-
-
-def test_stride_permutation_separates_neighbours():
-    perm = hm.stride_permutation(64)
-    assert sorted(perm.tolist()) == list(range(64))
-    assert perm[:8].tolist() == [0, 16, 32, 48, 1, 17, 33, 49]  # each group of 4 spans the four quarters
-
-
-def test_weight_energy_follows_the_rows_and_mixes_fast_rope_pairs():
-    heads, dim, hidden = 2, 8, 4
-    weight = torch.zeros(heads * dim, hidden)
-    weight[0, 0] = 3.0  # head 0, channel 0 (the fastest RoPE pair, with channel 4)
-    weight[3, 1] = 2.0  # head 0, channel 3 (the slowest pair, with channel 7)
-    gain = torch.tensor([1.0, 1.0, 0.0, 0.0])
-    energy = hm.weight_channel_energy(weight, gain, heads, dim, rope_theta=1e6, context=4096)
-    assert energy.shape == (heads, dim) and not energy[1].any()
-    assert energy[0, 0] == pytest.approx(4.5, rel=0.01) and energy[0, 4] == pytest.approx(4.5, rel=0.01)  # shared
-    assert energy[0, 3] > 3.9 and energy[0, 7] < 0.1  # the slow pair barely turns within the context
-    gain_off = hm.weight_channel_energy(weight, torch.zeros(hidden), heads, dim, rope_theta=1e6)
-    assert not gain_off.any()
-
-
-def test_mustafar_keeps_the_largest_entries_of_each_token():
-    k = torch.tensor([[[3.0, -1.0, 0.5, -4.0, 2.0, 0.1, 0.0, 1.5]]])
-    assert qv.mustafar_keep(k, 0.5).flatten().tolist() == [1, 0, 0, 1, 1, 0, 0, 1]
-    assert qv.mustafar_keep(k, 0.0).all() and qv.mustafar_keep(k, 0.25).sum() == 6
+    assert keep[..., 0:3].all() and int(keep.sum()) == 2 * 32
+    assert not MagnitudePruner().element_mask(blocks, "k")[..., 0:3].all()
 
 
 def test_variant_names_parse():
     assert qv.parse_variant("magnitude") is None and qv.parse_variant("output_aware") is None
-    assert qv.parse_variant("headmap-needle") == qv.Variant("needle", False, False)
-    assert qv.parse_variant("headmap-copy_drop+refit") == qv.Variant("copy_drop", True, False)
-    assert qv.parse_variant("mustafar") == qv.Variant(None, False, True)
-    assert qv.parse_variant("refit") == qv.Variant(None, True, False)
-    assert qv.parse_variant("headmap-copy+perm+refit") == qv.Variant("copy", True, False, True)
-    assert qv.parse_variant("wperm") == qv.Variant(None, False, False, True, "weights")
-    assert qv.parse_variant("headmap-needle+sperm") == qv.Variant("needle", False, False, True, "stride")
-    with pytest.raises(ValueError):
-        qv.parse_variant("sperm+refit")
-    assert not qv.needs_calibration(["wperm", "sperm", "fperm"]) and qv.needs_calibration(["perm"])
-    assert qv.parse_variant("fperm") == qv.Variant(None, False, False, True, "file")
-    with pytest.raises(ValueError):
-        qv.parse_variant("headmap-nope")
-    assert qv.needs_calibration(["magnitude", "headmap-needle"]) and not qv.needs_calibration(["headmap-random", "mustafar"])
+    assert qv.parse_variant("headmap-needle") == qv.Variant("needle")
+    assert qv.parse_variant("headmap-copy+perm") == qv.Variant("copy", True)
+    assert qv.parse_variant("headmap-needle+fperm") == qv.Variant("needle", True, "file")
+    assert qv.parse_variant("fperm") == qv.Variant(None, True, "file")
+    assert not qv.needs_calibration(["fperm"]) and qv.needs_calibration(["perm"])
+    for name in ("headmap-nope", "perm+refit", "headmap-copy+mustafar"):  # unknown parts, incl. removed variants
+        with pytest.raises(ValueError):
+            qv.parse_variant(name)
+    assert qv.needs_calibration(["magnitude", "headmap-needle"]) and not qv.needs_calibration(["headmap-random"])
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -245,8 +201,8 @@ def test_all_dense_map_equals_sk0_bit_for_bit_and_all_sparse_equals_sk1(calibrat
     k0, v0, _ = calibrated.fast_kv(state, qi.Setting("magnitude", 0.0, 1.0))
     assert all(torch.equal(a, b) for a, b in zip(v, v0)) and not all(torch.equal(a, b) for a, b in zip(k, k0))
     assert stats["sparse_k_blocks"] == 0.5 * n
-    # refit and mustafar at S_K = 0 are dense too; at S_K = 1 they prune every compressible K row.
-    for name in ("refit", "headmap-copy+refit", "mustafar", "perm", "headmap-needle+perm+refit"):
+    # The channel-order variants at S_K = 0 are dense too; at S_K = 1 they prune every compressible K row.
+    for name in ("perm", "headmap-needle+perm"):
         k1, v1, _ = calibrated.fast_kv(state, qi.Setting(name, 0.0, 1.0))
         assert all(torch.equal(a, b) for a, b in zip(k1 + v1, k0 + v0)), name
         k1, _, s1 = calibrated.fast_kv(state, qi.Setting(name, 1.0, 1.0))
@@ -265,20 +221,19 @@ def test_permuted_k_through_the_store_is_the_permuted_2to4_of_k(calibrated):
         assert torch.equal(k, torch.where(keep, dense, 0))
 
 
-def test_data_free_and_file_permutations_go_through_the_store(calibrated, tmp_path):
+def test_file_permutation_goes_through_the_store(calibrated, tmp_path):
     torch.manual_seed(2)
     ids = torch.randint(5, 1000, (900,)).tolist()
     state = calibrated.prefix_state(ids, GEOMETRY.reused(900, 900), calibrate=False)
     blocks = GEOMETRY.compressed_blocks(900, state.reused)
-    order = ChannelOrder(calibrated.weight_permutations().flip(-1))
+    order = ChannelOrder(calibrated.permutations().flip(-1))  # any valid order, not the calibrated one
     order.save(str(tmp_path / "order.pt"))
     calibrated.channel_order = ChannelOrder.load(str(tmp_path / "order.pt"))
-    for source, perms in (("stride", hm.stride_permutation(calibrated.head_dim).expand(2, calibrated.kv_heads, -1)),
-                          ("weights", calibrated.weight_permutations()), ("file", order.perm)):  # fmt: skip
-        for layer, k in enumerate(calibrated._permuted(state, blocks, source)):
-            dense = state.k[layer][blocks.start * 64 : blocks.stop * 64]
-            keep = hm.permuted_keep(dense.transpose(0, 1), perms[layer]).transpose(0, 1)
-            assert torch.equal(k, torch.where(keep, dense, 0)), source
+    for layer, k in enumerate(calibrated._permuted(state, blocks, "file")):
+        dense = state.k[layer][blocks.start * 64 : blocks.stop * 64]
+        keep = hm.permuted_keep(dense.transpose(0, 1), order.perm[layer]).transpose(0, 1)
+        assert torch.equal(k, torch.where(keep, dense, 0))
+    assert not torch.equal(calibrated._permuted(state, blocks, "file")[0], calibrated._permuted(state, blocks)[0])
 
 
 def test_evaluation_rows_report_effective_sparsity(calibrated, corpus_dir):
@@ -286,8 +241,9 @@ def test_evaluation_rows_report_effective_sparsity(calibrated, corpus_dir):
     samples = qi.make_samples(qi.TaskBuilder(calibrated.tokenizer, hay), ["single"], [1024], 1)
     windows = qi.make_windows(calibrated.tokenizer, held, [1024], 1, 64)
     names = ["dense", "magnitude:sk=0,sv=1", "headmap-needle:sk=0,sv=0", "headmap-needle:sk=0,sv=1",
-             "headmap-needle:sk=0.75,sv=1", "mustafar:sk=1,sv=1"]  # fmt: skip
+             "headmap-needle:sk=0.75,sv=1", "fperm:sk=1,sv=1"]  # fmt: skip
     settings = [qi.setting_from_name(s) for s in names]
+    calibrated.channel_order = ChannelOrder(calibrated.permutations())
     records = calibrated.evaluate(settings, samples, windows)  # raises if an S=0 row differs from dense
     rows = {r["setting"]: r for r in qr.summarize(records, settings, GEOMETRY)}
     assert rows["headmap-needle:sk=0,sv=1"]["kl"] == rows["magnitude:sk=0,sv=1"]["kl"]
@@ -295,7 +251,7 @@ def test_evaluation_rows_report_effective_sparsity(calibrated, corpus_dir):
     row = rows["headmap-needle:sk=0.75,sv=1"]
     assert row["sk_setting"] == 0.75 and 0.75 <= row["sk"] < 0.76 and row["sv"] == 1.0
     assert row["bytes_saved"] == pytest.approx(0.21875 * (row["sk"] + 1.0))
-    assert rows["mustafar:sk=1,sv=1"]["sk"] == 1.0 and "sk" in rows["dense"] and "bytes_saved" not in rows["dense"]
+    assert rows["fperm:sk=1,sv=1"]["sk"] == 1.0 and "sk" in rows["dense"] and "bytes_saved" not in rows["dense"]
     assert "effective S_K" in qr.markdown_report({"model": "m", "backend": "reference", "lengths": [1024], "tasks": [],
         "samples": 1, "questions": 1, "fidelity_windows": 1, "fidelity_tokens": 64, "fidelity_tokens_total": 64,
         "block": 64, "sink": 64, "window": 128, "kv_dtype": "float16", "seconds": 1.0}, list(rows.values()))  # fmt: skip
