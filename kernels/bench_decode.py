@@ -80,13 +80,19 @@ def bench_decode(args):
                          f"(plain {p:.1f}) FI {fi_graph:.1f} us (plain {fi_plain:.1f}) speedup {fi_graph / g:.3f} "
                          f"err {err:.2e} GB/s {nbytes / g / 1e3:.0f}")
             print(lines[-1], flush=True)
+        shared_rec = bench_shared_prefix(case, ref, fi_graph, args.iters) if distinct < bs else None
+        if shared_rec:
+            lines.append(f"{layout} S_K={sk} S_V={sv} shared-prefix decode ({shared_rec['column_sets']} column sets): "
+                         f"{shared_rec['us']:.1f} us, speedup {shared_rec['speedup']:.3f} vs FlashInfer, "
+                         f"err {shared_rec['rel_err_vs_flashinfer']:.2e}")
+            print(lines[-1], flush=True)
         del case
         torch.cuda.empty_cache()
         ideal = compression_ratio(sk, sv)
         record = dict(kernel="decode", S_K=sk, S_V=sv, batch=bs, context=L, head_dim=D, dtype=args.dtype, layout=layout,
                       shared_prefixes=distinct if distinct < bs else None,
                       q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None, flashinfer_us=round(fi_graph, 2),
-                      flashinfer_plain_us=round(fi_plain, 2), speedup=None, ideal_speedup=round(ideal, 4),
+                      flashinfer_plain_us=round(fi_plain, 2), flashinfer_backend="fa2 (tensor-core decode)", speedup=None, ideal_speedup=round(ideal, 4),
                       kv_bytes=nbytes, device=name, timing="CUDA-graph replay of 20 calls, median of 5",
                       setup_s=round(time.time() - t0, 1))
         default = [r for r in results if r["default"] and r["rel_err_vs_flashinfer"] < 2e-2]
@@ -97,8 +103,35 @@ def bench_decode(args):
                           ours_GBps=round(nbytes / d0["ours_us"] / 1e3, 1))
         if len(results) > 1:
             record["variants"] = [{k: v for k, v in r.items() if k != "default"} for r in results]
+        if shared_rec:
+            record["shared_prefix_decode"] = shared_rec
         records.append(record)
     return records, lines
+
+
+def bench_shared_prefix(case: dict, ref: torch.Tensor, fi_us: float, iters: int) -> dict | None:
+    """The shared-prefix decode (:mod:`sglang_hs.kernels.decode_shared`) of a batch whose requests share
+    prefixes, each keeping its last block to its own pass (a request's own tokens); timed like ours."""
+    from sglang_hs.kernels.decode_shared import SharedPrefixDecode
+
+    q = case["q"]
+    bs, hq, d = q.shape
+    plan = SharedPrefixDecode(bs, hq, case["k_cache"].shape[1], d, case["block_size"], case["max_blocks"], q.dtype,
+                              q.device)  # fmt: skip
+    groups = plan.groups(case["block_table"], case["seq_lens_list"], min_own_blocks=1)
+    if not groups.any_shared:
+        return None
+    grouping = groups.tensors(plan.fold, plan.max_sets, q.device)
+    a = run_args(case)
+    out = torch.empty_like(q)
+    fn = lambda: out.copy_(plan.run(*a, grouping=grouping))  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    err = rel_err(out, ref)
+    g = time_graph(fn, iters)
+    err = max(err, rel_err(out, ref))
+    return dict(us=round(g, 2), speedup=round(fi_us / g, 4), rel_err_vs_flashinfer=err, column_sets=len(groups.sets),
+                fold=plan.fold, shared_blocks=groups.shared_blocks, own_blocks_per_request=1)  # fmt: skip
 
 
 def plot_decode(records: list[dict], path: str) -> bool:

@@ -221,6 +221,30 @@ def share_prefixes(case, paged, bs, seed=0):
     return shared, shared_paged
 
 
+def share_with_tails(case, requests, seed=0):
+    """A decode batch of requests over a case's blocks where some share a prefix: request ``r`` of
+    ``requests`` = ``(prefix_source, shared_blocks, tail_source, tail_len)`` reads the first
+    ``shared_blocks`` blocks of case request ``prefix_source``'s table, then the first
+    ``ceil(tail_len / B)`` blocks of ``tail_source``'s (its own question and generated tokens), with
+    its own query. Returns the case dict with ``q``, ``block_table``, ``seq_lens``, ``seq_lens_list``
+    and ``max_blocks`` replaced."""
+    B = case["block_size"]
+    table = case["block_table"].cpu()
+    rows, lens = [], []
+    for prefix, shared, tail, tail_len in requests:
+        rows.append(torch.cat([table[prefix, :shared], table[tail, : -(-tail_len // B)]]))
+        lens.append(shared * B + tail_len)
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), -(1 << 30), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    q = case["q"]
+    gen = torch.Generator(device=q.device).manual_seed(seed + 3)
+    q_new = torch.randn(len(rows), *q.shape[1:], device=q.device, generator=gen, dtype=torch.float32).to(q.dtype)
+    return dict(case, q=q_new, block_table=out.to(q.device), seq_lens=torch.tensor(lens, dtype=torch.int32,
+                device=q.device), seq_lens_list=lens, max_blocks=width)  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------- extend
 def make_extend_case(prefix_lens, new_lens, q_heads=32, kv_heads=8, head_dim=128, sk=0.0, sv=0.0,
                      dtype=torch.float16, device="cuda", max_blocks=None, seed=0, magnitude=True, shuffle=True,
