@@ -102,14 +102,24 @@ def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_p
     return stages * stage + other
 
 
-def min_splits(max_blocks: int) -> int:
+def min_splits(max_blocks: int, capacity: int = SPLIT_CAPACITY) -> int:
     """The fewest splits that fit a block table ``max_blocks`` wide: a CTA resolves at most
-    :data:`SPLIT_CAPACITY` blocks."""
-    return max(1, -(-max_blocks // SPLIT_CAPACITY))
+    ``capacity`` (:data:`SPLIT_CAPACITY`) blocks."""
+    return max(1, -(-max_blocks // capacity))
+
+
+def fitting_split_capacity(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int) -> int:
+    """The largest split capacity (512 down to 64 blocks) at which two CTAs of the shape share an SM.
+    At 16 query heads per KV head and d 128 the wider N costs 5 KB of shared memory, which a capacity
+    of 64 (smaller index maps, more splits) gives back; every other tested shape keeps 512."""
+    for capacity in (SPLIT_CAPACITY, 256, 128, 64):
+        if 2 * (smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, capacity) + 1024) <= SMEM_PER_SM:
+            return capacity
+    return SPLIT_CAPACITY
 
 
 def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64, dtype: str = "float16",
-                           stages: int = STAGES):
+                           stages: int = STAGES, split_capacity: int = SPLIT_CAPACITY):
     """The TileLang ``prim_func`` of one model shape. The batch size, the block table's width and the
     split count are dynamic (bound from the arguments' shapes), so one kernel serves every plan.
 
@@ -130,7 +140,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     NH = _n_pad(G)
     accum = "float32"
     threads = THREADS
-    bps = SPLIT_CAPACITY  # index-map entries a CTA holds: the most blocks a split may have
+    bps = split_capacity  # index-map entries a CTA holds: the most blocks a split may have
     e_rows = B * D // 16 // 16  # metadata tile as [e_rows, 16] int16 (contiguous 2*B*D/16 bytes)
     assert q_heads % kv_heads == 0 and D % 32 == 0 and B % 32 == 0 and stages >= 2
     TPC = threads // NH  # threads per column (a power of two dividing 32)
@@ -356,33 +366,37 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
 
 @functools.lru_cache(maxsize=None)
-def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES, target=None):
+def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES, target=None,
+                        split_capacity=SPLIT_CAPACITY):  # fmt: skip
     """Compile (or load from TileLang's cache) the kernel of one model shape. Needs TileLang, not a GPU."""
     args = (q_heads, kv_heads, head_dim, block_size, dtype, stages)
+    if split_capacity != SPLIT_CAPACITY:
+        args += (split_capacity,)
     return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
-                      ctas_per_sm: int | Callable[[int], int], max_splits: int = MAX_SPLITS) -> int:
+                      ctas_per_sm: int | Callable[[int], int], max_splits: int = MAX_SPLITS,
+                      capacity: int = SPLIT_CAPACITY) -> int:  # fmt: skip
     """Splits per (request, KV head): the fewest that keep every resident CTA slot busy
     (:func:`sglang_hs.kernels.common.split_count`; a CTA costs just its ``ceil(max_blocks / S)`` blocks),
     and at least :func:`min_splits`."""
     return split_count(batch * kv_heads, max_blocks, num_sms, ctas_per_sm, max_splits,
-                       min_splits=min_splits(max_blocks))
+                       min_splits=min_splits(max_blocks, capacity))
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                    stages: int, num_sms: int) -> int:
+                    stages: int, num_sms: int, split_capacity: int = SPLIT_CAPACITY) -> int:
     """The split count of a call with ``batch`` requests and a block table ``max_blocks`` wide on a GPU
     of ``num_sms`` SMs (host arithmetic on shapes only: no device value is read).
 
     A CTA's shared memory does not depend on the call (its index maps hold :data:`SPLIT_CAPACITY`
     blocks), so the CTAs per SM are fixed by the model shape: two at d 128 for the GQA groups the
     server takes. At a 32K context (512-529 blocks) and 8 requests of 8 KV heads that is 4 splits."""
-    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads) + 1024
+    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity) + 1024
     ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 8))
-    return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas_per_sm)
+    return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas_per_sm, capacity=split_capacity)
 
 
 class HieraSparseDecode:
@@ -399,20 +413,22 @@ class HieraSparseDecode:
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None, stages: int = STAGES,
-                 num_sms: int | None = None):
+                 num_sms: int | None = None, split_capacity: int = SPLIT_CAPACITY):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
         self.dtype, self.device, self.stages = dtype, torch.device(device), stages
-        if num_splits is not None and num_splits < min_splits(max_blocks):
-            raise ValueError(f"num_splits={num_splits} < {min_splits(max_blocks)}: a split walks at most "
-                             f"{SPLIT_CAPACITY} of the {max_blocks} blocks")
+        self.split_capacity = split_capacity
+        if num_splits is not None and num_splits < min_splits(max_blocks, split_capacity):
+            raise ValueError(f"num_splits={num_splits} < {min_splits(max_blocks, split_capacity)}: a split walks at "
+                             f"most {split_capacity} of the {max_blocks} blocks")
         self.forced_splits = num_splits
         if num_splits is None and num_sms is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = num_sms
         dt = "float16" if dtype == torch.float16 else "bfloat16"
-        self.kernel = build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages)
+        self.kernel = build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
+                                          split_capacity=split_capacity)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
         self._allocate(batch_size)
@@ -424,7 +440,7 @@ class HieraSparseDecode:
         if self.forced_splits is not None:
             return self.forced_splits
         return plan_num_splits(batch, self.q_heads, self.kv_heads, self.head_dim, self.block_size, width,
-                               self.stages, self.num_sms)
+                               self.stages, self.num_sms, self.split_capacity)
 
     def _allocate(self, batch_size: int) -> None:
         """Scratch for up to ``batch_size`` requests at the split counts their calls choose."""
@@ -490,7 +506,7 @@ class HieraSparseDecode:
         width = block_table.shape[1]
         # The split count fits the scratch: at the plan's width it is the chosen one (the scratch was
         # sized for it); a narrower table never needs more than min_splits(max_blocks) <= what fits.
-        s = max(min(self.splits(n, width), self.part_capacity // n), min_splits(width))
+        s = max(min(self.splits(n, width), self.part_capacity // n), min_splits(width, self.split_capacity))
         self.last_num_splits = s
         o_part = self.o_part[:n * hq * s * d].view(n, hq, s, d)
         lse_part = self.lse_part[:n * hq * s].view(n, hq, s)

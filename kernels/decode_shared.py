@@ -150,11 +150,12 @@ class SharedPrefixDecode:
         self.fold = fold_of(q_heads, kv_heads)
         self.max_sets = max_sets or max(1, batch_size // 2)
         if plans is None:
-            from sglang_hs.kernels.decode import HieraSparseDecode
+            from sglang_hs.kernels.decode import STAGES, HieraSparseDecode, fitting_split_capacity
 
             shared_heads, _ = shared_kernel_shape(q_heads, kv_heads)
+            capacity = fitting_split_capacity(shared_heads, kv_heads, head_dim, block_size, STAGES)
             plans = (HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
-                                       device),
+                                       device, split_capacity=capacity),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device))  # fmt: skip
         self.shared_plan, self.own_plan = plans
 
@@ -203,10 +204,11 @@ class SharedPrefixDecode:
 
 
 def _precompile_one(cfg):
-    from sglang_hs.kernels.decode import STAGES, build_decode_kernel
+    from sglang_hs.kernels.decode import STAGES, build_decode_kernel, fitting_split_capacity
 
     hq, hkv, d, dt = cfg
-    build_decode_kernel(*shared_kernel_shape(hq, hkv), d, 64, dt, STAGES)
+    shape = shared_kernel_shape(hq, hkv)
+    build_decode_kernel(*shape, d, 64, dt, STAGES, split_capacity=fitting_split_capacity(*shape, d, 64, STAGES))
     return cfg
 
 

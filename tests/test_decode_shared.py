@@ -124,6 +124,15 @@ def test_too_many_sets_for_the_plan_is_an_error():
         PrefixGroups([[0, 1], [2, 3]], [1, 1], [1] * 4).tensors(2, 1, "cpu")
 
 
+def test_the_shared_pass_kernel_keeps_two_ctas_per_sm():
+    """CPU: the 16-column kernel of a d-128 model gets index maps small enough for two CTAs an SM."""
+    from sglang_hs.kernels.decode import SMEM_PER_SM, fitting_split_capacity, smem_bytes
+
+    assert fitting_split_capacity(32, 8, 128, 64, 2) == 512  # the model's own kernel is unchanged
+    capacity = fitting_split_capacity(128, 8, 128, 64, 2)
+    assert capacity < 512 and 2 * (smem_bytes(128, 64, 2, 16, capacity) + 1024) <= SMEM_PER_SM
+
+
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, dtype", [(hq, hkv, d, getattr(torch, dt)) for hq, hkv, d, dt in GPU_SHAPES],
@@ -137,3 +146,4 @@ def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype):
     ref, _ = _reference(case)
     err = (out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()
     assert float(err) < (1e-2 if dtype == torch.bfloat16 else 3e-3)
+

@@ -218,10 +218,15 @@ class RecordingKernel:
 
 @pytest.fixture
 def recording_builder(monkeypatch):
-    """``build_decode_kernel`` replaced by a recorder: {builder arguments: kernel}."""
+    """``build_decode_kernel`` replaced by a recorder: {builder arguments (a non-default split capacity
+    appended): kernel}."""
     built = {}
-    monkeypatch.setattr(decode_module, "build_decode_kernel",
-                        lambda *args: built.setdefault(args, RecordingKernel(args)))
+
+    def record(*args, split_capacity=SPLIT_CAPACITY):
+        key = args + ((split_capacity,) if split_capacity != SPLIT_CAPACITY else ())
+        return built.setdefault(key, RecordingKernel(args))
+
+    monkeypatch.setattr(decode_module, "build_decode_kernel", record)
     return built
 
 
