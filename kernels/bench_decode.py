@@ -119,11 +119,11 @@ def bench_shared_prefix(case: dict, ref: torch.Tensor, fi_us: float, iters: int)
     bs, hq, d = q.shape
     plan = SharedPrefixDecode(bs, hq, case["k_cache"].shape[1], d, case["block_size"], case["max_blocks"], q.dtype,
                               q.device)  # fmt: skip
-    groups = plan.groups(case["block_table"], case["seq_lens_list"], min_own_blocks=1)
-    if not groups.any_shared:
-        return None
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = run_args(case)
-    step = plan.plan_step(block_table, seq_lens, groups)  # once per decode step, outside the per-layer call
+    step = plan.plan_step(block_table, seq_lens, min_own_blocks=1)  # once per decode step, not per layer
+    sets = int((step.members[:, 0] >= 0).sum())
+    if not sets:
+        return None
     out = torch.empty_like(q)
     fn = lambda: out.copy_(plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale))  # noqa: E731
     fn()
@@ -131,8 +131,9 @@ def bench_shared_prefix(case: dict, ref: torch.Tensor, fi_us: float, iters: int)
     err = rel_err(out, ref)
     g = time_graph(fn, iters)
     err = max(err, rel_err(out, ref))
-    return dict(us=round(g, 2), speedup=round(fi_us / g, 4), rel_err_vs_flashinfer=err, column_sets=len(groups.sets),
-                fold=plan.fold, shared_blocks=groups.shared_blocks, own_blocks_per_request=1)  # fmt: skip
+    return dict(us=round(g, 2), speedup=round(fi_us / g, 4), rel_err_vs_flashinfer=err, column_sets=sets,
+                fold=plan.fold, shared_blocks=(step.shared_lens[:sets] // case["block_size"]).tolist(),
+                own_blocks_per_request=1)  # fmt: skip
 
 
 def plot_decode(records: list[dict], path: str) -> bool:

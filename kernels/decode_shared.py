@@ -20,11 +20,11 @@ split in two passes over disjoint KV, merged by log-sum-exp:
 * **Merge.** ``out = (e^(lse_s) o_s + e^(lse_o) o_o) / (e^(lse_s) + e^(lse_o))`` per query head (an
   empty pass has LSE ``-inf`` and weight 0).
 
-Grouping is host work (:func:`find_shared_prefixes`): requests whose first block entries are equal
-share a radix-tree path; the shared part is the run of leading block-table columns equal for all of
-them, full blocks only. The passes take fixed shapes for a given batch size (``max_sets`` column sets,
-padded with empty sets), so the run is CUDA-graph capturable once the grouping tensors are static
-buffers updated before replay. ``sglang_hs.reference.paged_attention`` over each request's whole
+Grouping runs on the GPU once per decode step (:func:`step_tables`): requests whose first block
+entries are equal share a radix-tree path; the shared part is the run of leading block-table columns
+equal for all of them, full blocks only. Every tensor has a shape fixed by the batch size (``max_sets``
+column sets, padded with empty sets) and nothing is read back to the host, so a step can be captured
+in a CUDA graph. ``sglang_hs.reference.paged_attention`` over each request's whole
 block table is the oracle (``tests/test_decode_shared.py``).
 """
 
@@ -57,74 +57,6 @@ def shared_kernel_shape(q_heads: int, kv_heads: int) -> tuple[int, int]:
     return kv_heads * fold_of(q_heads, kv_heads) * (q_heads // kv_heads), kv_heads
 
 
-@dataclass(frozen=True)
-class PrefixGroups:
-    """One decode batch's grouping (host lists, as :func:`find_shared_prefixes` returns them).
-
-    ``sets``: per column set, its member requests (1 to ``fold``); ``shared_blocks``: per set, the
-    blocks its members share; ``own_start``: per request, the first block of its own pass (0 for a
-    request in no set)."""
-
-    sets: list[list[int]]
-    shared_blocks: list[int]
-    own_start: list[int]
-
-    @property
-    def any_shared(self) -> bool:
-        return bool(self.sets)
-
-    def tensors(self, fold: int, max_sets: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """GPU tensors of fixed shapes: ``members [max_sets, fold]`` int64 (``-1`` pads), ``shared_blocks
-        [max_sets]`` int32 (0 for padding sets), ``own_start [bs]`` int32."""
-        if len(self.sets) > max_sets:
-            raise ValueError(f"{len(self.sets)} column sets > max_sets {max_sets}")
-        members = torch.full((max_sets, fold), -1, dtype=torch.int64)
-        shared = torch.zeros(max_sets, dtype=torch.int32)
-        for i, (group, blocks) in enumerate(zip(self.sets, self.shared_blocks)):
-            members[i, : len(group)] = torch.tensor(group)
-            shared[i] = blocks
-        own = torch.tensor(self.own_start, dtype=torch.int32)
-        return members.to(device), shared.to(device), own.to(device)
-
-
-def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_size: int, fold: int,
-                         min_shared_blocks: int = 1, min_own_blocks: int = 0) -> PrefixGroups:  # fmt: skip
-    """Group the requests of ``block_table [bs, W]`` (host int32) that share leading blocks.
-
-    Requests with the same first entry form a group; its shared blocks are the leading columns equal
-    in every member, at most each member's full blocks (``seq_len // block_size``) minus
-    ``min_own_blocks`` (the benchmark uses 1 so that every request keeps a block of its own, as a
-    request's question and generated tokens would be). Groups of one, or sharing fewer than
-    ``min_shared_blocks`` blocks, stay out; larger groups are cut into column sets of ``fold``
-    members, in batch order."""
-    table = block_table.cpu()
-    if fold < 2:  # the GQA group fills the kernel's columns: nothing to fold
-        return PrefixGroups([], [], [0] * table.shape[0])
-    by_first: dict[int, list[int]] = {}
-    for r in range(table.shape[0]):
-        if seq_lens[r] > 0:
-            by_first.setdefault(int(table[r, 0]), []).append(r)
-    sets, shared_blocks, own_start = [], [], [0] * table.shape[0]
-    for members in by_first.values():
-        if len(members) < 2:
-            continue
-        rows = table[members]
-        limit = min(seq_lens[r] // block_size for r in members) - min_own_blocks
-        equal = (rows == rows[0]).all(0)[: max(limit, 0)]
-        shared = int(equal.long().cumprod(0).sum())  # leading columns equal in every member
-        if shared < min_shared_blocks:
-            continue
-        for start in range(0, len(members), fold):
-            chunk = members[start : start + fold]
-            if len(chunk) < 2:  # a lone remainder reads its prefix in its own pass
-                continue
-            sets.append(chunk)
-            shared_blocks.append(shared)
-            for r in chunk:
-                own_start[r] = shared
-    return PrefixGroups(sets, shared_blocks, own_start)
-
-
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """``[bs, Hq, D]`` attention over the union of two disjoint KV sets from each set's output and
     natural-log LSE ``[bs, Hq]`` (``-inf``: an empty set, weight 0). In ``out_a``'s dtype. The
@@ -138,7 +70,7 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
 
 @dataclass
 class StepTables:
-    """What one decode step's layers share (built once per step by :meth:`SharedPrefixDecode.plan_step`):
+    """What one decode step's layers share (built once per step by :func:`step_tables`):
     ``members [max_sets, fold]`` (``-1`` pads), the shared pass's ``shared_table [max_sets, W]`` and
     ``shared_lens [max_sets]``, the own pass's ``own_table [bs, W]`` and ``own_lens [bs]``, and ``pick
     [bs]`` int32: the unfolded shared-pass row of each request (``set * fold + position``, ``-1``: none)."""
@@ -149,6 +81,59 @@ class StepTables:
     own_table: torch.Tensor
     own_lens: torch.Tensor
     pick: torch.Tensor
+
+
+def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, fold: int, max_sets: int,
+                min_shared_blocks: int = 1, min_own_blocks: int = 0) -> "StepTables":  # fmt: skip
+    """Group one decode batch on the GPU, without a host synchronisation and in shapes fixed by the
+    batch size (so a CUDA graph can replay it).
+
+    Requests with the same first block-table entry form a group (they hang off one radix-tree path);
+    its shared blocks are the leading columns equal in every member, at most each member's full blocks
+    (``seq_len // block_size``) minus ``min_own_blocks`` (the benchmark keeps 1, standing in for a
+    request's own question and generated tokens). Members are cut, in batch order, into column sets of
+    ``fold``; a set of one, a group sharing fewer than ``min_shared_blocks`` blocks, and sets beyond
+    ``max_sets`` stay out (their requests read everything in the own pass). ``seq_lens`` of 0 are
+    padding requests."""
+    device = block_table.device
+    bs, width = block_table.shape
+    lens = seq_lens.long()
+    idx = torch.arange(bs, device=device)
+    first = block_table[:, 0]
+    valid = lens > 0
+    same = (first[:, None] == first[None, :]) & valid[:, None] & valid[None, :]
+    leader = torch.where(valid, same.int().argmax(1), idx)  # the group's first request
+    # Leading columns each request shares with its leader, within its full blocks minus the ones kept.
+    limit = (lens // block_size - min_own_blocks).clamp(min=0)
+    columns = torch.arange(width, device=device)[None, :]
+    equal = (block_table == block_table[leader]) & (columns < limit[:, None])
+    common = equal.int().cumprod(1).sum(1)
+    shared = torch.full((bs,), width, dtype=torch.long, device=device).scatter_reduce(0, leader, common, "amin")[leader]
+    size = torch.zeros(bs, dtype=torch.long, device=device).scatter_add(0, leader, valid.long())[leader]
+    position = (same & (idx[None, :] < idx[:, None])).sum(1)  # members before this one
+    chunk, slot = position // fold, position % fold
+    chunk_size = (size - chunk * fold).clamp(max=fold)
+    sets_of_group = size // fold + (size % fold >= 2).long()  # chunks of two or more
+    group_ok = valid & (size >= 2) & (shared >= min_shared_blocks) & (fold >= 2)
+    per_leader = torch.where((leader == idx) & group_ok, sets_of_group, 0)  # column sets per group, at its leader
+    offset = (per_leader.cumsum(0) - per_leader)[leader]
+    set_id = offset + chunk
+    eligible = group_ok & (chunk_size >= 2) & (set_id < max_sets)
+    flat = torch.where(eligible, set_id * fold + slot, max_sets * fold)  # the spare entry takes the others
+    members = torch.full((max_sets * fold + 1,), -1, dtype=torch.long, device=device).scatter(0, flat, idx)
+    members = members[:-1].view(max_sets, fold)
+    shared_blocks = torch.zeros(max_sets + 1, dtype=torch.long, device=device).scatter(
+        0, torch.where(eligible, set_id, max_sets), shared)[:-1]  # fmt: skip
+    own_start = torch.where(eligible, shared, 0)
+    own_columns = (columns + own_start[:, None]).clamp(max=width - 1)
+    return StepTables(
+        members=members,
+        shared_table=block_table[members[:, 0].clamp(min=0)].contiguous(),
+        shared_lens=(shared_blocks * block_size).to(torch.int32),
+        own_table=block_table.gather(1, own_columns).contiguous(),
+        own_lens=(lens - own_start * block_size).to(torch.int32),
+        pick=torch.where(eligible, set_id * fold + slot, -1).to(torch.int32),
+    )
 
 
 def _merge_kernel_factory():
@@ -209,24 +194,10 @@ class SharedPrefixDecode:
             self.merge_kernel = _merge_kernel_factory()
         self.shared_plan, self.own_plan = plans
 
-    def groups(self, block_table: torch.Tensor, seq_lens: list[int], **kw) -> PrefixGroups:
-        """:func:`find_shared_prefixes` with this plan's fold."""
-        return find_shared_prefixes(block_table, seq_lens, self.block_size, self.fold, **kw)
-
-    def plan_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, groups: PrefixGroups) -> StepTables:
-        """The tables every layer of one decode step uses (GPU tensors of fixed shapes for a batch size,
-        so a CUDA graph can replay them once copied into static buffers)."""
-        device = block_table.device
-        members, shared_blocks, own_start = groups.tensors(self.fold, self.max_sets, device)
-        width = block_table.shape[1]
-        columns = (torch.arange(width, device=device)[None, :] + own_start[:, None].long()).clamp(max=width - 1)
-        pick = torch.full((block_table.shape[0],), -1, dtype=torch.int32)
-        for i, group in enumerate(groups.sets):
-            for position, r in enumerate(group):
-                pick[r] = i * self.fold + position
-        return StepTables(members, block_table[members[:, 0].clamp(min=0)].contiguous(), shared_blocks * self.block_size,
-                          block_table.gather(1, columns).contiguous(), seq_lens - own_start * self.block_size,
-                          pick.to(device))  # fmt: skip
+    def plan_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, **kw) -> StepTables:
+        """The tables every layer of one decode step uses (:func:`step_tables` with this plan's fold and
+        sets): built once per step, on the GPU, in shapes fixed by the batch size."""
+        return step_tables(block_table, seq_lens, self.block_size, self.fold, self.max_sets, **kw)
 
     def fold_queries(self, q: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
         """``q [bs, Hq, D]`` -> ``[max_sets, Hkv * fold * G, D]``: column set ``s``'s KV head ``h`` holds

@@ -8,17 +8,17 @@ different lengths, a member whose own pass is empty, and fp16/bf16.
 """
 
 import os
+import random
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from sglang_hs import reference as R
 from sglang_hs.kernels import cases
-from sglang_hs.kernels.decode_shared import (
-    GPU_SHAPES, PrefixGroups, SharedPrefixDecode, find_shared_prefixes, fold_of, merge_states,
-)
+from sglang_hs.kernels.decode_shared import GPU_SHAPES, SharedPrefixDecode, fold_of, merge_states, step_tables
 
 B = 64
 # Case sources: 0 and 1 are prefixes (20 and 12 blocks), 2..5 lend their blocks as own tails.
@@ -30,6 +30,61 @@ REQUESTS = [
     (0, 18, 2, 100), (1, 10, 3, 64), (0, 18, 4, 1), (0, 18, 5, 200), (2, 0, 2, 150),
     (0, 18, 3, 0), (1, 10, 4, 130), (0, 18, 2, 64 * 3), (3, 0, 3, 70),
 ]
+
+
+@dataclass(frozen=True)
+class PrefixGroups:
+    """The oracle's grouping of one decode batch (host lists, as :func:`find_shared_prefixes` returns them).
+
+    ``sets``: per column set, its member requests (1 to ``fold``); ``shared_blocks``: per set, the
+    blocks its members share; ``own_start``: per request, the first block of its own pass (0 for a
+    request in no set)."""
+
+    sets: list[list[int]]
+    shared_blocks: list[int]
+    own_start: list[int]
+
+    @property
+    def any_shared(self) -> bool:
+        return bool(self.sets)
+
+
+def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_size: int, fold: int,
+                         min_shared_blocks: int = 1, min_own_blocks: int = 0) -> PrefixGroups:  # fmt: skip
+    """The oracle of :func:`step_tables`: the same grouping by a host loop over ``block_table [bs, W]``.
+
+    Requests with the same first entry form a group; its shared blocks are the leading columns equal
+    in every member, at most each member's full blocks (``seq_len // block_size``) minus
+    ``min_own_blocks`` (the benchmark uses 1 so that every request keeps a block of its own, as a
+    request's question and generated tokens would be). Groups of one, or sharing fewer than
+    ``min_shared_blocks`` blocks, stay out; larger groups are cut into column sets of ``fold``
+    members, in batch order."""
+    table = block_table.cpu()
+    if fold < 2:  # the GQA group fills the kernel's columns: nothing to fold
+        return PrefixGroups([], [], [0] * table.shape[0])
+    by_first: dict[int, list[int]] = {}
+    for r in range(table.shape[0]):
+        if seq_lens[r] > 0:
+            by_first.setdefault(int(table[r, 0]), []).append(r)
+    sets, shared_blocks, own_start = [], [], [0] * table.shape[0]
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        rows = table[members]
+        limit = min(seq_lens[r] // block_size for r in members) - min_own_blocks
+        equal = (rows == rows[0]).all(0)[: max(limit, 0)]
+        shared = int(equal.long().cumprod(0).sum())  # leading columns equal in every member
+        if shared < min_shared_blocks:
+            continue
+        for start in range(0, len(members), fold):
+            chunk = members[start : start + fold]
+            if len(chunk) < 2:  # a lone remainder reads its prefix in its own pass
+                continue
+            sets.append(chunk)
+            shared_blocks.append(shared)
+            for r in chunk:
+                own_start[r] = shared
+    return PrefixGroups(sets, shared_blocks, own_start)
 
 
 def _case(q_heads, kv_heads, dtype, device, sk=1.0, sv=1.0, seed=3, head_dim=64):
@@ -45,9 +100,10 @@ def _reference(case):
                              case["seq_lens_list"], case["sm_scale"])  # fmt: skip
 
 
-def _run(plan, case, groups):
+def _run(plan, case):
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
-    step = plan.plan_step(block_table, seq_lens, groups)
+    step = plan.plan_step(block_table, seq_lens)
+    assert (step.members[:, 0] >= 0).any()  # the batch has column sets
     return plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
 
 
@@ -122,16 +178,63 @@ def test_cascade_matches_reference_with_the_oracle_as_kernel(q_heads, kv_heads):
     bs = case["q"].shape[0]
     plan = SharedPrefixDecode(bs, q_heads, kv_heads, 64, B, case["max_blocks"], torch.float32, "cpu",
                               plans=(ReferencePlan(), ReferencePlan()))  # fmt: skip
-    groups = plan.groups(case["block_table"], case["seq_lens_list"])
-    assert groups.any_shared
-    out = _run(plan, case, groups)
+    out = _run(plan, case)
     ref, _ = _reference(case)
     assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
 
 
-def test_too_many_sets_for_the_plan_is_an_error():
-    with pytest.raises(ValueError, match="max_sets"):
-        PrefixGroups([[0, 1], [2, 3]], [1, 1], [1] * 4).tensors(2, 1, "cpu")
+def _oracle_tables(groups: PrefixGroups, bs: int, fold: int, max_sets: int) -> dict:
+    members = [[-1] * fold for _ in range(max_sets)]
+    shared, pick = [0] * max_sets, [-1] * bs
+    for i, (group, blocks) in enumerate(zip(groups.sets, groups.shared_blocks)):
+        members[i][: len(group)] = group
+        shared[i] = blocks
+        for position, r in enumerate(group):
+            pick[r] = i * fold + position
+    return dict(members=members, shared=shared, own_start=groups.own_start, pick=pick)
+
+
+@pytest.mark.parametrize("fold", [1, 2, 4])
+@pytest.mark.parametrize("min_own_blocks", [0, 1])
+def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks):
+    """CPU: the GPU-side grouping equals the host loop on the case above and on random batches (shared
+    runs of random length, padding requests of length 0, first entries shared by unrelated rows)."""
+    case = _case(32, 8, torch.float32, "cpu")
+    batches = [(case["block_table"], case["seq_lens_list"])]
+    rng = random.Random(fold * 10 + min_own_blocks)
+    for _ in range(60):
+        bs, width = rng.randint(1, 12), rng.randint(1, 9)
+        prefixes = [[rng.randint(0, 3)] + [rng.randint(0, 50) for _ in range(width - 1)] for _ in range(3)]
+        rows, lens = [], []
+        for _ in range(bs):
+            row = list(rng.choice(prefixes))
+            cut = rng.randint(0, width)
+            row[cut:] = [rng.randint(100, 200) for _ in range(width - cut)]
+            rows.append(row)
+            lens.append(rng.choice([0, width * B, width * B, width * B - 1, rng.randint(1, width * B)]))
+        batches.append((torch.tensor(rows, dtype=torch.int32), lens))
+    for table, lens in batches:
+        bs = table.shape[0]
+        max_sets = max(1, bs // 2)
+        groups = find_shared_prefixes(table, lens, B, fold, min_own_blocks=min_own_blocks)
+        if len(groups.sets) > max_sets:
+            continue
+        want = _oracle_tables(groups, bs, fold, max_sets)
+        step = step_tables(table, torch.tensor(lens, dtype=torch.int32), B, fold, max_sets,
+                           min_own_blocks=min_own_blocks)  # fmt: skip
+        assert step.members.tolist() == want["members"], (table, lens)
+        assert step.shared_lens.tolist() == [b * B for b in want["shared"]]
+        assert step.pick.tolist() == want["pick"]
+        assert step.own_lens.tolist() == [n - s * B for n, s in zip(lens, want["own_start"])]
+        for r, start in enumerate(want["own_start"]):
+            assert step.own_table[r, : table.shape[1] - start].tolist() == table[r, start:].tolist()
+
+
+def test_sets_beyond_max_sets_fall_back_to_the_own_pass():
+    table = torch.tensor([[1, 2], [1, 2], [3, 4], [3, 4]], dtype=torch.int32)
+    step = step_tables(table, torch.tensor([2 * B] * 4, dtype=torch.int32), B, 4, max_sets=1)
+    assert step.members.tolist() == [[0, 1, -1, -1]] and step.pick.tolist() == [0, 1, -1, -1]
+    assert step.own_lens.tolist() == [0, 0, 2 * B, 2 * B]
 
 
 def test_the_shared_pass_kernel_keeps_two_ctas_per_sm():
@@ -156,10 +259,9 @@ for hq, hkv in [(32, 8), (8, 2)]:
     case = t._case(hq, hkv, torch.float32, "cpu", sk=0.5, sv=1.0)
     plan = SharedPrefixDecode(case["q"].shape[0], hq, hkv, 64, 64, case["max_blocks"], torch.float32, "cpu",
                               plans=(t.ReferencePlan(), t.ReferencePlan()))
-    groups = plan.groups(case["block_table"], case["seq_lens_list"])
-    by_torch = t._run(plan, case, groups)
+    by_torch = t._run(plan, case)
     plan.merge_kernel = _merge_kernel_factory()
-    by_triton = t._run(plan, case, groups)
+    by_triton = t._run(plan, case)
     ref, _ = t._reference(case)
     assert torch.allclose(by_triton, by_torch, atol=1e-6) and torch.allclose(by_triton, ref, atol=2e-5), hq
 print("ok")
@@ -177,8 +279,7 @@ def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype):
     case = _case(q_heads, kv_heads, dtype, "cuda", head_dim=head_dim)
     bs = case["q"].shape[0]
     plan = SharedPrefixDecode(bs, q_heads, kv_heads, head_dim, B, case["max_blocks"], dtype, "cuda")
-    groups = plan.groups(case["block_table"], case["seq_lens_list"])
-    out = _run(plan, case, groups)
+    out = _run(plan, case)
     ref, _ = _reference(case)
     err = (out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()
     assert float(err) < (1e-2 if dtype == torch.bfloat16 else 3e-3)
