@@ -147,7 +147,11 @@ def decode_backend(monkeypatch, built: dict):
     from sglang_hs.config import HieraSparseConfig
     from sglang_hs.kernels import decode
 
-    monkeypatch.setattr(decode, "build_decode_kernel", lambda *args: built.setdefault(args, RecordingDecodeKernel()))
+    def record(*args, split_capacity=decode.SPLIT_CAPACITY):  # key: the arguments, a non-default capacity appended
+        key = args + ((split_capacity,) if split_capacity != decode.SPLIT_CAPACITY else ())
+        return built.setdefault(key, RecordingDecodeKernel())
+
+    monkeypatch.setattr(decode, "build_decode_kernel", record)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     backend = make_backend(None)
     pool = backend.token_to_kv_pool
