@@ -191,8 +191,19 @@ class SharedPrefixDecode:
             plans = (HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
                                        device, split_capacity=capacity),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device))  # fmt: skip
-            self.merge_kernel = _merge_kernel_factory()
+            if torch.device(device).type == "cuda":  # off the GPU (tests) the merge runs in PyTorch
+                self.merge_kernel = _merge_kernel_factory()
         self.shared_plan, self.own_plan = plans
+
+    @property
+    def batch_size(self) -> int:
+        """Requests the plan's scratch holds (the own pass's; see ``HieraSparseDecode``)."""
+        return self.own_plan.batch_size
+
+    @property
+    def captured(self) -> bool:
+        """Whether a CUDA graph captured the plan (its scratch may no longer move)."""
+        return self.own_plan.captured or self.shared_plan.captured
 
     def plan_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, **kw) -> StepTables:
         """The tables every layer of one decode step uses (:func:`step_tables` with this plan's fold and

@@ -15,6 +15,7 @@ The compressed store, the virtual slots and the settings come from the model run
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ class ForwardMetadata:
     qo_indptr_gpu: torch.Tensor | None = None
     """int32 ``[bs + 1]``: query rows of each request in an extend batch (the extend kernel)."""
     decode_plan: object | None = None
+    decode_step: object | None = None
+    """With shared-prefix decode: the step's ``decode_shared.StepTables`` (grouping, both passes' tables)."""
 
 
 def create_backend(model_runner: ModelRunner) -> HieraSparseAttnBackend:
@@ -94,6 +97,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.q_heads = model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
         self.max_blocks = -(-self.req_to_token.shape[1] // self.config.block_size)
         self.use_decode_kernel = runtime.uses_kernel("decode")
+        self.shared_prefix_decode = self.use_decode_kernel and self.config.shared_prefix_decode == "on"
         # q and k enter every path (dense delegate, kernels, fallback) in the K channel order, so the
         # cache and the store hold K in it; scores and outputs do not change.
         order = runtime.channel_order
@@ -105,6 +109,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         self._decode_plan_obj = None  # one plan (one kernel, one scratch) for every decode batch
         self._graph_table: torch.Tensor | None = None
         self._graph_seq_lens: torch.Tensor | None = None
+        self._graph_step = None  # shared-prefix decode: the step tables the captured graphs read
         logger.info(
             "HieraSparse backend ready: dense tokens via %s, compressed blocks via %s (extend) and %s "
             "(decode), compression via %s, compressed store %s (%.2f GiB), settings %s",
@@ -131,8 +136,10 @@ class HieraSparseAttnBackend(AttentionBackend):
             # batch size, so no padding.
             bs = forward_batch.batch_size
             table, seq_lens = self._decode_inputs(forward_batch, bs)
+            plan = self._decode_plan(bs)
+            step = plan.plan_step(table, seq_lens) if self.shared_prefix_decode else None
             self.forward_metadata = ForwardMetadata(
-                Path.DECODE_KERNEL, block_table=table, seq_lens_gpu=seq_lens, decode_plan=self._decode_plan(bs)
+                Path.DECODE_KERNEL, block_table=table, seq_lens_gpu=seq_lens, decode_plan=plan, decode_step=step
             )
             return
         self.dense.init_forward_metadata(forward_batch)
@@ -145,12 +152,38 @@ class HieraSparseAttnBackend(AttentionBackend):
         table, seq_lens = self._decode_inputs(forward_batch, bs)
         self._graph_table[:bs].copy_(table)
         self._graph_seq_lens[:bs].copy_(seq_lens)
+        plan = self._decode_plan(bs)
+        step = None
+        if self.shared_prefix_decode:
+            step = self._graph_step_views(plan.plan_step(table, seq_lens))
         self.forward_metadata = ForwardMetadata(
             Path.DECODE_KERNEL,
             block_table=self._graph_table[:bs],
             seq_lens_gpu=self._graph_seq_lens[:bs],
-            decode_plan=self._decode_plan(bs),
+            decode_plan=plan,
+            decode_step=step,
         )
+
+    def _graph_step_views(self, step):
+        """Copy a step's tables into the buffers the captured graphs read (allocated once, for the
+        largest batch: per-set tables have the plan's fixed set count, per-request ones ``max_bs`` rows)
+        and return views of them for a batch of ``bs``."""
+        if self._graph_step is None:
+            max_bs = self._graph_table.shape[0]
+            per_request = ("own_table", "own_lens", "pick")
+            self._graph_step = {
+                f.name: (torch.empty((max_bs, *getattr(step, f.name).shape[1:]), dtype=getattr(step, f.name).dtype,
+                                     device=getattr(step, f.name).device)
+                         if f.name in per_request else torch.empty_like(getattr(step, f.name)))
+                for f in dataclasses.fields(step)
+            }  # fmt: skip
+        views = {}
+        for name, buffer in self._graph_step.items():
+            value = getattr(step, name)
+            view = buffer[: value.shape[0]]
+            view.copy_(value)
+            views[name] = view
+        return type(step)(**views)
 
     def _decode_inputs(self, forward_batch, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block table (full ``req_to_token`` width, so shapes are fixed per batch size) and int32
@@ -169,9 +202,11 @@ class HieraSparseAttnBackend(AttentionBackend):
 
     def _new_decode_plan(self, batch_size: int):
         from sglang_hs.kernels.decode import HieraSparseDecode
+        from sglang_hs.kernels.decode_shared import SharedPrefixDecode
 
         kv_pool = self.token_to_kv_pool
-        return HieraSparseDecode(
+        plan_class = SharedPrefixDecode if self.shared_prefix_decode else HieraSparseDecode
+        return plan_class(
             batch_size, self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size, self.max_blocks,
             kv_pool.dtype, kv_pool.device,
         )  # fmt: skip
@@ -195,7 +230,7 @@ class HieraSparseAttnBackend(AttentionBackend):
             self.q_heads, kv_pool.head_num, kv_pool.head_dim, str(kv_pool.dtype).removeprefix("torch."),
             decode=runtime.uses_kernel("decode"),
             extend_k_sparse=(self.store.capacity.k_sparse > 0,) if runtime.uses_kernel("extend") else (),
-            compress=compress, loss_operands=tuple(loss),
+            compress=compress, loss_operands=tuple(loss), shared_decode=self.shared_prefix_decode,
         )  # fmt: skip
         return prepare_kernels(jobs, logger.info) if jobs else 0
 
@@ -256,7 +291,10 @@ class HieraSparseAttnBackend(AttentionBackend):
         bs = meta.block_table.shape[0]
         # q arrives as a strided view of the fused QKV projection; the kernel reads packed rows.
         q = q.reshape(bs, layer.tp_q_head_num, layer.head_dim).contiguous()
-        out = meta.decode_plan.run(q, *self._kernel_kv(layer), meta.block_table, meta.seq_lens_gpu, layer.scaling)
+        if meta.decode_step is not None:
+            out = meta.decode_plan.run(q, *self._kernel_kv(layer), meta.decode_step, layer.scaling)
+        else:
+            out = meta.decode_plan.run(q, *self._kernel_kv(layer), meta.block_table, meta.seq_lens_gpu, layer.scaling)
         return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def _forward_extend_kernel(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):

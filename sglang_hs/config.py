@@ -68,6 +68,10 @@ class HieraSparseConfig:
     k_channel_order: str = ""
     """File of a calibrated permutation of head_dim per (layer, KV head) applied to q and k (see
     ``sglang_hs.channel_order``), so that 2:4 K keeps retrieval; empty: natural order."""
+    shared_prefix_decode: str = "off"
+    """``on``: decode batches whose requests share leading blocks read them once per group of requests
+    (``sglang_hs.kernels.decode_shared``); needs the decode kernel. ``off``: every request reads its
+    own blocks."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -119,6 +123,8 @@ class HieraSparseConfig:
             self.k_channel_order,
             "a file written by python -m sglang_hs.launch.calibrate_channels",
         )
+        _require(self.shared_prefix_decode in ("off", "on"), cli_flag("shared_prefix_decode"),
+                 self.shared_prefix_decode, "'off' or 'on'")  # fmt: skip
         names = self.kernels.split(",")
         _require(
             self.kernels == "none" or (len(set(names)) == len(names) and set(names) <= set(KERNELS)),
@@ -126,6 +132,8 @@ class HieraSparseConfig:
             self.kernels,
             f"'none' or a comma list of distinct names from {list(KERNELS)}",
         )
+        _require(self.shared_prefix_decode == "off" or self.uses_kernel("decode"), cli_flag("shared_prefix_decode"),
+                 self.shared_prefix_decode, "'off' unless --hierasparse-kernels includes decode")  # fmt: skip
 
     def uses_kernel(self, name: str) -> bool:
         """Whether the TileLang kernel ``name`` (one of ``KERNELS``) is enabled by the settings."""

@@ -123,6 +123,7 @@ _FLAG_HELP = {
     "dense_backend": "SGLang backend that attends over the dense tokens.",
     "kernels": "TileLang kernels to use (decode,extend,compress); 'none' runs the PyTorch paths.",
     "k_channel_order": "K channel order file (python -m sglang_hs.launch.calibrate_channels); makes 2:4 K keep retrieval.",
+    "shared_prefix_decode": "'on': requests of a decode batch that share a prefix read it once per group.",
 }
 
 

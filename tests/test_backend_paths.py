@@ -138,12 +138,13 @@ class RecordingDecodeKernel:
         self.batches = []
 
     def __call__(self, q, *args):
-        out = args[-3]
+        out, lse = args[-3], args[-2]
         self.batches.append(q.shape[0])
         out.fill_(1.0)
+        lse.fill_(0.0)
 
 
-def decode_backend(monkeypatch, built: dict):
+def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off"):
     from sglang_hs.config import HieraSparseConfig
     from sglang_hs.kernels import decode
 
@@ -156,8 +157,9 @@ def decode_backend(monkeypatch, built: dict):
     backend = make_backend(None)
     pool = backend.token_to_kv_pool
     pool.__dict__.update(head_num=HKV, head_dim=D, dtype=torch.float16, device=torch.device("cpu"))
-    backend.__dict__.update(use_decode_kernel=True, q_heads=HQ, max_blocks=8, config=HieraSparseConfig(),
-                            _decode_plan_obj=None)  # fmt: skip
+    backend.__dict__.update(use_decode_kernel=True, q_heads=HQ, max_blocks=8, _decode_plan_obj=None, _graph_step=None,
+                            config=HieraSparseConfig(shared_prefix_decode=shared_prefix_decode),
+                            shared_prefix_decode=shared_prefix_decode == "on")  # fmt: skip
     return backend
 
 
@@ -189,6 +191,38 @@ def test_every_decode_batch_size_shares_one_plan_and_one_kernel(monkeypatch):
                                  save_kv_cache=False)
     assert out.shape == (300, HQ * D) and bool((out == 1).all())
     assert list(built) == [(HQ, HKV, D, 64, "float16", 2)]
+
+
+def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
+    """CPU, with recording kernels: with --hierasparse-shared-prefix-decode on, the decode plan is the
+    shared-prefix one; every captured batch size's step tables are views of buffers allocated once (the
+    addresses a graph captured), requests sharing a row are grouped, and a layer launches the shared
+    pass (over column sets) and the own pass (over requests) with the two shapes' kernels."""
+    from sglang_hs.kernels.decode_shared import SharedPrefixDecode, fold_of, shared_kernel_shape
+
+    built = {}
+    backend = decode_backend(monkeypatch, built, shared_prefix_decode="on")
+    backend.init_cuda_graph_state(16, 16)
+    plan = backend._decode_plan_obj
+    assert isinstance(plan, SharedPrefixDecode) and plan.batch_size == 16
+    addresses = None
+    for bs in (2, 4, 16):
+        backend.init_forward_metadata_out_graph(decode_batch(bs))
+        step = backend.forward_metadata.decode_step
+        assert step.own_table.shape == (bs, 8) and step.members.shape == (plan.max_sets, fold_of(HQ, HKV))
+        # Requests r and r + 2 read the same row: from 4 requests on every one is in a column set.
+        assert bool((step.pick >= 0).all()) == (bs >= 4) and bool((step.pick < 0).all()) == (bs < 4)
+        now = [t.data_ptr() for t in (step.members, step.shared_table, step.own_table, step.pick)]
+        assert addresses is None or now == addresses
+        addresses = now
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=HQ, head_dim=D, v_head_dim=D, scaling=0.125)
+    out = backend.forward_decode(torch.zeros(16, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(16),
+                                 save_kv_cache=False)  # fmt: skip
+    assert out.shape == (16, HQ * D) and bool((out == 1).all())
+    shared_heads, _ = shared_kernel_shape(HQ, HKV)
+    assert sorted(key[0] for key in built) == sorted([HQ, shared_heads])
+    shared_kernel = built[next(key for key in built if key[0] == shared_heads)]
+    assert shared_kernel.batches == [plan.max_sets]
 
 
 def test_start_up_compiles_the_kernels_the_settings_use(monkeypatch):

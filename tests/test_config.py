@@ -25,6 +25,8 @@ from sglang_hs.config import ENV_VAR, HieraSparseConfig, HieraSparseConfigError
         ({"kernels": "decode,prefill"}, "--hierasparse-kernels"),
         ({"kernels": "decode,decode"}, "--hierasparse-kernels"),
         ({"kernels": ""}, "--hierasparse-kernels"),
+        ({"shared_prefix_decode": "yes"}, "--hierasparse-shared-prefix-decode"),
+        ({"shared_prefix_decode": "on", "kernels": "extend,compress"}, "--hierasparse-shared-prefix-decode"),
     ],
 )
 def test_bad_setting_names_flag_and_allowed_values(values, flag):

@@ -31,6 +31,10 @@ def test_model_jobs_do_not_depend_on_batch_or_context():
     assert [kind for kind, _ in server] == ["decode", "extend", "extend", "pack"]
     assert {args[5] for kind, args in server if kind == "extend"} == {"n64", "n128"}
     assert [kind for kind, _ in J.model_jobs(9, 3, 64, "float16")] == ["pack", "loss", "loss"]  # GQA 3
+    # Shared-prefix decode adds the 16-column decode kernel (at d 128 with index maps of 64 blocks).
+    shared = J.model_jobs(32, 8, 128, "float16", shared_decode=True)
+    assert shared[:2] == [("decode", (32, 8, 128, 64, "float16", 2)), ("decode", (128, 8, 128, 64, "float16", 2, 64))]
+    assert J.model_jobs(16, 2, 64, "float16", shared_decode=True)[1] == ("decode", (32, 2, 64, 64, "float16", 2))
 
 
 def test_job_arguments_are_the_builders_cache_keys(monkeypatch):
@@ -48,7 +52,7 @@ def test_job_arguments_are_the_builders_cache_keys(monkeypatch):
     for builder in (decode.build_decode_kernel, extend.build_extend_kernel, compress.build_pack_kernel,
                     compress.build_loss_kernel):
         builder.cache_clear()
-    jobs = J.model_jobs(4, 1, 64, "bfloat16")
+    jobs = J.model_jobs(4, 1, 64, "bfloat16") + J.model_jobs(32, 8, 128, "float16", shared_decode=True)[1:2]
     for job in jobs:
         J.build(job)
     assert seen == jobs
