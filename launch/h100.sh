@@ -33,7 +33,9 @@
 # KORDER=1 runs the tiny step with a K channel order calibrated on the tiny model (file names get
 # _korder); KORDER=FILE gives the quality step's hierasparse servers that K channel order. HICACHE=1 runs
 # the tiny step with --enable-hierarchical-cache and the shared prompt pushed out of the GPU between its
-# two chat rounds (_hicache). PORT (30000) lets steps run side by side, one GPU each (CUDA_VISIBLE_DEVICES).
+# two chat rounds (_hicache). SHARED=1 gives the tiny and prefix steps' hierasparse servers
+# --hierasparse-shared-prefix-decode on (_shared). PORT (30000) lets steps run side by side, one GPU
+# each (CUDA_VISIBLE_DEVICES).
 # TP=N runs the tiny and prefix steps with --tp-size N (the tiny step then writes
 # server_check_s0_kernels_tp2_GPU.json; GPU is h100 or h200). The prefix step also takes MEM (--mem-fraction-static, 0.85),
 # CONTEXT (prefix tokens, 8192), OUTLEN (output tokens, 64), PPG (questions per group, 8), HICACHE_GB
@@ -58,6 +60,7 @@ context=${CONTEXT:-8192}
 ctxlen=$(( context > 15360 ? context + 1024 : 16384 ))
 PREFIX_ARGS=(--server-arg=--context-length=$ctxlen --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64
              --server-arg=--hierasparse-dense-backend=${HS_DENSE:-triton} --tp-size=${TP:-1})
+[ "${SHARED:-0}" = 1 ] && PREFIX_ARGS+=(--server-arg=--hierasparse-shared-prefix-decode=on)
 tp_tag=""
 [ "${TP:-1}" = 1 ] || tp_tag="_tp${TP}"
 # File names say which GPU ran them (h100, h200); the kernel benchmark names its own files.
@@ -77,9 +80,13 @@ case "$step" in
     python3 -m sglang_hs.kernels.bench --kernel compress --merge "$out/kernels_h100.json" --out "$out" | tail -6
     ;;
   decode)
-    python3 -m sglang_hs.kernels.decode --jobs 8 | tail -1
-    timeout 300 python3 -m pytest -q -m gpu tests/test_kernels_decode.py 2>&1 | tee "$out/gpu_tests_decode.log" | tail -3
+    python3 -m sglang_hs.kernels.decode --jobs 8 | tail -1 & python3 -m sglang_hs.kernels.decode_shared --jobs 3 | tail -1 & wait
+    timeout 300 python3 -m pytest -q -m gpu tests/test_kernels_decode.py tests/test_decode_shared.py 2>&1 |
+        tee "$out/gpu_tests_decode.log" | tail -3
     timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --out "$out" | tail -4
+    # 16 requests over 6 shared prefixes: the per-request kernel and the shared-prefix decode
+    timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --layouts natural --batch 16 --groups 6 \
+        --out "$out/shared" | tail -4
     ;;
   cold_start)
     model=${3:-tiny}
@@ -112,6 +119,10 @@ case "$step" in
       tp_tag="${tp_tag}_korder"
     fi
     mem=0.3
+    if [ "${SHARED:-0}" = 1 ]; then  # decode batches grouped by shared prefix (--hierasparse-shared-prefix-decode)
+      korder+=(--hs-arg=--hierasparse-shared-prefix-decode=on)
+      tp_tag="${tp_tag}_shared"
+    fi
     if [ "${HICACHE:-0}" = 1 ]; then  # a small GPU pool, filled 3x between the chat rounds: round 2 loads from the host tier
       korder+=(--hs-arg=--enable-hierarchical-cache --hs-arg=--hicache-size=16 --prompt-words 3000 --evict-between-rounds 3)
       mem=0.05
