@@ -93,18 +93,19 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     (``seq_len // block_size``) minus ``min_own_blocks`` (the benchmark keeps 1, standing in for a
     request's own question and generated tokens). Members are cut, in batch order, into column sets of
     ``fold``; a set of one, a group sharing fewer than ``min_shared_blocks`` blocks, and sets beyond
-    ``max_sets`` stay out (their requests read everything in the own pass). ``seq_lens`` of 0 are
-    padding requests."""
+    ``max_sets`` stay out (their requests read everything in the own pass), and so does a request
+    with fewer than ``min_shared_blocks`` blocks to share (padding requests included)."""
     device = block_table.device
     bs, width = block_table.shape
     lens = seq_lens.long()
     idx = torch.arange(bs, device=device)
     first = block_table[:, 0]
-    valid = lens > 0
+    # Leading columns a request may share: its full blocks minus the ones it keeps. A request too short
+    # to share (a CUDA graph's padding rows among them) joins no group, so it cannot cut a group's run.
+    limit = (lens // block_size - min_own_blocks).clamp(min=0)
+    valid = limit >= max(min_shared_blocks, 1)
     same = (first[:, None] == first[None, :]) & valid[:, None] & valid[None, :]
     leader = torch.where(valid, same.int().argmax(1), idx)  # the group's first request
-    # Leading columns each request shares with its leader, within its full blocks minus the ones kept.
-    limit = (lens // block_size - min_own_blocks).clamp(min=0)
     columns = torch.arange(width, device=device)[None, :]
     equal = (block_table == block_table[leader]) & (columns < limit[:, None])
     common = equal.int().cumprod(1).sum(1)

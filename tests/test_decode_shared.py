@@ -64,7 +64,7 @@ def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_s
         return PrefixGroups([], [], [0] * table.shape[0])
     by_first: dict[int, list[int]] = {}
     for r in range(table.shape[0]):
-        if seq_lens[r] > 0:
+        if seq_lens[r] // block_size - min_own_blocks >= max(min_shared_blocks, 1):  # long enough to share
             by_first.setdefault(int(table[r, 0]), []).append(r)
     sets, shared_blocks, own_start = [], [], [0] * table.shape[0]
     for members in by_first.values():
@@ -228,6 +228,15 @@ def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks):
         assert step.own_lens.tolist() == [n - s * B for n, s in zip(lens, want["own_start"])]
         for r, start in enumerate(want["own_start"]):
             assert step.own_table[r, : table.shape[1] - start].tolist() == table[r, start:].tolist()
+
+
+def test_a_short_request_does_not_cut_its_groups_run():
+    """A CUDA graph pads a batch with requests of length 1 that may share the first entry of a real
+    group: they join no group, so the group still shares its whole run."""
+    table = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 9, 9]], dtype=torch.int32)
+    step = step_tables(table, torch.tensor([3 * B, 3 * B, 1], dtype=torch.int32), B, 4, max_sets=1)
+    assert step.members.tolist() == [[0, 1, -1, -1]] and step.shared_lens.tolist() == [3 * B]
+    assert step.own_lens.tolist() == [0, 0, 1]
 
 
 def test_sets_beyond_max_sets_fall_back_to_the_own_pass():
