@@ -24,8 +24,8 @@ Grouping runs on the GPU once per decode step (:func:`step_tables`): requests wh
 entries are equal share a radix-tree path; the shared part is the run of leading block-table columns
 equal for all of them, full blocks only. Every tensor has a shape fixed by the batch size (``max_sets``
 column sets, padded with empty sets) and nothing is read back to the host, so a step can be captured
-in a CUDA graph. ``sglang_hs.reference.paged_attention`` over each request's whole
-block table is the oracle (``tests/test_decode_shared.py``).
+in a CUDA graph. ``sglang_hs.reference.paged_attention`` over each request's whole block table is
+the oracle (``tests/test_decode_shared.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def fold_of(q_heads: int, kv_heads: int) -> int:
     return max(1, FOLD_COLUMNS // (q_heads // kv_heads))
 
 
-GPU_SHAPES = [(32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (8, 2, 64, "float16")]
+GPU_SHAPES = ((32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (8, 2, 64, "float16"))
 """The model shapes (q_heads, kv_heads, head_dim, dtype) of the GPU tests; their own-pass kernels are
 :data:`sglang_hs.kernels.decode.PRECOMPILE` entries, their shared-pass kernels (``Hkv * 16`` query
 heads) are compiled by ``python -m sglang_hs.kernels.decode_shared [--jobs N]``."""
@@ -60,7 +60,7 @@ def shared_kernel_shape(q_heads: int, kv_heads: int) -> tuple[int, int]:
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """``[bs, Hq, D]`` attention over the union of two disjoint KV sets from each set's output and
     natural-log LSE ``[bs, Hq]`` (``-inf``: an empty set, weight 0). In ``out_a``'s dtype. The
-    PyTorch form of :func:`_merge_kernel` (used off the GPU)."""
+    PyTorch form of the Triton kernel of :func:`_merge_kernel_factory` (used off the GPU)."""
     top = torch.maximum(lse_a, lse_b).clamp(min=torch.finfo(torch.float32).min)  # both -inf: weights 0
     wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)
     total = (wa + wb).clamp(min=torch.finfo(torch.float32).tiny)
