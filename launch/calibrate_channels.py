@@ -70,7 +70,7 @@ def calibrate(model_path: str, texts: list[str], chunks: int, chunk_tokens: int,
     """The K channel order of the checkpoint at ``model_path`` over ``chunks`` windows of ``texts``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sglang_hs.launch.eval_quality import CalibrationCapture, register_capture_attention
+    from sglang_hs.launch.quality_reference import CalibrationCapture, register_capture_attention
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(

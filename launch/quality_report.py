@@ -7,10 +7,12 @@ import dataclasses
 import json
 import math
 import os
+import time
 from typing import Any
 
 from sglang_hs.format import SAVING_PER_SPARSE_SIDE
-from sglang_hs.launch.quality_inputs import TASKS, MissingInput, PrefixGeometry, Setting, setting_from_name
+from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry, Question, Sample, Setting,
+                                             score_answer, setting_from_name)  # fmt: skip
 from sglang_hs.plotting import pyplot
 
 
@@ -301,3 +303,31 @@ def save_run(stem: str, meta: dict, settings: list[Setting], rows: list[dict], r
     report = write_report(stem, meta, rows)
     print(report, flush=True)
     print(f"[eval] wrote {stem}.json, .md, .png in {meta['seconds'] / 60:.1f} min", flush=True)
+
+
+# ===================================================================================== progress and records
+class Progress:
+    """Console progress of an evaluation: done / total and the time left."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.done, self.start = max(1, total), label, 0, time.time()
+
+    def step(self, what: str, n: int = 1) -> None:
+        self.done += n
+        elapsed = time.time() - self.start
+        eta = elapsed / self.done * (self.total - self.done)
+        print(f"[{self.label}] {self.done}/{self.total} {what} | {elapsed:.0f} s elapsed, ~{eta:.0f} s left", flush=True)
+
+
+def needle_record(setting: Setting, sample: Sample, qi: int, question: Question, text: str, agrees: bool,
+                  geometry: PrefixGeometry, stats: dict | None = None) -> dict:  # fmt: skip
+    blocks = geometry.compressed_blocks(len(sample.prefix_ids), geometry.node_end(len(sample.prefix_ids)))
+    lo, hi = blocks.start * geometry.block, blocks.stop * geometry.block
+    return {
+        "kind": "needle", "setting": setting.name, "task": sample.task, "length": sample.length,
+        "sample": sample.index, "question": qi, "prefix_tokens": len(sample.prefix_ids),
+        "depths": [round(d, 3) for d in question.depths],
+        "in_compressed": all(lo <= s and e <= hi for s, e in question.needle_tokens),
+        "answers": question.answers, "output": text, "score": score_answer(text, question.answers),
+        "agrees_with_dense": agrees, **(stats or {}),
+    }  # fmt: skip

@@ -121,7 +121,7 @@ def kv_stats(blocks: range, sparse: tuple[torch.Tensor, torch.Tensor] | None, ro
 
 class VariantKV:
     """The reference backend's K/V for variant settings (mixed into
-    :class:`sglang_hs.launch.eval_quality.ReferenceBackend`, whose model, geometry, store and
+    :class:`sglang_hs.launch.quality_reference.ReferenceBackend`, whose model, geometry, store and
     ``_compress`` / ``_all_sparse`` / ``_slots`` it uses), and the head calibration."""
 
     head_scores: head_map.HeadScores | None

@@ -17,6 +17,8 @@ import torch
 from conftest import write_essays
 
 from sglang_hs.launch import eval_quality as eq
+from sglang_hs.launch import quality_reference as qref
+from sglang_hs.launch import quality_server as qsrv
 from sglang_hs.launch import quality_inputs as qi
 from sglang_hs.launch import quality_report as qr
 from sglang_hs.pools import CompressedStore, StoreCapacity, compress_prefix
@@ -34,12 +36,12 @@ def corpus_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model) -> eq.ReferenceBackend:
-    return eq.ReferenceBackend(tiny_model, GEOMETRY)
+def backend(tiny_model) -> qref.ReferenceBackend:
+    return qref.ReferenceBackend(tiny_model, GEOMETRY)
 
 
 @pytest.fixture(scope="module")
-def prefix_state(backend) -> eq.PrefixState:
+def prefix_state(backend) -> qref.PrefixState:
     torch.manual_seed(0)
     ids = torch.randint(5, 1000, (700,)).tolist()
     return backend.prefix_state(ids, GEOMETRY.reused(700, 700), calibrate=True)
@@ -88,7 +90,7 @@ def test_calibration_scales_match_a_direct_computation():
     torch.manual_seed(0)
     heads, group, width, length, dim, scaling = 3, 3, 40, 100, 16, 0.25
     q, k = torch.randn(heads * group, width, dim), torch.randn(heads, length, dim)
-    k_scale, v_scale = eq.calibration_scales(q, k, scaling)
+    k_scale, v_scale = qref.calibration_scales(q, k, scaling)
     qq = q.reshape(heads, group, width, dim)
     probs = torch.zeros(heads, group, width, length)
     for i in range(width):  # query i sits at position length - width + i
@@ -120,7 +122,7 @@ def test_read_back_equals_the_reference_decompression_and_attention():
     store = cpu_store(4)
     vbs = compress_prefix(store, make_pruner("magnitude"), k, v, slots, [(torch.ones(4, dtype=torch.bool), 0.5, 0.5)])
     assert (store.k_index[:, vbs] < 0).any() and (store.v_index[:, vbs] >= 0).any()  # a real mix
-    back = eq.read_back(store, vbs)
+    back = qref.read_back(store, vbs)
     for layer in range(3):
         empty = k[layer][:0]
         seq = CompressedSequence(store.layer_pools(layer), store.k_index[:, vbs], store.v_index[:, vbs], empty, empty)
@@ -256,7 +258,7 @@ def test_cli_names_the_fix_for_missing_inputs(tiny_model, tmp_path, monkeypatch,
 def test_server_flags_are_valid_hierasparse_settings(tiny_model):
     from sglang_hs.config import HieraSparseConfig
 
-    server = eq.ServerBackend(tiny_model, qi.PrefixGeometry(64, 64, 256), 30000, "triton", ["--mem-fraction-static", "0.5"],
+    server = qsrv.ServerBackend(tiny_model, qi.PrefixGeometry(64, 64, 256), 30000, "triton", ["--mem-fraction-static", "0.5"],
                               "/tmp/x", top_k=20, max_len=4096)  # fmt: skip
     dense = server.launch_args(qi.Setting("dense"))
     assert dense[:2] == ["--attention-backend", "triton"] and "--page-size" in dense and "0.5" in dense
@@ -278,10 +280,10 @@ def test_coarse_kl_is_a_lower_bound_of_the_full_kl():
     top = logp.topk(10).indices.tolist()
     p = {t: float(logp[t]) for t in top}
     q = {t: float(logq[t]) for t in top}
-    assert eq.coarse_kl(p, p) == 0.0
-    assert 0 < eq.coarse_kl(p, q) <= full + 1e-9
+    assert qsrv.coarse_kl(p, p) == 0.0
+    assert 0 < qsrv.coarse_kl(p, q) <= full + 1e-9
     every = {t: float(logp[t]) for t in range(50)}
-    assert abs(eq.coarse_kl(every, {t: float(logq[t]) for t in range(50)}) - full) < 1e-6
+    assert abs(qsrv.coarse_kl(every, {t: float(logq[t]) for t in range(50)}) - full) < 1e-6
 
 
 # ------------------------------------------------------------------------------------------ real inputs
@@ -309,9 +311,9 @@ def test_prompts_longer_than_the_server_takes_are_refused(monkeypatch):
     monkeypatch.setattr(server_module, "http_json", lambda url, *a, **k: {"max_req_input_len": 100})
     stand_in = type("Server", (), {"base_url": "http://127.0.0.1:1"})()
     fits = [qi.Window(128, 0, list(range(80)), list(range(20)))]
-    eq.check_prompt_lengths(stand_in, [], fits)
+    qsrv.check_prompt_lengths(stand_in, [], fits)
     with pytest.raises(qi.MissingInput, match="101 tokens, the server takes 100"):
-        eq.check_prompt_lengths(stand_in, [], [qi.Window(128, 0, list(range(81)), list(range(20)))])
+        qsrv.check_prompt_lengths(stand_in, [], [qi.Window(128, 0, list(range(81)), list(range(20)))])
 
 
 def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, corpus_dir, tmp_path):
@@ -324,15 +326,15 @@ def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, corpus
     data = json.loads((tmp_path / "quality_all.json").read_text())
     assert data["meta"]["decode_select"] == "mass:1"
     assert all(r["agrees_with_dense"] for r in data["records"] if r["setting"] == "magnitude:sk=0,sv=0")
-    selection = eq.DecodeSelection("topk:1", 64, 64 * 5, 64, [False, True])
+    selection = qref.DecodeSelection("topk:1", 64, 64 * 5, 64, [False, True])
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 2, 400, 16, generator=g)
     keep = selection.key_mask(q, k, 0.25)
     assert keep[0].all() and keep[1, :, 0, :64].all() and keep[1, :, 0, 320:].all()
     assert (keep[1, :, 0, 64:320].sum(-1) == 64).all()  # one block of four per KV head
-    exact = eq.DecodeSelection("exact:2", 64, 64 * 5, 64, [True, False]).key_mask(q, k, 0.25)
+    exact = qref.DecodeSelection("exact:2", 64, 64 * 5, 64, [True, False]).key_mask(q, k, 0.25)
     assert (exact[0, :, 0, 64:320].sum(-1) == 128).all() and exact[1].all()
-    anchors = eq.DecodeSelection("anchor:2:2", 64, 64 * 5, 64, [True, False])
+    anchors = qref.DecodeSelection("anchor:2:2", 64, 64 * 5, 64, [True, False])
     first = anchors.key_mask(q, k, 0.25, layer=0)
     assert torch.equal(first, exact) and torch.equal(anchors.key_mask(-q, k, 0.25, layer=1), first)  # reused
     assert not torch.equal(anchors.key_mask(-q, k, 0.25, layer=2), first)  # a new anchor chooses again

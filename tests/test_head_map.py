@@ -17,6 +17,7 @@ from conftest import write_essays
 from sglang_hs import head_map as hm
 from sglang_hs.channel_order import ChannelOrder
 from sglang_hs.launch import eval_quality as eq
+from sglang_hs.launch import quality_reference as qref
 from sglang_hs.launch import quality_inputs as qi
 from sglang_hs.launch import quality_report as qr
 from sglang_hs.launch import quality_variants as qv
@@ -168,8 +169,8 @@ def corpus_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def calibrated(tiny_model, corpus_dir) -> eq.ReferenceBackend:
-    backend = eq.ReferenceBackend(tiny_model, GEOMETRY)
+def calibrated(tiny_model, corpus_dir) -> qref.ReferenceBackend:
+    backend = qref.ReferenceBackend(tiny_model, GEOMETRY)
     backend.calibrate(qv.load_calibration_texts(corpus_dir), TINY_SPEC)
     return backend
 
