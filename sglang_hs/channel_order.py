@@ -1,4 +1,4 @@
-"""K channel order: a calibrated permutation of head_dim per (layer, KV head) that makes 2:4 K usable.
+"""K channel order: a calibrated permutation of head_dim per (layer, KV head) that makes 2:4 K lose less.
 
 Magnitude 2:4 keeps the two largest of every four *consecutive* channels of a key. RoPE puts channels
 of similar frequency side by side, and a head's energy sits in a few of them (the slow rotation
@@ -6,7 +6,8 @@ pairs), so in natural order a group often holds two or three large channels and 
 SmolLM2 K pruning at S_K = 1 then loses retrieval (needles 0.58 -> 0.05) and KL grows fivefold. A
 permutation that gives every group of four one channel from each quarter of the channels ranked by
 importance (``E[k_c^2] * E[q_c^2]``, measured on calibration text) never has to drop a large channel
-for another; with it S_K = 1 costs about what S_V = 1 alone costs (``docs/quality.md``).
+for another. With it S_K = 1 keeps about S_V = 1's fidelity (KL) on SmolLM2, but retrieval still
+drops on some question sets (needles 0.35 against 0.52 through servers; ``docs/quality.md``).
 
 Permuting the channels of q and k alike leaves every score ``q . k`` unchanged, so the server applies
 the order to q and k as they enter the attention backend (after RoPE, before the KV cache write): the

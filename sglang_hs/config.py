@@ -67,7 +67,7 @@ class HieraSparseConfig:
     """TileLang kernels to use (comma list); ``none`` runs every compressed path in PyTorch."""
     k_channel_order: str = ""
     """File of a calibrated permutation of head_dim per (layer, KV head) applied to q and k (see
-    ``sglang_hs.channel_order``), so that 2:4 K keeps retrieval; empty: natural order."""
+    ``sglang_hs.channel_order``), so that 2:4 K drops fewer large channels; empty: natural order."""
     shared_prefix_decode: str = "off"
     """``on``: decode batches whose requests share leading blocks read them once per group of requests
     (``sglang_hs.kernels.decode_shared``); needs the decode kernel. ``off``: every request reads its

@@ -122,7 +122,7 @@ _FLAG_HELP = {
     "host_store_fraction": "With --enable-hierarchical-cache: share of the host tier given to compressed blocks.",
     "dense_backend": "SGLang backend that attends over the dense tokens.",
     "kernels": "TileLang kernels to use (decode,extend,compress); 'none' runs the PyTorch paths.",
-    "k_channel_order": "K channel order file (python -m sglang_hs.launch.calibrate_channels); makes 2:4 K keep retrieval.",
+    "k_channel_order": "K channel order file (python -m sglang_hs.launch.calibrate_channels); 2:4 K loses less with it.",
     "shared_prefix_decode": "'on': requests of a decode batch that share a prefix read it once per group.",
 }
 
