@@ -114,7 +114,8 @@ class DecodeSelection:
     ``rows`` of a batch: a decode step reads the compressible prefix blocks ``[lo, hi)`` (token
     positions) that ``rule`` picks per KV head, and every other position in full."""
 
-    rule: str  # "topk:K" (K blocks by key-bound score), "exact:K" (by exact mass) or "mass:TAU" (estimated mass)
+    rule: str  # "topk:K" (K blocks by key-bound score), "exact:K" (by exact mass), "pooled:K" (exact mass summed
+    #            over the KV heads, one choice for all), "anchor:K:S" or "mass:TAU" (estimated mass)
     lo: int
     hi: int
     block: int
@@ -146,6 +147,9 @@ class DecodeSelection:
             if kind == "exact":  # the oracle of top-k: each layer's exact block masses (Kascade measures them on anchors)
                 mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
                 chosen = block_select.select_topk(mass, int(value), none)
+            elif kind == "pooled":  # the same top-k for every KV head (a per-request block table can say it)
+                mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
+                chosen = block_select.select_topk(mass.sum(0, keepdim=True), int(value), none).expand(heads, n)
             else:
                 kmin, kmax = block_select.key_bounds(region, self.block)
                 scores = block_select.bound_scores(query[row, :, 0], kmin, kmax, scaling)
@@ -156,7 +160,8 @@ class DecodeSelection:
 
 
 def parse_decode_select(rule: str | None) -> str | None:
-    """``topk:K`` / ``exact:K`` (K >= 1) or ``mass:TAU`` (0 < TAU <= 1); ValueError with one line otherwise."""
+    """``topk:K`` / ``exact:K`` / ``pooled:K`` (K >= 1), ``anchor:K:S`` or ``mass:TAU`` (0 < TAU <= 1);
+    ValueError with one line otherwise."""
     if rule is None:
         return None
     kind, _, value = rule.partition(":")
@@ -165,11 +170,11 @@ def parse_decode_select(rule: str | None) -> str | None:
             k, stride = value.split(":")
             ok = int(k) >= 1 and int(stride) >= 1
         else:
-            ok = (kind in ("topk", "exact") and int(value) >= 1) or (kind == "mass" and 0 < float(value) <= 1)
+            ok = (kind in ("topk", "exact", "pooled") and int(value) >= 1) or (kind == "mass" and 0 < float(value) <= 1)
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"--decode-select {rule!r}: expected topk:K, exact:K, anchor:K:STRIDE or mass:TAU (0 < TAU <= 1)")
+        raise ValueError(f"--decode-select {rule!r}: expected topk:K, exact:K, pooled:K, anchor:K:STRIDE or mass:TAU (0 < TAU <= 1)")
     return rule
 
 
