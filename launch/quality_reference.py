@@ -115,7 +115,7 @@ class DecodeSelection:
     positions) that ``rule`` picks per KV head, and every other position in full."""
 
     rule: str  # "topk:K" (K blocks by key-bound score), "exact:K" (by exact mass), "pooled:K" (exact mass summed
-    #            over the KV heads, one choice for all), "anchor:K:S" or "mass:TAU" (estimated mass)
+    #            over the KV heads, one choice for all), "anchor:K:S" / "panchor:K:S" (pooled) or "mass:TAU"
     lo: int
     hi: int
     block: int
@@ -137,9 +137,11 @@ class DecodeSelection:
                 continue
             region = key[row, :, self.lo : self.hi].transpose(0, 1)  # [n*B, H, D]
             none = torch.zeros(n, dtype=torch.bool)
-            if kind == "anchor":
+            if kind in ("anchor", "panchor"):
                 if layer % int(rest[0]) == 0:
                     mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
+                    if kind == "panchor":  # pooled over the KV heads: one choice, no head mapping to reuse it
+                        mass = mass.sum(0, keepdim=True).expand(heads, n)
                     self.anchor_choice[row] = block_select.select_topk(mass, int(value), none)
                 chosen = self.anchor_choice[row]
                 keep[row, :, 0, self.lo : self.hi] = chosen.repeat_interleave(self.block, dim=-1)
@@ -160,13 +162,14 @@ class DecodeSelection:
 
 
 def parse_decode_select(rule: str | None) -> str | None:
-    """``topk:K`` / ``exact:K`` / ``pooled:K`` (K >= 1), ``anchor:K:S`` or ``mass:TAU`` (0 < TAU <= 1);
+    """``topk:K`` / ``exact:K`` / ``pooled:K`` (K >= 1), ``anchor:K:S`` / ``panchor:K:S`` or ``mass:TAU``
+    (0 < TAU <= 1);
     ValueError with one line otherwise."""
     if rule is None:
         return None
     kind, _, value = rule.partition(":")
     try:
-        if kind == "anchor":
+        if kind in ("anchor", "panchor"):
             k, stride = value.split(":")
             ok = int(k) >= 1 and int(stride) >= 1
         else:
@@ -174,7 +177,7 @@ def parse_decode_select(rule: str | None) -> str | None:
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"--decode-select {rule!r}: expected topk:K, exact:K, pooled:K, anchor:K:STRIDE or mass:TAU (0 < TAU <= 1)")
+        raise ValueError(f"--decode-select {rule!r}: expected topk:K, exact:K, pooled:K, anchor:K:STRIDE, panchor:K:STRIDE or mass:TAU (0 < TAU <= 1)")
     return rule
 
 

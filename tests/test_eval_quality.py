@@ -340,4 +340,7 @@ def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, corpus
     assert not torch.equal(anchors.key_mask(-q, k, 0.25, layer=2), first)  # a new anchor chooses again
     pooled = qref.DecodeSelection("pooled:2", 64, 64 * 5, 64, [True, False]).key_mask(q, k, 0.25)
     assert (pooled[0, :, 0, 64:320].sum(-1) == 128).all() and torch.equal(pooled[0, 0], pooled[0, 1])  # one choice
+    panchors = qref.DecodeSelection("panchor:2:2", 64, 64 * 5, 64, [True, False])
+    assert torch.equal(panchors.key_mask(q, k, 0.25, layer=0), pooled)
+    assert torch.equal(panchors.key_mask(-q, k, 0.25, layer=1), pooled)  # reused by the next layer
     assert eq.main([*common, "--decode-select", "topk:0"]) == 2
