@@ -365,13 +365,19 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     return main
 
 
-@functools.lru_cache(maxsize=None)
-def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES, target=None,
-                        split_capacity=SPLIT_CAPACITY):  # fmt: skip
-    """Compile (or load from TileLang's cache) the kernel of one model shape. Needs TileLang, not a GPU."""
+def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
+                       split_capacity=SPLIT_CAPACITY) -> tuple:  # fmt: skip
+    """The arguments that key a decode kernel in TileLang's cache (and a compile job): the shape, and
+    the split capacity only where it is not the default (so the default kernels keep their keys)."""
     args = (q_heads, kv_heads, head_dim, block_size, dtype, stages)
-    if split_capacity != SPLIT_CAPACITY:
-        args += (split_capacity,)
+    return args + (split_capacity,) if split_capacity != SPLIT_CAPACITY else args
+
+
+@functools.lru_cache(maxsize=None)
+def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
+                        split_capacity=SPLIT_CAPACITY, target=None):  # fmt: skip
+    """Compile (or load from TileLang's cache) the kernel of one model shape. Needs TileLang, not a GPU."""
+    args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity)
     return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target)
 
 

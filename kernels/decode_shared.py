@@ -52,9 +52,13 @@ GPU_SHAPES = ((32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (8, 2, 64, "flo
 heads) are compiled by ``python -m sglang_hs.kernels.decode_shared [--jobs N]``."""
 
 
-def shared_kernel_shape(q_heads: int, kv_heads: int) -> tuple[int, int]:
-    """(query heads, KV heads) of the shared pass's decode kernel for a model shape."""
-    return kv_heads * fold_of(q_heads, kv_heads) * (q_heads // kv_heads), kv_heads
+def shared_kernel_spec(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, split capacity) of the shared pass's decode kernel for a model shape:
+    ``Hkv * fold * G`` query heads, and index maps small enough for two CTAs an SM."""
+    from sglang_hs.kernels.decode import fitting_split_capacity
+
+    shared_heads = kv_heads * fold_of(q_heads, kv_heads) * (q_heads // kv_heads)
+    return shared_heads, kv_heads, fitting_split_capacity(shared_heads, kv_heads, head_dim, block_size, stages)
 
 
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
@@ -185,10 +189,9 @@ class SharedPrefixDecode:
         self.max_sets = max_sets or max(1, batch_size // 2)
         self.merge_kernel = None
         if plans is None:
-            from sglang_hs.kernels.decode import STAGES, HieraSparseDecode, fitting_split_capacity
+            from sglang_hs.kernels.decode import STAGES, HieraSparseDecode
 
-            shared_heads, _ = shared_kernel_shape(q_heads, kv_heads)
-            capacity = fitting_split_capacity(shared_heads, kv_heads, head_dim, block_size, STAGES)
+            shared_heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, STAGES)
             plans = (HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
                                        device, split_capacity=capacity),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device))  # fmt: skip
@@ -246,11 +249,11 @@ class SharedPrefixDecode:
 
 
 def _precompile_one(cfg):
-    from sglang_hs.kernels.decode import STAGES, build_decode_kernel, fitting_split_capacity
+    from sglang_hs.kernels.decode import STAGES, build_decode_kernel
 
     hq, hkv, d, dt = cfg
-    shape = shared_kernel_shape(hq, hkv)
-    build_decode_kernel(*shape, d, 64, dt, STAGES, split_capacity=fitting_split_capacity(*shape, d, 64, STAGES))
+    heads, kv_heads, capacity = shared_kernel_spec(hq, hkv, d, 64, STAGES)
+    build_decode_kernel(heads, kv_heads, d, 64, dt, STAGES, split_capacity=capacity)
     return cfg
 
 

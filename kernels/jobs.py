@@ -43,20 +43,18 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
     without 2:4 K rows as ``extend_k_sparse`` lists (empty: none), the pack kernel (``compress``) and
     the loss kernels of ``loss_operands``. A GQA group the attention kernels do not take gets the
     compressor's kernels only."""
-    from sglang_hs.kernels.decode import SPLIT_CAPACITY, fitting_split_capacity
     from sglang_hs.kernels.decode import STAGES as DECODE_STAGES
-    from sglang_hs.kernels.decode_shared import fold_of, shared_kernel_shape
+    from sglang_hs.kernels.decode import decode_kernel_args
+    from sglang_hs.kernels.decode_shared import fold_of, shared_kernel_spec
     from sglang_hs.kernels.extend_common import TILES
 
     jobs: list[Job] = []
     if q_heads // kv_heads in KERNEL_GQA_GROUPS:
         if decode:
-            jobs.append(("decode", (q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES)))
+            jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES)))
         if decode and shared_decode and fold_of(q_heads, kv_heads) >= 2:
-            shape = shared_kernel_shape(q_heads, kv_heads)
-            capacity = fitting_split_capacity(*shape, head_dim, BLOCK_SIZE, DECODE_STAGES)
-            extra = (capacity,) if capacity != SPLIT_CAPACITY else ()  # as build_decode_kernel keys its cache
-            jobs.append(("decode", (*shape, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES, *extra)))
+            heads, kv, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, BLOCK_SIZE, DECODE_STAGES)
+            jobs.append(("decode", decode_kernel_args(heads, kv, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES, capacity)))
         jobs += [("extend", (q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, tile, _extend_stages(tile), k_sparse))
                  for tile in TILES for k_sparse in extend_k_sparse]  # fmt: skip
     if compress:
@@ -76,21 +74,11 @@ def _builder(kind: str) -> tuple[Callable, dict]:
     from sglang_hs.kernels import common, compress, decode, extend
 
     return {
-        "decode": (_build_decode, common.PASS_CONFIGS),
+        "decode": (decode.build_decode_kernel, common.PASS_CONFIGS),
         "extend": (extend.build_extend_kernel, extend.EXTEND_PASS_CONFIGS),
         "pack": (compress.build_pack_kernel, compress.PASS_CONFIGS),
         "loss": (compress.build_loss_kernel, compress.PASS_CONFIGS),
     }[kind]
-
-
-def _build_decode(*args):
-    """``decode.build_decode_kernel`` over a job's arguments, which are the kernel's cache key: the
-    shape, and a split capacity after it where it is not the default."""
-    from sglang_hs.kernels import decode
-
-    if len(args) > 6:
-        return decode.build_decode_kernel(*args[:6], split_capacity=args[6])
-    return decode.build_decode_kernel(*args)
 
 
 def build(job: Job) -> Job:

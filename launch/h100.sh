@@ -112,23 +112,23 @@ case "$step" in
     fi
     ;;
   tiny)
-    korder=()
+    check_args=()  # server_check arguments: hierasparse flags (K order, shared-prefix decode, host tier), the workload
     if [ "${KORDER:-0}" = 1 ]; then  # with a K channel order calibrated on the tiny model (S = 0: outputs must not move)
       python3 -m sglang_hs.launch.calibrate_channels --model-path $tiny --chunks 2 --chunk-tokens 512 --corpus "${CORPUS:-/usr/share/common-licenses}" | tail -1
-      korder=(--hs-arg=--hierasparse-k-channel-order=$tiny/hierasparse_k_channel_order.pt)
+      check_args=(--hs-arg=--hierasparse-k-channel-order=$tiny/hierasparse_k_channel_order.pt)
       tp_tag="${tp_tag}_korder"
     fi
     mem=0.3
     if [ "${SHARED:-0}" = 1 ]; then  # decode batches grouped by shared prefix (--hierasparse-shared-prefix-decode)
-      korder+=(--hs-arg=--hierasparse-shared-prefix-decode=on)
+      check_args+=(--hs-arg=--hierasparse-shared-prefix-decode=on)
       tp_tag="${tp_tag}_shared"
     fi
     if [ "${HICACHE:-0}" = 1 ]; then  # a small GPU pool, filled 3x between the chat rounds: round 2 loads from the host tier
-      korder+=(--hs-arg=--enable-hierarchical-cache --hs-arg=--hicache-size=16 --prompt-words 3000 --evict-between-rounds 3)
+      check_args+=(--hs-arg=--enable-hierarchical-cache --hs-arg=--hicache-size=16 --prompt-words 3000 --evict-between-rounds 3)
       mem=0.05
       tp_tag="${tp_tag}_hicache"
     fi
-    python3 -m sglang_hs.launch.server_check --model-path $tiny --baseline triton --common-arg=--tp-size=${TP:-1} "${korder[@]}" \
+    python3 -m sglang_hs.launch.server_check --model-path $tiny --baseline triton --common-arg=--tp-size=${TP:-1} "${check_args[@]}" \
         --common-arg=--mem-fraction-static=$mem --common-arg=--cuda-graph-max-bs=4 --port "${PORT:-30000}" \
         --common-arg=--sampling-backend=pytorch --common-arg=--grammar-backend=none \
         --hs-arg=--hierasparse-dense-backend=triton --hs-arg=--hierasparse-sk-prefill=0 \

@@ -155,7 +155,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         plan = self._decode_plan(bs)
         step = None
         if self.shared_prefix_decode:
-            step = self._graph_step_views(plan.plan_step(table, seq_lens))
+            step = self._graph_step_views(plan, plan.plan_step(table, seq_lens))
         self.forward_metadata = ForwardMetadata(
             Path.DECODE_KERNEL,
             block_table=self._graph_table[:bs],
@@ -164,25 +164,16 @@ class HieraSparseAttnBackend(AttentionBackend):
             decode_step=step,
         )
 
-    def _graph_step_views(self, step):
-        """Copy a step's tables into the buffers the captured graphs read (allocated once, for the
-        largest batch: per-set tables have the plan's fixed set count, per-request ones ``max_bs`` rows)
-        and return views of them for a batch of ``bs``."""
+    def _graph_step_views(self, plan, step):
+        """Copy a step's tables into the buffers the captured graphs read and return views of them for
+        the step's batch. The buffers are a step of the largest captured batch, built once: its per-set
+        tables have the plan's fixed set count, its per-request ones a row per request."""
         if self._graph_step is None:
-            max_bs = self._graph_table.shape[0]
-            per_request = ("own_table", "own_lens", "pick")
-            self._graph_step = {
-                f.name: (torch.empty((max_bs, *getattr(step, f.name).shape[1:]), dtype=getattr(step, f.name).dtype,
-                                     device=getattr(step, f.name).device)
-                         if f.name in per_request else torch.empty_like(getattr(step, f.name)))
-                for f in dataclasses.fields(step)
-            }  # fmt: skip
+            self._graph_step = plan.plan_step(self._graph_table, self._graph_seq_lens)
         views = {}
-        for name, buffer in self._graph_step.items():
-            value = getattr(step, name)
-            view = buffer[: value.shape[0]]
-            view.copy_(value)
-            views[name] = view
+        for field in dataclasses.fields(step):
+            value = getattr(step, field.name)
+            views[field.name] = getattr(self._graph_step, field.name)[: value.shape[0]].copy_(value)
         return type(step)(**views)
 
     def _decode_inputs(self, forward_batch, bs: int) -> tuple[torch.Tensor, torch.Tensor]:

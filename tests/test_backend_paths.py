@@ -198,7 +198,7 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     shared-prefix one; every captured batch size's step tables are views of buffers allocated once (the
     addresses a graph captured), requests sharing a row are grouped, and a layer launches the shared
     pass (over column sets) and the own pass (over requests) with the two shapes' kernels."""
-    from sglang_hs.kernels.decode_shared import SharedPrefixDecode, fold_of, shared_kernel_shape
+    from sglang_hs.kernels.decode_shared import SharedPrefixDecode, fold_of, shared_kernel_spec
 
     built = {}
     backend = decode_backend(monkeypatch, built, shared_prefix_decode="on")
@@ -219,7 +219,7 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     out = backend.forward_decode(torch.zeros(16, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(16),
                                  save_kv_cache=False)  # fmt: skip
     assert out.shape == (16, HQ * D) and bool((out == 1).all())
-    shared_heads, _ = shared_kernel_shape(HQ, HKV)
+    shared_heads, _, _ = shared_kernel_spec(HQ, HKV, D, 64, 2)
     assert sorted(key[0] for key in built) == sorted([HQ, shared_heads])
     shared_kernel = built[next(key for key in built if key[0] == shared_heads)]
     assert shared_kernel.batches == [plan.max_sets]
