@@ -62,7 +62,11 @@ def main(argv=None):
     ap.add_argument("--plot", metavar="JSON", help="only redraw the PNG of an existing JSON")
     ap.add_argument("--new-tokens", default="64,16,256,1024,2048",
                     help="extend: new tokens per request (64, the headline point, first)")
-    ap.add_argument("--fi-backend", default="fa2", help="extend: FlashInfer prefill backend (SGLang uses fa2)")
+    ap.add_argument("--fi-backends", default="fa2,fa3",
+                    help="FlashInfer backends timed side by side (decode: tensor-core decode; extend, prefill: paged "
+                    "prefill); ratios are against the fastest. SGLang's FlashInfer backend uses fa2 for both")
+    ap.add_argument("--shared-splits", default=None,
+                    help="decode with --groups: shared-pass split counts to time besides the plan's (comma list)")
     ap.add_argument("--flashinfer-us", type=float, help="compress: dense prefill time (us, all layers) to use "
                     "instead of measuring FlashInfer")
     ap.add_argument("--merge", default=RESULTS_JSON, help="compress: results JSON whose other records are kept")

@@ -19,7 +19,7 @@ import torch
 
 from sglang_hs.format import compression_ratio
 from sglang_hs.kernels.cases import flashinfer_decode, kv_bytes, make_case, paged_dense, rel_err, run_args, share_prefixes
-from sglang_hs.kernels.timing import time_graph, time_plain
+from sglang_hs.kernels.timing import time_graph, time_graphs, time_plain
 from sglang_hs.plotting import pyplot
 
 VARIANT_STAGES = (3,)
@@ -52,11 +52,18 @@ def bench_decode(args):
         paged = paged_dense(case)
         if distinct < bs:
             case, paged = share_prefixes(case, paged, bs, seed=int(sk * 10 + sv))
-        fi = flashinfer_decode(case, paged, workspace)
-        ref = fi().clone()
-        fi_graph, fi_plain = time_graph(fi, args.iters), time_plain(fi)
+        fis = {}  # FlashInfer backend -> run(); fa2 (SGLang's) first: the reference
+        for backend in args.fi_backends.split(","):
+            try:
+                fis[backend] = flashinfer_decode(case, paged, workspace, backend)
+                fis[backend]()
+            except Exception as e:  # a backend this FlashInfer build lacks is reported, not fatal
+                lines.append(f"FlashInfer {backend}: failed: {str(e).splitlines()[-1][:200]}")
+                fis.pop(backend, None)
+        ref = next(iter(fis.values()))().clone()
+        fi_plain = {b: time_plain(fn) for b, fn in fis.items()}
         del paged
-        results = []
+        results, fi_us = [], {}
         for var in var_list:
             try:
                 plan = HieraSparseDecode(bs, Hq, Hkv, D, 64, case["max_blocks"], dtype, dev,
@@ -71,33 +78,50 @@ def bench_decode(args):
             fn()
             torch.cuda.synchronize()
             err = rel_err(out, ref)
-            g, p = time_graph(fn, args.iters), time_plain(fn)
+            if not fi_us:  # the default plan: timed side by side with every FlashInfer backend
+                *times, g = time_graphs([*fis.values(), fn], args.iters)
+                fi_us = dict(zip(fis, times))
+            else:
+                g = time_graph(fn, args.iters)
+            p = time_plain(fn)
             err = max(err, rel_err(out, ref))  # the output of the last timed call too
+            fast = min(fi_us, key=fi_us.get)
             desc = dict(stages=plan.stages, num_splits=plan.num_splits)
             results.append(dict(variant=desc, default=not var, ours_us=round(g, 2), ours_plain_us=round(p, 2),
-                                speedup=round(fi_graph / g, 4), rel_err_vs_flashinfer=err))
+                                speedup=round(fi_us[fast] / g, 4), rel_err_vs_flashinfer=err))
             lines.append(f"{layout} S_K={sk} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us "
-                         f"(plain {p:.1f}) FI {fi_graph:.1f} us (plain {fi_plain:.1f}) speedup {fi_graph / g:.3f} "
-                         f"err {err:.2e} GB/s {nbytes / g / 1e3:.0f}")
+                         f"(plain {p:.1f}) FI " + ", ".join(f"{b} {t:.1f} us" for b, t in fi_us.items()) +
+                         f" speedup {fi_us[fast] / g:.3f} vs {fast} err {err:.2e} GB/s {nbytes / g / 1e3:.0f}")
             print(lines[-1], flush=True)
-        shared_rec = bench_shared_prefix(case, ref, fi_graph, args.iters) if distinct < bs else None
+        if not fi_us:
+            fi_us = dict(zip(fis, time_graphs(list(fis.values()), args.iters)))
+        fast = min(fi_us, key=fi_us.get)
+        shared_rec = None
+        if distinct < bs:
+            shared_rec = bench_shared_prefix(case, ref, fis, args.iters, args.shared_splits)
         if shared_rec:
-            lines.append(f"{layout} S_K={sk} S_V={sv} shared-prefix decode ({shared_rec['column_sets']} column sets): "
-                         f"{shared_rec['us']:.1f} us, speedup {shared_rec['speedup']:.3f} vs FlashInfer, "
-                         f"err {shared_rec['rel_err_vs_flashinfer']:.2e}")
-            print(lines[-1], flush=True)
+            for r in [shared_rec, *shared_rec.get("variants", [])]:
+                lines.append(f"{layout} S_K={sk} S_V={sv} shared-prefix decode ({shared_rec['column_sets']} column sets, "
+                             f"{r['shared_splits']} shared splits): {r['us']:.1f} us, FI {r['flashinfer_us']:.1f} us "
+                             f"({shared_rec['flashinfer_backend']}), speedup {r['speedup']:.3f}, err {r['rel_err_vs_flashinfer']:.2e}")
+                print(lines[-1], flush=True)
         del case
         torch.cuda.empty_cache()
         ideal = compression_ratio(sk, sv)
         record = dict(kernel="decode", S_K=sk, S_V=sv, batch=bs, context=L, head_dim=D, dtype=args.dtype, layout=layout,
                       shared_prefixes=distinct if distinct < bs else None,
-                      q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None, flashinfer_us=round(fi_graph, 2),
-                      flashinfer_plain_us=round(fi_plain, 2), flashinfer_backend="fa2 (tensor-core decode)", speedup=None, ideal_speedup=round(ideal, 4),
-                      kv_bytes=nbytes, device=name, timing="CUDA-graph replay of 20 calls, median of 5",
+                      q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None, flashinfer_us=round(fi_us[fast], 2),
+                      flashinfer_plain_us=round(fi_plain[fast], 2), flashinfer_backend=f"{fast} (tensor-core decode)",
+                      flashinfer_us_by_backend={b: round(t, 2) for b, t in fi_us.items()}, speedup=None,
+                      speedup_vs_fa2=None, ideal_speedup=round(ideal, 4),
+                      kv_bytes=nbytes, device=name,
+                      timing=f"CUDA-graph replays of {args.iters} calls, alternating FlashInfer's backends and ours, median of 7",
                       setup_s=round(time.time() - t0, 1))
         default = [r for r in results if r["default"] and r["rel_err_vs_flashinfer"] < 2e-2]
         if default:
             d0 = default[0]
+            if "fa2" in fi_us:
+                record["speedup_vs_fa2"] = round(fi_us["fa2"] / d0["ours_us"], 4)
             record.update(ours_us=d0["ours_us"], ours_plain_us=d0["ours_plain_us"], speedup=d0["speedup"],
                           variant=d0["variant"], rel_err_vs_flashinfer=d0["rel_err_vs_flashinfer"],
                           ours_GBps=round(nbytes / d0["ours_us"] / 1e3, 1))
@@ -109,31 +133,43 @@ def bench_decode(args):
     return records, lines
 
 
-def bench_shared_prefix(case: dict, ref: torch.Tensor, fi_us: float, iters: int) -> dict | None:
+def bench_shared_prefix(case: dict, ref: torch.Tensor, fis: dict, iters: int, splits: str | None = None) -> dict | None:
     """The shared-prefix decode (:mod:`sglang_hs.kernels.decode_shared`) of a batch whose requests share
-    prefixes, each keeping its last block to its own pass (a request's own tokens); timed like ours, per
-    layer (the step's tables are built once, as a server builds them once per decode step)."""
+    prefixes, each keeping its last block to its own pass (a request's own tokens), timed side by side
+    with FlashInfer's backends (``fis``: backend -> run()) as CUDA-graph replays, per layer (the step's
+    tables are built once, as a server builds them once per decode step). ``splits``: comma list of
+    shared-pass split counts to time besides the plan's own (``variants``)."""
     from sglang_hs.kernels.decode_shared import SharedPrefixDecode
 
     q = case["q"]
     bs, hq, d = q.shape
-    plan = SharedPrefixDecode(bs, hq, case["k_cache"].shape[1], d, case["block_size"], case["max_blocks"], q.dtype,
-                              q.device)  # fmt: skip
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = run_args(case)
-    step = plan.plan_step(block_table, seq_lens, min_own_blocks=1)  # once per decode step, not per layer
-    sets = int((step.members[:, 0] >= 0).sum())
-    if not sets:
-        return None
-    out = torch.empty_like(q)
-    fn = lambda: out.copy_(plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale))  # noqa: E731
-    fn()
-    torch.cuda.synchronize()
-    err = rel_err(out, ref)
-    g = time_graph(fn, iters)
-    err = max(err, rel_err(out, ref))
-    return dict(us=round(g, 2), speedup=round(fi_us / g, 4), rel_err_vs_flashinfer=err, column_sets=sets,
-                fold=plan.fold, shared_blocks=(step.shared_lens[:sets] // case["block_size"]).tolist(),
-                own_blocks_per_request=1)  # fmt: skip
+    results = []
+    for forced in [None, *(int(x) for x in (splits or "").split(",") if x)]:
+        plan = SharedPrefixDecode(bs, hq, k_cache.shape[1], d, case["block_size"], case["max_blocks"], q.dtype,
+                                  q.device, shared_splits=forced)  # fmt: skip
+        step = plan.plan_step(block_table, seq_lens, min_own_blocks=1)  # once per decode step, not per layer
+        sets = int((step.members[:, 0] >= 0).sum())
+        if not sets:
+            return None
+        out = torch.empty_like(q)
+        fn = lambda: out.copy_(plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale))  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        err = rel_err(out, ref)
+        *fi_times, g = time_graphs([*fis.values(), fn], iters)
+        err = max(err, rel_err(out, ref))
+        fi_us = dict(zip(fis, fi_times))
+        fast = min(fi_us, key=fi_us.get)
+        results.append(dict(us=round(g, 2), flashinfer_us=round(fi_us[fast], 2), speedup=round(fi_us[fast] / g, 4),
+                            flashinfer_us_by_backend={b: round(t, 2) for b, t in fi_us.items()},
+                            flashinfer_backend=f"{fast} (tensor-core decode)", rel_err_vs_flashinfer=err,
+                            shared_splits=plan.shared_plan.num_splits))  # fmt: skip
+    record = dict(results[0], column_sets=sets, fold=plan.fold,
+                  shared_blocks=(step.shared_lens[:sets] // case["block_size"]).tolist(), own_blocks_per_request=1)
+    if len(results) > 1:
+        record["variants"] = results[1:]
+    return record
 
 
 def plot_decode(records: list[dict], path: str) -> bool:

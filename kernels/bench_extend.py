@@ -4,14 +4,16 @@ against FlashInfer's paged prefill.
 Extend: batch 8, each request a 32K-token cached prefix (1 sink page, compressed blocks, 4 window
 pages; natural order) plus n new tokens in cache pages for n in ``--new-tokens``; S in {(0,0), (0,1),
 (1,1)}; ``HieraSparseExtend`` against FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (causal,
-NHD, page 64, ``--fi-backend``, default fa2 as in SGLang) over the same pruned KV, timed in
-alternation: 7 rounds, each ``--iters`` back-to-back eager calls of FlashInfer, then of the default
+NHD, page 64, each backend of ``--fi-backends``: fa2, as SGLang, and fa3) over the same pruned KV, timed
+in alternation: 7 rounds, each ``--iters`` back-to-back eager calls of each FlashInfer backend, then of the default
 plan (CUDA events, medians; a quarter of the calls above 256 new tokens; the other variants
 afterwards, median of 5).
 
 Prefill: N (default 1) sequences of L tokens whose KV has the compressed layout over the whole
 sequence, every position a query (causal), as a chunked prefill that prunes its chunks would see;
-the same kernel and baseline.
+the same kernel and baselines, plus FlashInfer's ragged prefill over contiguous K and V (backend
+``auto``, which is what SGLang's FlashInfer backend runs for a prompt without a cached prefix). Speedups
+are against the fastest baseline (``flashinfer_backend``); ``speedup_vs_fa2`` is against paged fa2.
 """
 
 import json
@@ -21,7 +23,10 @@ import time
 import torch
 
 from sglang_hs.format import compression_ratio
-from sglang_hs.kernels.cases import extend_flops, extend_run_args, flashinfer_extend, kv_bytes, make_extend_case, paged_dense, rel_err
+from sglang_hs.kernels.cases import (
+    extend_flops, extend_run_args, flashinfer_extend, flashinfer_ragged_prefill, kv_bytes, make_extend_case, paged_dense,
+    rel_err,
+)
 from sglang_hs.kernels.timing import time_interleaved, time_stream
 from sglang_hs.plotting import pyplot
 
@@ -34,7 +39,7 @@ def bench_extend(args, on_record=None):
     """The extend regime: ``--batch`` requests, each a ``--context``-token cached prefix (1 sink
     page, compressed blocks, 4 window pages) plus n new tokens for n in ``--new-tokens``; Llama-3.1-8B
     heads (32/8, d 128, fp16); against FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (causal, page
-    64, backend ``--fi-backend``) over the same pruned KV, in one process, same timing method.
+    64, backends ``--fi-backends``) over the same pruned KV, in one process, same timing method.
     ``--kernel prefill``: the full-prefill regime instead: ``--batch`` sequences of ``--context`` tokens, each
     query attending causally to the whole sequence, whose KV has the compressed layout (1 sink page,
     compressed blocks, 4 window pages). ``on_record(records, lines)`` runs after every point (partial
@@ -66,12 +71,26 @@ def bench_extend(args, on_record=None):
             case = make_extend_case([P] * bs, [n] * bs, Hq, Hkv, D, sk, sv, dtype, dev, seed=int(sk * 10 + sv) + n,
                                     magnitude=False, shuffle=False, compress_new=prefill)
             paged = paged_dense(case)
-            fi = flashinfer_extend(case, paged, workspace, args.fi_backend)
+            fis = {}  # baseline name -> run(); the first (fa2, SGLang's paged prefill) is the reference
+            for backend in args.fi_backends.split(","):
+                fis[f"paged {backend}"] = flashinfer_extend(case, paged, workspace, backend)
+            if prefill:  # what SGLang's FlashInfer backend runs for a prompt without a cached prefix
+                ragged, chosen = flashinfer_ragged_prefill(case, paged, workspace)
+                fis[f"ragged {chosen}"] = ragged
             t1 = time.time()
-            ref = fi().clone()
+            ref = None
+            for label, fi in list(fis.items()):
+                try:
+                    o = fi()
+                    ref = o.clone() if ref is None else ref
+                    if rel_err(o, ref) > 2e-2:
+                        raise RuntimeError(f"differs from {next(iter(fis))}: rel. error {rel_err(o, ref):.2e}")
+                except Exception as e:  # a backend this FlashInfer build lacks is reported, not fatal
+                    log(f"n={n} S_K={sk} S_V={sv} FlashInfer {label}: failed: {str(e).splitlines()[-1][:200]}")
+                    fis.pop(label)
             torch.cuda.synchronize()
             fi_first_s = time.time() - t1  # includes FlashInfer's JIT compile on first use
-            fi_us = None  # timed with the default plan, in alternation
+            fi_us = None  # baseline -> us, timed with the default plan, in alternation
             nbytes, flops = kv_bytes(case), extend_flops(case)
             results = []
             for var in variants:
@@ -89,18 +108,22 @@ def bench_extend(args, on_record=None):
                     continue
                 err = rel_err(out, ref)
                 if fi_us is None:
-                    fi_us, g = time_interleaved([fi, fn], iters)
+                    *times, g = time_interleaved([*fis.values(), fn], iters)
+                    fi_us = dict(zip(fis, times))
                 else:
                     g = time_stream(fn, iters)
                 err = max(err, rel_err(out, ref))  # the output of the last timed call too
                 desc = dict(plan.last_config)
-                results.append(dict(variant=desc, default=not var, ours_us=round(g, 2), speedup=round(fi_us / g, 4),
-                                    rel_err_vs_flashinfer=err))
-                log(f"n={n} S_K={sk} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us "
-                    f"FI {fi_us:.1f} us speedup {fi_us / g:.3f} err {err:.2e} "
-                    f"TFLOP/s {flops / g / 1e6:.0f} (FI {flops / fi_us / 1e6:.0f}) GB/s {nbytes / g / 1e3:.0f}")
+                fast = min(fi_us, key=fi_us.get)
+                results.append(dict(variant=desc, default=not var, ours_us=round(g, 2),
+                                    speedup=round(fi_us[fast] / g, 4), rel_err_vs_flashinfer=err))
+                log(f"n={n} S_K={sk} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us FI "
+                    + ", ".join(f"{b} {t:.1f} us" for b, t in fi_us.items())
+                    + f" speedup {fi_us[fast] / g:.3f} vs {fast} err {err:.2e} TFLOP/s {flops / g / 1e6:.0f} "
+                    f"(FI {flops / fi_us[fast] / 1e6:.0f}) GB/s {nbytes / g / 1e3:.0f}")
             if fi_us is None:  # no variant ran
-                fi_us = time_stream(fi, iters)
+                fi_us = {b: time_stream(fi, iters) for b, fi in fis.items()}
+            fast = min(fi_us, key=fi_us.get)
             del case, paged, ref
             torch.cuda.empty_cache()
             s = sk + sv
@@ -108,7 +131,8 @@ def bench_extend(args, on_record=None):
             record = dict(kernel=args.kernel, S_K=sk, S_V=sv, batch=bs, context=n if prefill else P,
                           **({} if prefill else {"new_tokens": n}), head_dim=D,
                           dtype="float16", q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None,
-                          flashinfer_us=round(fi_us, 2), speedup=None, flashinfer_backend=args.fi_backend,
+                          flashinfer_us=round(fi_us[fast], 2), speedup=None, flashinfer_backend=fast,
+                          flashinfer_us_by_backend={b: round(t, 2) for b, t in fi_us.items()}, speedup_vs_fa2=None,
                           ideal_speedup_bytes=round(compression_ratio(sk, sv), 4),
                           ideal_speedup_compute=round(4.0 / (4.0 - s), 4), kv_bytes=nbytes, flops=flops,
                           device=name, timing=f"{iters} back-to-back eager calls, CUDA events, median of 7 rounds "
@@ -117,10 +141,12 @@ def bench_extend(args, on_record=None):
             default = [r for r in results if r["default"] and r["rel_err_vs_flashinfer"] < 2e-2]
             if default:
                 d0 = default[0]
+                if "paged fa2" in fi_us:
+                    record["speedup_vs_fa2"] = round(fi_us["paged fa2"] / d0["ours_us"], 4)
                 record.update(ours_us=d0["ours_us"], speedup=d0["speedup"], variant=d0["variant"],
                               rel_err_vs_flashinfer=d0["rel_err_vs_flashinfer"],
                               ours_TFLOPs=round(flops / d0["ours_us"] / 1e6, 1),
-                              flashinfer_TFLOPs=round(flops / fi_us / 1e6, 1))
+                              flashinfer_TFLOPs=round(flops / fi_us[fast] / 1e6, 1))
             elif results:
                 record["rel_err_vs_flashinfer"] = results[0]["rel_err_vs_flashinfer"]  # wrong: no speedup recorded
             if len(results) > 1:

@@ -287,14 +287,15 @@ def extend_reference(case, device=None):
                              t["k_index"], t["v_index"], t["block_table"], case["seq_lens_list"], case["sm_scale"])
 
 
-def flashinfer_decode(case, paged, workspace=None):
-    """A planned FlashInfer tensor-core decode wrapper over ``paged``; returns ``run() -> out``."""
+def flashinfer_decode(case, paged, workspace=None, backend="fa2"):
+    """A planned FlashInfer tensor-core decode wrapper over ``paged`` (``backend`` fa2, as SGLang's
+    FlashInfer backend, or fa3: the prefill kernels at one query a request); returns ``run() -> out``."""
     import flashinfer
 
     q = case["q"]
     H, D = paged["k"].shape[2], paged["k"].shape[3]
     workspace = workspace if workspace is not None else torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True, backend=backend)
     w.plan(paged["indptr"], paged["indices"], paged["last_page_len"], q.shape[1], H, D, case["block_size"],
            q_data_type=q.dtype, kv_data_type=paged["k"].dtype, sm_scale=case["sm_scale"])
     out = torch.empty_like(q)
@@ -318,6 +319,25 @@ def flashinfer_extend(case, paged, workspace=None, backend="fa2"):
     out = torch.empty_like(q)
     kv = (paged["k"], paged["v"])
     return lambda: w.run(q, kv, out=out)
+
+
+def flashinfer_ragged_prefill(case, paged, workspace=None):
+    """Full prefill as SGLang's FlashInfer backend runs it for a request without a cached prefix:
+    ``BatchPrefillWithRaggedKVCacheWrapper`` (backend ``auto``: fa3 on Hopper), causal, over contiguous
+    dense K and V (``paged``, :func:`paged_dense`, laid out request after request). Returns ``(run() ->
+    out, backend chosen)``."""
+    import flashinfer
+
+    q = case["q"]
+    mb = case["max_blocks"]
+    rows = [paged[x].view(-1, mb, *paged[x].shape[1:]) for x in ("k", "v")]  # [bs, max_blocks, B, H, D]
+    k, v = (torch.cat([r[i].flatten(0, 1)[:L] for i, L in enumerate(case["seq_lens_list"])]) for r in rows)
+    workspace = workspace if workspace is not None else torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="auto")
+    w.plan(case["qo_indptr"], case["qo_indptr"], q.shape[1], k.shape[1], k.shape[2], causal=True,
+           sm_scale=case["sm_scale"], q_data_type=q.dtype, kv_data_type=k.dtype)
+    out = torch.empty_like(q)
+    return (lambda: w.run(q, k, v, out=out)), getattr(w, "_backend", "auto")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -400,9 +400,15 @@ def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, bloc
     A CTA's shared memory does not depend on the call (its index maps hold :data:`SPLIT_CAPACITY`
     blocks), so the CTAs per SM are fixed by the model shape: two at d 128 for the GQA groups the
     server takes. At a 32K context (512-529 blocks) and 8 requests of 8 KV heads that is 4 splits."""
+    ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity)
+    return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas, capacity=split_capacity)
+
+
+def ctas_per_sm(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
+                split_capacity: int = SPLIT_CAPACITY) -> int:
+    """CTAs of the model shape's kernel that fit an SM (shared memory; fixed by the shape, not the call)."""
     per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity) + 1024
-    ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 8))
-    return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas_per_sm, capacity=split_capacity)
+    return max(1, min(SMEM_PER_SM // per_cta, 8))
 
 
 class HieraSparseDecode:

@@ -61,6 +61,21 @@ def shared_kernel_spec(q_heads: int, kv_heads: int, head_dim: int, block_size: i
     return shared_heads, kv_heads, fitting_split_capacity(shared_heads, kv_heads, head_dim, block_size, stages)
 
 
+def shared_pass_splits(max_sets: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
+                       stages: int, num_sms: int) -> int:  # fmt: skip
+    """The shared pass's split count. Its launch always covers ``max_sets`` column sets, but how many
+    are live depends on the batch's grouping, known only on the GPU: the split count is the one that
+    does nearly best for any live count (:func:`sglang_hs.kernels.common.split_count_any_load`); the
+    per-request rule would size it for all sets live, leaving a part-filled last wave otherwise."""
+    from sglang_hs.kernels.common import split_count_any_load
+    from sglang_hs.kernels.decode import MAX_SPLITS, ctas_per_sm, min_splits
+
+    heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, stages)
+    return split_count_any_load(max_sets, kv_heads, max_blocks, num_sms,
+                                ctas_per_sm(heads, kv_heads, head_dim, block_size, stages, capacity), MAX_SPLITS,
+                                min_splits=min_splits(max_blocks, capacity))  # fmt: skip
+
+
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """``[bs, Hq, D]`` attention over the union of two disjoint KV sets from each set's output and
     natural-log LSE ``[bs, Hq]`` (``-inf``: an empty set, weight 0). In ``out_a``'s dtype. The
@@ -178,11 +193,13 @@ class SharedPrefixDecode:
     *own* one of the model's shape over ``batch_size`` requests, the query fold, and one fused
     gather-and-merge kernel (Triton) per layer.
 
+    ``shared_splits`` forces the shared pass's split count (else :func:`shared_pass_splits` on this GPU).
     ``plans`` (tests): a ``(shared, own)`` pair of objects with ``HieraSparseDecode.run``'s signature
     (``return_lse`` included) to use instead of building the kernels; the merge then runs in PyTorch."""
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None):  # fmt: skip
+                 max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None,
+                 shared_splits: int | None = None):  # fmt: skip
         self.q_heads, self.kv_heads, self.head_dim, self.block_size = q_heads, kv_heads, head_dim, block_size
         self.group = q_heads // kv_heads
         self.fold = fold_of(q_heads, kv_heads)
@@ -192,8 +209,12 @@ class SharedPrefixDecode:
             from sglang_hs.kernels.decode import STAGES, HieraSparseDecode
 
             shared_heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, STAGES)
+            if shared_splits is None:
+                num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+                shared_splits = shared_pass_splits(self.max_sets, q_heads, kv_heads, head_dim, block_size, max_blocks,
+                                                   STAGES, num_sms)  # fmt: skip
             plans = (HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
-                                       device, split_capacity=capacity),
+                                       device, num_splits=shared_splits, split_capacity=capacity),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device))  # fmt: skip
             if torch.device(device).type == "cuda":  # off the GPU (tests) the merge runs in PyTorch
                 self.merge_kernel = _merge_kernel_factory()

@@ -6,6 +6,21 @@ import torch
 
 def time_graph(fn, iters=20, reps=5, warmup=3):
     """Median time (us) of one call, from CUDA-graph replays of ``iters`` back-to-back calls."""
+    g = capture_graph(fn, iters, warmup)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / iters)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def capture_graph(fn, iters=20, warmup=3) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``iters`` back-to-back calls of ``fn`` (after ``warmup`` eager calls), replayed once."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -20,16 +35,23 @@ def time_graph(fn, iters=20, reps=5, warmup=3):
     torch.cuda.current_stream().wait_stream(stream)
     g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / iters)
-    times.sort()
-    return times[len(times) // 2]
+    return g
+
+
+def time_graphs(fns, iters=20, rounds=7) -> list[float]:
+    """Median times (us) of one call of each of ``fns``: a CUDA graph of ``iters`` calls each, replayed
+    in turn for ``rounds`` rounds (side by side: drift and L2 state reach every function alike)."""
+    graphs = [capture_graph(fn, iters) for fn in fns]
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for k, g in enumerate(graphs):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            times[k].append(a.elapsed_time(b) * 1000 / iters)
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def time_stream(fn, iters=20, reps=5, warmup=2):

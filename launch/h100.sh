@@ -86,7 +86,7 @@ case "$step" in
     timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --out "$out" | tail -4
     # 16 requests over 6 shared prefixes: the per-request kernel and the shared-prefix decode
     timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --layouts natural --batch 16 --groups 6 \
-        --out "$out/shared" | tail -4
+        --shared-splits "${SPLITS:-8,16,24,48}" --out "$out/shared" | tail -4
     ;;
   cold_start)
     model=${3:-tiny}
@@ -104,9 +104,11 @@ case "$step" in
       timeout 420 python3 -m pytest -q -m gpu tests/test_kernels_extend.py 2>&1 | tee -a "$out/gpu_tests_extend.log" | tail -3
     fi
     if [ "$part" != tests ]; then
-      timeout 300 python3 -m sglang_hs.kernels.bench --kernel extend --new-tokens "${NEW:-64}" --quick --variants \
+      variants=(--variants)  # VARIANTS=0: the default plan only
+      [ "${VARIANTS:-1}" = 0 ] && variants=()
+      timeout 300 python3 -m sglang_hs.kernels.bench --kernel extend --new-tokens "${NEW:-64}" --quick "${variants[@]}" \
           --out "$out" | tail -4
-      timeout 300 python3 -m sglang_hs.kernels.bench --kernel prefill --context "${L:-32768}" --quick --variants \
+      timeout 300 python3 -m sglang_hs.kernels.bench --kernel prefill --context "${L:-32768}" --quick "${variants[@]}" \
           --merge "$out/kernels_h100.json" --out "$out" | tail -4
       grep -h "speedup" "$out/bench_extend.log" "$out/bench_prefill.log" | cut -c1-220
     fi
