@@ -209,10 +209,6 @@ class SharedPrefixDecode:
             from sglang_hs.kernels.decode import STAGES, HieraSparseDecode
 
             shared_heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, STAGES)
-            if shared_splits is None:
-                num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-                shared_splits = shared_pass_splits(self.max_sets, q_heads, kv_heads, head_dim, block_size, max_blocks,
-                                                   STAGES, num_sms)  # fmt: skip
             plans = (HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
                                        device, num_splits=shared_splits, split_capacity=capacity),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device))  # fmt: skip

@@ -40,7 +40,8 @@
 # server_check_s0_kernels_tp2_GPU.json; GPU is h100 or h200). The prefix step also takes MEM (--mem-fraction-static, 0.85),
 # CONTEXT (prefix tokens, 8192), OUTLEN (output tokens, 64), PPG (questions per group, 8), HICACHE_GB
 # (the hicache server's host pool; SGLang's default of twice the GPU pool exceeds the H100 host's free
-# memory at MEM 0.85), PROBE=1 (run the capacity probe before numbered regimes too; PROBE=0: not before gN either) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
+# memory at MEM 0.85), DENSE_CAP (the dense server's KV tokens, for hs:...:auto without a dense server in
+# the run or in OUT), PROBE=1 (run the capacity probe before numbered regimes too; PROBE=0: not before gN either) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
 # run, or flashinfer, which needs the warmfi step first).
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
@@ -146,7 +147,8 @@ case "$step" in
         --regimes "$regimes" --api "${5:-sglang-oai}" --context $context --question-len 256 --output-len "${OUTLEN:-64}" \
         --prompts-per-group "${PPG:-8}" --max-concurrency 16 --request-rate 16 --mem-fraction-static "${MEM:-0.85}" \
         --hicache-size "${HICACHE_GB:-0}" "${probe[@]}" "${PREFIX_ARGS[@]}" --port "${PORT:-30000}" \
-        --out "$out/prefix_bench${tp_tag}_${gpu}.json" 2>&1 | grep "\[bench\]" | cut -c1-400
+        ${DENSE_CAP:+--dense-capacity=$DENSE_CAP} --out "$out/prefix_bench${tp_tag}_${gpu}.json" 2>&1 |
+        grep -E "\[bench\]|error" | cut -c1-400
     ;;
   warmfi)
     # FlashInfer JIT-compiles its attention kernels on first use (minutes; ~/.cache/flashinfer keeps them
