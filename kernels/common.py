@@ -122,30 +122,6 @@ def split_count(pairs: int, blocks: int, num_sms: int, ctas_per_sm: int | Callab
     return min(s for c, s in best if c <= lo * 1.02)
 
 
-def split_count_any_load(max_items: int, heads: int, blocks: int, num_sms: int, ctas_per_sm: int, max_splits: int,
-                         min_splits: int = 1, cta_overhead_blocks: float = 1.0, empty_cta_blocks: float = 0.15) -> int:
-    """The split count of a launch over ``max_items`` work items of which only the GPU knows how many are
-    live (the rest exit at once): the count whose modelled time stays closest to the best one for every
-    live count from 1 to ``max_items`` (smallest worst-case ratio). A CUDA graph fixes the split count
-    per batch size, so it cannot follow the live count; few splits leave a partial last wave that costs
-    a whole split (2x at two live items in eight), many splits cost their CTAs' set-up and merge.
-
-    Same model as :func:`split_count` (waves of ``num_sms * ctas_per_sm`` CTAs, ``ceil(blocks / S)``
-    block steps plus ``cta_overhead_blocks`` a CTA, a twentieth of a block a split), plus
-    ``empty_cta_blocks`` for each CTA of a dead item."""
-    slots = max(1, num_sms * ctas_per_sm)
-
-    def cost(live: int, s: int) -> float:
-        ctas = heads * s * (live + empty_cta_blocks * (max_items - live))
-        return -(-ctas // slots) * (-(-blocks // s) + cta_overhead_blocks) + 0.05 * s
-
-    counts = range(min_splits, max(min_splits, min(max_splits, blocks)) + 1)
-    best = {live: min(cost(live, s) for s in counts) for live in range(1, max_items + 1)}
-    worst = {s: max(cost(live, s) / best[live] for live in best) for s in counts}
-    low = min(worst.values())
-    return min(s for s in counts if worst[s] <= low * 1.01)
-
-
 class PoolArgs:
     """One layer's pools and the index maps as the kernels take them.
 

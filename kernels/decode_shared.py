@@ -61,21 +61,6 @@ def shared_kernel_spec(q_heads: int, kv_heads: int, head_dim: int, block_size: i
     return shared_heads, kv_heads, fitting_split_capacity(shared_heads, kv_heads, head_dim, block_size, stages)
 
 
-def shared_pass_splits(max_sets: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                       stages: int, num_sms: int) -> int:  # fmt: skip
-    """The shared pass's split count. Its launch always covers ``max_sets`` column sets, but how many
-    are live depends on the batch's grouping, known only on the GPU: the split count is the one that
-    does nearly best for any live count (:func:`sglang_hs.kernels.common.split_count_any_load`); the
-    per-request rule would size it for all sets live, leaving a part-filled last wave otherwise."""
-    from sglang_hs.kernels.common import split_count_any_load
-    from sglang_hs.kernels.decode import MAX_SPLITS, ctas_per_sm, min_splits
-
-    heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, stages)
-    return split_count_any_load(max_sets, kv_heads, max_blocks, num_sms,
-                                ctas_per_sm(heads, kv_heads, head_dim, block_size, stages, capacity), MAX_SPLITS,
-                                min_splits=min_splits(max_blocks, capacity))  # fmt: skip
-
-
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """``[bs, Hq, D]`` attention over the union of two disjoint KV sets from each set's output and
     natural-log LSE ``[bs, Hq]`` (``-inf``: an empty set, weight 0). In ``out_a``'s dtype. The
@@ -193,7 +178,9 @@ class SharedPrefixDecode:
     *own* one of the model's shape over ``batch_size`` requests, the query fold, and one fused
     gather-and-merge kernel (Triton) per layer.
 
-    ``shared_splits`` forces the shared pass's split count (else :func:`shared_pass_splits` on this GPU).
+    ``shared_splits`` forces the shared pass's split count (else the per-request rule,
+    :func:`sglang_hs.kernels.decode.plan_num_splits`, at ``max_sets`` requests; more splits measured
+    slower, ``docs/results.md``).
     ``plans`` (tests): a ``(shared, own)`` pair of objects with ``HieraSparseDecode.run``'s signature
     (``return_lse`` included) to use instead of building the kernels; the merge then runs in PyTorch."""
 

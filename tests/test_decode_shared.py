@@ -255,27 +255,6 @@ def test_the_shared_pass_kernel_keeps_two_ctas_per_sm():
     assert capacity < 512 and 2 * (smem_bytes(128, 64, 2, 16, capacity) + 1024) <= SMEM_PER_SM
 
 
-def test_shared_pass_splits_do_well_for_any_number_of_live_sets():
-    """CPU: the shared pass's split count (fixed per captured batch, while the live column sets vary)
-    keeps every live count within 25% of its own best modelled time, where the per-request rule
-    (sized for all sets live) is 2x off at two live sets of eight (a second wave, nearly empty)."""
-    from sglang_hs.kernels.common import split_count_any_load
-    from sglang_hs.kernels.decode import choose_num_splits
-    from sglang_hs.kernels.decode_shared import shared_pass_splits
-
-    sms, ctas, heads, blocks, sets = 132, 2, 8, 512, 8
-
-    def model(live, s):  # waves of live CTAs x blocks per split
-        return -(-live * heads * s // (sms * ctas)) * -(-blocks // s)
-
-    robust = shared_pass_splits(sets, 32, heads, 128, 64, blocks, 2, sms)
-    assert robust == split_count_any_load(sets, heads, blocks, sms, ctas, 128, min_splits=8)
-    per_request = choose_num_splits(sets, heads, blocks, sms, ctas, capacity=64)
-    best = {live: min(model(live, s) for s in range(8, 129)) for live in range(1, sets + 1)}
-    assert max(model(live, robust) / best[live] for live in best) < 1.25
-    assert max(model(live, per_request) / best[live] for live in best) > 1.9
-
-
 def test_fused_merge_kernel_in_tritons_interpreter():
     """CPU: the Triton gather-and-merge kernel (run by Triton's interpreter in a fresh process, as
     TRITON_INTERPRET must be set before Triton loads) equals the PyTorch merge and the oracle."""
