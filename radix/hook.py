@@ -477,6 +477,10 @@ def status_line_parts(result, pool_stats, *args, **kwargs) -> list[str] | None:
     ]
     if s.get("host_store_capacity_blocks"):
         parts.append(f"#hs host compressed token: {s['host_compressed_tokens']}")
+    counts = getattr(getattr(tree, "runtime", None), "shared_decode_counts", None)
+    if counts is not None:  # shared-prefix decode: the share of decoded requests read through a column set
+        grouped, decoded = counts.tolist()
+        parts.append(f"hs shared-decode grouped: {grouped / max(1, decoded):.2f}")
     return list(result or []) + parts
 
 

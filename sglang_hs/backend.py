@@ -138,6 +138,8 @@ class HieraSparseAttnBackend(AttentionBackend):
             table, seq_lens = self._decode_inputs(forward_batch, bs)
             plan = self._decode_plan(bs)
             step = plan.plan_step(table, seq_lens) if self.shared_prefix_decode else None
+            if step is not None:
+                self._count_grouping(step, bs)
             self.forward_metadata = ForwardMetadata(
                 Path.DECODE_KERNEL, block_table=table, seq_lens_gpu=seq_lens, decode_plan=plan, decode_step=step
             )
@@ -156,6 +158,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         step = None
         if self.shared_prefix_decode:
             step = self._graph_step_views(plan, plan.plan_step(table, seq_lens))
+            self._count_grouping(step, bs)
         self.forward_metadata = ForwardMetadata(
             Path.DECODE_KERNEL,
             block_table=self._graph_table[:bs],
@@ -163,6 +166,15 @@ class HieraSparseAttnBackend(AttentionBackend):
             decode_plan=plan,
             decode_step=step,
         )
+
+    def _count_grouping(self, step, bs: int) -> None:
+        """Add this step's requests read through a column set, and its requests, to the runtime's
+        counts (GPU adds, no host read: the batch log line reads them, ``hs shared-decode grouped``)."""
+        counts = self.runtime.shared_decode_counts
+        if counts is None:
+            counts = self.runtime.shared_decode_counts = torch.zeros(2, dtype=torch.int64, device=step.pick.device)
+        counts[0] += (step.pick[:bs] >= 0).sum()
+        counts[1] += bs
 
     def _graph_step_views(self, plan, step):
         """Copy a step's tables into the buffers the captured graphs read and return views of them for

@@ -67,6 +67,10 @@ class HieraSparseRuntime:
     """TileLang and a Hopper GPU are present (each kernel also needs its ``--hierasparse-kernels`` entry)."""
     channel_order: ChannelOrder | None = None
     """This rank's K channel order (``--hierasparse-k-channel-order``), or None: natural order."""
+    shared_decode_counts: torch.Tensor | None = None
+    """With shared-prefix decode: int64 ``[2]`` on the GPU, decoded requests read through a column set
+    and decoded requests, summed over the decode steps since start (the backend adds to it without a
+    host read; the batch log line shows the share)."""
 
     def uses_kernel(self, name: str) -> bool:
         """Whether the TileLang kernel ``name`` runs (available and enabled by the settings)."""

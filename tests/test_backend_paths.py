@@ -159,7 +159,8 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off"):
     pool.__dict__.update(head_num=HKV, head_dim=D, dtype=torch.float16, device=torch.device("cpu"))
     backend.__dict__.update(use_decode_kernel=True, q_heads=HQ, max_blocks=8, _decode_plan_obj=None, _graph_step=None,
                             config=HieraSparseConfig(shared_prefix_decode=shared_prefix_decode),
-                            shared_prefix_decode=shared_prefix_decode == "on")  # fmt: skip
+                            shared_prefix_decode=shared_prefix_decode == "on",
+                            runtime=SimpleNamespace(shared_decode_counts=None))  # fmt: skip
     return backend
 
 
@@ -215,6 +216,8 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
         now = [t.data_ptr() for t in (step.members, step.shared_table, step.own_table, step.pick)]
         assert addresses is None or now == addresses
         addresses = now
+    # The batch log line's grouping share: 0 of 2, 4 of 4 and 16 of 16 requests read through column sets.
+    assert backend.runtime.shared_decode_counts.tolist() == [20, 22]
     layer = SimpleNamespace(layer_id=0, tp_q_head_num=HQ, head_dim=D, v_head_dim=D, scaling=0.125)
     out = backend.forward_decode(torch.zeros(16, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(16),
                                  save_kv_cache=False)  # fmt: skip

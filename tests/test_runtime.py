@@ -91,6 +91,9 @@ def test_log_line_and_idle_check_find_the_tree_through_scheduler_objects():
     tag_pool_stats(stats, SimpleNamespace(tree_cache=tree))
     parts = status_line_parts(["#token: 1"], stats)
     assert parts[0] == "#token: 1" and "#hs compressed token: 640" in parts and "hs store usage: 0.25" in parts
+    assert not any("shared-decode" in part for part in parts)
+    tree.runtime = SimpleNamespace(shared_decode_counts=torch.tensor([30, 40]))  # shared-prefix decode on
+    assert "hs shared-decode grouped: 0.75" in status_line_parts(["#token: 1"], stats)
     checker = SimpleNamespace(tree_cache=tree)
     assert check_store_when_idle((False, ["ok"]), checker) is None
     tree.store = SimpleNamespace(check=lambda: "compressed store leak: ...")
