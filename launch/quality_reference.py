@@ -28,7 +28,8 @@ def read_back(store: CompressedStore, vbs: list[int]) -> list[tuple[torch.Tensor
     out = []
     for layer in range(store.num_layers):
         pools = store.layer_pools(layer)
-        k, v = (decompress_blocks(pools, index[:, cols], op) for op, index in (("k", store.k_index), ("v", store.v_index)))
+        maps = (("k", store.k_index_of(layer)), ("v", store.v_index))
+        k, v = (decompress_blocks(pools, index[:, cols], op) for op, index in maps)
         flat = lambda x: x.permute(1, 2, 0, 3).reshape(-1, x.shape[0], x.shape[-1])  # noqa: E731
         out.append((flat(k), flat(v)))
     return out
@@ -264,8 +265,8 @@ class ReferenceBackend(VariantKV):
         store = self.store_for(len(blocks))
         groups = [(torch.ones(len(blocks), dtype=torch.bool), sk, sv)]
         vbs = compress_prefix(store, self._pruners(state, pruner, blocks), state.k, state.v, self._slots(blocks), groups)
-        cols = torch.tensor(vbs)
-        sparse = (store.k_index[0, cols] < 0, store.v_index[0, cols] < 0)
+        placements = [store.placement(vb) for vb in vbs]
+        sparse = tuple(torch.tensor([getattr(p, field) for p in placements]) for field in ("k_sparse", "v_sparse"))
         return read_back(store, vbs), sparse
 
     def compressed_kv(self, state: PrefixState, setting: Setting) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:

@@ -284,7 +284,7 @@ class HieraSparseAttnBackend(AttentionBackend):
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
             self.store.layer_pools(layer.layer_id),
-            self.store.k_index,
+            self.store.k_index_of(layer.layer_id),
             self.store.v_index,
         )
 

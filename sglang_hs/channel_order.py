@@ -45,6 +45,21 @@ def check_permutations(perm: torch.Tensor) -> None:
         raise ValueError("a K channel order row is not a permutation of head_dim")
 
 
+def rank_first_head(total: int, kv_heads_per_rank: int, rank: int, tp_size: int, what: str) -> int:
+    """The first of the ``kv_heads_per_rank`` KV heads (of ``total``) a tensor-parallel rank holds:
+    SGLang gives rank ``r`` heads ``r*n .. r*n + n - 1`` when the heads divide over the ranks, else
+    (fewer heads than ranks) replicates head ``r // (tp_size / heads)``. ``what`` names the per-head
+    file in the one-line ``ValueError`` of a mismatch."""
+    if tp_size <= total:
+        if kv_heads_per_rank * tp_size != total:
+            raise ValueError(f"{what} has {total} KV heads; {tp_size} ranks of "
+                             f"{kv_heads_per_rank} hold {kv_heads_per_rank * tp_size}")  # fmt: skip
+        return rank * kv_heads_per_rank
+    if kv_heads_per_rank != 1 or tp_size % total:
+        raise ValueError(f"{what} has {total} KV heads, which do not spread over {tp_size} ranks")
+    return rank // (tp_size // total)
+
+
 @dataclass(frozen=True)
 class ChannelOrder:
     """Per (layer, KV head) permutations ``perm [L, H, D]`` (int64) of the channels of q and k."""
@@ -76,19 +91,8 @@ class ChannelOrder:
         return cls(data["perm"].long())
 
     def for_rank(self, kv_heads_per_rank: int, rank: int, tp_size: int) -> ChannelOrder:
-        """The rows of the KV heads a tensor-parallel rank holds: SGLang gives rank ``r`` heads
-        ``r*n .. r*n + n - 1`` when the heads divide over the ranks, else (fewer heads than ranks)
-        replicates head ``r // (tp_size / heads)``."""
-        total = self.perm.shape[1]
-        if tp_size <= total:
-            if kv_heads_per_rank * tp_size != total:
-                raise ValueError(f"the K channel order has {total} KV heads; {tp_size} ranks of "
-                                 f"{kv_heads_per_rank} hold {kv_heads_per_rank * tp_size}")  # fmt: skip
-            start = rank * kv_heads_per_rank
-        else:
-            if kv_heads_per_rank != 1 or tp_size % total:
-                raise ValueError(f"the K channel order has {total} KV heads, which do not spread over {tp_size} ranks")
-            start = rank // (tp_size // total)
+        """The rows of the KV heads a tensor-parallel rank holds (:func:`rank_first_head`)."""
+        start = rank_first_head(self.perm.shape[1], kv_heads_per_rank, rank, tp_size, "the K channel order")
         return ChannelOrder(self.perm[:, start : start + kv_heads_per_rank])
 
     def check_model(self, num_layers: int, kv_heads: int, head_dim: int) -> None:

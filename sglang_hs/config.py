@@ -68,6 +68,9 @@ class HieraSparseConfig:
     k_channel_order: str = ""
     """File of a calibrated permutation of head_dim per (layer, KV head) applied to q and k (see
     ``sglang_hs.channel_order``), so that 2:4 K drops fewer large channels; empty: natural order."""
+    k_head_map: str = ""
+    """File of a K head map (see ``sglang_hs.k_head_map``): in a K-sparse block only the mapped (layer,
+    KV head) pairs store K 2:4, the heads that retrieve keep it dense; empty: every head."""
     shared_prefix_decode: str = "off"
     """``on``: decode batches whose requests share leading blocks read them once per group of requests
     (``sglang_hs.kernels.decode_shared``); needs the decode kernel. ``off``: every request reads its
@@ -123,6 +126,12 @@ class HieraSparseConfig:
             self.k_channel_order,
             "a file written by python -m sglang_hs.launch.calibrate_channels",
         )
+        _require(
+            not self.k_head_map or os.path.isfile(self.k_head_map),
+            cli_flag("k_head_map"),
+            self.k_head_map,
+            "a file written by python -m sglang_hs.launch.calibrate_heads",
+        )
         _require(self.shared_prefix_decode in ("off", "on"), cli_flag("shared_prefix_decode"),
                  self.shared_prefix_decode, "'off' or 'on'")  # fmt: skip
         names = self.kernels.split(",")
@@ -134,6 +143,10 @@ class HieraSparseConfig:
         )
         _require(self.shared_prefix_decode == "off" or self.uses_kernel("decode"), cli_flag("shared_prefix_decode"),
                  self.shared_prefix_decode, "'off' unless --hierasparse-kernels includes decode")  # fmt: skip
+        # The fused compressor writes every head of a K-sparse block 2:4; the PyTorch one follows the map.
+        _require(not (self.k_head_map and self.uses_kernel("compress")), cli_flag("kernels"), self.kernels,
+                 "a list without 'compress' with --hierasparse-k-head-map (the fused compressor does not write "
+                 "per-head K yet)")  # fmt: skip
 
     def uses_kernel(self, name: str) -> bool:
         """Whether the TileLang kernel ``name`` (one of ``KERNELS``) is enabled by the settings."""

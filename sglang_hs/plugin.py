@@ -123,6 +123,7 @@ _FLAG_HELP = {
     "dense_backend": "SGLang backend that attends over the dense tokens.",
     "kernels": "TileLang kernels to use (decode,extend,compress); 'none' runs the PyTorch paths.",
     "k_channel_order": "K channel order file (python -m sglang_hs.launch.calibrate_channels); 2:4 K loses less with it.",
+    "k_head_map": "K head map file (python -m sglang_hs.launch.calibrate_heads): K stays dense on the heads that retrieve.",
     "shared_prefix_decode": "'on': requests of a decode batch that share a prefix read it once per group.",
 }
 
@@ -208,6 +209,10 @@ def apply_backend_defaults(_result, server_args) -> None:
             )
         if server_args.enable_hierarchical_cache:
             check_hierarchical_cache(server_args)
+            if config.k_head_map:  # the host tier moves a slot's rows as one item, the same in every layer
+                raise HieraSparseConfigError(
+                    "hierasparse: --hierasparse-k-head-map with --enable-hierarchical-cache is not supported yet; "
+                    "allowed: one of them")  # fmt: skip
         # The factory builds the hierarchical variant when SGLang's build context asks for HiCache.
         server_args.radix_cache_backend = BACKEND_NAME
 

@@ -12,6 +12,14 @@ row ``slot * H + h``. The index maps ``k_index``/``v_index`` ``[H, capacity]`` h
 and virtual block, the signed entry of that row (``>= 0`` dense, ``< 0`` sparse ``~row``); they are
 shared by all layers and are what the kernels and the reference read.
 
+**K head map** (``k_sparse_heads``, bool ``[L, H]``, from ``--hierasparse-k-head-map``): in a K-sparse
+block only the mapped (layer, head) pairs store K 2:4; the others, the heads that retrieve, keep it
+dense. The slot accounting does not change (a K-sparse block still takes one sparse-K slot in every
+layer); in layer ``l`` with ``n_s`` mapped heads the slot owns sparse-K rows ``slot * n_s + rank`` and
+dense-K rows ``k_dense_slots * H + slot * (H - n_s) + rank`` (rank: the head's place among the
+mapped, resp. unmapped, heads of the layer), so the pools' sizes differ per layer and no row is
+wasted. ``k_index`` is then ``[L, H, capacity]``, one map per layer (:meth:`CompressedStore.k_index_of`).
+
 Block choice: the caller ranks a prefix's blocks by their pruning loss summed over layers and
 heads (see :func:`compress_prefix`), so the decision is per virtual block.
 
@@ -84,12 +92,16 @@ class StoreCapacity:
 
     @classmethod
     def from_budget(
-        cls, budget_bytes: int, num_layers: int, kv_heads: int, head_dim: int, block_size: int, sk: float, sv: float
+        cls, budget_bytes: int, num_layers: int, kv_heads: int, head_dim: int, block_size: int, sk: float, sv: float,
+        k_sparse_share: float = 1.0,
     ) -> "StoreCapacity":
-        """Split a byte budget between the pools in the proportions the expected S_K/S_V need."""
+        """Split a byte budget between the pools in the proportions the expected S_K/S_V need.
+        ``k_sparse_share``: the share of (layer, head) pairs whose K a K-sparse block stores 2:4 (the
+        K head map's; 1 without one)."""
         dense = dense_block_bytes(block_size, head_dim) * kv_heads * num_layers
         sparse = sparse_block_bytes(block_size, head_dim) * kv_heads * num_layers
-        per_block = (1 - sk) * dense + sk * sparse + (1 - sv) * dense + sv * sparse
+        k_sparse = k_sparse_share * sparse + (1 - k_sparse_share) * dense
+        per_block = (1 - sk) * dense + sk * k_sparse + (1 - sv) * dense + sv * sparse
         blocks = int(budget_bytes // per_block)
         # Round each pool down so the total never exceeds the budget.
         return cls(
@@ -100,11 +112,14 @@ class StoreCapacity:
             v_sparse=math.floor(sv * blocks),
         )
 
-    def nbytes(self, num_layers: int, kv_heads: int, head_dim: int, block_size: int) -> int:
-        """Bytes of a store of this capacity (16-bit values): what allocating it takes."""
-        dense = dense_block_bytes(block_size, head_dim) * kv_heads * num_layers
-        sparse = sparse_block_bytes(block_size, head_dim) * kv_heads * num_layers
-        return (self.k_dense + self.v_dense) * dense + (self.k_sparse + self.v_sparse) * sparse
+    def nbytes(self, num_layers: int, kv_heads: int, head_dim: int, block_size: int, k_sparse_share: float = 1.0) -> int:
+        """Bytes of a store of this capacity (16-bit values): what allocating it takes
+        (``k_sparse_share`` as in :meth:`from_budget`)."""
+        rows = kv_heads * num_layers
+        dense_row, sparse_row = dense_block_bytes(block_size, head_dim), sparse_block_bytes(block_size, head_dim)
+        k_sparse_rows = round(k_sparse_share * rows)  # rows of a K-sparse slot stored 2:4
+        k_sparse_block = k_sparse_rows * sparse_row + (rows - k_sparse_rows) * dense_row
+        return (self.k_dense + self.v_dense) * rows * dense_row + self.k_sparse * k_sparse_block + self.v_sparse * rows * sparse_row
 
 
 class StoreFull(Exception):
@@ -122,28 +137,42 @@ class CompressedStore:
         dtype: torch.dtype,
         device: torch.device | str,
         allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+        k_sparse_heads: torch.Tensor | None = None,
     ):
         """``allocate(shape, dtype)`` makes the zero-filled pool tensors (default: ``torch.zeros`` on
         ``device``); a host-tier store passes SGLang's pinned host allocation, which GPU copy kernels
-        read and write directly."""
+        read and write directly. ``k_sparse_heads``: the K head map, bool ``[L, H]`` (module
+        docstring); None: every head's K follows its block."""
         self.capacity = capacity
         self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
         # The concrete device ("cuda:0", not "cuda"): callers compare it with their tensors' devices.
         self.dtype, self.device = dtype, torch.empty(0, device=device).device
         h, b, d = kv_heads, block_size, head_dim
+        if k_sparse_heads is not None:
+            k_sparse_heads = k_sparse_heads.to(torch.bool).cpu()
+            if tuple(k_sparse_heads.shape) != (num_layers, kv_heads):
+                raise ValueError(f"K head map of shape {tuple(k_sparse_heads.shape)}; the store has "
+                                 f"{num_layers} layers of {kv_heads} KV heads")  # fmt: skip
+        self.k_sparse_heads = k_sparse_heads
+        # Per layer and head: the head's rank among the layer's 2:4-K heads, or among its dense-K heads.
+        mapped = k_sparse_heads if k_sparse_heads is not None else torch.ones(num_layers, h, dtype=torch.bool)
+        self._k_sparse_rank = torch.where(mapped, mapped.long().cumsum(1) - 1, -1)
+        self._k_dense_rank = torch.where(mapped, -1, (~mapped).long().cumsum(1) - 1)
+        self._k_sparse_rows = mapped.sum(1).tolist()  # per layer: rows of one sparse-K slot stored 2:4
 
-        def pool(slots: int, *shape: int, dtype: torch.dtype = dtype) -> list[torch.Tensor]:
-            if allocate is None or slots == 0:
-                return [torch.zeros(slots * h, *shape, dtype=dtype, device=device) for _ in range(num_layers)]
-            return [allocate((slots * h, *shape), dtype) for _ in range(num_layers)]
+        def pool(rows: list[int], *shape: int, dtype: torch.dtype = dtype) -> list[torch.Tensor]:
+            return [torch.zeros(n, *shape, dtype=dtype, device=device) if allocate is None or n == 0
+                    else allocate((n, *shape), dtype) for n in rows]  # fmt: skip
 
-        self.k_dense = pool(capacity.k_dense, b, d)
-        self.k_values = pool(capacity.k_sparse, b, d // 2)
-        self.k_meta = pool(capacity.k_sparse, b, d // 16, dtype=torch.int16)
-        self.v_dense = pool(capacity.v_dense, b, d)
-        self.v_values = pool(capacity.v_sparse, d, b // 2)
-        self.v_meta = pool(capacity.v_sparse, d, b // 16, dtype=torch.int16)
-        self.k_index = torch.zeros(h, capacity.virtual_blocks, dtype=torch.int32, device=device)
+        c = capacity
+        self.k_dense = pool([c.k_dense * h + c.k_sparse * (h - n) for n in self._k_sparse_rows], b, d)
+        self.k_values = pool([c.k_sparse * n for n in self._k_sparse_rows], b, d // 2)
+        self.k_meta = pool([c.k_sparse * n for n in self._k_sparse_rows], b, d // 16, dtype=torch.int16)
+        self.v_dense = pool([c.v_dense * h] * num_layers, b, d)
+        self.v_values = pool([c.v_sparse * h] * num_layers, d, b // 2)
+        self.v_meta = pool([c.v_sparse * h] * num_layers, d, b // 16, dtype=torch.int16)
+        k_maps = (num_layers,) if k_sparse_heads is not None else ()
+        self.k_index = torch.zeros(*k_maps, h, capacity.virtual_blocks, dtype=torch.int32, device=device)
         self.v_index = torch.zeros(h, capacity.virtual_blocks, dtype=torch.int32, device=device)
         # Host-side ownership: per virtual block, (is_sparse, slot) of its K and of its V.
         self._k_slot: dict[int, tuple[bool, int]] = {}
@@ -194,12 +223,25 @@ class CompressedStore:
             return f"compressed store leak: (free + used, capacity) = {bad}"
         return None
 
+    @property
+    def k_sparse_share(self) -> float:
+        """The share of (layer, head) pairs whose K a K-sparse block stores 2:4 (1 without a head map)."""
+        return sum(self._k_sparse_rows) / (self.num_layers * self.kv_heads)
+
+    def k_index_of(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K index map ``[H, capacity]`` (the one shared map without a K head map)."""
+        return self.k_index[layer] if self.k_index.dim() == 3 else self.k_index
+
     def stored_bytes(self) -> int:
         """Bytes of the blocks currently held (all layers)."""
-        dense = dense_block_bytes(self.block_size, self.head_dim) * self.kv_heads * self.num_layers
-        sparse = sparse_block_bytes(self.block_size, self.head_dim) * self.kv_heads * self.num_layers
-        slots = list(self._k_slot.values()) + list(self._v_slot.values())
-        return sum(sparse if is_sparse else dense for is_sparse, _ in slots)
+        dense_row = dense_block_bytes(self.block_size, self.head_dim)
+        sparse_row = sparse_block_bytes(self.block_size, self.head_dim)
+        rows = self.kv_heads * self.num_layers
+        k_sparse_rows = sum(self._k_sparse_rows)
+        k_sparse_block = k_sparse_rows * sparse_row + (rows - k_sparse_rows) * dense_row
+        k = sum(k_sparse_block if is_sparse else rows * dense_row for is_sparse, _ in self._k_slot.values())
+        v = sum(rows * (sparse_row if is_sparse else dense_row) for is_sparse, _ in self._v_slot.values())
+        return k + v
 
     def _take(self, pool: str, n: int) -> list[int]:
         ids = self._free[pool]
@@ -249,8 +291,25 @@ class CompressedStore:
             return torch.where(sparse[None, :], sparse_entry(rows), rows).to(torch.int32)
 
         columns = torch.tensor(vbs, dtype=torch.int64, device=self.device)
-        self.k_index[:, columns] = entries(self._k_slot).to(self.device)
+        if self.k_sparse_heads is None:
+            self.k_index[:, columns] = entries(self._k_slot).to(self.device)
+        else:
+            self.k_index[:, :, columns] = self._k_entries(vbs).to(self.device)
         self.v_index[:, columns] = entries(self._v_slot).to(self.device)
+
+    def _k_entries(self, vbs: list[int]) -> torch.Tensor:
+        """int32 ``[L, H, n]`` K index entries of blocks ``vbs`` under the K head map (module docstring)."""
+        sparse = torch.tensor([self._k_slot[vb][0] for vb in vbs])
+        slot = torch.tensor([self._k_slot[vb][1] for vb in vbs])
+        h = self.kv_heads
+        heads = torch.arange(h)
+        n_sparse = torch.tensor(self._k_sparse_rows)[:, None, None]  # [L, 1, 1]
+        dense_block = (slot[None, :] * h + heads[:, None]).expand(self.num_layers, h, len(vbs))
+        sparse_row = slot * n_sparse + self._k_sparse_rank[:, :, None]
+        dense_row = self.capacity.k_dense * h + slot * (h - n_sparse) + self._k_dense_rank[:, :, None]
+        mapped = self._k_sparse_rank[:, :, None] >= 0
+        in_sparse_block = torch.where(mapped, sparse_entry(sparse_row), dense_row)
+        return torch.where(sparse[None, None, :], in_sparse_block, dense_block).to(torch.int32)
 
     # ----------------------------------------------------------------------------- data
     def pointer_table(self, name: str, device: torch.device | str) -> torch.Tensor:
@@ -285,11 +344,22 @@ class CompressedStore:
         cols, rows = split(self._k_slot, False)
         if cols is not None:
             self.k_dense[layer][rows] = k_blocks[:, cols].reshape(-1, *k_blocks.shape[2:])
-        cols, rows = split(self._k_slot, True)
-        if cols is not None:
-            values, meta = pack_2to4(k_blocks[:, cols], k_keep[:, cols])
-            self.k_values[layer][rows] = values.reshape(-1, *values.shape[2:])
-            self.k_meta[layer][rows] = meta.reshape(-1, *meta.shape[2:])
+        picked = [(i, self._k_slot[vb][1]) for i, vb in enumerate(vbs) if self._k_slot[vb][0]]
+        if picked:  # K-sparse blocks: the layer's mapped heads 2:4, the others dense (module docstring)
+            cols = torch.tensor([i for i, _ in picked], device=self.device)
+            slots = torch.tensor([s for _, s in picked], device=self.device)
+            mapped = (self._k_sparse_rank[layer] >= 0).to(self.device)
+            n_s = self._k_sparse_rows[layer]
+            if n_s:
+                ranks = self._k_sparse_rank[layer][mapped.cpu()].to(self.device)
+                rows = (slots[None, :] * n_s + ranks[:, None]).reshape(-1)
+                values, meta = pack_2to4(k_blocks[mapped][:, cols], k_keep[mapped][:, cols])
+                self.k_values[layer][rows] = values.reshape(-1, *values.shape[2:])
+                self.k_meta[layer][rows] = meta.reshape(-1, *meta.shape[2:])
+            if n_s < h:
+                ranks = self._k_dense_rank[layer][~mapped.cpu()].to(self.device)
+                rows = (self.capacity.k_dense * h + slots[None, :] * (h - n_s) + ranks[:, None]).reshape(-1)
+                self.k_dense[layer][rows] = k_blocks[~mapped][:, cols].reshape(-1, *k_blocks.shape[2:])
         cols, rows = split(self._v_slot, False)
         if cols is not None:
             self.v_dense[layer][rows] = v_blocks[:, cols].reshape(-1, *v_blocks.shape[2:])
@@ -322,15 +392,21 @@ def block_losses(
     slots: torch.Tensor,
     block_size: int,
     kv_heads: int,
+    k_sparse_heads: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``[n]`` K and V ranking keys of the prefix's blocks: each block's pruning loss
-    (``Pruner.operand_loss``) summed over all layers and KV heads (the compressor's first pass)."""
+    (``Pruner.operand_loss``) summed over all layers and KV heads (the compressor's first pass); with a
+    K head map (bool ``[L, H]``) the K loss only over the heads that store K 2:4."""
     n = slots.numel() // block_size
     loss: dict[Operand, torch.Tensor] = {op: torch.zeros(n, dtype=torch.float32, device=slots.device) for op in "kv"}
-    for layer_pruner, k_buffer, v_buffer in zip(_layer_pruners(pruner, len(k_buffers)), k_buffers, v_buffers):
+    for layer, (layer_pruner, k_buffer, v_buffer) in enumerate(zip(_layer_pruners(pruner, len(k_buffers)), k_buffers,
+                                                                   v_buffers)):  # fmt: skip
         for op, buffer in (("k", k_buffer), ("v", v_buffer)):
             blocks = prefix_blocks(buffer, slots, block_size, kv_heads)
-            loss[op] += layer_pruner.operand_loss(blocks, op, layer_pruner.element_mask(blocks, op)).sum(0)
+            per_head = layer_pruner.operand_loss(blocks, op, layer_pruner.element_mask(blocks, op))
+            if op == "k" and k_sparse_heads is not None:
+                per_head = per_head[k_sparse_heads[layer].to(per_head.device)]
+            loss[op] += per_head.sum(0)
     return loss["k"], loss["v"]
 
 
@@ -366,7 +442,8 @@ def compress_prefix(
     temporary memory at one layer's blocks. ``pruner`` is one pruner or one per layer.
     ``reduce_losses`` (tensor parallelism) sums the losses over the ranks before a fractional S ranks them.
     """
-    loss_k, loss_v = block_losses(pruner, k_buffers, v_buffers, slots, store.block_size, store.kv_heads)
+    loss_k, loss_v = block_losses(pruner, k_buffers, v_buffers, slots, store.block_size, store.kv_heads,
+                                  store.k_sparse_heads)  # fmt: skip
     if reduce_losses is not None and needs_ranking(groups):
         loss_k, loss_v = reduce_losses(torch.stack([loss_k, loss_v])).unbind(0)
     sparse_k = torch.zeros(loss_k.shape, dtype=torch.bool, device=slots.device)

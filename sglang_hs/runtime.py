@@ -29,6 +29,7 @@ import torch
 
 from sglang_hs.channel_order import ChannelOrder
 from sglang_hs.config import HieraSparseConfig
+from sglang_hs.k_head_map import KHeadMap
 from sglang_hs.pools import CompressedStore, LossReducer, StoreCapacity, VirtualSlots, compress_prefix
 
 if TYPE_CHECKING:
@@ -87,12 +88,15 @@ class HieraSparseRuntime:
         dense_rows = model_runner.token_to_kv_pool_allocator.size + model_runner.page_size
         virtual = VirtualSlots(base=-(-dense_rows // block) * block, block_size=block)
         kv_pool = model_runner.token_to_kv_pool
+        head_map = rank_k_head_map(config.k_head_map, kv_pool) if config.k_head_map else None
         capacity = StoreCapacity.from_budget(
-            budget, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, config.sk_prefill, config.sv_prefill
-        )
+            budget, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, config.sk_prefill, config.sv_prefill,
+            head_map.share if head_map is not None else 1.0,
+        )  # fmt: skip
         store = CompressedStore(
-            capacity, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, kv_pool.dtype, kv_pool.device
-        )
+            capacity, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, kv_pool.dtype, kv_pool.device,
+            k_sparse_heads=head_map.sparse if head_map is not None else None,
+        )  # fmt: skip
         kernels = tilelang_kernels_available()
         compressor: Compressor = compress_prefix
         if kernels and config.uses_kernel("compress"):
@@ -104,6 +108,17 @@ class HieraSparseRuntime:
             compressor = functools.partial(compressor, reduce_losses=reduce_losses)
         order = rank_channel_order(config.k_channel_order, kv_pool) if config.k_channel_order else None
         return cls(config, store, virtual, compressor, budget, kernels, order)
+
+
+def rank_k_head_map(path: str, kv_pool) -> KHeadMap:
+    """The K head map of ``path`` for this rank's KV heads, checked against the KV pool's shape."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    rank, size = (parallel.attn_tp_rank, parallel.attn_tp_size) if parallel.attn_tp_size > 1 else (0, 1)
+    head_map = KHeadMap.load(path).for_rank(kv_pool.head_num, rank, size)
+    head_map.check_model(kv_pool.layer_num, kv_pool.head_num)
+    return head_map
 
 
 def rank_channel_order(path: str, kv_pool) -> ChannelOrder:

@@ -1,0 +1,126 @@
+"""The K head map (``--hierasparse-k-head-map``): the map file, and the compressed store's per-layer K
+layout under it (``sglang_hs.pools``), checked against a store without a map on CPU.
+
+In a K-sparse block the mapped (layer, head) pairs must hold exactly what a store without a map holds
+(2:4-pruned K), the other pairs K exactly as cached, V must not change, and the slot accounting and
+byte counts must follow the per-layer row counts.
+"""
+
+import pytest
+import torch
+
+from sglang_hs.config import HieraSparseConfig, HieraSparseConfigError
+from sglang_hs.format import decompress_blocks
+from sglang_hs.k_head_map import KHeadMap
+from sglang_hs.pools import CompressedStore, StoreCapacity, block_losses, compress_prefix
+from sglang_hs.pruner import make_pruner
+
+LAYERS, HEADS, DIM, B = 3, 4, 64, 64
+# Layer 0: every head 2:4 (as without a map); layer 1: heads 0 and 2; layer 2: none.
+MAP = torch.tensor([[True] * 4, [True, False, True, False], [False] * 4])
+
+
+def _prefix(n_blocks: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    k = [torch.randn(n_blocks * B, HEADS, DIM, generator=gen).half() for _ in range(LAYERS)]
+    v = [torch.randn(n_blocks * B, HEADS, DIM, generator=gen).half() for _ in range(LAYERS)]
+    return k, v, torch.arange(n_blocks * B)
+
+
+def _store(blocks: int, head_map=None) -> CompressedStore:
+    capacity = StoreCapacity(blocks, blocks, blocks, blocks, blocks)
+    return CompressedStore(capacity, LAYERS, HEADS, DIM, B, torch.float16, "cpu", k_sparse_heads=head_map)
+
+
+def _read(store: CompressedStore, vbs: list[int], layer: int, operand: str) -> torch.Tensor:
+    index = store.k_index_of(layer) if operand == "k" else store.v_index
+    return decompress_blocks(store.layer_pools(layer), index[:, torch.tensor(vbs)], operand)
+
+
+def test_mapped_heads_hold_2to4_k_and_the_others_keep_it_dense():
+    k, v, slots = _prefix(3)
+    groups = [(torch.ones(3, dtype=torch.bool), 1.0, 1.0)]
+    plain, mapped = _store(3), _store(3, MAP)
+    vbs_plain = compress_prefix(plain, make_pruner("magnitude"), k, v, slots, groups)
+    vbs = compress_prefix(mapped, make_pruner("magnitude"), k, v, slots, groups)
+    for layer in range(LAYERS):
+        cached = k[layer].view(3, B, HEADS, DIM).permute(2, 0, 1, 3)  # [H, n, B, D]
+        pruned = _read(plain, vbs_plain, layer, "k")
+        got = _read(mapped, vbs, layer, "k")
+        for h in range(HEADS):
+            want = pruned[h] if MAP[layer, h] else cached[h]
+            assert torch.equal(got[h], want), (layer, h)
+        assert torch.equal(_read(mapped, vbs, layer, "v"), _read(plain, vbs_plain, layer, "v"))
+        # Per layer: the 3 dense-K slots' rows, then the 3 sparse-K slots' dense rows (unmapped heads);
+        # 2:4 rows for the mapped heads only.
+        n_s = int(MAP[layer].sum())
+        assert mapped.k_values[layer].shape[0] == 3 * n_s
+        assert mapped.k_dense[layer].shape[0] == 3 * HEADS + 3 * (HEADS - n_s)
+    assert mapped.check() is None and mapped.k_index.shape == (LAYERS, HEADS, 3)
+    assert mapped.stored_bytes() > plain.stored_bytes()
+    # A store of sparse slots only, filled: its capacity's bytes, its pools' and its blocks' agree.
+    tight = CompressedStore(StoreCapacity(3, 0, 3, 0, 3), LAYERS, HEADS, DIM, B, torch.float16, "cpu", k_sparse_heads=MAP)
+    compress_prefix(tight, make_pruner("magnitude"), k, v, slots, groups)
+    share = MAP.float().mean().item()
+    allocated = sum(tight.layer_pools(layer).nbytes() for layer in range(LAYERS))
+    assert tight.capacity.nbytes(LAYERS, HEADS, DIM, B, share) == allocated == tight.stored_bytes()
+    assert tight.k_sparse_share == pytest.approx(share)
+
+
+def test_k_dense_blocks_and_reuse_after_free():
+    """A K-dense block (S_K = 0) is dense on every head of every layer; freed slots come back clean."""
+    k, v, slots = _prefix(2, seed=1)
+    store = _store(4, MAP)
+    first = compress_prefix(store, make_pruner("magnitude"), k, v, slots, [(torch.ones(2, dtype=torch.bool), 1.0, 0.0)])
+    second = compress_prefix(store, make_pruner("magnitude"), k, v, slots, [(torch.ones(2, dtype=torch.bool), 0.0, 0.0)])
+    for layer in range(LAYERS):
+        assert torch.equal(_read(store, second, layer, "k"), k[layer].view(2, B, HEADS, DIM).permute(2, 0, 1, 3))
+    before = [_read(store, first, layer, "k") for layer in range(LAYERS)]
+    store.free(first)
+    assert store.check() is None
+    again = compress_prefix(store, make_pruner("magnitude"), k, v, slots, [(torch.ones(2, dtype=torch.bool), 1.0, 0.0)])
+    assert sorted(again) == sorted(first)
+    for layer in range(LAYERS):  # again[i] holds the prefix's block i, as first[i] did
+        assert torch.equal(_read(store, again, layer, "k"), before[layer])
+    store.free(again + second)
+    assert store.check() is None and store.used_blocks() == 0
+
+
+def test_k_losses_count_only_the_mapped_heads():
+    k, v, slots = _prefix(3, seed=2)
+    pruner = make_pruner("magnitude")
+    full, _ = block_losses(pruner, k, v, slots, B, HEADS)
+    none_mapped, _ = block_losses(pruner, k, v, slots, B, HEADS, torch.zeros(LAYERS, HEADS, dtype=torch.bool))
+    every, _ = block_losses(pruner, k, v, slots, B, HEADS, torch.ones(LAYERS, HEADS, dtype=torch.bool))
+    assert torch.equal(every, full) and bool((none_mapped == 0).all())
+
+
+def test_map_file_round_trip_rank_slices_and_errors(tmp_path):
+    scores = torch.tensor([[0.9, 0.1, 0.5, 0.2], [0.3, 0.8, 0.0, 0.7]])
+    head_map = KHeadMap.from_scores(scores, 0.5)  # the 4 lowest scores: 0.0, 0.1, 0.2, 0.3
+    assert head_map.sparse.tolist() == [[False, True, False, True], [True, False, True, False]]
+    path = str(tmp_path / "map.pt")
+    head_map.save(path, score="needle")
+    loaded = KHeadMap.load(path)
+    assert torch.equal(loaded.sparse, head_map.sparse) and loaded.share == 0.5
+    assert loaded.for_rank(2, 1, 2).sparse.tolist() == [[False, True], [True, False]]
+    with pytest.raises(ValueError, match="4 KV heads; 3 ranks"):
+        loaded.for_rank(1, 0, 3)
+    with pytest.raises(ValueError, match=r"\[layers, kv_heads\] = \[2, 4\]"):
+        loaded.check_model(3, 4)
+    torch.save({"perm": torch.zeros(1)}, str(tmp_path / "other.pt"))
+    with pytest.raises(ValueError, match="not a K head map file"):
+        KHeadMap.load(str(tmp_path / "other.pt"))
+    with pytest.raises(ValueError, match="shape"):
+        CompressedStore(StoreCapacity(1, 1, 1, 1, 1), LAYERS, HEADS, DIM, B, torch.float16, "cpu",
+                        k_sparse_heads=head_map.sparse)  # fmt: skip
+
+
+def test_config_needs_a_map_file_and_the_pytorch_compressor(tmp_path):
+    path = str(tmp_path / "map.pt")
+    KHeadMap(MAP).save(path)
+    assert HieraSparseConfig(k_head_map=path, kernels="decode,extend").k_head_map == path
+    with pytest.raises(HieraSparseConfigError, match="without 'compress'"):
+        HieraSparseConfig(k_head_map=path)
+    with pytest.raises(HieraSparseConfigError, match="calibrate_heads"):
+        HieraSparseConfig(k_head_map=str(tmp_path / "missing.pt"), kernels="none")
