@@ -96,6 +96,7 @@ import torch
 
 from sglang_hs import head_map
 from sglang_hs.channel_order import ChannelOrder
+from sglang_hs.k_head_map import KHeadMap
 from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry, Setting, TaskBuilder, load_corpus,
                                              make_samples, make_settings, make_windows, setting_from_name,
                                              split_corpus)  # fmt: skip
@@ -135,6 +136,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     calib.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration prompts and the random control")
     calib.add_argument("--k-channel-order", metavar="FILE", help="the fperm variant's K channel order "
                        "(python -m sglang_hs.launch.calibrate_channels)")  # fmt: skip
+    calib.add_argument("--k-head-map", metavar="FILE", help="reference backend: the compressed store keeps K dense "
+                       "on the heads this K head map leaves unmapped, as --hierasparse-k-head-map does in the server "
+                       "(python -m sglang_hs.launch.calibrate_heads)")  # fmt: skip
     calib.add_argument("--head-scores", metavar="PT", help="cache of the calibration (torch file): loaded if it exists, "
                        "else written after calibrating")  # fmt: skip
     reference = parser.add_argument_group("reference backend")
@@ -199,6 +203,15 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 print(f"eval_quality: {exc}", file=sys.stderr)
                 return 2
+        if args.k_head_map:
+            try:
+                k_map = KHeadMap.load(args.k_head_map)
+                k_map.check_model(backend.num_layers, backend.kv_heads)
+            except ValueError as exc:
+                print(f"eval_quality: {exc}", file=sys.stderr)
+                return 2
+            backend.k_head_map = k_map.sparse
+            print(f"[eval] K head map {args.k_head_map}: {k_map.share:.3f} of (layer, head) pairs store K 2:4", flush=True)
         try:
             backend.decode_select = parse_decode_select(args.decode_select)
         except ValueError as exc:

@@ -225,14 +225,16 @@ class ReferenceBackend(VariantKV):
         self.head_scores: head_map.HeadScores | None = None  # from calibrate(), for the head-map variants
         self.random_seed = 0  # seed of the random head-map control
         self.decode_select: str | None = None  # --decode-select: block selection on the non-dense rows' decode steps
+        self.k_head_map: torch.Tensor | None = None  # --k-head-map: the store's K head map (bool [L, H]), as the server's
 
     # ------------------------------------------------------------------------- pieces
     def store_for(self, n_blocks: int) -> CompressedStore:
         if self._store is None or self._store.capacity.virtual_blocks < n_blocks:
             capacity = StoreCapacity(n_blocks, n_blocks, n_blocks, n_blocks, n_blocks)
             self._store = CompressedStore(
-                capacity, self.num_layers, self.kv_heads, self.head_dim, self.geometry.block, self.kv_dtype, "cpu"
-            )
+                capacity, self.num_layers, self.kv_heads, self.head_dim, self.geometry.block, self.kv_dtype, "cpu",
+                k_sparse_heads=self.k_head_map,
+            )  # fmt: skip
         self._store.clear()
         return self._store
 
@@ -320,7 +322,7 @@ class ReferenceBackend(VariantKV):
     def _block_losses(self, state: PrefixState, pruner: str, blocks: range) -> tuple[torch.Tensor, torch.Tensor]:
         """Per block, the pruning loss summed over layers and KV heads (the compressor's first pass)."""
         return block_losses(self._pruners(state, pruner, blocks), state.k, state.v, self._slots(blocks),
-                            self.geometry.block, self.kv_heads)
+                            self.geometry.block, self.kv_heads, self.k_head_map)  # fmt: skip
 
     def _output_aware(self, state: PrefixState, layer: int, blocks: range) -> OutputAwarePruner:
         if layer not in state.scales:

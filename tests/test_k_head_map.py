@@ -124,3 +124,42 @@ def test_config_needs_a_map_file_and_the_pytorch_compressor(tmp_path):
         HieraSparseConfig(k_head_map=path)
     with pytest.raises(HieraSparseConfigError, match="calibrate_heads"):
         HieraSparseConfig(k_head_map=str(tmp_path / "missing.pt"), kernels="none")
+
+
+def test_calibration_command_maps_the_lowest_scores(tmp_path):
+    """``calibrate_heads`` from cached head scores (no model forward): the share of pairs with the lowest
+    score of the chosen kind is mapped to 2:4 K, and the file loads as the server loads it."""
+    from sglang_hs.launch import calibrate_heads
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    needle = torch.arange(12, dtype=torch.float64).view(3, 4)  # pair (l, h) scores 4l + h
+    scores = tmp_path / "scores.pt"
+    torch.save({"scores": {"needle": needle, "copy": -needle}, "query_moment": None, "meta": {}}, str(scores))
+    out = str(tmp_path / "map.pt")
+    argv = ["--model-path", str(model), "--head-scores", str(scores), "--share", "0.5", "--out", out]
+    assert calibrate_heads.main(argv) == 0
+    assert KHeadMap.load(out).sparse.flatten().tolist() == [True] * 6 + [False] * 6
+    assert calibrate_heads.main(argv[:-2] + ["--score", "copy", "--out", out]) == 0
+    assert KHeadMap.load(out).sparse.flatten().tolist() == [False] * 6 + [True] * 6
+    assert calibrate_heads.main(["--model-path", str(tmp_path / "none")]) == 2
+
+
+def test_the_backend_hands_each_layer_its_own_k_map():
+    """The attention backend passes a layer's own K index map to the kernels and the fallback."""
+    from types import SimpleNamespace
+
+    from sglang_hs.backend import HieraSparseAttnBackend
+
+    backend = HieraSparseAttnBackend.__new__(HieraSparseAttnBackend)
+    store = _store(2, MAP)
+    compress_prefix(store, make_pruner("magnitude"), *_prefix(2)[:2], torch.arange(2 * B),
+                    [(torch.ones(2, dtype=torch.bool), 1.0, 1.0)])  # fmt: skip
+    cache = torch.zeros(8, HEADS, DIM)
+    pool = SimpleNamespace(get_key_buffer=lambda layer: cache, get_value_buffer=lambda layer: cache)
+    backend.__dict__.update(store=store, token_to_kv_pool=pool, dense=None)
+    for layer in range(LAYERS):
+        k_index = backend._kernel_kv(SimpleNamespace(layer_id=layer))[3]
+        assert torch.equal(k_index, store.k_index[layer])
+    assert not torch.equal(store.k_index[0], store.k_index[1])  # the layers' maps differ
