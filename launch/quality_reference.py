@@ -281,7 +281,7 @@ class ReferenceBackend(VariantKV):
         lo, hi = blocks.start * self.geometry.block, blocks.stop * self.geometry.block
         k = [torch.cat([kl[:lo], kb, kl[hi:]]) for kl, (kb, _) in zip(state.k, layers)]
         v = [torch.cat([vl[:lo], vb, vl[hi:]]) for vl, (_, vb) in zip(state.v, layers)]
-        return k, v, kv_stats(blocks, sparse)
+        return k, v, self._stats(blocks, sparse)
 
     def fast_kv(self, state: PrefixState, setting: Setting) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
         """The same result as :meth:`compressed_kv`, at the cost of one compression per pruner and
@@ -308,7 +308,15 @@ class ReferenceBackend(VariantKV):
         tokens_v = sparse[1].repeat_interleave(b)[:, None, None]
         k = [torch.cat([kl[:lo], torch.where(tokens_k, kb, kl[lo:hi]), kl[hi:]]) for kl, (kb, _) in zip(state.k, layers)]
         v = [torch.cat([vl[:lo], torch.where(tokens_v, vb, vl[lo:hi]), vl[hi:]]) for vl, (_, vb) in zip(state.v, layers)]
-        return k, v, kv_stats(blocks, sparse)
+        return k, v, self._stats(blocks, sparse)
+
+    def _stats(self, blocks: range, sparse: tuple[torch.Tensor, torch.Tensor]) -> dict:
+        """``kv_stats`` of block masks ``[n]``; with a K head map the K rows actually stored 2:4
+        (``[L, H, n]``: a K-sparse block's mapped heads), so effective S_K and bytes follow the map."""
+        if self.k_head_map is None:
+            return kv_stats(blocks, sparse)
+        rows = self.k_head_map[:, :, None] & sparse[0][None, None, :]
+        return kv_stats(blocks, (rows, sparse[1].expand_as(rows)), self.num_layers * self.kv_heads)
 
     def _all_sparse(self, state: PrefixState, pruner: str, blocks: range):
         """(per layer the read-back ``(K, V)`` of the prefix compressed with every block sparse,
