@@ -24,12 +24,14 @@ def summarize(records: list[dict], settings: list[Setting], geometry: PrefixGeom
         ndl = [r for r in records if r["kind"] == "needle" and r["setting"] == setting.name]
         row: dict[str, Any] = {"setting": setting.name, "pruner": setting.pruner, "sk": setting.sk, "sv": setting.sv,
                                "sk_setting": setting.sk, "sv_setting": setting.sv}  # fmt: skip
+        row.update(_effective_sparsity(fid + ndl))
+        # Over the whole prefix, at the effective S_K / S_V where the records say what was stored (a K
+        # head map stores fewer K rows 2:4 than the setting's S_K).
         prefix_lens = [r["prefix_tokens"] for r in fid + ndl]
         row["kv_saved"] = (
             0.0 if setting.is_dense or not prefix_lens
-            else sum(geometry.kv_saving(n, setting.sk, setting.sv) for n in prefix_lens) / len(prefix_lens)
+            else sum(geometry.kv_saving(n, row["sk"], row["sv"]) for n in prefix_lens) / len(prefix_lens)
         )  # fmt: skip
-        row.update(_effective_sparsity(fid + ndl))
         row.update(_fidelity_summary(fid))
         row.update(_needle_summary(ndl))
         lengths = sorted({r["length"] for r in fid + ndl})
