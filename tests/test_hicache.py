@@ -541,3 +541,20 @@ def test_host_store_bytes_follow_its_capacity():
     store = CompressedStore(capacity, LAYERS, HEADS, DIM, PAGE, torch.float16, "cpu")
     allocated = sum(store.layer_pools(layer).nbytes() for layer in range(LAYERS))
     assert capacity.nbytes(LAYERS, HEADS, DIM, PAGE) == allocated
+
+
+def test_a_k_head_map_with_the_host_tier_stops_with_one_line(monkeypatch, tmp_path):
+    """The host tier moves a slot's rows as one item of one size in every layer, which a K head map's
+    per-layer K pools do not have: refused at start-up, one line."""
+    from sglang_hs.config import ENV_VAR, HieraSparseConfig, HieraSparseConfigError
+    from sglang_hs.k_head_map import KHeadMap
+    from sglang_hs.plugin import apply_backend_defaults
+
+    path = str(tmp_path / "map.pt")
+    KHeadMap(torch.ones(2, 2, dtype=torch.bool)).save(path)
+    monkeypatch.setenv(ENV_VAR, HieraSparseConfig(k_head_map=path, kernels="decode,extend").to_json())
+    server_args, _ = hierarchical_server_args()
+    with pytest.raises(HieraSparseConfigError) as info:
+        apply_backend_defaults(None, server_args)
+    message = str(info.value)
+    assert "--hierasparse-k-head-map" in message and "allowed:" in message and "\n" not in message
