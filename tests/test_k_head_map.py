@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_hs.config import HieraSparseConfig, HieraSparseConfigError
-from sglang_hs.format import decompress_blocks
+from sglang_hs.format import BlockPools, decompress_blocks
 from sglang_hs.k_head_map import KHeadMap
 from sglang_hs.pools import CompressedStore, StoreCapacity, block_losses, compress_prefix
 from sglang_hs.pruner import make_pruner
@@ -163,3 +163,36 @@ def test_the_backend_hands_each_layer_its_own_k_map():
         k_index = backend._kernel_kv(SimpleNamespace(layer_id=layer))[3]
         assert torch.equal(k_index, store.k_index[layer])
     assert not torch.equal(store.k_index[0], store.k_index[1])  # the layers' maps differ
+
+
+@pytest.mark.gpu
+def test_decode_kernel_reads_each_layers_k_map():
+    """GPU: the decode kernel, given a layer's own K index map, attends over that layer's mixed K (2:4
+    on the mapped heads, dense on the others) as the reference does."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the device machine)")
+    from sglang_hs import reference as R
+    from sglang_hs.kernels.decode import HieraSparseDecode
+
+    layers, heads, q_heads, dim, n = 2, 2, 8, 64, 6
+    head_map = torch.tensor([[True, False], [False, True]])
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = [torch.randn(n * B, heads, dim, device="cuda", generator=gen).half() for _ in range(layers)]
+    v = [torch.randn(n * B, heads, dim, device="cuda", generator=gen).half() for _ in range(layers)]
+    store = CompressedStore(StoreCapacity(n, 0, n, 0, n), layers, heads, dim, B, torch.float16, "cuda",
+                            k_sparse_heads=head_map)  # fmt: skip
+    vbs = compress_prefix(store, make_pruner("magnitude"), k, v, torch.arange(n * B, device="cuda"),
+                          [(torch.ones(n, dtype=torch.bool), 1.0, 1.0)])  # fmt: skip
+    table = torch.tensor([[-vb - 1 for vb in vbs]] * 2, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([n * B, n * B - 37], dtype=torch.int32, device="cuda")
+    cache = torch.zeros(B, heads, dim, dtype=torch.float16, device="cuda")  # no cache page is read
+    plan = HieraSparseDecode(2, q_heads, heads, dim, B, n, torch.float16, "cuda")
+    for layer in range(layers):
+        q = torch.randn(2, q_heads, dim, device="cuda", generator=gen).half()
+        pools, k_index = store.layer_pools(layer), store.k_index_of(layer)
+        out = plan.run(q, cache, cache, pools, k_index, store.v_index, table, seq_lens, dim**-0.5)
+        cpu_pools = BlockPools(**{name: t.cpu() for name, t in vars(pools).items()})
+        ref, _ = R.paged_attention(q.cpu(), [0, 1, 2], cache.cpu(), cache.cpu(), cpu_pools, k_index.cpu(),
+                                   store.v_index.cpu(), table.cpu(), seq_lens.tolist(), dim**-0.5)  # fmt: skip
+        err = (out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()
+        assert float(err) < 3e-3, (layer, float(err))
