@@ -45,6 +45,18 @@ def check_permutations(perm: torch.Tensor) -> None:
         raise ValueError("a K channel order row is not a permutation of head_dim")
 
 
+def load_calibration_file(path: str, file_format: str, what: str, command: str) -> dict:
+    """The dict of a per-head calibration file (``format`` = ``file_format``); a one-line ``ValueError``
+    naming ``what`` and the ``sglang_hs.launch`` command that writes it, if it is not one."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as exc:
+        raise ValueError(f"cannot read the {what} {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != file_format:
+        raise ValueError(f"{path} is not a {what} file (python -m sglang_hs.launch.{command})")
+    return data
+
+
 def rank_first_head(total: int, kv_heads_per_rank: int, rank: int, tp_size: int, what: str) -> int:
     """The first of the ``kv_heads_per_rank`` KV heads (of ``total``) a tensor-parallel rank holds:
     SGLang gives rank ``r`` heads ``r*n .. r*n + n - 1`` when the heads divide over the ranks, else
@@ -82,13 +94,7 @@ class ChannelOrder:
     @classmethod
     def load(cls, path: str) -> ChannelOrder:
         """Read a file written by :meth:`save`; ``ValueError`` with one line if it is not one."""
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError) as exc:
-            raise ValueError(f"cannot read the K channel order {path}: {exc}") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a K channel order file (python -m sglang_hs.launch.calibrate_channels)")
-        return cls(data["perm"].long())
+        return cls(load_calibration_file(path, FORMAT, "K channel order", "calibrate_channels")["perm"].long())
 
     def for_rank(self, kv_heads_per_rank: int, rank: int, tp_size: int) -> ChannelOrder:
         """The rows of the KV heads a tensor-parallel rank holds (:func:`rank_first_head`)."""

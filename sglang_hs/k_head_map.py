@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_hs.channel_order import rank_first_head
+from sglang_hs.channel_order import load_calibration_file, rank_first_head
 
 FORMAT = "hierasparse-k-head-map/1"
 
@@ -54,13 +54,7 @@ class KHeadMap:
     @classmethod
     def load(cls, path: str) -> KHeadMap:
         """Read a file written by :meth:`save`; ``ValueError`` with one line if it is not one."""
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError) as exc:
-            raise ValueError(f"cannot read the K head map {path}: {exc}") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a K head map file (python -m sglang_hs.launch.calibrate_heads)")
-        return cls(data["sparse"].to(torch.bool))
+        return cls(load_calibration_file(path, FORMAT, "K head map", "calibrate_heads")["sparse"].to(torch.bool))
 
     def for_rank(self, kv_heads_per_rank: int, rank: int, tp_size: int) -> KHeadMap:
         """The columns of the KV heads a tensor-parallel rank holds."""
