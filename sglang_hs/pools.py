@@ -3,7 +3,8 @@ virtual slot ids that name stored blocks, and the compressor that fills the stor
 
 Unit of allocation: a *virtual block*, ``B`` tokens of one cached prefix (= one SGLang page) in all
 layers and KV heads. The block's K is either dense or 2:4 sparse, the same in every layer and KV
-head, and takes one slot of the dense-K or the sparse-K pool; V likewise. Because a virtual block
+head (with a K head map: 2:4 on the mapped heads only, below), and takes one slot of the dense-K or
+the sparse-K pool; V likewise. Because a virtual block
 always occupies the same slots in every layer, a radix-tree node can be split or evicted at any
 block boundary and frees exactly what it holds.
 
