@@ -4,19 +4,9 @@ rounds that alternate between the functions compared (so drift reaches all of th
 import torch
 
 
-def time_graph(fn, iters=20, reps=5, warmup=3):
-    """Median time (us) of one call, from CUDA-graph replays of ``iters`` back-to-back calls."""
-    g = capture_graph(fn, iters, warmup)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / iters)
-    times.sort()
-    return times[len(times) // 2]
+def time_graph(fn, iters=20, reps=5):
+    """Median time (us) of one call, from ``reps`` CUDA-graph replays of ``iters`` back-to-back calls."""
+    return time_graphs([fn], iters, rounds=reps)[0]
 
 
 def capture_graph(fn, iters=20, warmup=3) -> "torch.cuda.CUDAGraph":

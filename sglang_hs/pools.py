@@ -160,6 +160,11 @@ class CompressedStore:
         self._k_sparse_rank = torch.where(mapped, mapped.long().cumsum(1) - 1, -1)
         self._k_dense_rank = torch.where(mapped, -1, (~mapped).long().cumsum(1) - 1)
         self._k_sparse_rows = mapped.sum(1).tolist()  # per layer: rows of one sparse-K slot stored 2:4
+        # Per layer, (2:4 heads, dense heads) of a K-sparse block in head order, on the store's device;
+        # a head's place in its list is its rank (None: all heads 2:4, no head selection needed).
+        self._k_head_split = [None if k_sparse_heads is None else
+                              (row.nonzero()[:, 0].to(self.device), (~row).nonzero()[:, 0].to(self.device))
+                              for row in mapped]  # fmt: skip
 
         def pool(rows: list[int], *shape: int, dtype: torch.dtype = dtype) -> list[torch.Tensor]:
             return [torch.zeros(n, *shape, dtype=dtype, device=device) if allocate is None or n == 0
@@ -349,18 +354,21 @@ class CompressedStore:
         if picked:  # K-sparse blocks: the layer's mapped heads 2:4, the others dense (module docstring)
             cols = torch.tensor([i for i, _ in picked], device=self.device)
             slots = torch.tensor([s for _, s in picked], device=self.device)
-            mapped = (self._k_sparse_rank[layer] >= 0).to(self.device)
-            n_s = self._k_sparse_rows[layer]
+            blocks, keep = k_blocks[:, cols], k_keep[:, cols]
+            split_heads = self._k_head_split[layer]
+            sparse_blocks, sparse_keep = (blocks, keep) if split_heads is None else (blocks[split_heads[0]],
+                                                                                   keep[split_heads[0]])  # fmt: skip
+            n_s = sparse_blocks.shape[0]
             if n_s:
-                ranks = self._k_sparse_rank[layer][mapped.cpu()].to(self.device)
-                rows = (slots[None, :] * n_s + ranks[:, None]).reshape(-1)
-                values, meta = pack_2to4(k_blocks[mapped][:, cols], k_keep[mapped][:, cols])
+                rows = (slots[None, :] * n_s + torch.arange(n_s, device=self.device)[:, None]).reshape(-1)
+                values, meta = pack_2to4(sparse_blocks, sparse_keep)
                 self.k_values[layer][rows] = values.reshape(-1, *values.shape[2:])
                 self.k_meta[layer][rows] = meta.reshape(-1, *meta.shape[2:])
             if n_s < h:
-                ranks = self._k_dense_rank[layer][~mapped.cpu()].to(self.device)
-                rows = (self.capacity.k_dense * h + slots[None, :] * (h - n_s) + ranks[:, None]).reshape(-1)
-                self.k_dense[layer][rows] = k_blocks[~mapped][:, cols].reshape(-1, *k_blocks.shape[2:])
+                n_d = h - n_s
+                ranks = torch.arange(n_d, device=self.device)
+                rows = (self.capacity.k_dense * h + slots[None, :] * n_d + ranks[:, None]).reshape(-1)
+                self.k_dense[layer][rows] = blocks[split_heads[1]].reshape(-1, *k_blocks.shape[2:])
         cols, rows = split(self._v_slot, False)
         if cols is not None:
             self.v_dense[layer][rows] = v_blocks[:, cols].reshape(-1, *v_blocks.shape[2:])

@@ -110,24 +110,25 @@ class HieraSparseRuntime:
         return cls(config, store, virtual, compressor, budget, kernels, order)
 
 
-def rank_k_head_map(path: str, kv_pool) -> KHeadMap:
-    """The K head map of ``path`` for this rank's KV heads, checked against the KV pool's shape."""
+def attention_tp_rank() -> tuple[int, int]:
+    """(rank, size) of this process in SGLang's attention tensor-parallel group ((0, 1) without one):
+    which KV heads the per-head calibration files give this rank."""
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    rank, size = (parallel.attn_tp_rank, parallel.attn_tp_size) if parallel.attn_tp_size > 1 else (0, 1)
-    head_map = KHeadMap.load(path).for_rank(kv_pool.head_num, rank, size)
+    return (parallel.attn_tp_rank, parallel.attn_tp_size) if parallel.attn_tp_size > 1 else (0, 1)
+
+
+def rank_k_head_map(path: str, kv_pool) -> KHeadMap:
+    """The K head map of ``path`` for this rank's KV heads, checked against the KV pool's shape."""
+    head_map = KHeadMap.load(path).for_rank(kv_pool.head_num, *attention_tp_rank())
     head_map.check_model(kv_pool.layer_num, kv_pool.head_num)
     return head_map
 
 
 def rank_channel_order(path: str, kv_pool) -> ChannelOrder:
     """The K channel order of ``path`` for this rank's KV heads, checked against the KV pool's shape."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    rank, size = (parallel.attn_tp_rank, parallel.attn_tp_size) if parallel.attn_tp_size > 1 else (0, 1)
-    order = ChannelOrder.load(path).for_rank(kv_pool.head_num, rank, size)
+    order = ChannelOrder.load(path).for_rank(kv_pool.head_num, *attention_tp_rank())
     order.check_model(kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim)
     return order
 
