@@ -122,8 +122,9 @@ def bench_compress(args):
         addr = compressor.address_table(k_buffers, v_buffers, ours)
         info = C.block_info(ours, vbs_ours).to(dev)
         need_loss = [op for op in ("k", "v") if C.plan_choice(groups, n, op)[1]]
-        pack_us = time_graph(lambda: plan.pack(addr, pages, info), iters=5)
-        loss_us = {op: time_graph(lambda op=op: plan.loss(addr, pages, op), iters=5) for op in need_loss}
+        pack_us = time_graph(lambda: plan.pack(addr, pages, info, ours.k_sparse_block_rows), iters=5)
+        loss_us = {op: time_graph(lambda op=op: plan.loss(addr, pages, op, ours.loss_head_weights[op]), iters=5)
+                   for op in need_loss}
         ours_us = pack_us + sum(loss_us.values())
         moved = kv_bytes_total * (1 + len(need_loss) / 2) + ours.stored_bytes()  # reads + writes
         e2e_us = e2e[len(e2e) // 2]

@@ -119,7 +119,9 @@ def build_pack_prim_func(kv_heads: int, head_dim: int, block_size: int, threads:
     """The pack kernel: grid ``(Hkv, n, L)``; see the module docstring.
 
     Arguments: ``ADDR [8, L]`` int64 (see ``ADDR_ROWS``), ``PAGES [n]`` int64,
-    ``INFO [n, 4]`` int32 = (K sparse, K slot, V sparse, V slot) per block.
+    ``INFO [n, 4]`` int32 = (K sparse, K slot, V sparse, V slot) per block, ``KROW [L, H, 3]`` int32 =
+    the store's ``k_sparse_block_rows``: where a K-sparse block's K goes per (layer, head) (stored 2:4,
+    slot stride, row offset; without a K head map ``(1, H, h)``). A K-dense block's row is ``slot*H + h``.
     """
     import tilelang.language as T
 
@@ -173,6 +175,7 @@ def build_pack_prim_func(kv_heads: int, head_dim: int, block_size: int, threads:
         ADDR: T.Tensor([8, L], "int64"),
         PAGES: T.Tensor([n], "int64"),
         INFO: T.Tensor([n, 4], "int32"),
+        KROW: T.Tensor([L, H, 3], "int32"),
     ):
         with T.Kernel(H, n, L, threads=threads) as (h, i, l):
             tx = T.get_thread_binding()
@@ -186,13 +189,15 @@ def build_pack_prim_func(kv_heads: int, head_dim: int, block_size: int, threads:
             v0 = T.alloc_local([1], u16)
             v1 = T.alloc_local([1], u16)
             page_off = PAGES[i] * PAGE_BYTES
-            k_row = T.cast(INFO[i, 1], "int64") * H + h
+            k_sparse = INFO[i, 0] * KROW[l, h, 0]  # 1: this head's K of this block is stored 2:4
+            k_row = T.if_then_else(INFO[i, 0] == 0, T.cast(INFO[i, 1], "int64") * H + h,
+                                   T.cast(INFO[i, 1], "int64") * KROW[l, h, 1] + KROW[l, h, 2])
             v_row = T.cast(INFO[i, 3], "int64") * H + h
 
             # ---- K: rows of 16-element chunks, sparse along head_dim.
             k_src = T.make_tensor_from_addr(ADDR[0, l] + page_off, [B, H, D], u16)
             load_rows(k_src, h, tx, x)
-            if INFO[i, 0] == 0:
+            if k_sparse == 0:
                 k_dense = T.make_tensor_from_addr(ADDR[2, l] + k_row * DENSE_BYTES, [B, D], u16)
                 store_rows(k_dense, tx, x)
             else:
@@ -253,7 +258,10 @@ def build_loss_prim_func(operand: str, kv_heads: int, head_dim: int, block_size:
     then a second kernel sums them over layers in order into ``OUT [n]``.
 
     Arguments: ``ADDR [L]`` int64 (the operand's k_buffer or v_buffer addresses), ``PAGES [n]`` int64,
-    ``LP [L, n]`` float32 (scratch), ``OUT [n]`` float32.
+    ``HW [L, H]`` float32 head weights (the store's ``loss_head_weights``: 1 for a head whose loss
+    counts, 0 for one that a K head map keeps dense; each magnitude is multiplied by its head's weight
+    before the min/max network, so weights of 1 change no bit), ``LP [L, n]`` float32 (scratch),
+    ``OUT [n]`` float32.
     """
     import tilelang.language as T
 
@@ -288,6 +296,7 @@ def build_loss_prim_func(operand: str, kv_heads: int, head_dim: int, block_size:
     def main(
         ADDR: T.Tensor([L], "int64"),
         PAGES: T.Tensor([n], "int64"),
+        HW: T.Tensor([L, C // D], acc_t),  # [L, H]
         LP: T.Tensor([L, n], acc_t),
         OUT: T.Tensor([n], acc_t),
     ):
@@ -296,6 +305,7 @@ def build_loss_prim_func(operand: str, kv_heads: int, head_dim: int, block_size:
             x = T.alloc_local([unroll * ROWS * 8], dtype)
             a = T.alloc_local([ROWS * 8], acc_t)
             acc = T.alloc_local([1], acc_t)
+            wt = T.alloc_local([1], acc_t)
             red = T.alloc_shared([warps], acc_t)
             src = T.make_tensor_from_addr(ADDR[l] + PAGES[i] * PAGE_BYTES, [B * C // 8, 8], dtype)
             acc[0] = 0.0
@@ -310,8 +320,10 @@ def build_loss_prim_func(operand: str, kv_heads: int, head_dim: int, block_size:
                                     (((o * unroll + u) * threads + tx) // (C // 8) * 4 + r) * (C // 8)
                                     + ((o * unroll + u) * threads + tx) % (C // 8), j]
                 for u in T.unroll(unroll):
+                    # an item's 8 columns lie in one head (head_dim is a multiple of 8)
+                    wt[0] = HW[l, (((o * unroll + u) * threads + tx) % (C // 8)) // (D // 8)]
                     for j in T.unroll(ROWS * 8):
-                        a[j] = T.abs(T.cast(x[u * ROWS * 8 + j], acc_t))
+                        a[j] = T.abs(T.cast(x[u * ROWS * 8 + j], acc_t)) * wt[0]
                     if operand == "k":
                         min2(a[0], a[1], a[2], a[3], acc)
                         min2(a[4], a[5], a[6], a[7], acc)
@@ -405,9 +417,10 @@ class HieraSparseCompress:
         out.update({f"loss_{op}": k.get_kernel_source() for op, k in self._loss_kernels.items()})
         return out
 
-    def loss(self, addr: torch.Tensor, pages: torch.Tensor, operand: str) -> torch.Tensor:
+    def loss(self, addr: torch.Tensor, pages: torch.Tensor, operand: str, head_weights: torch.Tensor) -> torch.Tensor:
         """float32 ``[n]``: per block, the L1 magnitude 2:4 pruning drops from ``operand`` ("k": groups
-        along head_dim, "v": along tokens), summed over all layers of ``addr`` and all KV heads."""
+        along head_dim, "v": along tokens), summed over all layers of ``addr`` and the KV heads whose
+        ``head_weights [L, H]`` (float32, 0 or 1) is 1."""
         row = ADDR_ROWS.index(f"{operand}_buffer")
         pages = pages.to(torch.int64)
         n, num_layers = pages.numel(), addr.shape[1]
@@ -417,19 +430,20 @@ class HieraSparseCompress:
         if num_layers == 0:
             return out.zero_()
         scratch = torch.empty(num_layers, n, dtype=torch.float32, device=pages.device)
-        self.loss_kernel(operand)(addr[row], pages, scratch, out)
+        self.loss_kernel(operand)(addr[row], pages, head_weights, scratch, out)
         return out
 
-    def pack(self, addr: torch.Tensor, pages: torch.Tensor, info: torch.Tensor) -> None:
+    def pack(self, addr: torch.Tensor, pages: torch.Tensor, info: torch.Tensor, k_rows: torch.Tensor) -> None:
         """Write every layer's blocks into the pools. ``info`` int32 ``[n, 4]``: per block (K sparse,
-        K slot, V sparse, V slot); pool rows are ``slot * kv_heads + h``."""
+        K slot, V sparse, V slot); pool rows are ``slot * kv_heads + h``, except a K-sparse block's K,
+        which goes where ``k_rows [L, H, 3]`` (the store's ``k_sparse_block_rows``) says."""
         pages = pages.to(torch.int64)
         info = info.to(torch.int32).contiguous()
         n = pages.numel()
         if n == 0 or addr.shape[1] == 0:
             return
         for s in range(0, n, self.MAX_GRID_Y):
-            self.pack_kernel(addr, pages[s:s + self.MAX_GRID_Y], info[s:s + self.MAX_GRID_Y])
+            self.pack_kernel(addr, pages[s:s + self.MAX_GRID_Y], info[s:s + self.MAX_GRID_Y], k_rows)
 
 
 def address_table(k_buffers, v_buffers, store) -> torch.Tensor:
@@ -569,8 +583,8 @@ class FusedCompressor:
         """Steps: page ids from ``slots`` (device op); the block choice that needs no loss, on the host
         (:func:`plan_choice`); for groups with a fractional count only, the loss pass of that operand
         and a ranking on the GPU, read back once; ``store.allocate``; one pack launch for all layers.
-        ``backend``: an object with :class:`HieraSparseCompress`'s ``loss(addr, pages, operand)`` /
-        ``pack(addr, pages, info)``, and optionally ``address_table(k_buffers, v_buffers, store)``
+        ``backend``: an object with :class:`HieraSparseCompress`'s ``loss(addr, pages, operand,
+        head_weights)`` / ``pack(addr, pages, info, k_rows)``, and optionally ``address_table(k_buffers, v_buffers, store)``
         (default: the TileLang plan; the tests pass :class:`TorchEmulation` on CPU). ``reduce_losses``:
         as in :func:`sglang_hs.pools.compress_prefix` (tensor parallelism)."""
         if backend is None:
@@ -590,7 +604,8 @@ class FusedCompressor:
         own_table = getattr(backend, "address_table", None)
         addr = (own_table or self.address_table)(k_buffers, v_buffers, store)
         choice = {op: plan_choice(groups, n, op) for op in ("k", "v")}
-        losses = {op: backend.loss(addr, pages, op) for op, (_, rk) in choice.items() if rk}
+        losses = {op: backend.loss(addr, pages, op, store.loss_head_weights[op]) for op, (_, rk) in choice.items()
+                  if rk}  # fmt: skip
         if losses and reduce_losses is not None:
             losses = dict(zip(losses, reduce_losses(torch.stack(list(losses.values()))).unbind(0)))
         ranked = {op: rank_on_device(losses[op], choice[op][1]) for op in losses}
@@ -600,7 +615,8 @@ class FusedCompressor:
         sparse = {op: fixed | ranked[op] if op in ranked else fixed for op, (fixed, _) in choice.items()}
         vbs = store.allocate(sparse["k"].tolist(), sparse["v"].tolist())
         info = block_info(store, vbs)
-        backend.pack(addr, pages, _pinned_to(info, device) if device.type == "cuda" else info)
+        backend.pack(addr, pages, _pinned_to(info, device) if device.type == "cuda" else info,
+                     store.k_sparse_block_rows)
         return vbs
 
 
@@ -660,35 +676,40 @@ class TorchEmulation:
         rows = pages.to(buffer.device, torch.int64)[:, None] * block_size + torch.arange(block_size, device=buffer.device)
         return buffer[rows]  # [n, B, H, D]
 
-    def loss(self, addr, pages, operand):
+    def loss(self, addr, pages, operand, head_weights):
         k_buffers, v_buffers, store = addr
         B = store.block_size
         total = torch.zeros(pages.numel(), dtype=torch.float32, device=pages.device)
-        for buffer in k_buffers if operand == "k" else v_buffers:
-            a = self._tiles(buffer, pages, B).float().abs()
+        for layer, buffer in enumerate(k_buffers if operand == "k" else v_buffers):
+            a = self._tiles(buffer, pages, B).float().abs() * head_weights[layer].to(pages.device)[:, None]
             if operand == "v":  # groups along tokens
                 a = a.movedim(1, -1)
             total = total + dropped_l1(a).sum(dim=(1, 2, 3))
         return total
 
-    def pack(self, addr, pages, info):
+    def pack(self, addr, pages, info, k_rows):
         k_buffers, v_buffers, store = addr
         B, H = store.block_size, store.kv_heads
         info = info.to(pages.device, torch.int64)
+        k_rows = k_rows.to(pages.device, torch.int64)
         heads = torch.arange(H, device=pages.device)
         for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers)):
             for op, buffer in (("k", kb), ("v", vb)):
                 tiles = self._tiles(buffer, pages, B).transpose(1, 2)  # [n, H, B, D]
-                sparse, slot = info[:, 0 if op == "k" else 2] != 0, info[:, 1 if op == "k" else 3]
-                rows = (slot[:, None] * H + heads[None, :])  # [n, H]
+                block_sparse, slot = info[:, 0 if op == "k" else 2] != 0, info[:, 1 if op == "k" else 3]
+                rows = slot[:, None] * H + heads[None, :]  # [n, H]
+                sparse = block_sparse[:, None].expand(-1, H)
+                if op == "k":  # a K-sparse block's heads go where the store's K row table says
+                    mapped, stride, offset = k_rows[layer].unbind(-1)
+                    rows = torch.where(block_sparse[:, None], slot[:, None] * stride + offset, rows)
+                    sparse = sparse & (mapped != 0)
                 dense_pool = getattr(store, f"{op}_dense")[layer]
-                dense_pool[rows[~sparse].reshape(-1)] = tiles[~sparse].reshape(-1, *tiles.shape[2:])
+                dense_pool[rows[~sparse]] = tiles[~sparse]
                 if bool(sparse.any()):
-                    x = tiles[sparse]
+                    x = tiles[sparse]  # [m, B, D]
                     if op == "v":
                         x = x.transpose(-1, -2)  # V^T: tokens become the last axis
                     bits = x.contiguous().view(torch.int16)
                     values, meta = pack_words(bits, top2_network(bits))
-                    r = rows[sparse].reshape(-1)
-                    getattr(store, f"{op}_values")[layer][r] = values.view(x.dtype).reshape(-1, *values.shape[2:])
-                    getattr(store, f"{op}_meta")[layer][r] = meta.reshape(-1, *meta.shape[2:])
+                    getattr(store, f"{op}_values")[layer][rows[sparse]] = values.view(x.dtype)
+                    getattr(store, f"{op}_meta")[layer][rows[sparse]] = meta

@@ -32,7 +32,7 @@
 #
 # KORDER=1 runs the tiny step with a K channel order calibrated on the tiny model (file names get
 # _korder); KORDER=FILE gives the quality step's hierasparse servers that K channel order, KHEADMAP=FILE that K
-# head map (their compressor then runs in PyTorch: the fused one does not write per-head K yet). HICACHE=1 runs
+# head map. HICACHE=1 runs
 # the tiny step with --enable-hierarchical-cache and the shared prompt pushed out of the GPU between its
 # two chat rounds (_hicache). SHARED=1 gives the tiny and prefix steps' hierasparse servers
 # --hierasparse-shared-prefix-decode on (_shared). PORT (30000) lets steps run side by side, one GPU
@@ -181,12 +181,11 @@ case "$step" in
     ;;
   quality)
     tag=${3:?TAG}
-    qkernels=compress  # SmolLM2's GQA group (3) has no decode/extend kernel; with a K head map no fused compressor
-    [ -n "${KHEADMAP:-}" ] && qkernels=none
+    # SmolLM2's GQA group (3) has no decode/extend kernel: the fused compressor only
     python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" --tag "$tag" \
         --lengths 1024 2048 4096 8128 --samples 2 --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
         --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=0.5 \
-        --server-arg=--hierasparse-kernels=$qkernels \
+        --server-arg=--hierasparse-kernels=compress \
         ${KORDER:+--server-arg=--hierasparse-k-channel-order=$KORDER} ${KHEADMAP:+--server-arg=--hierasparse-k-head-map=$KHEADMAP} \
         --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
     ;;

@@ -143,10 +143,6 @@ class HieraSparseConfig:
         )
         _require(self.shared_prefix_decode == "off" or self.uses_kernel("decode"), cli_flag("shared_prefix_decode"),
                  self.shared_prefix_decode, "'off' unless --hierasparse-kernels includes decode")  # fmt: skip
-        # The fused compressor writes every head of a K-sparse block 2:4; the PyTorch one follows the map.
-        _require(not (self.k_head_map and self.uses_kernel("compress")), cli_flag("kernels"), self.kernels,
-                 "a list without 'compress' with --hierasparse-k-head-map (the fused compressor does not write "
-                 "per-head K yet)")  # fmt: skip
 
     def uses_kernel(self, name: str) -> bool:
         """Whether the TileLang kernel ``name`` (one of ``KERNELS``) is enabled by the settings."""

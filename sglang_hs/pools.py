@@ -157,9 +157,21 @@ class CompressedStore:
         self.k_sparse_heads = k_sparse_heads
         # Per layer and head: the head's rank among the layer's 2:4-K heads, or among its dense-K heads.
         mapped = k_sparse_heads if k_sparse_heads is not None else torch.ones(num_layers, h, dtype=torch.bool)
-        self._k_sparse_rank = torch.where(mapped, mapped.long().cumsum(1) - 1, -1)
-        self._k_dense_rank = torch.where(mapped, -1, (~mapped).long().cumsum(1) - 1)
+        k_sparse_rank = torch.where(mapped, mapped.long().cumsum(1) - 1, -1)
+        k_dense_rank = torch.where(mapped, -1, (~mapped).long().cumsum(1) - 1)
         self._k_sparse_rows = mapped.sum(1).tolist()  # per layer: rows of one sparse-K slot stored 2:4
+        # Per (layer, head), where a K-sparse block's K row goes: (stored 2:4, slot stride, offset), the
+        # row being slot * stride + offset in the sparse-K pools (2:4) or the dense-K pool (not).
+        n_sparse = mapped.sum(1, keepdim=True)
+        self._k_block_rows_host = torch.stack([
+            mapped.long(),
+            torch.where(mapped, n_sparse, h - n_sparse),
+            torch.where(mapped, k_sparse_rank, capacity.k_dense * h + k_dense_rank),
+        ], dim=-1).to(torch.int32)  # fmt: skip
+        self.k_sparse_block_rows = self._k_block_rows_host.to(self.device)  # what the fused compressor reads
+        # The K ranking loss counts the heads that store K 2:4 (float32 [L, H] weights; V: every head).
+        self.loss_head_weights = {"k": mapped.float().to(self.device),
+                                  "v": torch.ones(num_layers, h, device=self.device)}  # fmt: skip
         # Per layer, (2:4 heads, dense heads) of a K-sparse block in head order, on the store's device;
         # a head's place in its list is its rank (None: all heads 2:4, no head selection needed).
         self._k_head_split = [None if k_sparse_heads is None else
@@ -308,13 +320,10 @@ class CompressedStore:
         sparse = torch.tensor([self._k_slot[vb][0] for vb in vbs])
         slot = torch.tensor([self._k_slot[vb][1] for vb in vbs])
         h = self.kv_heads
-        heads = torch.arange(h)
-        n_sparse = torch.tensor(self._k_sparse_rows)[:, None, None]  # [L, 1, 1]
-        dense_block = (slot[None, :] * h + heads[:, None]).expand(self.num_layers, h, len(vbs))
-        sparse_row = slot * n_sparse + self._k_sparse_rank[:, :, None]
-        dense_row = self.capacity.k_dense * h + slot * (h - n_sparse) + self._k_dense_rank[:, :, None]
-        mapped = self._k_sparse_rank[:, :, None] >= 0
-        in_sparse_block = torch.where(mapped, sparse_entry(sparse_row), dense_row)
+        dense_block = (slot[None, :] * h + torch.arange(h)[:, None]).expand(self.num_layers, h, len(vbs))
+        mapped, stride, offset = (t[:, :, None].long() for t in self._k_block_rows_host.unbind(-1))
+        row = slot * stride + offset
+        in_sparse_block = torch.where(mapped != 0, sparse_entry(row), row)
         return torch.where(sparse[None, None, :], in_sparse_block, dense_block).to(torch.int32)
 
     # ----------------------------------------------------------------------------- data

@@ -116,12 +116,10 @@ def test_map_file_round_trip_rank_slices_and_errors(tmp_path):
                         k_sparse_heads=head_map.sparse)  # fmt: skip
 
 
-def test_config_needs_a_map_file_and_the_pytorch_compressor(tmp_path):
+def test_config_needs_a_map_file(tmp_path):
     path = str(tmp_path / "map.pt")
     KHeadMap(MAP).save(path)
-    assert HieraSparseConfig(k_head_map=path, kernels="decode,extend").k_head_map == path
-    with pytest.raises(HieraSparseConfigError, match="without 'compress'"):
-        HieraSparseConfig(k_head_map=path)
+    assert HieraSparseConfig(k_head_map=path).k_head_map == path  # every kernel, the fused compressor too
     with pytest.raises(HieraSparseConfigError, match="calibrate_heads"):
         HieraSparseConfig(k_head_map=str(tmp_path / "missing.pt"), kernels="none")
 

@@ -61,12 +61,25 @@ def make_kv(layers, heads, dim, dtype, pages, device="cpu", seed=0, tie_pages=()
 
 
 def make_store(layers, heads, dim, dtype, blocks, device="cpu", k_sparse=None, v_sparse=None, k_dense=None,
-               v_dense=None):
+               v_dense=None, k_sparse_heads=None):
     def pick(x):
         return blocks if x is None else x
 
     cap = StoreCapacity(blocks, pick(k_dense), pick(k_sparse), pick(v_dense), pick(v_sparse))
-    return CompressedStore(cap, layers, heads, dim, B, dtype, device)
+    return CompressedStore(cap, layers, heads, dim, B, dtype, device, k_sparse_heads=k_sparse_heads)
+
+
+def head_map(layers, heads, seed=0):
+    """A K head map with every layer different: some heads 2:4, some dense, a layer with all heads
+    2:4 and (with 2+ layers) one with none."""
+    g = torch.Generator().manual_seed(seed)
+    sparse = torch.rand(layers, heads, generator=g) < 0.6
+    sparse[0] = True
+    if layers > 1:
+        sparse[1] = False
+    if layers > 2:
+        sparse[2, 0], sparse[2, -1] = True, False
+    return sparse
 
 
 def page_slots(pages):
@@ -88,14 +101,18 @@ def assert_same_store(got, want):
                 raise AssertionError(f"{name}[layer {layer}] differs in pool rows {rows[:10]}")
 
 
-def torch_loss(buffers, pages, heads, operand):
-    """``compress_prefix``'s loss: per layer and head, the pruner's block loss, summed."""
+def torch_loss(buffers, pages, heads, operand, sparse_heads=None):
+    """``compress_prefix``'s loss: per layer and head (the heads ``sparse_heads [L, H]`` maps, if
+    given), the pruner's block loss, summed."""
     pruner = MagnitudePruner()
     total = torch.zeros(len(pages), dtype=torch.float32, device=buffers[0].device)
     slots = page_slots(pages).to(buffers[0].device)
-    for buf in buffers:
+    for layer, buf in enumerate(buffers):
         blocks = buf[slots].reshape(len(pages), B, heads, -1).permute(2, 0, 1, 3)
-        total += pruner.block_loss(blocks, pruner.element_mask(blocks, operand)).sum(0)
+        per_head = pruner.block_loss(blocks, pruner.element_mask(blocks, operand))
+        if sparse_heads is not None:
+            per_head = per_head[sparse_heads[layer].to(per_head.device)]
+        total += per_head.sum(0)
     return total
 
 
@@ -229,6 +246,24 @@ def test_wrapper_on_emulation_equals_pytorch_path(heads, dim, dtype, layers, sk,
     assert_same_store(ours, theirs)
 
 
+@pytest.mark.parametrize("heads,dim,dtype,layers", CPU_SHAPES[1:], ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("sk,sv", [(1.0, 1.0), (0.5, 1.0), (1.0, 0.0), (0.5, 0.5), (0.0, 1.0)])
+def test_wrapper_on_emulation_with_k_head_map(heads, dim, dtype, layers, sk, sv):
+    """With a K head map (a layer all 2:4, a layer all dense, mixed layers) the wrapper and the
+    emulated kernels fill the store exactly as ``pools.compress_prefix`` does, a fractional S_K ranked
+    by the loss of the mapped heads only."""
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(21)).tolist()
+    kb, vb = make_kv(layers, heads, dim, dtype, 40, seed=22, tie_pages=perm[:3])
+    prompt = torch.arange(13) < 9
+    groups = [[(prompt, sk, sv), (~prompt, sv, sk)], [(torch.ones(7, dtype=torch.bool), sk, sv)]]
+    ours, theirs, ids = run_pair(kb, vb, heads, dim, dtype, groups, [perm[:13], perm[13:20]], "cpu",
+                                 backend=C.TorchEmulation(), k_sparse_heads=head_map(layers, heads, seed=heads))
+    for got, want in ids:
+        assert got == want
+    assert_same_store(ours, theirs)
+    assert ours.k_index.dim() == 3
+
+
 def test_loss_reduction_reaches_the_ranking_on_both_paths():
     """Under tensor parallelism both compressors rank by the losses summed over the ranks. A stand-in
     reduction that reverses the ranking (negated losses) must change the block choice of both paths
@@ -263,7 +298,7 @@ def test_emulated_loss_matches_pytorch_loss():
     pages = torch.tensor(perm[:9])
     for op, bufs in (("k", kb), ("v", vb)):
         want = torch_loss(bufs, perm[:9], 4, op)
-        assert torch.allclose(emu.loss(addr, pages, op), want, rtol=1e-5)
+        assert torch.allclose(emu.loss(addr, pages, op, store.loss_head_weights[op]), want, rtol=1e-5)
 
 
 # ------------------------------------------------------------- CPU: the generated CUDA, run on the host
@@ -318,22 +353,26 @@ static inline float __shfl_xor_sync(unsigned, float v, int m, int) {
 """
 
 _PACK_LAUNCH = r"""
-extern "C" int launch(const int64_t* ADDR, const int* INFO, const int64_t* PAGES, int L, int n, int H, int threads) {
+extern "C" int launch(const int64_t* ADDR, const int* INFO, const int* KROW, const int64_t* PAGES, int L, int n, int H,
+                      int threads) {
   for (int z = 0; z < L; ++z) for (int y = 0; y < n; ++y) for (int x = 0; x < H; ++x)
-    for (int t = 0; t < threads; ++t) { blockIdx = {x, y, z}; threadIdx = {t, 0, 0}; main_kernel(ADDR, INFO, PAGES, L, n); }
+    for (int t = 0; t < threads; ++t) {
+      blockIdx = {x, y, z}; threadIdx = {t, 0, 0}; main_kernel(ADDR, INFO, KROW, PAGES, L, n);
+    }
   return g_misaligned;
 }
 """
 
 _LOSS_LAUNCH = r"""
-extern "C" int launch(const int64_t* ADDR, float* LP, const int64_t* PAGES, float* OUT, int L, int n, int threads) {
+extern "C" int launch(const int64_t* ADDR, const float* HW, float* LP, const int64_t* PAGES, float* OUT, int L, int n,
+                      int threads) {
   std::vector<float> smem(1024), shfl(threads);
   g_smem = smem.data(); g_shfl = shfl.data();
   for (int y = 0; y < L; ++y) for (int x = 0; x < n; ++x) {
     std::barrier<> bar(threads); g_bar = &bar;
     std::vector<std::thread> ts;
     for (int t = 0; t < threads; ++t)
-      ts.emplace_back([=] { blockIdx = {x, y, 0}; threadIdx = {t, 0, 0}; main_kernel(ADDR, LP, PAGES, L, n); });
+      ts.emplace_back([=] { blockIdx = {x, y, 0}; threadIdx = {t, 0, 0}; main_kernel(ADDR, HW, LP, PAGES, L, n); });
     for (auto& th : ts) th.join();
   }
   for (int x = 0; x < (n + 127) / 128; ++x)
@@ -343,9 +382,9 @@ extern "C" int launch(const int64_t* ADDR, float* LP, const int64_t* PAGES, floa
 """
 
 PACK_SIGNATURE = ("main_kernel(const int64_t* __restrict__ ADDR, const int* __restrict__ INFO, "
-                  "const int64_t* __restrict__ PAGES, int L, int n)")
-LOSS_SIGNATURE = ("main_kernel(const int64_t* __restrict__ ADDR, float* __restrict__ LP, "
-                  "const int64_t* __restrict__ PAGES, int L, int n)")
+                  "const int* __restrict__ KROW, const int64_t* __restrict__ PAGES, int L, int n)")
+LOSS_SIGNATURE = ("main_kernel(const int64_t* __restrict__ ADDR, const float* __restrict__ HW, "
+                  "float* __restrict__ LP, const int64_t* __restrict__ PAGES, int L, int n)")
 
 
 def _lower(prim_func) -> str:
@@ -384,9 +423,11 @@ def _ptr(t):
 
 
 @pytest.mark.parametrize("heads,dim,dtype,layers", CPU_SHAPES, ids=lambda v: str(v).replace("torch.", ""))
-def test_generated_pack_kernel_on_host(heads, dim, dtype, layers):
+@pytest.mark.parametrize("mapped", [False, True], ids=["all-heads", "k-head-map"])
+def test_generated_pack_kernel_on_host(heads, dim, dtype, layers, mapped):
     """The pack kernel's CUDA (as lowered for sm_90a), run on the host, writes exactly what the
-    emulation writes: random pages, random slots, every mix of dense/sparse K and V."""
+    emulation writes: random pages, random slots, every mix of dense/sparse K and V, with and without
+    a K head map (K-sparse blocks' unmapped heads in the dense-K pool's tail)."""
     src = _lower(C.build_pack_prim_func(heads, dim, B))
     assert PACK_SIGNATURE in src, "kernel signature changed: update the host launcher"
     lib = _host_library(src, _PACK_LAUNCH)
@@ -395,24 +436,28 @@ def test_generated_pack_kernel_on_host(heads, dim, dtype, layers):
     pages = torch.tensor(perm[:8], dtype=torch.int64)
     info = torch.tensor([[1, 2, 0, 5], [0, 1, 1, 0], [1, 7, 1, 3], [0, 4, 0, 6], [1, 0, 1, 1], [1, 5, 0, 2],
                          [0, 0, 1, 6], [0, 6, 0, 1]], dtype=torch.int32)
-    ours, emulated = (make_store(layers, heads, dim, dtype, 8) for _ in range(2))
+    sparse_heads = head_map(layers, heads, seed=heads) if mapped else None
+    ours, emulated = (make_store(layers, heads, dim, dtype, 8, k_sparse_heads=sparse_heads) for _ in range(2))
     table = torch.tensor([[t.data_ptr() for t in row] for row in
                           (kb, vb, *(getattr(ours, name) for name in POOLS))], dtype=torch.int64)
-    assert lib.launch(_ptr(table), _ptr(info), _ptr(pages), layers, len(pages), heads, C.PACK_THREADS) == 0, \
-        "misaligned vector access"
+    krow = ours.k_sparse_block_rows.contiguous()
+    assert lib.launch(_ptr(table), _ptr(info), _ptr(krow), _ptr(pages), layers, len(pages), heads,
+                      C.PACK_THREADS) == 0, "misaligned vector access"
     emu = C.TorchEmulation()
-    emu.pack(emu.address_table(kb, vb, emulated), pages, info)
+    emu.pack(emu.address_table(kb, vb, emulated), pages, info, emulated.k_sparse_block_rows)
     for name in POOLS:
         for layer in range(layers):
             a, b = bits(getattr(ours, name)[layer]), bits(getattr(emulated, name)[layer])
-            assert b.any() and torch.equal(a, b), f"{name}[{layer}]"
+            assert (b.any() or b.numel() == 0) and torch.equal(a, b), f"{name}[{layer}]"
 
 
 @pytest.mark.parametrize("heads,dim,dtype,layers", CPU_SHAPES, ids=lambda v: str(v).replace("torch.", ""))
-@pytest.mark.parametrize("operand", ["k", "v"])
+@pytest.mark.parametrize("operand", ["k", "v", "k-head-map"])
 def test_generated_loss_kernel_on_host(heads, dim, dtype, layers, operand):
     """The loss kernel's CUDA, run on the host with emulated warp shuffles and barriers: the PyTorch
-    path's loss to float32 summation order."""
+    path's loss to float32 summation order (with a K head map: over the mapped heads only)."""
+    sparse_heads = head_map(layers, heads, seed=heads) if operand == "k-head-map" else None
+    operand = operand[0]
     dt = "float16" if dtype == torch.float16 else "bfloat16"
     src = _lower(C.build_loss_prim_func(operand, heads, dim, B, dt))
     assert LOSS_SIGNATURE in src, "kernel signature changed: update the host launcher"
@@ -424,8 +469,10 @@ def test_generated_loss_kernel_on_host(heads, dim, dtype, layers, operand):
     bufs = kb if operand == "k" else vb
     addr = torch.tensor([t.data_ptr() for t in bufs], dtype=torch.int64)
     scratch, out = torch.zeros(layers, len(pages)), torch.zeros(len(pages))
-    assert lib.launch(_ptr(addr), _ptr(scratch), _ptr(pages), _ptr(out), layers, len(pages), threads) == 0
-    want = torch_loss(bufs, perm[:5], heads, operand)
+    weights = make_store(layers, heads, dim, dtype, 1, k_sparse_heads=sparse_heads).loss_head_weights[operand]
+    assert lib.launch(_ptr(addr), _ptr(weights), _ptr(scratch), _ptr(pages), _ptr(out), layers, len(pages),
+                      threads) == 0
+    want = torch_loss(bufs, perm[:5], heads, operand, sparse_heads)
     assert torch.allclose(out, want, rtol=1e-5), (out, want)
     in_order = torch.zeros(len(pages))
     for layer in range(layers):  # the second kernel adds the layers in order, like compress_prefix
@@ -471,6 +518,25 @@ def test_kernels_equal_pytorch_compress_prefix(shape, sk, sv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES[1:], ids=_shape_id)
+@pytest.mark.parametrize("sk,sv", [(1.0, 1.0), (0.5, 1.0), (0.5, 0.5)])
+def test_kernels_with_k_head_map_equal_pytorch_compress_prefix(shape, sk, sv):
+    """With a K head map (per layer: all heads 2:4, none, or some), the kernels and
+    ``pools.compress_prefix`` give identical stores; a fractional S_K ranks by the mapped heads' loss."""
+    heads, dim, dtype, layers = shape
+    perm = torch.randperm(48, generator=torch.Generator().manual_seed(23)).tolist()
+    kb, vb = make_kv(layers, heads, dim, dtype, 48, "cuda", seed=24, tie_pages=perm[:4])
+    prompt = torch.arange(21) < 15
+    groups = [[(prompt, sk, sv), (~prompt, 0.0, 1.0)], [(torch.ones(9, dtype=torch.bool), sk, sv)]]
+    ours, theirs, ids = run_pair(kb, vb, heads, dim, dtype, groups, [perm[:21], perm[21:30]], "cuda",
+                                 k_sparse_heads=head_map(layers, heads, seed=heads))
+    torch.cuda.synchronize()
+    for got, want in ids:
+        assert got == want
+    assert_same_store(ours, theirs)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("sk,sv", [(1.0, 1.0), (0.0, 1.0), (0.5, 0.5)])
 def test_llama8b_shape_all_layers_one_launch(sk, sv):
     """32 layers x 8 KV heads x d 128 in one launch per pass, mixed groups (prompt at (sk, sv),
@@ -509,11 +575,13 @@ def test_loss_pass(shape):
     emu = C.TorchEmulation()
     for op, bufs in (("k", kb), ("v", vb)):
         want = torch_loss(bufs, perm[:17], heads, op)
-        got = plan.loss(addr, torch.tensor(perm[:17], dtype=torch.int32, device="cuda"), op)
-        again = plan.loss(addr, torch.tensor(perm[:17], dtype=torch.int64, device="cuda"), op)
+        weights = store.loss_head_weights[op]
+        got = plan.loss(addr, torch.tensor(perm[:17], dtype=torch.int32, device="cuda"), op, weights)
+        again = plan.loss(addr, torch.tensor(perm[:17], dtype=torch.int64, device="cuda"), op, weights)
         assert torch.equal(got, again)
         assert torch.allclose(got, want, rtol=1e-5)
-        assert torch.allclose(got, emu.loss(emu.address_table(kb, vb, store), torch.tensor(perm[:17]).cuda(), op),
+        assert torch.allclose(got, emu.loss(emu.address_table(kb, vb, store), torch.tensor(perm[:17]).cuda(), op,
+                                                       weights),
                               rtol=1e-5)
         # the tie-heavy blocks have exact losses
         ties = [perm[:17].index(p) for p in perm[:3]]
@@ -543,13 +611,13 @@ def test_pack_pass_arbitrary_slots_no_host_sync(shape):
     torch.cuda.set_sync_debug_mode("error")
     try:
         pages = C.page_ids(slots, B)
-        plan.pack(addr, pages, info_dev)
-        loss = plan.loss(addr, pages, "k")
+        plan.pack(addr, pages, info_dev, ours.k_sparse_block_rows)
+        loss = plan.loss(addr, pages, "k", ours.loss_head_weights["k"])
         C.rank_on_device(loss, [(torch.rand(n, generator=g) < 0.5, 3)])
     finally:
         torch.cuda.set_sync_debug_mode(0)
     emu = C.TorchEmulation()
-    emu.pack(emu.address_table(kb, vb, emulated), pages_host.cuda(), info_dev)
+    emu.pack(emu.address_table(kb, vb, emulated), pages_host.cuda(), info_dev, emulated.k_sparse_block_rows)
     for name in POOLS:
         for layer in range(layers):
             a, b = bits(getattr(ours, name)[layer]), bits(getattr(emulated, name)[layer])
