@@ -69,6 +69,11 @@ def main(argv=None):
                     help="decode with --groups: shared-pass split counts to time besides the plan's (comma list)")
     ap.add_argument("--flashinfer-us", type=float, help="compress: dense prefill time (us, all layers) to use "
                     "instead of measuring FlashInfer")
+    ap.add_argument("--k-sparse-heads", type=int, default=None, metavar="N",
+                    help="decode: S_K applies to N of the 8 KV heads of the layer (a K head map), the others keep K dense")
+    ap.add_argument("--k-head-share", type=float, default=None, metavar="SHARE",
+                    help="compress: also time S_K = 1 and 0.5 (S_V = 1) with a K head map of this share (a "
+                         "seeded random map: the time does not depend on which heads)")
     ap.add_argument("--merge", default=RESULTS_JSON, help="compress: results JSON whose other records are kept")
     args = ap.parse_args(argv)
     if args.batch is None:

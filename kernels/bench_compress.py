@@ -9,6 +9,7 @@ import torch
 
 from sglang_hs.kernels import compress as C
 from sglang_hs.kernels.timing import time_graph, time_plain
+from sglang_hs.k_head_map import KHeadMap
 from sglang_hs.pools import CompressedStore, StoreCapacity
 from sglang_hs.pools import compress_prefix as torch_compress_prefix
 from sglang_hs.pruner import MagnitudePruner
@@ -43,7 +44,10 @@ def bench_compress(args):
     layers, Hq, Hkv, D, B = 32, 32, 8, 128, 64
     dtype, ctx = torch.float16, args.context
     n = ctx // B
-    points = [(1.0, 1.0), (0.0, 1.0)] + ([] if args.quick else [(0.5, 1.0), (0.5, 0.5)])
+    points = [(sk, sv, None) for sk, sv in [(1.0, 1.0), (0.0, 1.0)] + ([] if args.quick else [(0.5, 1.0), (0.5, 0.5)])]
+    share = getattr(args, "k_head_share", None)
+    if share is not None:  # with a K head map: the pack kernel splits each layer's heads between pools
+        points += [(1.0, 1.0, share), (0.5, 1.0, share)]
     lines = []
 
     def log(msg):
@@ -84,14 +88,27 @@ def bench_compress(args):
             f"{fi_total / 1e3:.1f} ms for {layers} layers{'' if fi_measured else ' (given)'}")
 
     cap = StoreCapacity(n, n, n, n, n)
-    ours = CompressedStore(cap, layers, Hkv, D, B, dtype, dev)
-    theirs = CompressedStore(cap, layers, Hkv, D, B, dtype, dev)
+    stores = {}
+
+    def stores_for(map_share):
+        """(ours, theirs) with a seeded random K head map of ``map_share`` (None: no map), made once."""
+        if map_share not in stores:
+            stores.clear()  # one pair at a time: a store for 32K tokens of Llama-3.1-8B is ~8 GB
+            heads = None
+            if map_share is not None:
+                scores = torch.rand(layers, Hkv, generator=torch.Generator().manual_seed(0))
+                heads = KHeadMap.from_scores(scores, map_share).sparse
+            stores[map_share] = tuple(CompressedStore(cap, layers, Hkv, D, B, dtype, dev, k_sparse_heads=heads)
+                                      for _ in range(2))  # fmt: skip
+        return stores[map_share]
+
     compressor = C.FusedCompressor()
-    plan = compressor.plan(ours).build_all()
+    plan = compressor.plan(stores_for(None)[0]).build_all()
     pruner = MagnitudePruner()
     kv_bytes_total = 2 * layers * n * B * Hkv * D * 2
     records = []
-    for sk, sv in points:
+    for sk, sv, map_share in points:
+        ours, theirs = stores_for(map_share)
         groups = [(torch.ones(n, dtype=torch.bool), sk, sv)]
         for store in (ours, theirs):
             store.clear()
@@ -128,7 +145,8 @@ def bench_compress(args):
         ours_us = pack_us + sum(loss_us.values())
         moved = kv_bytes_total * (1 + len(need_loss) / 2) + ours.stored_bytes()  # reads + writes
         e2e_us = e2e[len(e2e) // 2]
-        rec = dict(kernel="compress", S_K=sk, S_V=sv, batch=1, context=ctx, head_dim=D, dtype="float16",
+        rec = dict(kernel="compress", S_K=sk, S_V=sv, k_head_share=map_share, effective_S_K=sk * ours.k_sparse_share,
+                   batch=1, context=ctx, head_dim=D, dtype="float16",
                    layers=layers, q_heads=Hq, kv_heads=Hkv, block_size=B,
                    ours_us=round(ours_us, 1), ours_pack_us=round(pack_us, 1),
                    ours_loss_us={op: round(t, 1) for op, t in loss_us.items()},
@@ -142,9 +160,11 @@ def bench_compress(args):
                    bytes_moved=int(moved), ours_GBps=round(moved / ours_us / 1e3, 1), device=name,
                    timing="kernels: CUDA-graph replay of 5 calls, median of 5; e2e: wall time, median")
         records.append(rec)
-        log(f"S_K={sk} S_V={sv}: kernels {ours_us:.0f} us (pack {pack_us:.0f}, loss {loss_us}) "
+        mapped = "" if map_share is None else f" K head map {map_share}"
+        log(f"S_K={sk} S_V={sv}{mapped}: kernels {ours_us:.0f} us (pack {pack_us:.0f}, loss {loss_us}) "
             f"= {rec['ours_GBps']} GB/s; e2e {rec['ours_e2e_us']:.0f} us; PyTorch {torch_us / 1e3:.0f} ms; "
             f"{rec['percent_of_prefill']}% of dense prefill; bit-identical {identical}")
+        del ours, theirs  # a point with another map makes a new pair: hold one at a time
     return records, lines
 
 
@@ -161,7 +181,7 @@ def compress_main(args):
         json.dump(base + records, f, indent=1)
     with open(os.path.join(args.out, "bench_compress.log"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(f"{'S_K':>4} {'S_V':>4} {'ours_us':>9} {'e2e_us':>9} {'FI_us':>10} {'%prefill':>9} {'speedup':>8} {'exact':>6}")
+    print(f"{'S_K':>4} {'S_V':>4} {'map':>5} {'ours_us':>9} {'e2e_us':>9} {'FI_us':>10} {'%prefill':>9} {'speedup':>8} {'exact':>6}")
     for r in records:
-        print(f"{r['S_K']:4g} {r['S_V']:4g} {r['ours_us']:9.1f} {r['ours_e2e_us']:9.1f} {r['flashinfer_us'] or 0:10.1f} "
+        print(f"{r['S_K']:4g} {r['S_V']:4g} {r['k_head_share'] or 0:5.2f} {r['ours_us']:9.1f} {r['ours_e2e_us']:9.1f} {r['flashinfer_us'] or 0:10.1f} "
               f"{r['percent_of_prefill'] or float('nan'):9.3f} {r['speedup'] or float('nan'):8.1f} {str(r['bit_identical']):>6}")

@@ -42,11 +42,12 @@ def bench_decode(args):
         variants += [dict(stages=stages) for stages in VARIANT_STAGES]
     records, lines = [], []
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    k_note = "" if args.k_sparse_heads is None else f" (on {args.k_sparse_heads} of {Hkv} KV heads)"
     runs = [(layout, sk, sv) for layout in args.layouts.split(",") for sk, sv in points]
     for layout, sk, sv in runs:
         t0 = time.time()
         case = make_case(seq_lens, Hq, Hkv, D, sk, sv, dtype, dev, seed=int(sk * 10 + sv), magnitude=False,
-                         shuffle=layout == "shuffled", max_blocks=args.max_blocks)
+                         shuffle=layout == "shuffled", max_blocks=args.max_blocks, k_sparse_heads=args.k_sparse_heads)
         var_list = variants if layout == runs[0][0] else [dict()]
         nbytes = kv_bytes(case)  # distinct bytes: a shared prefix counts once
         paged = paged_dense(case)
@@ -89,7 +90,7 @@ def bench_decode(args):
             desc = dict(stages=plan.stages, num_splits=plan.num_splits)
             results.append(dict(variant=desc, default=not var, ours_us=round(g, 2), ours_plain_us=round(p, 2),
                                 speedup=round(fi_us[fast] / g, 4), rel_err_vs_flashinfer=err))
-            lines.append(f"{layout} S_K={sk} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us "
+            lines.append(f"{layout} S_K={sk}{k_note} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us "
                          f"(plain {p:.1f}) FI " + ", ".join(f"{b} {t:.1f} us" for b, t in fi_us.items()) +
                          f" speedup {fi_us[fast] / g:.3f} vs {fast} err {err:.2e} GB/s {nbytes / g / 1e3:.0f}")
             print(lines[-1], flush=True)
@@ -107,8 +108,10 @@ def bench_decode(args):
                 print(lines[-1], flush=True)
         del case
         torch.cuda.empty_cache()
-        ideal = compression_ratio(sk, sv)
-        record = dict(kernel="decode", S_K=sk, S_V=sv, batch=bs, context=L, head_dim=D, dtype=args.dtype, layout=layout,
+        k_heads = Hkv if args.k_sparse_heads is None else args.k_sparse_heads
+        ideal = compression_ratio(sk * k_heads / Hkv, sv)
+        record = dict(kernel="decode", S_K=sk, S_V=sv, k_sparse_heads=args.k_sparse_heads,
+                      effective_S_K=sk * k_heads / Hkv, batch=bs, context=L, head_dim=D, dtype=args.dtype, layout=layout,
                       shared_prefixes=distinct if distinct < bs else None,
                       q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None, flashinfer_us=round(fi_us[fast], 2),
                       flashinfer_plain_us=round(fi_plain[fast], 2), flashinfer_backend=f"{fast} (tensor-core decode)",

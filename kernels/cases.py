@@ -48,7 +48,7 @@ def _pack_chunked(x, magnitude, gen):
 
 def make_case(seq_lens, q_heads=32, kv_heads=8, head_dim=128, sk=0.0, sv=0.0, dtype=torch.float16,
               device="cuda", block_size=64, sink_blocks=1, window_blocks=4, max_blocks=None, seed=0,
-              magnitude=True, extra_pages=3, shuffle=True, prefix_lens=None):
+              magnitude=True, extra_pages=3, shuffle=True, prefix_lens=None, k_sparse_heads=None):
     """Inputs of ``HieraSparseDecode.run`` for requests of ``seq_lens`` tokens.
 
     A request's block table holds ``sink_blocks`` cache pages, then compressed virtual blocks, then
@@ -59,7 +59,9 @@ def make_case(seq_lens, q_heads=32, kv_heads=8, head_dim=128, sk=0.0, sv=0.0, dt
     order as ``sglang_hs.reference.compress_blocks`` writes them (the benchmark's default layout).
     ``magnitude``: sparse blocks keep the top-2 of each group of a random dense block (else a random
     2 of 4). ``prefix_lens`` (extend): the sink/window/compressed layout covers only each request's
-    first ``prefix_lens[r]`` tokens; the blocks after them (the new tokens) are cache pages. Returns a dict.
+    first ``prefix_lens[r]`` tokens; the blocks after them (the new tokens) are cache pages.
+    ``k_sparse_heads`` (a K head map of that many heads in every layer): S_K applies to KV heads
+    ``0 .. k_sparse_heads-1`` only, the others keep every K block dense. Returns a dict.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
@@ -100,10 +102,10 @@ def make_case(seq_lens, q_heads=32, kv_heads=8, head_dim=128, sk=0.0, sv=0.0, dt
     v_cache = randn(n_pages * B, H, D)
     q = randn(bs, q_heads, D)
 
-    def operand(s, transpose):
+    def operand(s, transpose, heads=H):
         n_sp = sparse_count(n_virtual, s) if n_virtual else 0
         sparse = torch.zeros(H, n_virtual, dtype=torch.bool)
-        for h in range(H):
+        for h in range(heads):
             sparse[h, torch.randperm(n_virtual, generator=cpu_gen)[:n_sp]] = True
         nd, ns = int((~sparse).sum()), int(sparse.sum())
         dense_rows = perm(nd)
@@ -122,7 +124,7 @@ def make_case(seq_lens, q_heads=32, kv_heads=8, head_dim=128, sk=0.0, sv=0.0, dt
             meta = torch.empty(0, *blocks.shape[1:-1], blocks.shape[-1] // 16, dtype=torch.int16, device=device)
         return dense_pool, values, meta, index.to(device)
 
-    k_dense, k_values, k_meta, k_index = operand(sk, False)
+    k_dense, k_values, k_meta, k_index = operand(sk, False, H if k_sparse_heads is None else k_sparse_heads)
     v_dense, v_values, v_meta, v_index = operand(sv, True)
     return dict(
         q=q, k_cache=k_cache, v_cache=v_cache, k_dense=k_dense, k_values=k_values, k_meta=k_meta,

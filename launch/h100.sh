@@ -32,7 +32,7 @@
 #
 # KORDER=1 runs the tiny step with a K channel order calibrated on the tiny model (file names get
 # _korder); KORDER=FILE gives the quality step's hierasparse servers that K channel order, KHEADMAP=FILE that K
-# head map. HICACHE=1 runs
+# head map, SEED=N its question set (default 0). HICACHE=1 runs
 # the tiny step with --enable-hierarchical-cache and the shared prompt pushed out of the GPU between its
 # two chat rounds (_hicache). SHARED=1 gives the tiny and prefix steps' hierasparse servers
 # --hierasparse-shared-prefix-decode on (_shared). PORT (30000) lets steps run side by side, one GPU
@@ -79,7 +79,8 @@ case "$step" in
     python3 -m pytest -q -m gpu tests/test_kernels_decode.py tests/test_kernels_extend.py tests/test_kernels_compress.py \
         2>&1 | tee "$out/gpu_tests.log" | tail -3
     python3 -m sglang_hs.kernels.bench --kernel extend --quick --out "$out" | tail -12
-    python3 -m sglang_hs.kernels.bench --kernel compress --merge "$out/kernels_h100.json" --out "$out" | tail -6
+    python3 -m sglang_hs.kernels.bench --kernel compress --merge "$out/kernels_h100.json" --out "$out" \
+        ${KHEADSHARE:+--k-head-share $KHEADSHARE} | tail -8
     ;;
   decode)
     python3 -m sglang_hs.kernels.decode --jobs 8 | tail -1 & python3 -m sglang_hs.kernels.decode_shared --jobs 3 | tail -1 & wait
@@ -183,7 +184,7 @@ case "$step" in
     tag=${3:?TAG}
     # SmolLM2's GQA group (3) has no decode/extend kernel: the fused compressor only
     python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" --tag "$tag" \
-        --lengths 1024 2048 4096 8128 --samples 2 --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
+        --lengths 1024 2048 4096 8128 --samples 2 --seed "${SEED:-0}" --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
         --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=0.5 \
         --server-arg=--hierasparse-kernels=compress \
         ${KORDER:+--server-arg=--hierasparse-k-channel-order=$KORDER} ${KHEADMAP:+--server-arg=--hierasparse-k-head-map=$KHEADMAP} \
