@@ -198,10 +198,19 @@ class SharedPrefixDecode:
             shared_heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, STAGES)
             plans = (HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
                                        device, num_splits=shared_splits, split_capacity=capacity),
-                     HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device))  # fmt: skip
+                     HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device,
+                                       plan_batch=self.own_pass_long_requests))  # fmt: skip
             if torch.device(device).type == "cuda":  # off the GPU (tests) the merge runs in PyTorch
                 self.merge_kernel = _merge_kernel_factory()
         self.shared_plan, self.own_plan = plans
+
+    def own_pass_long_requests(self, bs: int) -> int:
+        """The requests the own pass's split count is planned for, in a call of ``bs``: most of them read
+        only a short tail there, a few (those no column set took) their whole prefix. Planning for all
+        ``bs`` gave those few the splits of a full batch (2 at 16 requests of 32K: 265 blocks walked by
+        one CTA, longer than the whole shared pass); planning for ``ceil(bs / fold)`` gives them more,
+        and a batch where every request is long still fills the GPU in whole waves."""
+        return max(1, -(-bs // self.fold))
 
     @property
     def batch_size(self) -> int:
