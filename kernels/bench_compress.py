@@ -94,6 +94,7 @@ def bench_compress(args):
         """(ours, theirs) with a seeded random K head map of ``map_share`` (None: no map), made once."""
         if map_share not in stores:
             stores.clear()  # one pair at a time: a store for 32K tokens of Llama-3.1-8B is ~8 GB
+            torch.cuda.empty_cache()  # near a full GPU the allocator would free and retry inside timed calls
             heads = None
             if map_share is not None:
                 scores = torch.rand(layers, Hkv, generator=torch.Generator().manual_seed(0))

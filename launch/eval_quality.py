@@ -136,9 +136,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     calib.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration prompts and the random control")
     calib.add_argument("--k-channel-order", metavar="FILE", help="the fperm variant's K channel order "
                        "(python -m sglang_hs.launch.calibrate_channels)")  # fmt: skip
-    calib.add_argument("--k-head-map", metavar="FILE", help="reference backend: the compressed store keeps K dense "
-                       "on the heads this K head map leaves unmapped, as --hierasparse-k-head-map does in the server "
-                       "(python -m sglang_hs.launch.calibrate_heads)")  # fmt: skip
+    calib.add_argument("--k-head-map", metavar="FILE", help="the compressed store keeps K dense on the heads this K "
+                       "head map leaves unmapped (python -m sglang_hs.launch.calibrate_heads): in the reference's "
+                       "store, or passed to the hierasparse servers as --hierasparse-k-head-map")  # fmt: skip
     calib.add_argument("--head-scores", metavar="PT", help="cache of the calibration (torch file): loaded if it exists, "
                        "else written after calibrating")  # fmt: skip
     reference = parser.add_argument_group("reference backend")
@@ -243,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         backend = ServerBackend(args.model_path, geometry, args.port, args.dense_backend, args.server_arg,
                                 args.log_prefix, args.server_top_k, max(args.lengths))  # fmt: skip
+        if args.k_head_map:
+            try:
+                backend.k_head_map = (os.path.abspath(args.k_head_map), KHeadMap.load(args.k_head_map).share)
+            except ValueError as exc:
+                print(f"eval_quality: {exc}", file=sys.stderr)
+                return 2
     tokenizer = backend.tokenizer
     haystack, heldout = split_corpus(texts)
     builder = TaskBuilder(tokenizer, haystack, args.seed)
@@ -266,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "fidelity_tokens_total": sum(len(w.continuation_ids) for w in windows),
         "block": args.block_size, "sink": args.sink_tokens, "window": args.window_tokens,
         "kv_dtype": args.kv_dtype if args.backend == "reference" else "server dtype", "seed": args.seed,
-        "decode_select": getattr(args, "decode_select", None),
+        "decode_select": getattr(args, "decode_select", None), "k_head_map": args.k_head_map,
         "seconds": time.time() - started, "command": "python -m sglang_hs.launch.eval_quality " + " ".join(argv or sys.argv[1:]),
     }  # fmt: skip
     if calibration is not None:

@@ -187,7 +187,7 @@ case "$step" in
         --lengths 1024 2048 4096 8128 --samples 2 --seed "${SEED:-0}" --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
         --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=0.5 \
         --server-arg=--hierasparse-kernels=compress \
-        ${KORDER:+--server-arg=--hierasparse-k-channel-order=$KORDER} ${KHEADMAP:+--server-arg=--hierasparse-k-head-map=$KHEADMAP} \
+        ${KORDER:+--server-arg=--hierasparse-k-channel-order=$KORDER} ${KHEADMAP:+--k-head-map=$KHEADMAP} \
         --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
     ;;
   *)

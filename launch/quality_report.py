@@ -25,6 +25,10 @@ def summarize(records: list[dict], settings: list[Setting], geometry: PrefixGeom
         row: dict[str, Any] = {"setting": setting.name, "pruner": setting.pruner, "sk": setting.sk, "sv": setting.sv,
                                "sk_setting": setting.sk, "sv_setting": setting.sv}  # fmt: skip
         row.update(_effective_sparsity(fid + ndl))
+        if "bytes_saved" not in row and not setting.is_dense:  # server rows: from the setting (and K head map)
+            share = next((r["k_head_share"] for r in fid + ndl if "k_head_share" in r), 1.0)
+            row["sk"] = round(setting.sk * share, 4)
+            row["bytes_saved"] = SAVING_PER_SPARSE_SIDE * (row["sk"] + setting.sv)
         # Over the whole prefix, at the effective S_K / S_V where the records say what was stored (a K
         # head map stores fewer K rows 2:4 than the setting's S_K).
         prefix_lens = [r["prefix_tokens"] for r in fid + ndl]

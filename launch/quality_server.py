@@ -28,6 +28,8 @@ class ServerBackend:
         self.support: dict[str, list[int]] = {}  # fidelity window -> token ids U (from the dense server)
         self.dense_outputs: dict[tuple[str, int], str] = {}
         self.dense_fidelity: dict[str, tuple[list[dict[int, float]], list[int]]] = {}  # window -> (dists, top-1)
+        # --k-head-map: (file, share of (layer, head) pairs that store K 2:4) for the hierasparse servers
+        self.k_head_map: tuple[str, float] | None = None
 
     def launch_args(self, setting: Setting) -> list[str]:
         g = self.geometry
@@ -40,6 +42,8 @@ class ServerBackend:
             "pruner": setting.pruner, "sink-tokens": g.sink, "window-tokens": g.window,
             "block-size": g.block, "dense-backend": self.dense_backend,
         }  # fmt: skip
+        if self.k_head_map is not None:
+            flags["k-head-map"] = self.k_head_map[0]
         return ["--attention-backend", "hierasparse", *[f"--hierasparse-{k}={v:g}" if isinstance(v, float) else
                 f"--hierasparse-{k}={v}" for k, v in flags.items()], *common]  # fmt: skip
 
@@ -73,6 +77,10 @@ class ServerBackend:
                     self._prime(server, window.prefix_ids)
                     records.append(self._fidelity(server, setting, window))
                     progress.step(f"{setting.name} {window.name}")
+                if self.k_head_map is not None and not setting.is_dense:
+                    for record in records:  # what the report's effective S_K scales by
+                        if record["setting"] == setting.name:
+                            record["k_head_share"] = self.k_head_map[1]
                 problems = [line for line in server.log_text().splitlines() if "leak" in line.lower() or "Traceback" in line]
                 if problems:
                     raise RuntimeError(f"server {setting.name} logged problems: {problems[:3]}")
