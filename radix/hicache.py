@@ -63,14 +63,15 @@ class HieraSparseHiRadixCache(HieraSparseRadixCache, HiRadixCache):
         self._host_checked: tuple | None = None
         super().__init__(params, runtime, k_buffers, v_buffers, server_args=server_args)
         store = self.store
-        host_bytes = host_capacity.nbytes(store.num_layers, store.kv_heads, store.head_dim, store.block_size)
+        host_bytes = host_capacity.nbytes(store.num_layers, store.kv_heads, store.head_dim, store.block_size,
+                                          store.k_sparse_share)  # fmt: skip
         available = psutil.virtual_memory().available - HICACHE_HOST_MEMORY_RESERVE_BYTES
         if host_bytes > available:  # SGLang checks its own (dense) host pool the same way
             raise ValueError(f"Not enough host memory for the compressed host store: {host_bytes / 1e9:.2f} GB "
                              f"requested, {available / 1e9:.2f} GB free; reduce --hicache-size or --hicache-ratio")
         self.host_store = CompressedStore(host_capacity, store.num_layers, store.kv_heads, store.head_dim,
-                                          store.block_size, store.dtype, "cpu",
-                                          allocate=self._host_allocation())  # fmt: skip
+                                          store.block_size, store.dtype, "cpu", allocate=self._host_allocation(),
+                                          k_sparse_heads=store.k_sparse_heads)  # the GPU store's layout  # fmt: skip
         make_host_tier(self.token_to_kv_pool_host, self.host_store, store)
         make_tier_controller(self.cache_controller, self.virtual)
         self.host_virtual = self.token_to_kv_pool_host.hs_virtual

@@ -280,7 +280,8 @@ def host_budget(server_args, kv_pool, runtime: HieraSparseRuntime) -> HostBudget
         total = int(server_args.hicache_ratio * (kv_pool.size * token_bytes + runtime.store_budget_bytes))
     store_bytes = int(total * config.host_store_fraction)
     capacity = StoreCapacity.from_budget(store_bytes, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim,
-                                         config.block_size, config.sk_prefill, config.sv_prefill)  # fmt: skip
+                                         config.block_size, config.sk_prefill, config.sv_prefill,
+                                         k_sparse_share=runtime.store.k_sparse_share)  # fmt: skip
     return HostBudget(total, total - store_bytes, capacity)
 
 

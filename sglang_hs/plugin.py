@@ -209,10 +209,6 @@ def apply_backend_defaults(_result, server_args) -> None:
             )
         if server_args.enable_hierarchical_cache:
             check_hierarchical_cache(server_args)
-            if config.k_head_map:  # the host tier moves a slot's rows as one item, the same in every layer
-                raise HieraSparseConfigError(
-                    "hierasparse: --hierasparse-k-head-map with --enable-hierarchical-cache is not supported yet; "
-                    "allowed: one of them")  # fmt: skip
         # The factory builds the hierarchical variant when SGLang's build context asks for HiCache.
         server_args.radix_cache_backend = BACKEND_NAME
 

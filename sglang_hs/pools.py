@@ -195,7 +195,7 @@ class CompressedStore:
         # Host-side ownership: per virtual block, (is_sparse, slot) of its K and of its V.
         self._k_slot: dict[int, tuple[bool, int]] = {}
         self._v_slot: dict[int, tuple[bool, int]] = {}
-        self._pointer_tables: dict[tuple[str, str], torch.Tensor] = {}
+        self._pointer_tables: dict[tuple, torch.Tensor] = {}
         self.clear()
 
     # ----------------------------------------------------------------------------- bookkeeping
@@ -327,14 +327,36 @@ class CompressedStore:
         return torch.where(sparse[None, None, :], in_sparse_block, dense_block).to(torch.int32)
 
     # ----------------------------------------------------------------------------- data
-    def pointer_table(self, name: str, device: torch.device | str) -> torch.Tensor:
-        """uint64 addresses of pool tensor ``name``'s layers, on ``device``: SGLang's all-layer copy
-        kernels take such a table (built once per pool and device)."""
-        key = (name, str(device))
+    def pointer_table(self, name: str, device: torch.device | str, layers: tuple[int, ...] | None = None,
+                      first_row: int = 0) -> torch.Tensor:  # fmt: skip
+        """uint64 addresses of pool tensor ``name``'s row ``first_row`` in ``layers`` (default: every
+        layer), on ``device``: SGLang's all-layer copy kernels take such a table (built once per
+        argument set)."""
+        layers = tuple(range(self.num_layers)) if layers is None else layers
+        key = (name, str(device), layers, first_row)
         if key not in self._pointer_tables:
-            addresses = [tensor.data_ptr() for tensor in getattr(self, name)]
+            tensors = getattr(self, name)
+            row_bytes = math.prod(tensors[0].shape[1:]) * tensors[0].element_size()
+            addresses = [tensors[layer].data_ptr() + first_row * row_bytes for layer in layers]
             self._pointer_tables[key] = torch.tensor(addresses, dtype=torch.uint64, device=device)
         return self._pointer_tables[key]
+
+    def slot_rows(self, pool: str) -> list[tuple[str, int, list[int]]]:
+        """Where a slot of ``pool`` (a :meth:`free_counts` name other than "virtual") keeps its rows:
+        per tensor ``(name, first row, rows per slot in each layer)``, slot ``s`` owning rows
+        ``first + s*rows .. first + (s+1)*rows - 1``. Without a K head map every slot owns ``H`` rows
+        from row 0; with one, a sparse-K slot owns each layer's mapped heads in ``k_values``/``k_meta``
+        and its other heads in the tail of ``k_dense`` (module docstring), so copies between two stores
+        of one map move the same rows."""
+        h = self.kv_heads
+        if pool == "k_sparse":
+            items = [(name, 0, list(self._k_sparse_rows)) for name in ("k_values", "k_meta")]
+            dense_heads = [h - n for n in self._k_sparse_rows]
+            if any(dense_heads):
+                items.append(("k_dense", self.capacity.k_dense * h, dense_heads))
+            return items
+        names = {"k_dense": ("k_dense",), "v_dense": ("v_dense",), "v_sparse": ("v_values", "v_meta")}[pool]
+        return [(name, 0, [h] * self.num_layers) for name in names]
 
     def layer_pools(self, layer: int) -> BlockPools:
         return BlockPools(

@@ -1,9 +1,11 @@
 """Block copies between two compressed stores of one shape: the GPU store and a host-tier store.
 
 A virtual block's K sits in one slot of one K pool (dense, or 2:4 values + metadata) and its V in one
-slot of one V pool, the same slot in every layer; per layer and pool tensor its ``H`` rows
-``slot·H .. slot·H + H − 1`` are consecutive. A block therefore moves as one *item* of ``H`` rows per
-pool tensor and layer, from its slot in one store to a slot of the same kind in the other: a 2:4 block
+slot of one V pool, the same slot in every layer; per layer and pool tensor the slot's rows are
+consecutive (``H`` of them from ``slot·H``; with a K head map a sparse-K slot's rows per layer are its
+mapped heads in the 2:4 tensors and the others in the tail of ``k_dense``:
+``CompressedStore.slot_rows``). A block therefore moves as one *item* of its rows per pool tensor and
+layer, from its slot in one store to a slot of the same kind in the other: a 2:4 block
 stays 2:4 and its metadata travels with it, so the rows arrive bit-identical and nothing is
 decompressed or recompressed.
 
@@ -14,6 +16,7 @@ host memory directly; elsewhere (the CPU tests) with ``torch`` indexing. Both fo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,13 +24,9 @@ import torch
 
 from sglang_hs.pools import CompressedStore
 
-POOL_TENSORS = {
-    "k_dense": ("k_dense",),
-    "k_sparse": ("k_values", "k_meta"),
-    "v_dense": ("v_dense",),
-    "v_sparse": ("v_values", "v_meta"),
-}
-"""The store's pools (as ``free_counts`` names them) and the per-layer tensors each one consists of."""
+POOLS = ("k_dense", "k_sparse", "v_dense", "v_sparse")
+"""The store's pools, as ``free_counts`` names them; ``CompressedStore.slot_rows`` says which rows of
+which tensors a slot of each owns."""
 
 
 @dataclass
@@ -46,7 +45,7 @@ class BlockCopy:
         if len(copies) == 1:
             return copies[0]
         slots = {}
-        for pool in POOL_TENSORS:
+        for pool in POOLS:
             parts = [c.slots[pool] for c in copies if pool in c.slots]
             if parts:
                 slots[pool] = (torch.cat([s for s, _ in parts]), torch.cat([d for _, d in parts]))
@@ -66,7 +65,10 @@ def plan_block_copy(src: CompressedStore, src_vbs: Sequence[int], dst: Compresse
         dst.num_layers, dst.kv_heads, dst.head_dim, dst.block_size, dst.dtype,
     ):  # fmt: skip
         raise ValueError("block copies need two stores of the same layers, heads, head_dim, block size and dtype")
-    pairs: dict[str, tuple[list[int], list[int]]] = {pool: ([], []) for pool in POOL_TENSORS}
+    maps = (src.k_sparse_heads, dst.k_sparse_heads)  # CPU tensors, or None without a map
+    if (maps[0] is None) != (maps[1] is None) or (maps[0] is not None and not torch.equal(*maps)):
+        raise ValueError("block copies need two stores of the same K head map")
+    pairs: dict[str, tuple[list[int], list[int]]] = {pool: ([], []) for pool in POOLS}
     for a, b in zip(src_vbs, dst_vbs, strict=True):
         ps, pd = src.placement(a), dst.placement(b)
         if (ps.k_sparse, ps.v_sparse) != (pd.k_sparse, pd.v_sparse):
@@ -88,35 +90,41 @@ def copy_blocks(src: CompressedStore, dst: CompressedStore, copy: BlockCopy, lay
     """Copy the planned blocks' rows of one ``layer`` (None: every layer) from ``src`` to ``dst``, on
     the current stream (SGLang's transfer stream, inside its start and finish events)."""
     on_gpu = copy_device(src, dst).type == "cuda"
+    layers = range(src.num_layers) if layer is None else (layer,)
     for pool, (src_slots, dst_slots) in copy.slots.items():
         if on_gpu:
             stream = torch.cuda.current_stream()
             src_slots.record_stream(stream)  # built on the scheduler's stream; freed after this copy
             dst_slots.record_stream(stream)
-        for name in POOL_TENSORS[pool]:
+        for (name, src_first, rows), (_, dst_first, _) in zip(src.slot_rows(pool), dst.slot_rows(pool)):
             if on_gpu:
-                _kernel_copy(src, dst, name, src_slots, dst_slots, layer)
-            else:
-                for index in range(src.num_layers) if layer is None else (layer,):
-                    src_rows, dst_rows = getattr(src, name)[index], getattr(dst, name)[index]
-                    per_slot = src.kv_heads * src_rows[0].numel()
+                _kernel_copy(src, dst, name, (src_first, dst_first), rows, src_slots, dst_slots, layer)
+                continue
+            for index in layers:
+                if rows[index]:
+                    src_rows, dst_rows = getattr(src, name)[index][src_first:], getattr(dst, name)[index][dst_first:]
+                    per_slot = rows[index] * math.prod(src_rows.shape[1:])
                     dst_rows.view(-1, per_slot)[dst_slots] = src_rows.view(-1, per_slot)[src_slots]
 
 
-def _kernel_copy(src: CompressedStore, dst: CompressedStore, name: str, src_slots: torch.Tensor,
-                 dst_slots: torch.Tensor, layer: int | None) -> None:  # fmt: skip
-    """SGLang's HiCache item-copy kernels, one item per block slot (all multiples of 8 bytes)."""
+def _kernel_copy(src: CompressedStore, dst: CompressedStore, name: str, first_rows: tuple[int, int], rows: list[int],
+                 src_slots: torch.Tensor, dst_slots: torch.Tensor, layer: int | None) -> None:  # fmt: skip
+    """SGLang's HiCache item-copy kernels, one item per block slot (all multiples of 8 bytes): one
+    all-layer launch per distinct rows-per-slot count (one launch without a K head map)."""
     from sgl_kernel.kvcacheio import transfer_kv_all_layer_mla, transfer_kv_per_layer_mla
 
     sample = getattr(src, name)[0]
-    item_size = src.kv_heads * sample[0].numel() * sample.element_size()
+    row_bytes = math.prod(sample.shape[1:]) * sample.element_size()
     if layer is None:
-        transfer_kv_all_layer_mla(
-            src_layers=src.pointer_table(name, src_slots.device), dst_layers=dst.pointer_table(name, src_slots.device),
-            src_indices=src_slots, dst_indices=dst_slots, item_size=item_size, num_layers=src.num_layers,
-        )  # fmt: skip
-    else:
+        for count in sorted(set(rows) - {0}):
+            group = tuple(i for i, r in enumerate(rows) if r == count)
+            transfer_kv_all_layer_mla(
+                src_layers=src.pointer_table(name, src_slots.device, group, first_rows[0]),
+                dst_layers=dst.pointer_table(name, src_slots.device, group, first_rows[1]),
+                src_indices=src_slots, dst_indices=dst_slots, item_size=count * row_bytes, num_layers=len(group),
+            )  # fmt: skip
+    elif rows[layer]:
         transfer_kv_per_layer_mla(
-            src=getattr(src, name)[layer], dst=getattr(dst, name)[layer],
-            src_indices=src_slots, dst_indices=dst_slots, item_size=item_size,
+            src=getattr(src, name)[layer][first_rows[0]:], dst=getattr(dst, name)[layer][first_rows[1]:],
+            src_indices=src_slots, dst_indices=dst_slots, item_size=rows[layer] * row_bytes,
         )  # fmt: skip

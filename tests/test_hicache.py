@@ -27,6 +27,9 @@ pytestmark = pytest.mark.sglang
 TOKEN_BYTES = HEADS * DIM * LAYERS * 2 * 2
 """K and V of one token in every layer and head (fp16)."""
 
+HEAD_MAP = torch.tensor([[True, False], [False, False]])
+"""A K head map of the test shape (2 layers of 2 KV heads): one head 2:4 in layer 0, none in layer 1."""
+
 
 # --------------------------------------------------------------------------------------- fakes
 def unpinned_host_alloc(dims, dtype, device, pin_memory, allocator):
@@ -91,7 +94,7 @@ def hienv(one_rank, monkeypatch):
     from sglang_hs.runtime import HieraSparseRuntime
 
     def build(sk=1.0, sv=1.0, store_blocks=64, host_blocks=64, host_tokens=64 * 20, policy="write_through", seed=0,
-              device="cpu", layout="layer_first"):  # fmt: skip
+              device="cpu", layout="layer_first", k_sparse_heads=None):  # fmt: skip
         if device == "cpu":
             monkeypatch.setitem(mha.ALLOC_MEMORY_FUNCS, "cpu", unpinned_host_alloc)
             monkeypatch.setattr(mha.MHATokenToKVPoolHost, "backup_from_device_all_layer", torch_backup_all_layers)
@@ -102,7 +105,8 @@ def hienv(one_rank, monkeypatch):
         def capacity(blocks):
             return StoreCapacity(blocks, *(int(blocks * f) for f in (1 - sk, sk, 1 - sv, sv)))
 
-        store = CompressedStore(capacity(store_blocks), LAYERS, HEADS, DIM, PAGE, torch.float16, device)
+        store = CompressedStore(capacity(store_blocks), LAYERS, HEADS, DIM, PAGE, torch.float16, device,
+                                k_sparse_heads=k_sparse_heads)  # fmt: skip
         config = HieraSparseConfig(sk_prefill=sk, sv_prefill=sv)
         virtual = VirtualSlots(base=POOL_TOKENS + PAGE, block_size=PAGE)
         params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
@@ -122,14 +126,17 @@ def only_child(e):
 
 
 def store_rows(store: CompressedStore, vb: int) -> list[torch.Tensor]:
-    """Every pool row of virtual block ``vb`` in every layer, with its placement kinds."""
-    p, heads = store.placement(vb), store.kv_heads
+    """Every pool row of virtual block ``vb`` in every layer, read through its K index map (per layer
+    with a K head map) and V index map: K and V of each head as the kernels would find them."""
     rows = []
     for layer in range(store.num_layers):
-        k_names = ("k_values", "k_meta") if p.k_sparse else ("k_dense",)
-        v_names = ("v_values", "v_meta") if p.v_sparse else ("v_dense",)
-        for names, slot in ((k_names, p.k_slot), (v_names, p.v_slot)):
-            rows += [getattr(store, n)[layer][slot * heads : (slot + 1) * heads].to("cpu", copy=True) for n in names]
+        pools = store.layer_pools(layer)
+        for operand, index in (("k", store.k_index_of(layer)), ("v", store.v_index)):
+            for entry in index[:, vb].tolist():
+                if entry >= 0:
+                    rows.append(getattr(pools, f"{operand}_dense")[entry].to("cpu", copy=True))
+                else:
+                    rows += [getattr(pools, f"{operand}_{part}")[~entry].to("cpu", copy=True) for part in ("values", "meta")]
     return rows
 
 
@@ -143,7 +150,7 @@ def attend(e, row: torch.Tensor, q: torch.Tensor) -> list[tuple[torch.Tensor, to
     """Reference attention of ``q`` over the block table of ``row`` (a matched prefix), per layer."""
     table = e.virtual.block_table(row[None])
     return [ref.paged_attention(q, [0, q.shape[0]], e.kv.k_buffer[layer], e.kv.v_buffer[layer],
-                                e.store.layer_pools(layer), e.store.k_index, e.store.v_index, table, [len(row)])
+                                e.store.layer_pools(layer), e.store.k_index_of(layer), e.store.v_index, table, [len(row)])
             for layer in range(LAYERS)]  # fmt: skip
 
 
@@ -264,11 +271,14 @@ def test_host_hit_restores_blocks_bit_identically_and_attention_matches(hienv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_head"])
-def test_gpu_round_trip_through_sglang_kernels(hienv, layout):
+@pytest.mark.parametrize("layout,mapped", [("layer_first", False), ("page_first", False), ("page_head", False),
+                                           ("layer_first", True)])
+def test_gpu_round_trip_through_sglang_kernels(hienv, layout, mapped):
     """Nothing faked: SGLang's streams, events and dense copy kernels, the compressed rows through
-    SGLang's item-copy kernels on a pinned host store."""
-    e = hienv(sk=0.5, sv=1.0, device="cuda", layout=layout)
+    SGLang's item-copy kernels on a pinned host store (with a K head map: one launch per distinct
+    rows-per-slot count, the dense heads of sparse-K blocks from the tail of ``k_dense``)."""
+    e = hienv(sk=1.0 if mapped else 0.5, sv=1.0, device="cuda", layout=layout,
+              k_sparse_heads=HEAD_MAP if mapped else None)  # fmt: skip
     assert e.host_store.k_dense[0].is_pinned() and e.host_store.v_values[1].is_pinned()
     check_round_trip(e)
 
@@ -543,18 +553,20 @@ def test_host_store_bytes_follow_its_capacity():
     assert capacity.nbytes(LAYERS, HEADS, DIM, PAGE) == allocated
 
 
-def test_a_k_head_map_with_the_host_tier_stops_with_one_line(monkeypatch, tmp_path):
-    """The host tier moves a slot's rows as one item of one size in every layer, which a K head map's
-    per-layer K pools do not have: refused at start-up, one line."""
-    from sglang_hs.config import ENV_VAR, HieraSparseConfig, HieraSparseConfigError
-    from sglang_hs.k_head_map import KHeadMap
-    from sglang_hs.plugin import apply_backend_defaults
+def test_k_head_map_round_trip_through_the_host_tier(hienv):
+    """With a K head map the host store takes the GPU store's layout (per-layer K pools), write-through
+    copies each block's mapped heads' 2:4 rows and the other heads' dense rows, and a host hit brings
+    them back bit-identically: attention after equals attention before."""
+    e = hienv(sk=1.0, sv=1.0, k_sparse_heads=HEAD_MAP)
+    assert e.host_store.k_sparse_heads is not None and torch.equal(e.host_store.k_sparse_heads, HEAD_MAP)
+    assert e.host_store.k_index.dim() == 3
+    check_round_trip(e)
 
-    path = str(tmp_path / "map.pt")
-    KHeadMap(torch.ones(2, 2, dtype=torch.bool)).save(path)
-    monkeypatch.setenv(ENV_VAR, HieraSparseConfig(k_head_map=path, kernels="decode,extend").to_json())
-    server_args, _ = hierarchical_server_args()
-    with pytest.raises(HieraSparseConfigError) as info:
-        apply_backend_defaults(None, server_args)
-    message = str(info.value)
-    assert "--hierasparse-k-head-map" in message and "allowed:" in message and "\n" not in message
+
+def test_k_head_map_host_budget_counts_dense_heads(hienv):
+    """The host store's bytes follow its capacity with the map's share (its sparse-K slots hold dense
+    rows for the unmapped heads)."""
+    e = hienv(sk=1.0, sv=1.0, k_sparse_heads=HEAD_MAP)
+    share = e.store.k_sparse_share
+    allocated = sum(e.host_store.layer_pools(layer).nbytes() for layer in range(LAYERS))
+    assert 0 < share < 1 and e.host_store.capacity.nbytes(LAYERS, HEADS, DIM, PAGE, share) == allocated
