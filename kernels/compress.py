@@ -8,12 +8,14 @@ the two kernels:
 
 1. **Loss pass** (``loss``): for ``n`` whole blocks given by their SGLang page ids, the L1 magnitude
    that 2:4 pruning drops from each block's K (groups of 4 along head_dim) or V (groups of 4 along
-   tokens), summed over all layers and KV heads: float32 ``[n]``.
+   tokens), summed over all layers and KV heads (K: the heads a K head map maps): float32 ``[n]``.
 2. **Pack pass** (``pack``): for every layer and KV head, each block's K goes to ``k_dense[row]``
    (``[B, D]``) or, if the block's K is sparse, to ``k_values[row]`` (``[B, D/2]``) and ``k_meta[row]``
    (``[B, D/16]`` int16); V likewise, sparse V transposed (``v_values [D, B/2]``, ``v_meta [D, B/16]``),
-   with ``row = slot * Hkv + h`` for the slot the store gave the block (see :mod:`sglang_hs.format`).
-   The top-2-of-4 choice is made in the kernel; nothing else reads the dense KV.
+   with ``row = slot * Hkv + h`` for the slot the store gave the block (see :mod:`sglang_hs.format`),
+   except in a K-sparse block under a K head map, where each (layer, head) finds its K row and pool
+   (2:4 or dense) in the store's ``k_sparse_block_rows`` table (:mod:`sglang_hs.pools`). The
+   top-2-of-4 choice is made in the kernel; nothing else reads the dense KV.
 
 Design (and why)
 ----------------
