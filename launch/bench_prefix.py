@@ -75,6 +75,13 @@ class ServerSpec:
     store_fraction: float | str | None = None
     hicache: bool = False
     """Runs SGLang's hierarchical cache (a host tier): gets --hicache-size."""
+    k_head_share: float = 1.0
+    """With ``--k-head-map``: the share of (layer, KV head) pairs whose K a K-sparse block stores 2:4."""
+
+    @property
+    def effective_sk(self) -> float | None:
+        """The fraction of compressible K rows stored 2:4 (S_K on the K head map's share)."""
+        return None if self.sk is None else self.sk * self.k_head_share
 
     @classmethod
     def parse(cls, text: str, store_fraction: float) -> "ServerSpec":
@@ -109,11 +116,26 @@ class ServerSpec:
         if fraction == "auto":
             if not dense_capacity:
                 raise SystemExit("error: hs:SK:SV:auto needs the dense capacity: run a dense server first")
-            fraction, prefixes = auto_store_fraction(dense_capacity, context, self.sk, self.sv, head_dim)
+            fraction, prefixes = auto_store_fraction(dense_capacity, context, self.effective_sk, self.sv, head_dim)
             print(f"[bench] {self.label}: store fraction {fraction:.4f} (room for {prefixes} prefixes of {context} "
                   f"tokens; dense holds {dense_capacity // context})", flush=True)
         self.store_fraction = float(fraction)
         return [*self.args, f"--hierasparse-store-fraction={self.store_fraction}"]
+
+
+def apply_k_head_map(specs: list[ServerSpec], path: str) -> None:
+    """Give every hierasparse server ``--hierasparse-k-head-map path`` and the map's share (one-line
+    exit if the file is not a K head map)."""
+    from sglang_hs.k_head_map import KHeadMap
+
+    try:
+        share = KHeadMap.load(path).share
+    except ValueError as exc:
+        raise SystemExit(f"error: --k-head-map: {exc}") from None
+    for spec in specs:
+        if spec.backend == "hierasparse":
+            spec.args = [*spec.args, f"--hierasparse-k-head-map={os.path.abspath(path)}"]
+            spec.k_head_share = share
 
 
 def auto_store_fraction(
@@ -423,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="hicache and hs+hicache servers: host KV memory in GB per rank (SGLang's default, 2x the GPU "
                              "pool, may not fit the host)")  # fmt: skip
     parser.add_argument("--server-arg", action="append", default=[], help="extra flag for every server")
+    parser.add_argument("--k-head-map", metavar="FILE", help="hierasparse servers: --hierasparse-k-head-map FILE "
+                        "(python -m sglang_hs.launch.calibrate_heads); their auto store fraction and records use "
+                        "the effective S_K")  # fmt: skip
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--bench-timeout", type=float, default=900)
     parser.add_argument("--out", default="launch/results/prefix_bench_h100.json")
@@ -436,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model_path or not os.path.exists(os.path.join(args.model_path, "config.json")):
         raise SystemExit(f"error: --model-path {args.model_path} has no config.json")
     specs = [ServerSpec.parse(s, args.store_fraction) for s in args.servers.split(",")]
+    if args.k_head_map:
+        apply_k_head_map(specs, args.k_head_map)
     regimes = parse_regimes(args.regimes)
     with open(os.path.join(args.model_path, "config.json")) as f:
         model_config = json.load(f)
@@ -483,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[bench] {spec.label}: resident prefix tokens {resident}", flush=True)
                 server_fields = {
                     "backend": spec.backend, "server": spec.label, "S_K": spec.sk, "S_V": spec.sv,
+                    "k_head_map": args.k_head_map if spec.backend == "hierasparse" else None,
+                    "effective_S_K": spec.effective_sk,
                     "context": args.context, "resident_prefix_tokens": resident, "dense_kv_tokens": kv_tokens,
                     "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config, tp_size),
                     "tp_size": tp_size,

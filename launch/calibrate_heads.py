@@ -13,11 +13,14 @@ with the lowest scores are mapped to 2:4 K; at S_K = 1 that is the effective S_K
 the licence texts of ``/usr/share/common-licenses`` unless ``--calib-corpus`` names a folder of text
 files; the evaluation's essays are not used. SmolLM2-135M: about 5 minutes on two CPU cores.
 ``--head-scores PT`` reuses (or writes) the scores of an earlier calibration (``eval_quality``'s cache).
+``--score random`` runs no model: a seeded random map of the share (``--calib-seed``), for speed and
+capacity runs on dummy weights, where no head retrieves (a random map loses retrieval on a real model).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -27,12 +30,14 @@ from sglang_hs import head_map
 from sglang_hs.config import HieraSparseConfig
 from sglang_hs.k_head_map import KHeadMap
 
+RANDOM = "random"
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--share", type=float, default=0.75, help="share of (layer, KV head) pairs that store K 2:4")
-    ap.add_argument("--score", default="needle", choices=list(head_map.SCORE_NAMES),
+    ap.add_argument("--score", default="needle", choices=[*head_map.SCORE_NAMES, RANDOM],
                     help="which calibration score ranks the heads (low: mapped to 2:4 first)")
     ap.add_argument("--out", help="the map file (default MODEL/hierasparse_k_head_map.pt)")
     ap.add_argument("--calib-corpus", help="folder of calibration filler texts")
@@ -46,7 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(os.path.join(args.model_path, "config.json")):
         print(f"calibrate_heads: --model-path {args.model_path} has no config.json", file=sys.stderr)
         return 2
-    if args.head_scores and os.path.isfile(args.head_scores):
+    if args.score == RANDOM:
+        with open(os.path.join(args.model_path, "config.json")) as f:
+            config = json.load(f)
+        layers, heads = config["num_hidden_layers"], config.get("num_key_value_heads", config["num_attention_heads"])
+        scores = {RANDOM: head_map.random_scores(layers, heads, args.calib_seed)}
+    elif args.head_scores and os.path.isfile(args.head_scores):
         scores = head_map.HeadScores(**torch.load(args.head_scores)).scores
         print(f"[calibrate] head scores from {args.head_scores}", flush=True)
     else:

@@ -32,7 +32,7 @@
 #
 # KORDER=1 runs the tiny step with a K channel order calibrated on the tiny model (file names get
 # _korder); KORDER=FILE gives the quality step's hierasparse servers that K channel order, KHEADMAP=FILE that K
-# head map, SEED=N its question set (default 0). HICACHE=1 runs
+# head map (the prefix step's hierasparse servers too), SEED=N its question set (default 0). HICACHE=1 runs
 # the tiny step with --enable-hierarchical-cache and the shared prompt pushed out of the GPU between its
 # two chat rounds (_hicache). SHARED=1 gives the tiny and prefix steps' hierasparse servers
 # --hierasparse-shared-prefix-decode on (_shared). PORT (30000) lets steps run side by side, one GPU
@@ -149,7 +149,8 @@ case "$step" in
         --regimes "$regimes" --api "${5:-sglang-oai}" --context $context --question-len 256 --output-len "${OUTLEN:-64}" \
         --prompts-per-group "${PPG:-8}" --max-concurrency 16 --request-rate 16 --mem-fraction-static "${MEM:-0.85}" \
         --hicache-size "${HICACHE_GB:-0}" "${probe[@]}" "${PREFIX_ARGS[@]}" --port "${PORT:-30000}" \
-        ${DENSE_CAP:+--dense-capacity=$DENSE_CAP} --out "$out/prefix_bench${tp_tag}_${gpu}.json" 2>&1 |
+        ${DENSE_CAP:+--dense-capacity=$DENSE_CAP} ${KHEADMAP:+--k-head-map=$KHEADMAP} \
+        --out "$out/prefix_bench${tp_tag}_${gpu}.json" 2>&1 |
         grep -E "\[bench\]|error" | cut -c1-400
     ;;
   warmfi)

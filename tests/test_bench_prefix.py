@@ -24,6 +24,33 @@ def test_server_specs():
         ServerSpec.parse("hs:one", 0.9)
 
 
+def test_k_head_map_reaches_hierasparse_servers_and_their_store_fraction(tmp_path):
+    """``--k-head-map``: hierasparse servers get the flag, dense ones do not; the auto store fraction is
+    sized at the effective S_K (S_K on the map's share: more bytes per block, fewer blocks), which
+    lies between S_K = 0 and S_K = 1 at the same S_V."""
+    import torch
+
+    from sglang_hs.k_head_map import KHeadMap
+    from sglang_hs.launch.bench_prefix import apply_k_head_map
+
+    path = str(tmp_path / "map.pt")
+    KHeadMap(torch.arange(32 * 8).view(32, 8) % 4 != 0).save(path)  # share 0.75
+    specs = [ServerSpec.parse(text, 0.5) for text in ("triton", "hs:1:1:auto", "hs+hicache:1:1:auto")]
+    apply_k_head_map(specs, path)
+    assert not any("k-head-map" in a for a in specs[0].args)
+    assert all(any(a.startswith("--hierasparse-k-head-map=") for a in spec.args) for spec in specs[1:])
+    assert specs[1].effective_sk == pytest.approx(0.75) and specs[0].effective_sk is None
+
+    def fraction(spec):
+        return float(spec.server_args(400_000, 8192, 128)[-1].split("=")[1])
+
+    mapped, full, no_k = fraction(specs[1]), fraction(ServerSpec.parse("hs:1:1:auto", 0.5)), fraction(
+        ServerSpec.parse("hs:0:1:auto", 0.5))  # fmt: skip
+    assert (mapped, full, no_k) != (full, full, full) and min(full, no_k) <= mapped <= max(full, no_k)
+    with pytest.raises(SystemExit, match="--k-head-map"):
+        apply_k_head_map(specs, str(tmp_path / "missing.pt"))
+
+
 def test_hierarchical_server_specs():
     """``hs+hicache[:SK:SV[:F]]``: hierasparse with SGLang's hierarchical cache, compared with the
     ``hicache`` server at the same host memory."""

@@ -144,6 +144,27 @@ def test_calibration_command_maps_the_lowest_scores(tmp_path):
     assert calibrate_heads.main(["--model-path", str(tmp_path / "none")]) == 2
 
 
+def test_random_map_for_dummy_weights_needs_no_model(tmp_path):
+    """``--score random`` reads only config.json: a seeded map of the share over its layers and KV heads
+    (for speed and capacity runs on dummy weights), the same for the same seed."""
+    import json
+
+    from sglang_hs.launch import calibrate_heads
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 32, "num_key_value_heads": 8,
+                                                   "num_attention_heads": 32}))  # fmt: skip
+    maps = []
+    for seed in (0, 0, 1):
+        out = str(tmp_path / f"map{len(maps)}.pt")
+        argv = ["--model-path", str(model), "--score", "random", "--share", "0.75", "--calib-seed", str(seed), "--out", out]
+        assert calibrate_heads.main(argv) == 0
+        maps.append(KHeadMap.load(out).sparse)
+    assert maps[0].shape == (32, 8) and int(maps[0].sum()) == 192
+    assert torch.equal(maps[0], maps[1]) and not torch.equal(maps[0], maps[2])
+
+
 def test_the_backend_hands_each_layer_its_own_k_map():
     """The attention backend passes a layer's own K index map to the kernels and the fallback."""
     from types import SimpleNamespace
