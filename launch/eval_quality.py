@@ -241,14 +241,21 @@ def main(argv: list[str] | None = None) -> int:
             calibration["corpus"] = args.calib_corpus or "default"
             calibration["spec"] = dataclasses.asdict(spec)
     else:
+        k_map = None
+        if args.k_head_map:  # checked here: a server would refuse it only after the dense baseline ran
+            try:
+                k_map = KHeadMap.load(args.k_head_map)
+                with open(os.path.join(args.model_path, "config.json")) as f:
+                    config = json.load(f)
+                k_map.check_model(config["num_hidden_layers"],
+                                  config.get("num_key_value_heads", config["num_attention_heads"]))  # fmt: skip
+            except (ValueError, OSError, KeyError) as exc:
+                print(f"eval_quality: --k-head-map: {exc}", file=sys.stderr)
+                return 2
         backend = ServerBackend(args.model_path, geometry, args.port, args.dense_backend, args.server_arg,
                                 args.log_prefix, args.server_top_k, max(args.lengths))  # fmt: skip
-        if args.k_head_map:
-            try:
-                backend.k_head_map = (os.path.abspath(args.k_head_map), KHeadMap.load(args.k_head_map).share)
-            except ValueError as exc:
-                print(f"eval_quality: {exc}", file=sys.stderr)
-                return 2
+        if k_map is not None:
+            backend.k_head_map = (os.path.abspath(args.k_head_map), k_map.share)
     tokenizer = backend.tokenizer
     haystack, heldout = split_corpus(texts)
     builder = TaskBuilder(tokenizer, haystack, args.seed)

@@ -344,3 +344,16 @@ def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, corpus
     assert torch.equal(panchors.key_mask(q, k, 0.25, layer=0), pooled)
     assert torch.equal(panchors.key_mask(-q, k, 0.25, layer=1), pooled)  # reused by the next layer
     assert eq.main([*common, "--decode-select", "topk:0"]) == 2
+
+
+def test_server_backend_checks_the_k_head_map_before_any_server(tiny_model, corpus_dir, tmp_path, capsys):
+    """``--backend server --k-head-map``: a map of another model's shape stops the run with one line
+    before a server (or the tokenizer) is started."""
+    from sglang_hs.k_head_map import KHeadMap
+
+    path = str(tmp_path / "map.pt")
+    KHeadMap(torch.ones(1, 1, dtype=torch.bool)).save(path)
+    code = eq.main(["--backend", "server", "--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", corpus_dir,
+                    "--k-head-map", path, "--settings", "magnitude:sk=1,sv=1"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--k-head-map" in err and "the model has" in err and "\n" not in err
