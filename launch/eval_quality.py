@@ -149,7 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            "the compressible prefix blocks RULE picks: topk:K (key bounds), exact:K (exact masses, an oracle), "
                            "pooled:K (exact masses summed over KV heads: one choice per layer), "
                            "anchor:K:S (exact top-K on every S-th layer, reused between), panchor:K:S (the same pooled "
-                           "over KV heads) or mass:TAU (sglang_hs.block_select)")  # fmt: skip
+                           "over KV heads), canchor:K:M (M pooled anchors placed offline on calibration questions of another seed and "
+                           "lengths) or mass:TAU (sglang_hs.block_select)")  # fmt: skip
     reference.add_argument("--batch", type=int, default=8, help="settings run together as one batch")
     server = parser.add_argument_group("server backend")
     server.add_argument("--port", type=int, default=30000)
@@ -259,6 +260,18 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = backend.tokenizer
     haystack, heldout = split_corpus(texts)
     builder = TaskBuilder(tokenizer, haystack, args.seed)
+    rule = getattr(backend, "decode_select", None) or ""
+    if rule.startswith("canchor:") and "-" not in rule and not rule.endswith(":0"):  # a count: place the anchors
+        k, count = (int(x) for x in rule.split(":")[1:])
+        lengths = list(head_map.CalibrationSpec().needle_lengths)
+        if set(lengths) & set(args.lengths):
+            print(f"eval_quality: --lengths {sorted(set(lengths) & set(args.lengths))} are calibration lengths; "
+                  "evaluate on others", file=sys.stderr)  # fmt: skip
+            return 2
+        calib = make_samples(TaskBuilder(tokenizer, haystack, args.calib_seed + 1000), args.tasks, lengths, 1)
+        backend.decode_select = backend.place_anchors(calib, k, count)
+        print(f"[eval] {count} anchors placed on {sum(len(c.questions) for c in calib)} calibration questions "
+              f"(seed {args.calib_seed + 1000}, lengths {lengths}): {backend.decode_select}", flush=True)  # fmt: skip
     samples = make_samples(builder, args.tasks, args.lengths, args.samples) if args.samples else []
     windows = make_windows(tokenizer, heldout, args.lengths, args.fidelity_windows, args.fidelity_tokens, args.seed)
     print(f"[eval] {len(samples)} haystacks ({sum(len(s.questions) for s in samples)} questions), "
@@ -279,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         "fidelity_tokens_total": sum(len(w.continuation_ids) for w in windows),
         "block": args.block_size, "sink": args.sink_tokens, "window": args.window_tokens,
         "kv_dtype": args.kv_dtype if args.backend == "reference" else "server dtype", "seed": args.seed,
-        "decode_select": getattr(args, "decode_select", None), "k_head_map": args.k_head_map,
+        "decode_select": getattr(backend, "decode_select", None) or getattr(args, "decode_select", None),
+        "k_head_map": args.k_head_map,
         "seconds": time.time() - started, "command": "python -m sglang_hs.launch.eval_quality " + " ".join(argv or sys.argv[1:]),
     }  # fmt: skip
     if calibration is not None:

@@ -126,7 +126,8 @@ class DecodeSelection:
     def key_mask(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer: int = 0) -> torch.Tensor:
         """bool ``[batch, heads, 1, kv_len]``: False on the unselected blocks of the selected rows.
         ``anchor:K:S`` measures exact masses on every S-th layer (0, S, 2S, ...) and reuses that
-        top-K in the layers up to the next anchor (same KV head), as Kascade does."""
+        top-K in the layers up to the next anchor (same KV head), as Kascade does; ``canchor:K:A-B-..``
+        pools over the KV heads on the listed anchor layers (placed offline: :meth:`ReferenceBackend.place_anchors`)."""
         from sglang_hs import block_select
 
         batch, heads, kv_len = key.shape[0], key.shape[1], key.shape[2]
@@ -138,10 +139,10 @@ class DecodeSelection:
                 continue
             region = key[row, :, self.lo : self.hi].transpose(0, 1)  # [n*B, H, D]
             none = torch.zeros(n, dtype=torch.bool)
-            if kind in ("anchor", "panchor"):
-                if layer % int(rest[0]) == 0:
+            if kind in ("anchor", "panchor", "canchor"):
+                if (layer in {int(a) for a in rest[0].split("-")}) if kind == "canchor" else layer % int(rest[0]) == 0:
                     mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
-                    if kind == "panchor":  # pooled over the KV heads: one choice, no head mapping to reuse it
+                    if kind != "anchor":  # pooled over the KV heads: one choice, no head mapping to reuse it
                         mass = mass.sum(0, keepdim=True).expand(heads, n)
                     self.anchor_choice[row] = block_select.select_topk(mass, int(value), none)
                 chosen = self.anchor_choice[row]
@@ -162,15 +163,35 @@ class DecodeSelection:
         return keep
 
 
+@dataclass
+class AnchorRecorder(DecodeSelection):
+    """Reads every block (the dense model's attention) and records, at the first decode step, each
+    layer's exact block masses pooled over the KV heads: the calibration input of ``canchor``."""
+
+    masses: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def key_mask(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer: int = 0) -> torch.Tensor:
+        from sglang_hs import block_select
+
+        if layer not in self.masses and self.hi > self.lo:
+            region = key[0, :, self.lo : self.hi].transpose(0, 1)
+            self.masses[layer] = block_select.exact_block_mass(query[0, :, 0], region, self.block, scaling).sum(0)
+        return torch.ones(key.shape[0], key.shape[1], 1, key.shape[2], dtype=torch.bool)
+
+
 def parse_decode_select(rule: str | None) -> str | None:
-    """``topk:K`` / ``exact:K`` / ``pooled:K`` (K >= 1), ``anchor:K:S`` / ``panchor:K:S`` or ``mass:TAU``
-    (0 < TAU <= 1);
-    ValueError with one line otherwise."""
+    """``topk:K`` / ``exact:K`` / ``pooled:K`` (K >= 1), ``anchor:K:S`` / ``panchor:K:S``, ``canchor:K:M``
+    (M anchors placed on calibration prompts) / ``canchor:K:0-A-B..`` (those anchor layers) or
+    ``mass:TAU`` (0 < TAU <= 1); ValueError with one line otherwise."""
     if rule is None:
         return None
     kind, _, value = rule.partition(":")
     try:
-        if kind in ("anchor", "panchor"):
+        if kind == "canchor":
+            k, anchors = value.split(":")
+            layers = [int(a) for a in anchors.split("-")]
+            ok = int(k) >= 1 and (layers[0] >= 1 if len(layers) == 1 else layers[0] == 0 and layers == sorted(set(layers)))
+        elif kind in ("anchor", "panchor"):
             k, stride = value.split(":")
             ok = int(k) >= 1 and int(stride) >= 1
         else:
@@ -178,7 +199,8 @@ def parse_decode_select(rule: str | None) -> str | None:
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"--decode-select {rule!r}: expected topk:K, exact:K, pooled:K, anchor:K:STRIDE, panchor:K:STRIDE or mass:TAU (0 < TAU <= 1)")
+        raise ValueError(f"--decode-select {rule!r}: expected topk:K, exact:K, pooled:K, anchor:K:STRIDE, panchor:K:STRIDE, "
+                         "canchor:K:COUNT, canchor:K:0-A-B... or mass:TAU (0 < TAU <= 1)")
     return rule
 
 
@@ -396,6 +418,28 @@ class ReferenceBackend(VariantKV):
         out = self.model(input_ids=torch.tensor([suffix_ids] * len(kvs)), past_key_values=self._cache(kvs),
                          use_cache=True, logits_to_keep=keep)  # fmt: skip
         return out.logits.float()
+
+    def place_anchors(self, samples: list[Sample], k: int, count: int) -> str:
+        """``canchor:K:0-A-..``: ``count`` anchor layers placed on calibration ``samples`` (the dense
+        model's pooled block masses at each question's first decode step,
+        :func:`sglang_hs.block_select.place_anchors`)."""
+        from sglang_hs import block_select
+
+        masses = []
+        dense = Setting("dense")
+        for sample in samples:
+            reused = self.geometry.reused(len(sample.prefix_ids), len(sample.prefix_ids))
+            state = self.prefix_state(sample.prefix_ids, reused, False)
+            view = self.fast_kv(state, dense)
+            blocks = self.geometry.compressed_blocks(len(sample.prefix_ids), reused)
+            for question in sample.questions:
+                recorder = AnchorRecorder("record", blocks.start * self.geometry.block, blocks.stop * self.geometry.block,
+                                          self.geometry.block, [True])  # fmt: skip
+                self.greedy([view[:2]], sample.prefix_ids[reused:] + question.suffix_ids, 2, recorder)
+                if len(recorder.masses) == self.num_layers:
+                    masses.append(torch.stack([recorder.masses[layer] for layer in range(self.num_layers)]))
+        anchors = block_select.place_anchors(masses, k, count)
+        return f"canchor:{k}:{'-'.join(map(str, anchors))}"
 
     # ------------------------------------------------------------------------- evaluation
     def evaluate(self, settings: list[Setting], samples: list[Sample], windows: list[Window]) -> list[dict]:

@@ -89,3 +89,41 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, select
     keep = selected.repeat_interleave(block, dim=-1)[:, None]  # [H, 1, n*B]
     probs = logits.masked_fill(~keep, -math.inf).softmax(-1)
     return torch.einsum("hgt,thd->hgd", probs, _real(v)).flatten(0, 1)
+
+
+def place_anchors(masses: list[torch.Tensor], k: int, count: int) -> list[int]:
+    """Anchor layers for Kascade-style reuse, placed offline: ``count`` layers (layer 0 first) such
+    that each layer, reusing the top-``k`` blocks of the last anchor at or before it, keeps the most
+    of the attention mass its own top-``k`` would read, averaged over calibration queries.
+
+    ``masses``: per calibration query a float ``[L, n]`` of each layer's block masses (pooled over KV
+    heads). The gain of layer ``l`` under anchor ``a`` is ``mass_l(top_k(a)) / mass_l(top_k(l))``;
+    the anchors split the layers into ``count`` runs, each starting at its anchor, chosen by dynamic
+    programming for the largest total gain."""
+    layers = masses[0].shape[0]
+    if not 1 <= count <= layers:
+        raise ValueError(f"count={count} anchors for {layers} layers")
+    gain = torch.zeros(layers, layers, dtype=torch.float64)  # [anchor, layer]
+    for mass in masses:
+        mass = mass.double()
+        top = mass.topk(min(k, mass.shape[1]), dim=1).indices  # [L, k]
+        own = mass.gather(1, top).sum(1).clamp_min(1e-30)  # [L]
+        for a in range(layers):
+            gain[a] += mass[:, top[a]].sum(1) / own
+    gain /= len(masses)
+    run = torch.zeros(layers, layers + 1, dtype=torch.float64)  # run[a, b]: gain of layers a..b-1 under anchor a
+    for a in range(layers):
+        run[a, a + 1 :] = gain[a, a:].cumsum(0)
+    best = torch.full((count + 1, layers + 1), -math.inf, dtype=torch.float64)
+    back = torch.zeros(count + 1, layers + 1, dtype=torch.long)
+    best[0, 0] = 0.0
+    for c in range(1, count + 1):
+        for b in range(c, layers + 1):
+            options = best[c - 1, c - 1 : b] + run[c - 1 : b, b]  # the last run starts at a in [c-1, b)
+            back[c, b] = int(options.argmax()) + c - 1
+            best[c, b] = options.max()
+    anchors, b = [], layers
+    for c in range(count, 0, -1):
+        b = int(back[c, b])
+        anchors.append(b)
+    return anchors[::-1]

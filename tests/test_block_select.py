@@ -71,3 +71,18 @@ def test_selected_attention_reads_only_its_blocks():
     mass = bs.exact_block_mass(q, k, B, 0.3)
     top = bs.select_mass(torch.log(mass), 0.999, torch.zeros(N, dtype=torch.bool))
     assert (bs.selected_attention(q, k, v, top, B, 0.3) - full).abs().max() < 0.05
+
+
+def test_anchor_placement_starts_a_run_where_attention_moves():
+    """Layers 0-2 attend to block 0, layers 3-5 to block 3: two anchors go to layers 0 and 3, where a
+    reused choice keeps all of each layer's top-1 mass; one anchor must be layer 0; more anchors than
+    needed still start at 0 and cover a change at 3."""
+    mass = torch.full((6, 4), 0.01)
+    mass[:3, 0] = 1.0
+    mass[3:, 3] = 1.0
+    assert bs.place_anchors([mass], k=1, count=2) == [0, 3]
+    assert bs.place_anchors([mass], k=1, count=1) == [0]
+    three = bs.place_anchors([mass, mass], k=1, count=3)
+    assert three[0] == 0 and 3 in three and len(set(three)) == 3
+    with pytest.raises(ValueError):
+        bs.place_anchors([mass], k=1, count=7)
