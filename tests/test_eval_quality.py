@@ -357,3 +357,14 @@ def test_server_backend_checks_the_k_head_map_before_any_server(tiny_model, corp
                     "--k-head-map", path, "--settings", "magnitude:sk=1,sv=1"])  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert code == 2 and "--k-head-map" in err and "the model has" in err and "\n" not in err
+
+
+def test_decode_select_rules_parse_with_one_line_errors():
+    from sglang_hs.launch.quality_reference import parse_decode_select
+
+    for rule in ("topk:8", "mass:0.9", "panchor:8:4", "canchor:8:8", "canchor:8:0-3-11"):
+        assert parse_decode_select(rule) == rule
+    for bad in ("canchor:8:3-11", "canchor:8:0-11-3", "canchor:8:0", "canchor:0:4", "panchor:8", "mass:2"):
+        with pytest.raises(ValueError, match="expected") as info:
+            parse_decode_select(bad)
+        assert "\n" not in str(info.value)
