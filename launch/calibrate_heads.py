@@ -20,7 +20,6 @@ capacity runs on dummy weights, where no head retrieves (a random map loses retr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -28,7 +27,7 @@ import torch
 
 from sglang_hs import head_map
 from sglang_hs.config import HieraSparseConfig
-from sglang_hs.k_head_map import KHeadMap
+from sglang_hs.k_head_map import KHeadMap, model_shape
 
 RANDOM = "random"
 
@@ -52,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibrate_heads: --model-path {args.model_path} has no config.json", file=sys.stderr)
         return 2
     if args.score == RANDOM:
-        with open(os.path.join(args.model_path, "config.json")) as f:
-            config = json.load(f)
-        layers, heads = config["num_hidden_layers"], config.get("num_key_value_heads", config["num_attention_heads"])
-        scores = {RANDOM: head_map.random_scores(layers, heads, args.calib_seed)}
+        scores = {RANDOM: head_map.random_scores(*model_shape(args.model_path), args.calib_seed)}
     elif args.head_scores and os.path.isfile(args.head_scores):
         scores = head_map.HeadScores(**torch.load(args.head_scores)).scores
         print(f"[calibrate] head scores from {args.head_scores}", flush=True)

@@ -96,7 +96,7 @@ import torch
 
 from sglang_hs import head_map
 from sglang_hs.channel_order import ChannelOrder
-from sglang_hs.k_head_map import KHeadMap
+from sglang_hs.k_head_map import KHeadMap, model_shape
 from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry, Setting, TaskBuilder, load_corpus,
                                              make_samples, make_settings, make_windows, setting_from_name,
                                              split_corpus)  # fmt: skip
@@ -186,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eval_quality: --model-path {args.model_path} has no config.json "
               "(python -m sglang_hs.launch.convert_gguf DIR writes one)", file=sys.stderr)  # fmt: skip
         return 2
+    k_map = None
+    if args.k_head_map:  # checked before the model loads or a server starts
+        try:
+            k_map = KHeadMap.load(args.k_head_map)
+            k_map.check_model(*model_shape(args.model_path))
+        except (ValueError, OSError, KeyError) as exc:
+            print(f"eval_quality: --k-head-map: {exc}", file=sys.stderr)
+            return 2
     geometry = PrefixGeometry(args.block_size, args.sink_tokens, args.window_tokens)
     if args.settings:
         settings = [Setting("dense")] + [setting_from_name(s) for s in args.settings if s != "dense"]
@@ -204,13 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 print(f"eval_quality: {exc}", file=sys.stderr)
                 return 2
-        if args.k_head_map:
-            try:
-                k_map = KHeadMap.load(args.k_head_map)
-                k_map.check_model(backend.num_layers, backend.kv_heads)
-            except ValueError as exc:
-                print(f"eval_quality: {exc}", file=sys.stderr)
-                return 2
+        if k_map is not None:
             backend.k_head_map = k_map.sparse
             print(f"[eval] K head map {args.k_head_map}: {k_map.share:.3f} of (layer, head) pairs store K 2:4", flush=True)
         try:
@@ -242,17 +244,6 @@ def main(argv: list[str] | None = None) -> int:
             calibration["corpus"] = args.calib_corpus or "default"
             calibration["spec"] = dataclasses.asdict(spec)
     else:
-        k_map = None
-        if args.k_head_map:  # checked here: a server would refuse it only after the dense baseline ran
-            try:
-                k_map = KHeadMap.load(args.k_head_map)
-                with open(os.path.join(args.model_path, "config.json")) as f:
-                    config = json.load(f)
-                k_map.check_model(config["num_hidden_layers"],
-                                  config.get("num_key_value_heads", config["num_attention_heads"]))  # fmt: skip
-            except (ValueError, OSError, KeyError) as exc:
-                print(f"eval_quality: --k-head-map: {exc}", file=sys.stderr)
-                return 2
         backend = ServerBackend(args.model_path, geometry, args.port, args.dense_backend, args.server_arg,
                                 args.log_prefix, args.server_top_k, max(args.lengths))  # fmt: skip
         if k_map is not None:
@@ -261,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     haystack, heldout = split_corpus(texts)
     builder = TaskBuilder(tokenizer, haystack, args.seed)
     rule = getattr(backend, "decode_select", None) or ""
-    if rule.startswith("canchor:") and "-" not in rule and not rule.endswith(":0"):  # a count: place the anchors
+    if rule.startswith("canchor:") and "-" not in rule:  # a count (parse_decode_select checked it): place them
         k, count = (int(x) for x in rule.split(":")[1:])
         lengths = list(head_map.CalibrationSpec().needle_lengths)
         if set(lengths) & set(args.lengths):

@@ -11,6 +11,8 @@ heads only: the effective S_K is ``S_K * share`` of the mapped pairs.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,14 @@ import torch
 from sglang_hs.channel_order import load_calibration_file, rank_first_head
 
 FORMAT = "hierasparse-k-head-map/1"
+
+
+def model_shape(model_path: str) -> tuple[int, int]:
+    """(layers, KV heads) of a checkpoint's ``config.json``: the shape of its K head map (before tensor
+    parallelism). ``OSError`` / ``KeyError`` if the file is missing or lacks them."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    return config["num_hidden_layers"], config.get("num_key_value_heads", config["num_attention_heads"])
 
 
 @dataclass(frozen=True)
