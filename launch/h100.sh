@@ -186,7 +186,7 @@ case "$step" in
     # SmolLM2's GQA group (3) has no decode/extend kernel: the fused compressor only
     python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" --tag "$tag" \
         --lengths 1024 2048 4096 8128 --samples 2 --seed "${SEED:-0}" --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
-        --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=0.5 \
+        --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=${MEM:-0.5} \
         --server-arg=--hierasparse-kernels=compress \
         ${KORDER:+--server-arg=--hierasparse-k-channel-order=$KORDER} ${KHEADMAP:+--k-head-map=$KHEADMAP} \
         --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
