@@ -74,6 +74,11 @@ def main(argv=None):
     ap.add_argument("--k-head-share", type=float, default=None, metavar="SHARE",
                     help="compress: also time S_K = 1 and 0.5 (S_V = 1) with a K head map of this share (a "
                          "seeded random map: the time does not depend on which heads)")
+    ap.add_argument("--modes", default=None, metavar="kascade,psa",
+                    help="decode: also time these decode modes (records with mode; 'full' is the plain decode)")
+    ap.add_argument("--decode-topk", type=int, default=64, help="decode modes: compressed blocks read (at most, psa)")
+    ap.add_argument("--decode-tau", type=float, default=0.9, help="psa: attention-mass share to reach")
+    ap.add_argument("--anchor-every", type=int, default=4, help="decode modes: one anchor layer in this many")
     ap.add_argument("--merge", default=RESULTS_JSON, help="compress: results JSON whose other records are kept")
     args = ap.parse_args(argv)
     if args.batch is None:

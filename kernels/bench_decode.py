@@ -97,6 +97,7 @@ def bench_decode(args):
         if not fi_us:
             fi_us = dict(zip(fis, time_graphs(list(fis.values()), args.iters)))
         fast = min(fi_us, key=fi_us.get)
+        case_for_modes, fis_for_modes = (case, fis) if args.modes else (None, None)
         shared_rec = None
         if distinct < bs:
             shared_rec = bench_shared_prefix(case, ref, fis, args.iters, args.shared_splits)
@@ -132,8 +133,73 @@ def bench_decode(args):
             record["variants"] = [{k: v for k, v in r.items() if k != "default"} for r in results]
         if shared_rec:
             record["shared_prefix_decode"] = shared_rec
+        record["mode"] = "full"
         records.append(record)
+        for mode in [m for m in (args.modes or "").split(",") if m]:
+            rec = bench_mode(case_for_modes, mode, args, ref_full=record, fis=fis_for_modes)
+            lines.append(f"{layout} S_K={sk} S_V={sv} mode {mode} (top {args.decode_topk}, tau {args.decode_tau}, "
+                         f"anchors 1 in {args.anchor_every}): anchor layer {rec['anchor_us']:.1f} us (kernel "
+                         f"{rec['anchor_kernel_us']:.1f}, choice {rec['choose_us']:.1f}), other layers "
+                         f"{rec['selected_us']:.1f} us reading {rec['blocks_read_per_request']:.1f} of "
+                         f"{rec['blocks_per_request']:.0f} blocks; per layer {rec['ours_us']:.1f} us, "
+                         f"{rec['speedup']:.3f}x FI {rec['flashinfer_backend'].split()[0]}, "
+                         f"{rec['speedup_vs_full']:.3f}x our full decode")
+            print(lines[-1], flush=True)
+            records.append(rec)
+        del case_for_modes, fis_for_modes
     return records, lines
+
+
+def bench_mode(case: dict, mode: str, args, ref_full: dict, fis: dict) -> dict:
+    """A decode mode (``sglang_hs.decode_modes``) on the case: an anchor layer (every block read, with
+    the per-block LSE, then the choice and the table compaction) and a layer between anchors (the
+    compacted table), each timed as CUDA-graph replays beside FlashInfer's backends; the per-layer time
+    is their mix at one anchor in ``--anchor-every`` layers. ``ref_full``: the case's full-decode record."""
+    from sglang_hs.decode_modes import BlockSelection, compact
+    from sglang_hs.kernels.decode import HieraSparseDecode
+
+    q = case["q"]
+    bs, hq, d = q.shape
+    a = run_args(case)
+    plan = HieraSparseDecode(bs, hq, case["k_cache"].shape[1], d, 64, case["max_blocks"], q.dtype, q.device,
+                             block_lse=True)  # fmt: skip
+    rule = BlockSelection(mode, frozenset({0}), args.decode_topk, args.decode_tau)
+    chosen = {}
+
+    def anchor():
+        _, block_lse = plan.run(*a, return_block_lse=True)
+        keep = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
+        chosen["keep"] = keep
+        chosen["table"], chosen["lens"] = compact(case["block_table"], case["seq_lens"], keep, 64)
+
+    anchor()
+    table, lens = chosen["table"].clone(), chosen["lens"].clone()
+    read = chosen["keep"].sum(1).float().mean().item()
+    selected = lambda: plan.run(*a[:6], table, lens, case["sm_scale"])  # noqa: E731
+    anchor_kernel = lambda: plan.run(*a, return_block_lse=True)  # noqa: E731
+    *fi_times, anchor_us, selected_us, kernel_us = time_graphs([*fis.values(), anchor, selected, anchor_kernel],
+                                                               args.iters)  # fmt: skip
+    fi_us = dict(zip(fis, fi_times))
+    fast = min(fi_us, key=fi_us.get)
+    per_layer = (anchor_us + (args.anchor_every - 1) * selected_us) / args.anchor_every
+    blocks = ((case["seq_lens"].long() + 63) // 64).float().mean().item()
+    return dict(
+        kernel="decode", mode=mode, S_K=ref_full["S_K"], S_V=ref_full["S_V"], batch=bs, context=ref_full["context"],
+        layout=ref_full["layout"], q_heads=hq, kv_heads=case["k_cache"].shape[1], head_dim=d, dtype=ref_full["dtype"],
+        block_size=64, decode_topk=args.decode_topk, decode_tau=args.decode_tau if mode == "psa" else None,
+        anchor_every=args.anchor_every, blocks_per_request=round(blocks, 1), blocks_read_per_request=round(read, 1),
+        anchor_us=round(anchor_us, 2), anchor_kernel_us=round(kernel_us, 2), choose_us=round(anchor_us - kernel_us, 2),
+        selected_us=round(selected_us, 2), ours_us=round(per_layer, 2),
+        full_us=ref_full["ours_us"], speedup_vs_full=round(ref_full["ours_us"] / per_layer, 4)
+        if ref_full["ours_us"] else None,
+        flashinfer_us=round(fi_us[fast], 2), flashinfer_backend=f"{fast} (tensor-core decode)",
+        flashinfer_us_by_backend={b: round(t, 2) for b, t in fi_us.items()}, speedup=round(fi_us[fast] / per_layer, 4),
+        device=ref_full["device"],
+        timing=f"CUDA-graph replays of {args.iters} calls, FlashInfer's backends, the anchor layer and a layer "
+               f"between anchors side by side; per layer = (anchor + {args.anchor_every - 1} others) / "
+               f"{args.anchor_every}; random keys, so the attention is flat and the top-k / budget, not the "
+               f"data, sets the blocks read",
+    )
 
 
 def bench_shared_prefix(case: dict, ref: torch.Tensor, fis: dict, iters: int, splits: str | None = None) -> dict | None:
@@ -178,7 +244,7 @@ def bench_shared_prefix(case: dict, ref: torch.Tensor, fis: dict, iters: int, sp
 def plot_decode(records: list[dict], path: str) -> bool:
     """Times and speedups of the decode records (their first layout) as bars."""
     plt = pyplot()
-    records = [r for r in records if r.get("kernel", "decode") == "decode"]
+    records = [r for r in records if r.get("kernel", "decode") == "decode" and r.get("mode", "full") == "full"]
     recs = [r for r in records if r.get("ours_us") and r.get("layout", "natural") == records[0].get("layout", "natural")]
     r0 = recs[0] if recs else {}
 
@@ -222,7 +288,7 @@ def decode_main(args) -> None:
     with open(os.path.join(args.out, "bench_decode.log"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot_decode(records, os.path.join(args.out, "kernels_h100.png"))
-    print(f"{'layout':>9} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>8} {'speedup':>8} {'ideal':>6}")
+    print(f"{'layout':>9} {'mode':>8} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>8} {'speedup':>8} {'ideal':>6}")
     for r in records:
-        print(f"{r.get('layout', ''):>9} {r['S_K']:4g} {r['S_V']:4g} {r['ours_us'] or float('nan'):9.1f} "
-              f"{r['flashinfer_us']:8.1f} {r['speedup'] or float('nan'):8.3f} {r['ideal_speedup']:6.3f}")
+        print(f"{r.get('layout', ''):>9} {r['mode']:>8} {r['S_K']:4g} {r['S_V']:4g} {r['ours_us'] or float('nan'):9.1f} "
+              f"{r['flashinfer_us']:8.1f} {r['speedup'] or float('nan'):8.3f} {r.get('ideal_speedup', float('nan')):6.3f}")

@@ -130,8 +130,10 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     D, B/2]``, ``v_meta [rows, B*D/256, 16]`` int16), ``k_index, v_index [Hkv, n_virtual]``,
     ``block_table [bs, max_blocks]``, ``seq_lens [bs]``, ``sm_scale``, ``o_part [bs, Hq, S, D]`` and
     ``lse_part [bs, Hq, S]`` (fp32 split partials), ``out [bs, Hq, D]``, ``lse [bs, Hq]`` (fp32,
-    natural log), ``tickets [bs, Hkv]`` (int32 split tickets, zero between calls). Every tensor is
-    contiguous.
+    natural log), ``tickets [bs, Hkv]`` (int32 split tickets, zero between calls), ``want_block_lse``
+    (int32: non-zero also writes each block's own LSE) and ``block_lse [bs*Hq, W]`` (fp32, natural log:
+    row ``r*Hq + head``, column = the block's place in the request's table; a ``[1, 1]`` stand-in when
+    not wanted). Every tensor is contiguous.
     """
     import tilelang.language as T
 
@@ -148,8 +150,8 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     SHUF = [TPC >> k for k in range(1, TPC.bit_length()) if TPC >> k]  # xor offsets TPC/2 .. 1
     # The call's dynamic extents (bound from the arguments' shapes).
     (num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual, batch, max_blocks,
-     S) = T.dynamic("num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual, batch, "
-                    "max_blocks, num_splits")
+     S, lse_rows, lse_cols) = T.dynamic("num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, "
+                                       "num_virtual, batch, max_blocks, num_splits, lse_rows, lse_cols")
     load_k, load_v = tma_loads(T, B)
 
     def alloc_stages():
@@ -170,7 +172,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
     @T.macro
     def compute(j, first_pos, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT, scores_sh, rescale_sh,
-                lane_scores, run_max, run_sum):
+                lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row):
         # Block j: S^T = K·Q^T, the lane softmax (TPC consecutive lanes own a column), O^T += V^T·P^T.
         mode = maps[0][j]
         if (mode & 3) == 2:
@@ -195,12 +197,22 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         rescale = T.exp2(run_max[0] * scale_log2 - new_max * scale_log2)
         run_max[0] = new_max
         run_sum[0] = run_sum[0] * rescale
+        block_sum[0] = 0.0
         for i in T.unroll(RPT):
             p = T.exp2(lane_scores[i] * scale_log2 - new_max * scale_log2)
-            run_sum[0] = run_sum[0] + p
+            block_sum[0] = block_sum[0] + p
             P_s[row0 + i, col] = T.cast(p, dtype)
+        run_sum[0] = run_sum[0] + block_sum[0]
         if tid % TPC == 0:
             rescale_sh[col] = rescale
+        if want_block_lse != 0:
+            # The block's own natural-log LSE per query head (the decode modes' anchor-layer masses):
+            # the column's lanes add their rows' probabilities, one lane stores it.
+            for k in T.unroll(len(SHUF)):
+                block_sum[0] = block_sum[0] + T.shfl_xor(block_sum[0], TPC >> (k + 1))
+            if tid % TPC == 0:
+                if col < G:
+                    block_lse[lse_row + col, first_pos // B] = (T.log2(block_sum[0]) + new_max * scale_log2) * LN2
         T.fence_proxy_async()
         T.sync_threads()
         for d, g in T.Parallel(D, NH):
@@ -217,14 +229,14 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
     @T.macro
     def step(j, parity, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, stage, refill, src, sT, oT,
-             scores_sh, rescale_sh, lane_scores, run_max, run_sum):
+             scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row):
         if j < num_blocks:
             T.sync_threads()
             if j + stages - 1 < num_blocks:
                 issue(j + stages - 1, h, maps, refill, src)
             T.barrier_wait(stage.full, parity)
             compute(j, (first_block + j) * B, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT, scores_sh,
-                    rescale_sh, lane_scores, run_max, run_sum)
+                    rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row)
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(num_blocks, h, maps, st, src):
@@ -257,6 +269,8 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         out: T.Tensor([batch, q_heads, D], dtype),
         lse: T.Tensor([batch, q_heads], accum),
         tickets: T.Tensor([batch, kv_heads], "int32"),
+        want_block_lse: T.int32,
+        block_lse: T.Tensor([lse_rows, lse_cols], accum),
     ):
         with T.Kernel(S, kv_heads, batch, threads=threads) as (split, h, request):
             Q_s = T.alloc_shared([NH, D], dtype)
@@ -275,6 +289,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             lane_scores = T.alloc_local([RPT], accum)
             run_max = T.alloc_local([1], accum)
             run_sum = T.alloc_local([1], accum)
+            block_sum = T.alloc_local([1], accum)
 
             # Plain bindings (inlined expressions, as before the split count was dynamic): the block loop's
             # generated code stays that of a static split count but for the (loop-invariant) division.
@@ -310,7 +325,8 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
             src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
             maps = (block_mode, block_k_row, block_v_row)
-            frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum)
+            frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse,
+                     request * q_heads + h * G)
             emit_prologue(num_blocks, h, maps, ring_stages, src)
             for it in T.serial(T.ceildiv(num_blocks, stages)):
                 emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
@@ -422,13 +438,14 @@ class HieraSparseDecode:
     ``num_splits`` forces the split count (else :func:`plan_num_splits` per call shape, on
     ``num_sms`` SMs: this GPU's by default); ``plan_batch`` maps a call's request count to the count
     the rule plans for (a batch where only some requests are long wants the splits of that many).
+    ``block_lse``: also keep scratch for :meth:`run`'s per-block LSE (the decode modes' anchor layers).
     One call at a time per plan.
     """
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None, stages: int = STAGES,
                  num_sms: int | None = None, split_capacity: int = SPLIT_CAPACITY,
-                 plan_batch: Callable[[int], int] | None = None):
+                 plan_batch: Callable[[int], int] | None = None, block_lse: bool = False):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
@@ -447,6 +464,8 @@ class HieraSparseDecode:
                                           split_capacity=split_capacity)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
+        self.with_block_lse = block_lse
+        self._no_block_lse = torch.empty(1, 1, dtype=torch.float32, device=self.device)
         self._allocate(batch_size)
         self.num_splits = self.splits(batch_size, max_blocks)  # at the plan's full shape (reported)
         self.last_num_splits = None
@@ -472,10 +491,13 @@ class HieraSparseDecode:
         self.lse = torch.empty(batch_size, hq, **f32)
         # Split tickets of the fused merge; the merging CTA resets its entry, so it stays zero between calls.
         self.counter = torch.zeros(batch_size, self.kv_heads, dtype=torch.int32, device=self.device)
+        self.block_lse = (torch.empty(batch_size * hq * self.max_blocks, **f32) if self.with_block_lse
+                          else self._no_block_lse)  # fmt: skip
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pools: BlockPools,
             k_index: torch.Tensor, v_index: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-            sm_scale: float, out: torch.Tensor | None = None, return_lse: bool = False):
+            sm_scale: float, out: torch.Tensor | None = None, return_lse: bool = False,
+            return_block_lse: bool = False):
         """Decode attention of one layer; one kernel launch per ``batch_size`` requests, no host
         synchronisation.
 
@@ -497,7 +519,9 @@ class HieraSparseDecode:
         * ``out``: ``[bs, Hq, D]``, contiguous, written if given.
 
         Returns ``out [bs, Hq, D]``, and with ``return_lse`` also the natural-log LSE ``[bs, Hq]`` fp32
-        (a plan-owned buffer up to ``batch_size`` requests, overwritten by the next call).
+        (a plan-owned buffer up to ``batch_size`` requests, overwritten by the next call); with
+        ``return_block_lse`` (a plan built with ``block_lse=True``) last the natural-log LSE of each block
+        on its own, ``[bs, Hq, W]`` fp32 (plan-owned; columns past a request's blocks are not written).
         """
         bs, width = q.shape[0], block_table.shape[1]
         if width > self.max_blocks:
@@ -510,15 +534,23 @@ class HieraSparseDecode:
             self._allocate(bs)
         lse = self.lse if bs <= self.batch_size else torch.empty(bs, self.q_heads, dtype=torch.float32,
                                                                  device=self.device)
+        block_lse = None
+        if return_block_lse:
+            if not self.with_block_lse:
+                raise ValueError("return_block_lse needs a plan built with block_lse=True")
+            if bs > self.batch_size:
+                raise ValueError(f"return_block_lse with {bs} requests > the plan's batch_size {self.batch_size}")
+            block_lse = self.block_lse[: bs * self.q_heads * width].view(bs, self.q_heads, width)
         kv = (k_cache, v_cache, *self.pools(pools, k_index, v_index))
         for start in range(0, bs, self.batch_size):
             stop = min(bs, start + self.batch_size)
             self._launch(q[start:stop], kv, block_table[start:stop], seq_lens[start:stop], float(sm_scale),
-                         out[start:stop], lse[start:stop])
-        lse = lse[:bs]
-        return (out, lse) if return_lse else out
+                         out[start:stop], lse[start:stop], block_lse)
+        result = (out,) + ((lse[:bs],) if return_lse else ()) + ((block_lse,) if return_block_lse else ())
+        return result if len(result) > 1 else out
 
-    def _launch(self, q, kv: tuple, block_table, seq_lens, sm_scale: float, out, lse) -> None:
+    def _launch(self, q, kv: tuple, block_table, seq_lens, sm_scale: float, out, lse,
+                block_lse: torch.Tensor | None = None) -> None:
         """One launch for at most ``batch_size`` requests, on views of the plan's scratch."""
         n, hq, d = q.shape[0], self.q_heads, self.head_dim
         width = block_table.shape[1]
@@ -528,7 +560,9 @@ class HieraSparseDecode:
         self.last_num_splits = s
         o_part = self.o_part[:n * hq * s * d].view(n, hq, s, d)
         lse_part = self.lse_part[:n * hq * s].view(n, hq, s)
-        self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, out, lse[:n], self.counter[:n])
+        lse_out = self._no_block_lse if block_lse is None else block_lse.view(n * hq, width)
+        self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, out, lse[:n], self.counter[:n],
+                    int(block_lse is not None), lse_out)
 
 
 # The kernels the GPU tests build, as (q_heads, kv_heads, head_dim, dtype); every batch size, block-table

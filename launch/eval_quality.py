@@ -158,6 +158,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     server.add_argument("--server-arg", action="append", default=[], help="extra flag for every server (repeat)")
     server.add_argument("--server-top-k", type=int, default=20, help="dense top-k tokens per position for KL")
     server.add_argument("--log-prefix", default="/tmp/eval_quality")
+    server.add_argument("--decode-anchors", default="", help="settings with mode=kascade|psa (e.g. "
+                        "magnitude:sk=0,sv=1,mode=kascade): --hierasparse-decode-anchors")  # fmt: skip
+    server.add_argument("--decode-topk", type=int, default=8, help="mode settings: --hierasparse-decode-topk")
+    server.add_argument("--decode-tau", type=float, default=0.9, help="mode settings: --hierasparse-decode-tau")
     return parser.parse_args(argv)
 
 
@@ -202,6 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[eval] {len(settings)} settings: {', '.join(s.name for s in settings)}", flush=True)
 
     calibration = None
+    modes = sorted({s.mode for s in settings} - {"full"})
+    if set(modes) - {"kascade", "psa"}:
+        print(f"eval_quality: unknown decode mode in --settings: {modes}; allowed: kascade, psa", file=sys.stderr)
+        return 2
+    if modes and args.backend != "server":
+        print(f"eval_quality: settings with mode={modes[0]} need --backend server (the reference takes --decode-select)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.backend == "reference":
         backend: Any = ReferenceBackend(args.model_path, geometry, args.kv_dtype, args.threads, args.batch)
         backend.random_seed = args.calib_seed
@@ -248,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                                 args.log_prefix, args.server_top_k, max(args.lengths))  # fmt: skip
         if k_map is not None:
             backend.k_head_map = (os.path.abspath(args.k_head_map), k_map.share)
+        backend.decode_mode_flags = {"decode-anchors": args.decode_anchors, "decode-topk": args.decode_topk,
+                                     "decode-tau": args.decode_tau}  # fmt: skip
     tokenizer = backend.tokenizer
     haystack, heldout = split_corpus(texts)
     builder = TaskBuilder(tokenizer, haystack, args.seed)
@@ -284,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         "block": args.block_size, "sink": args.sink_tokens, "window": args.window_tokens,
         "kv_dtype": args.kv_dtype if args.backend == "reference" else "server dtype", "seed": args.seed,
         "decode_select": getattr(backend, "decode_select", None) or getattr(args, "decode_select", None),
+        "decode_modes": {"modes": modes, "anchors": args.decode_anchors, "topk": args.decode_topk,
+                         "tau": args.decode_tau} if modes else None,
         "k_head_map": args.k_head_map,
         "seconds": time.time() - started, "command": "python -m sglang_hs.launch.eval_quality " + " ".join(argv or sys.argv[1:]),
     }  # fmt: skip

@@ -8,6 +8,8 @@
 #   bash launch/h100.sh kernels OUT          kernel GPU tests, extend and compress benchmarks -> OUT/
 #   bash launch/h100.sh decode OUT           the decode kernel: its GPU tests (their kernels compiled first, in
 #                                            parallel) and the benchmark at the committed shape -> OUT/
+#   bash launch/h100.sh modes OUT            the decode modes (kascade, psa) beside full decode and FlashInfer,
+#                                            batch 8 at 32K and 128K (DECODE_TOPK blocks, 64) -> OUT/modes{32,128}k/
 #   bash launch/h100.sh cold_start OUT [MODEL]
 #                                            first start of a server (tiny (default) or llama8b): hierasparse and
 #                                            triton, each with empty then warm kernel caches, ready = the first
@@ -32,7 +34,9 @@
 #
 # KORDER=1 runs the tiny step with a K channel order calibrated on the tiny model (file names get
 # _korder); KORDER=FILE gives the quality step's hierasparse servers that K channel order, KHEADMAP=FILE that K
-# head map (the prefix step's hierasparse servers too), SEED=N its question set (default 0). HICACHE=1 runs
+# head map (the prefix step's hierasparse servers too), SEED=N its question set (default 0), MEM its servers'
+# --mem-fraction-static (0.5), DECODE_ANCHORS/DECODE_TOPK/DECODE_TAU the flags of settings with mode=kascade|psa
+# (e.g. magnitude:sk=0,sv=1,mode=kascade). HICACHE=1 runs
 # the tiny step with --enable-hierarchical-cache and the shared prompt pushed out of the GPU between its
 # two chat rounds (_hicache). SHARED=1 gives the tiny and prefix steps' hierasparse servers
 # --hierasparse-shared-prefix-decode on (_shared). PORT (30000) lets steps run side by side, one GPU
@@ -84,12 +88,19 @@ case "$step" in
     ;;
   decode)
     python3 -m sglang_hs.kernels.decode --jobs 8 | tail -1 & python3 -m sglang_hs.kernels.decode_shared --jobs 3 | tail -1 & wait
-    timeout 300 python3 -m pytest -q -m gpu tests/test_kernels_decode.py tests/test_decode_shared.py 2>&1 |
+    timeout 300 python3 -m pytest -q -m gpu tests/test_kernels_decode.py tests/test_decode_shared.py tests/test_decode_modes.py 2>&1 |
         tee "$out/gpu_tests_decode.log" | tail -3
     timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --out "$out" | tail -4
     # 16 requests over 6 shared prefixes: the per-request kernel and the shared-prefix decode
     timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --layouts natural --batch 16 --groups 6 \
         --shared-splits "${SPLITS:-8,16,24,48}" --out "$out/shared" | tail -4
+    ;;
+  modes)
+    # Decode modes (kascade, psa) beside full decode and FlashInfer, batch 8 at 32K and 128K
+    for ctx in 32768 131072; do
+      timeout 400 python3 -m sglang_hs.kernels.bench --kernel decode --quick --layouts natural --context $ctx \
+          --modes kascade,psa --decode-topk "${DECODE_TOPK:-64}" --out "$out/modes$((ctx / 1024))k" | tail -7
+    done
     ;;
   cold_start)
     model=${3:-tiny}
@@ -189,10 +200,12 @@ case "$step" in
         --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=${MEM:-0.5} \
         --server-arg=--hierasparse-kernels=compress \
         ${KORDER:+--server-arg=--hierasparse-k-channel-order=$KORDER} ${KHEADMAP:+--k-head-map=$KHEADMAP} \
+        ${DECODE_ANCHORS:+--decode-anchors=$DECODE_ANCHORS} ${DECODE_TOPK:+--decode-topk=$DECODE_TOPK} \
+        ${DECODE_TAU:+--decode-tau=$DECODE_TAU} \
         --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
     ;;
   *)
-    echo "unknown step $step; allowed: warm, kernels, decode, cold_start, extend, tiny, prefix, warmfi, soak, sanitize, smollm2, quality" >&2
+    echo "unknown step $step; allowed: warm, kernels, decode, modes, cold_start, extend, tiny, prefix, warmfi, soak, sanitize, smollm2, quality" >&2
     exit 2
     ;;
 esac

@@ -288,10 +288,13 @@ class Setting:
     pruner: str  # "dense" for the uncompressed baseline
     sk: float = 0.0
     sv: float = 0.0
+    mode: str = "full"  # the server's --hierasparse-decode-mode
 
     @property
     def name(self) -> str:
-        return "dense" if self.pruner == "dense" else f"{self.pruner}:sk={self.sk:g},sv={self.sv:g}"
+        if self.pruner == "dense":
+            return "dense"
+        return f"{self.pruner}:sk={self.sk:g},sv={self.sv:g}" + (f",mode={self.mode}" if self.mode != "full" else "")
 
     @property
     def is_dense(self) -> bool:
@@ -321,7 +324,7 @@ def setting_from_name(name: str) -> Setting:
         return Setting("dense")
     pruner, rest = name.split(":")
     values = dict(part.split("=") for part in rest.split(","))
-    return Setting(pruner, float(values["sk"]), float(values["sv"]))
+    return Setting(pruner, float(values["sk"]), float(values["sv"]), values.get("mode", "full"))
 
 
 # ===================================================================================== geometry

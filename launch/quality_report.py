@@ -23,6 +23,7 @@ def summarize(records: list[dict], settings: list[Setting], geometry: PrefixGeom
         fid = [r for r in records if r["kind"] == "fidelity" and r["setting"] == setting.name]
         ndl = [r for r in records if r["kind"] == "needle" and r["setting"] == setting.name]
         row: dict[str, Any] = {"setting": setting.name, "pruner": setting.pruner, "sk": setting.sk, "sv": setting.sv,
+                               "decode_mode": setting.mode,
                                "sk_setting": setting.sk, "sv_setting": setting.sv}  # fmt: skip
         row.update(_effective_sparsity(fid + ndl))
         if "bytes_saved" not in row and not setting.is_dense:  # server rows: from the setting (and K head map)

@@ -30,6 +30,8 @@ class ServerBackend:
         self.dense_fidelity: dict[str, tuple[list[dict[int, float]], list[int]]] = {}  # window -> (dists, top-1)
         # --k-head-map: (file, share of (layer, head) pairs that store K 2:4) for the hierasparse servers
         self.k_head_map: tuple[str, float] | None = None
+        # --decode-anchors/-topk/-tau: the flags of every setting with a decode mode (mode=kascade|psa)
+        self.decode_mode_flags: dict[str, object] = {}
 
     def launch_args(self, setting: Setting) -> list[str]:
         g = self.geometry
@@ -44,6 +46,8 @@ class ServerBackend:
         }  # fmt: skip
         if self.k_head_map is not None:
             flags["k-head-map"] = self.k_head_map[0]
+        if setting.mode != "full":
+            flags.update({"decode-mode": setting.mode, **self.decode_mode_flags})
         return ["--attention-backend", "hierasparse", *[f"--hierasparse-{k}={v:g}" if isinstance(v, float) else
                 f"--hierasparse-{k}={v}" for k, v in flags.items()], *common]  # fmt: skip
 

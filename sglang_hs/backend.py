@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_hs.channel_order import ChannelPermuter
+from sglang_hs.decode_modes import BlockSelection, compact
 from sglang_hs.fallback import decompressed_paged_attention
 from sglang_hs.runtime import HieraSparseRuntime, attach_runtime
 
@@ -72,6 +73,9 @@ class ForwardMetadata:
     decode_plan: object | None = None
     decode_step: object | None = None
     """With shared-prefix decode: the step's ``decode_shared.StepTables`` (grouping, both passes' tables)."""
+    selected: tuple | None = None
+    """With a decode mode: the last anchor layer's choice, ``(block_table, seq_lens)`` compacted to the
+    blocks the following layers read (``sglang_hs.decode_modes``)."""
 
 
 def create_backend(model_runner: ModelRunner) -> HieraSparseAttnBackend:
@@ -98,6 +102,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.max_blocks = -(-self.req_to_token.shape[1] // self.config.block_size)
         self.use_decode_kernel = runtime.uses_kernel("decode")
         self.shared_prefix_decode = self.use_decode_kernel and self.config.shared_prefix_decode == "on"
+        self.selection = BlockSelection.from_config(self.config, self.store.num_layers)
         # q and k enter every path (dense delegate, kernels, fallback) in the K channel order, so the
         # cache and the store hold K in it; scores and outputs do not change.
         order = runtime.channel_order
@@ -208,11 +213,11 @@ class HieraSparseAttnBackend(AttentionBackend):
         from sglang_hs.kernels.decode_shared import SharedPrefixDecode
 
         kv_pool = self.token_to_kv_pool
-        plan_class = SharedPrefixDecode if self.shared_prefix_decode else HieraSparseDecode
-        return plan_class(
-            batch_size, self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size, self.max_blocks,
-            kv_pool.dtype, kv_pool.device,
-        )  # fmt: skip
+        shape = (batch_size, self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size,
+                 self.max_blocks, kv_pool.dtype, kv_pool.device)  # fmt: skip
+        if self.shared_prefix_decode:
+            return SharedPrefixDecode(*shape)
+        return HieraSparseDecode(*shape, block_lse=self.selection is not None)
 
     def _prepare_kernels(self, runtime: HieraSparseRuntime) -> int:
         """Compile, in parallel processes, the TileLang kernels this server will use that TileLang's disk
@@ -296,9 +301,24 @@ class HieraSparseAttnBackend(AttentionBackend):
         q = q.reshape(bs, layer.tp_q_head_num, layer.head_dim).contiguous()
         if meta.decode_step is not None:
             out = meta.decode_plan.run(q, *self._kernel_kv(layer), meta.decode_step, layer.scaling)
+        elif self.selection is not None and bs <= meta.decode_plan.batch_size:
+            out = self._decode_selected(q, layer, meta)
         else:
             out = meta.decode_plan.run(q, *self._kernel_kv(layer), meta.block_table, meta.seq_lens_gpu, layer.scaling)
         return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _decode_selected(self, q: torch.Tensor, layer: RadixAttention, meta: ForwardMetadata) -> torch.Tensor:
+        """A decode mode's layer: an anchor reads every block and chooses, for each request, the blocks
+        the next layers read; the others read the compacted table of that choice."""
+        kv = self._kernel_kv(layer)
+        if meta.selected is not None and not self.selection.is_anchor(layer.layer_id):
+            return meta.decode_plan.run(q, *kv, *meta.selected, layer.scaling)
+        out, block_lse = meta.decode_plan.run(q, *kv, meta.block_table, meta.seq_lens_gpu, layer.scaling,
+                                              return_block_lse=True)  # fmt: skip
+        block = self.config.block_size
+        keep = self.selection.choose(block_lse, meta.block_table, meta.seq_lens_gpu, block)
+        meta.selected = compact(meta.block_table, meta.seq_lens_gpu, keep, block)
+        return out
 
     def _forward_extend_kernel(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
         """The new tokens' K/V go to their cache pages first; the kernel reads them there, in the
@@ -316,15 +336,23 @@ class HieraSparseAttnBackend(AttentionBackend):
         blocks are decompressed, then torch's fused attention runs)."""
         self._save_kv(k, v, layer, forward_batch, save_kv_cache)
         meta = self.forward_metadata
-        out = decompressed_paged_attention(
-            q.view(-1, layer.tp_q_head_num, layer.head_dim),
-            meta.qo_indptr,
-            *self._kernel_kv(layer),
-            meta.block_table,
-            meta.seq_lens,
-            block_size=self.config.block_size,
-            sm_scale=layer.scaling,
-        )
+        q = q.view(-1, layer.tp_q_head_num, layer.head_dim)
+        block = self.config.block_size
+        if self.selection is None or not forward_batch.forward_mode.is_decode():
+            out = decompressed_paged_attention(q, meta.qo_indptr, *self._kernel_kv(layer), meta.block_table,
+                                               meta.seq_lens, block_size=block, sm_scale=layer.scaling)  # fmt: skip
+        elif meta.selected is not None and not self.selection.is_anchor(layer.layer_id):
+            out = decompressed_paged_attention(q, meta.qo_indptr, *self._kernel_kv(layer), *meta.selected,
+                                               block_size=block, sm_scale=layer.scaling)  # fmt: skip
+        else:  # a decode mode's anchor layer, as _decode_selected (eager: the compacted lengths go to the host)
+            out, block_lse = decompressed_paged_attention(
+                q, meta.qo_indptr, *self._kernel_kv(layer), meta.block_table, meta.seq_lens, block_size=block,
+                sm_scale=layer.scaling, return_block_lse=True,
+            )  # fmt: skip
+            seq_lens = torch.tensor(meta.seq_lens, device=q.device)
+            keep = self.selection.choose(block_lse, meta.block_table, seq_lens, block)
+            table, lengths = compact(meta.block_table, seq_lens, keep, block)
+            meta.selected = (table, lengths.tolist())
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     # ----------------------------------------------------------------------------- CUDA graphs

@@ -1,7 +1,7 @@
 """Decode-time block selection over a cached prefix: which KV blocks a decode query reads.
 
-Two rules from the literature, as PyTorch references that the decode modes' kernels will be checked
-against (no kernel or server path uses them yet):
+Two rules from the literature, as PyTorch references of the decode modes (``sglang_hs.decode_modes``,
+whose batched, fixed-shape rules the tests check against these):
 
 - **top-k** (Quest's bound, Kascade's selection): score every block by an upper bound of ``q . k`` over
   its keys, from a per-block summary kept with the block (the channel-wise min and max of its keys,
@@ -63,10 +63,10 @@ def select_topk(scores: torch.Tensor, k: int, always: torch.Tensor) -> torch.Ten
     return chosen | always
 
 
-def select_mass(log_mass: torch.Tensor, tau: float, always: torch.Tensor) -> torch.Tensor:
+def select_mass(log_mass: torch.Tensor, tau: float, always: torch.Tensor, cap: int | None = None) -> torch.Tensor:
     """bool ``[H, n]``: per head the ``always`` blocks plus the fewest highest blocks whose estimated mass
     (``softmax`` of ``log_mass [H, n]``, e.g. bound scores plus ``log B``) brings the selected share to
-    at least ``tau`` in ``(0, 1]``."""
+    at least ``tau`` in ``(0, 1]``; at most ``cap`` blocks besides the ``always`` ones."""
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"tau={tau} is not in (0, 1]")
     mass = _real(log_mass).softmax(-1)
@@ -75,6 +75,8 @@ def select_mass(log_mass: torch.Tensor, tau: float, always: torch.Tensor) -> tor
     order = other.argsort(dim=-1, descending=True, stable=True)
     before = other.gather(-1, order).cumsum(-1) - other.gather(-1, order)  # mass chosen before each block
     take = (base + before < tau - 1e-6) & (other.gather(-1, order) > 0)
+    if cap is not None:
+        take &= torch.arange(take.shape[-1], device=take.device) < cap
     chosen = torch.zeros_like(take).scatter_(-1, order, take)
     return chosen | always
 

@@ -75,6 +75,15 @@ class HieraSparseConfig:
     """``on``: decode batches whose requests share leading blocks read them once per group of requests
     (``sglang_hs.kernels.decode_shared``); needs the decode kernel. ``off``: every request reads its
     own blocks."""
+    decode_mode: str = "full"
+    """``full`` reads every block at decode; ``kascade`` / ``psa`` read, between anchor layers, only the
+    compressed blocks an anchor layer's attention chose (``sglang_hs.decode_modes``)."""
+    decode_anchors: str = ""
+    """Comma list of the decode modes' anchor layers (from 0); empty: every 4th layer."""
+    decode_topk: int = 64
+    """Compressed blocks a request reads between anchors (``kascade``), or at most (``psa``)."""
+    decode_tau: float = 0.9
+    """``psa``: the share of the anchor's attention mass on compressed blocks that the chosen ones reach."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,6 +143,17 @@ class HieraSparseConfig:
         )
         _require(self.shared_prefix_decode in ("off", "on"), cli_flag("shared_prefix_decode"),
                  self.shared_prefix_decode, "'off' or 'on'")  # fmt: skip
+        from sglang_hs.decode_modes import MODES, parse_anchors
+
+        _require(self.decode_mode in MODES, cli_flag("decode_mode"), self.decode_mode, f"one of {list(MODES)}")
+        _require(self.decode_mode == "full" or self.shared_prefix_decode == "off", cli_flag("decode_mode"),
+                 self.decode_mode, "'full' with --hierasparse-shared-prefix-decode on")  # fmt: skip
+        try:
+            parse_anchors(self.decode_anchors, None)  # the syntax now; the model's layer count at start-up
+        except ValueError as exc:
+            raise HieraSparseConfigError(str(exc)) from None
+        _require(self.decode_topk >= 1, cli_flag("decode_topk"), self.decode_topk, "an integer >= 1")
+        _require(0.0 < self.decode_tau <= 1.0, cli_flag("decode_tau"), self.decode_tau, "a fraction in (0, 1]")
         names = self.kernels.split(",")
         _require(
             self.kernels == "none" or (len(set(names)) == len(names) and set(names) <= set(KERNELS)),
@@ -148,9 +168,17 @@ class HieraSparseConfig:
         """Whether the TileLang kernel ``name`` (one of ``KERNELS``) is enabled by the settings."""
         return name in self.kernels.split(",")
 
-    def validate_model(self, head_dim: int, dtype: str, kv_cache_dtype: str, gqa_group: int) -> None:
-        """Check the model shape (``gqa_group``: query heads per KV head on one rank) and the cache
-        dtype against what the kernels support."""
+    def validate_model(self, head_dim: int, dtype: str, kv_cache_dtype: str, gqa_group: int,
+                       num_layers: int | None = None) -> None:  # fmt: skip
+        """Check the model shape (``gqa_group``: query heads per KV head on one rank; ``num_layers`` for
+        the decode modes' anchors) and the cache dtype against what the kernels support."""
+        if num_layers is not None and self.decode_mode != "full":
+            from sglang_hs.decode_modes import parse_anchors
+
+            try:
+                parse_anchors(self.decode_anchors, num_layers)
+            except ValueError as exc:
+                raise HieraSparseConfigError(str(exc)) from None
         _require(
             gqa_group in KERNEL_GQA_GROUPS or not (self.uses_kernel("decode") or self.uses_kernel("extend")),
             cli_flag("kernels"),

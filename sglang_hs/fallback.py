@@ -57,11 +57,16 @@ def decompressed_paged_attention(
     seq_lens: list[int],
     block_size: int,
     sm_scale: float,
-) -> torch.Tensor:
+    return_block_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Batched causal attention in the serving layout: request ``r`` owns queries
     ``q[qo_indptr[r]:qo_indptr[r+1]]``, the last positions of its ``seq_lens[r]`` tokens (decode is
-    one query per request). Returns the outputs ``[total, Hq, D]``."""
+    one query per request). Returns the outputs ``[total, Hq, D]``; with ``return_block_lse`` (decode
+    only) also each block's own natural-log LSE per query head, float32 ``[bs, Hq, W]`` (``-inf`` past a
+    request's blocks): what the decode kernel returns for the decode modes' anchor layers."""
     out = torch.empty_like(q)
+    width = block_table.shape[1]
+    block_lse = torch.full((len(seq_lens), q.shape[1], width), -torch.inf, device=q.device) if return_block_lse else None
     for r, seq_len in enumerate(seq_lens):
         rows = slice(qo_indptr[r], qo_indptr[r + 1])
         n_q = rows.stop - rows.start
@@ -73,4 +78,19 @@ def decompressed_paged_attention(
             q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=sm_scale, enable_gqa=True
         )
         out[rows] = attended.transpose(0, 1)
-    return out
+        if block_lse is not None:
+            if n_q != 1:
+                raise ValueError("return_block_lse is for decode batches (one query per request)")
+            blocks = -(-seq_len // block_size)
+            block_lse[r, :, :blocks] = block_logsumexp(q[rows][0], k, block_size, sm_scale)
+    return out if block_lse is None else (out, block_lse)
+
+
+def block_logsumexp(q: torch.Tensor, k: torch.Tensor, block_size: int, sm_scale: float) -> torch.Tensor:
+    """float32 ``[Hq, ceil(T / B)]``: the log-sum-exp of ``sm_scale * q . k`` over each block of ``k
+    [T, H, D]`` on its own, per query head of ``q [Hq, D]`` (a KV head's query heads consecutive)."""
+    heads = k.shape[1]
+    logits = sm_scale * torch.einsum("hgd,thd->hgt", q.float().unflatten(0, (heads, -1)), k.float()).flatten(0, 1)
+    pad = -logits.shape[-1] % block_size
+    logits = torch.nn.functional.pad(logits, (0, pad), value=-torch.inf)
+    return torch.logsumexp(logits.unflatten(-1, (-1, block_size)), dim=-1)

@@ -125,6 +125,10 @@ _FLAG_HELP = {
     "k_channel_order": "K channel order file (python -m sglang_hs.launch.calibrate_channels); 2:4 K loses less with it.",
     "k_head_map": "K head map file (python -m sglang_hs.launch.calibrate_heads): K stays dense on the heads that retrieve.",
     "shared_prefix_decode": "'on': requests of a decode batch that share a prefix read it once per group.",
+    "decode_mode": "'kascade' or 'psa': between anchor layers decode reads only the compressed blocks an anchor chose.",
+    "decode_anchors": "Decode modes' anchor layers, a comma list from 0 (default: every 4th layer).",
+    "decode_topk": "Decode modes: compressed blocks read between anchors (kascade), or at most (psa).",
+    "decode_tau": "psa: share of the anchor's attention mass on compressed blocks the chosen blocks reach.",
 }
 
 
@@ -219,6 +223,7 @@ def apply_backend_defaults(_result, server_args) -> None:
         kv_cache_dtype=server_args.kv_cache_dtype,
         gqa_group=model_config.get_num_attention_heads(server_args.tp_size)
         // model_config.get_num_kv_heads(server_args.tp_size),
+        num_layers=model_config.num_hidden_layers,
     )
     if server_args.device != "cuda":
         raise HieraSparseConfigError(f"hierasparse: --device={server_args.device} is invalid; allowed: cuda")

@@ -26,11 +26,11 @@ class RecordingPlan:
         return q
 
 
-def make_backend(extend_plan):
+def make_backend(extend_plan, layers: int = LAYERS):
     from sglang_hs.backend import HieraSparseAttnBackend
 
     backend = HieraSparseAttnBackend.__new__(HieraSparseAttnBackend)
-    store = CompressedStore(StoreCapacity(8, 8, 0, 8, 0), LAYERS, HKV, D, B, torch.float16, "cpu")
+    store = CompressedStore(StoreCapacity(8, 8, 0, 8, 0), layers, HKV, D, B, torch.float16, "cpu")
     store.allocate([False, False], [False, False])  # two compressed blocks in use: virtual blocks 0 and 1
     virtual = VirtualSlots(base=1024, block_size=B)
     req_to_token = torch.zeros(3, 512, dtype=torch.int32)
@@ -43,7 +43,7 @@ def make_backend(extend_plan):
     dense = SimpleNamespace(forward_extend=lambda *a, **k: "dense extend", forward_decode=lambda *a, **k: "dense decode")
     backend.__dict__.update(store=store, virtual=virtual, req_to_token=req_to_token, extend_plan=extend_plan,
                             use_decode_kernel=False, token_to_kv_pool=pool, forward_metadata=None, dense=dense,
-                            permute=None)  # fmt: skip
+                            permute=None, selection=None)  # fmt: skip
     return backend
 
 
@@ -102,6 +102,48 @@ def test_other_batches_take_the_dense_or_pytorch_paths():
     assert backend._compressed_metadata(decode).path is Path.FALLBACK
 
 
+def test_decode_mode_on_the_pytorch_path_reads_the_anchor_choice():
+    """--hierasparse-decode-mode kascade without the decode kernel: layer 0 (the anchor) reads every
+    block and keeps the compressed block of most attention mass; layer 1 reads the compacted table."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_hs.config import HieraSparseConfig
+    from sglang_hs.decode_modes import BlockSelection
+    from sglang_hs.fallback import dense_view
+
+    backend = make_backend(None, layers=2)
+    backend.__dict__.update(selection=BlockSelection("kascade", frozenset({0}), 1), config=HieraSparseConfig())
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        for name in ("k_dense", "v_dense"):
+            pool = getattr(backend.store, name)[layer]
+            pool.copy_(torch.randn(pool.shape, generator=gen).half())
+    decode = extend_batch([0], [256], [1])
+    decode.forward_mode = ForwardMode.DECODE
+    backend.forward_metadata = meta = backend._compressed_metadata(decode)
+    q = torch.randn(1, HQ * D, generator=gen).half()
+    kv = backend._kernel_kv(SimpleNamespace(layer_id=0))
+    k, v = dense_view(*kv, meta.block_table[0], 256, B)
+    logits = torch.einsum("hgd,thd->hgt", q.float().view(HKV, -1, D), k.float()).flatten(0, 1) * 0.125
+    share = logits[:, 64:192].unflatten(-1, (2, 64)).logsumexp(-1).softmax(-1).sum(0)  # the two compressed blocks
+    chosen = int(share.argmax())
+    outs = []
+    for layer_id in (0, 1):
+        layer = SimpleNamespace(layer_id=layer_id, tp_q_head_num=HQ, head_dim=D, v_head_dim=D, scaling=0.125,
+                                k_scale=None, v_scale=None)  # fmt: skip
+        outs.append(backend.forward_decode(q, None, None, layer, decode, save_kv_cache=False).view(1, HQ, D))
+    table, lengths = meta.selected
+    assert table[0, :3].tolist() == [1, ~chosen, 2] and lengths == [192]
+    skipped = 1 + (1 - chosen)  # the table column of the compressed block not chosen
+    for layer_id, out, tokens in ((0, outs[0], torch.ones(256, dtype=torch.bool)),
+                                  (1, outs[1], torch.arange(256).div(64, rounding_mode="floor") != skipped)):
+        k, v = dense_view(*backend._kernel_kv(SimpleNamespace(layer_id=layer_id)), meta.block_table[0], 256, B)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.view(1, HQ, D).transpose(0, 1), k[tokens].transpose(0, 1), v[tokens].transpose(0, 1), scale=0.125,
+            enable_gqa=True).transpose(0, 1)  # fmt: skip
+        assert torch.allclose(out.float(), ref.float(), atol=2e-3)
+
+
 @pytest.mark.parametrize("disable_radix_cache", [False, True])
 def test_kv_budget_split_only_with_the_radix_cache(disable_radix_cache, monkeypatch):
     """With the radix cache on, the store is carved out of SGLang's KV budget and the reservation
@@ -136,16 +178,21 @@ class RecordingDecodeKernel:
 
     def __init__(self):
         self.batches = []
+        self.tables = []  # per launch: (wants the per-block LSE, block table, seq_lens)
 
     def __call__(self, q, *args):
-        out, lse = args[-3], args[-2]
+        out, lse, want_block_lse, block_lse = args[-5], args[-4], args[-2], args[-1]
         self.batches.append(q.shape[0])
+        self.tables.append((want_block_lse, args[10].clone(), args[11].clone()))
         out.fill_(1.0)
         lse.fill_(0.0)
+        if want_block_lse:  # the third block of every request gets the most attention
+            block_lse.fill_(0.0).view(q.shape[0], q.shape[1], -1)[:, :, 2] = 5.0
 
 
-def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off"):
+def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", **settings):
     from sglang_hs.config import HieraSparseConfig
+    from sglang_hs.decode_modes import BlockSelection
     from sglang_hs.kernels import decode
 
     def record(*args, split_capacity=decode.SPLIT_CAPACITY):  # key: the arguments, a non-default capacity appended
@@ -154,14 +201,35 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off"):
 
     monkeypatch.setattr(decode, "build_decode_kernel", record)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    backend = make_backend(None)
+    backend = make_backend(None, layers=2)
     pool = backend.token_to_kv_pool
     pool.__dict__.update(head_num=HKV, head_dim=D, dtype=torch.float16, device=torch.device("cpu"))
+    config = HieraSparseConfig(shared_prefix_decode=shared_prefix_decode, **settings)
     backend.__dict__.update(use_decode_kernel=True, q_heads=HQ, max_blocks=8, _decode_plan_obj=None, _graph_step=None,
-                            config=HieraSparseConfig(shared_prefix_decode=shared_prefix_decode),
-                            shared_prefix_decode=shared_prefix_decode == "on",
+                            config=config, shared_prefix_decode=shared_prefix_decode == "on",
+                            selection=BlockSelection.from_config(config, 2),
                             runtime=SimpleNamespace(shared_decode_counts=None))  # fmt: skip
     return backend
+
+
+def test_decode_mode_on_the_kernel_path_compacts_after_the_anchor(monkeypatch):
+    """CPU, with a recording kernel, in the CUDA-graph path: layer 0 (the anchor) launches the kernel
+    over the full table asking for the per-block LSE; layer 1 launches it over the table compacted to
+    the request's top compressed block (the recording kernel gives block 2 the most mass)."""
+    built = {}
+    backend = decode_backend(monkeypatch, built, decode_mode="kascade", decode_anchors="0", decode_topk=1)
+    backend.init_cuda_graph_state(4, 4)
+    assert backend._decode_plan_obj.with_block_lse
+    backend.init_forward_metadata_out_graph(decode_batch(2))
+    for layer_id in (0, 1):
+        layer = SimpleNamespace(layer_id=layer_id, tp_q_head_num=HQ, head_dim=D, v_head_dim=D, scaling=0.125)
+        backend.forward_decode(torch.zeros(2, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(2),
+                               save_kv_cache=False)  # fmt: skip
+    (kernel,) = built.values()
+    (want0, table0, lens0), (want1, table1, lens1) = kernel.tables
+    assert want0 == 1 and table0[0, :4].tolist() == [1, ~0, ~1, 2] and lens0.tolist() == [200, 200]
+    assert want1 == 0 and table1[0, :3].tolist() == [1, ~1, 2] and lens1.tolist() == [136, 200]
+    assert torch.equal(table1[1, :4], table0[1, :4])  # request 1 has no compressed block: reads every page
 
 
 def decode_batch(bs: int):

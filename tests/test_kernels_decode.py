@@ -206,8 +206,9 @@ class RecordingKernel:
         self.key, self.launches = key, []
 
     def __call__(self, q, k_cache, v_cache, *rest):
-        block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets = rest[8:]
+        block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse = rest[8:]
         n, hq, s, d = o_part.shape
+        assert want_block_lse in (0, 1) and block_lse.shape == ((n * hq, block_table.shape[1]) if want_block_lse else (1, 1))
         assert q.shape == out.shape == (n, hq, d) and block_table.shape[0] == seq_lens.shape[0] == n
         assert lse_part.shape == (n, hq, s) and lse.shape == (n, hq) and tickets.shape[0] == n
         assert all(t.is_contiguous() for t in (q, block_table, seq_lens, o_part, lse_part, out, lse, tickets))
