@@ -168,7 +168,7 @@ def bench_mode(case: dict, mode: str, args, ref_full: dict, fis: dict) -> dict:
 
     def anchor():
         _, block_lse = plan.run(*a, return_block_lse=True)
-        keep = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
+        keep, _ = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
         chosen["keep"] = keep
         chosen["table"], chosen["lens"] = compact(case["block_table"], case["seq_lens"], keep, 64)
 

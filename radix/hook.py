@@ -481,6 +481,10 @@ def status_line_parts(result, pool_stats, *args, **kwargs) -> list[str] | None:
     if counts is not None:  # shared-prefix decode: the share of decoded requests read through a column set
         grouped, decoded = counts.tolist()
         parts.append(f"hs shared-decode grouped: {grouped / max(1, decoded):.2f}")
+    counts = getattr(getattr(tree, "runtime", None), "decode_mode_counts", None)
+    if counts is not None:  # a decode mode: the share of compressed blocks the layers between anchors read
+        kept, offered = counts.tolist()
+        parts.append(f"hs decode-mode read: {kept / max(1, offered):.3f}")
     return list(result or []) + parts
 
 

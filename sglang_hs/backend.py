@@ -316,9 +316,17 @@ class HieraSparseAttnBackend(AttentionBackend):
         out, block_lse = meta.decode_plan.run(q, *kv, meta.block_table, meta.seq_lens_gpu, layer.scaling,
                                               return_block_lse=True)  # fmt: skip
         block = self.config.block_size
-        keep = self.selection.choose(block_lse, meta.block_table, meta.seq_lens_gpu, block)
+        keep, counts = self.selection.choose(block_lse, meta.block_table, meta.seq_lens_gpu, block)
         meta.selected = compact(meta.block_table, meta.seq_lens_gpu, keep, block)
+        self._count_selection(counts)
         return out
+
+    def _count_selection(self, counts: torch.Tensor) -> None:
+        """Add an anchor's compressed blocks kept and offered to the runtime's counts (GPU adds, no host
+        read: the batch log line reads them, ``hs decode-mode read``)."""
+        if self.runtime.decode_mode_counts is None:
+            self.runtime.decode_mode_counts = torch.zeros(2, dtype=torch.int64, device=counts.device)
+        self.runtime.decode_mode_counts += counts
 
     def _forward_extend_kernel(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
         """The new tokens' K/V go to their cache pages first; the kernel reads them there, in the
@@ -350,7 +358,8 @@ class HieraSparseAttnBackend(AttentionBackend):
                 sm_scale=layer.scaling, return_block_lse=True,
             )  # fmt: skip
             seq_lens = torch.tensor(meta.seq_lens, device=q.device)
-            keep = self.selection.choose(block_lse, meta.block_table, seq_lens, block)
+            keep, counts = self.selection.choose(block_lse, meta.block_table, seq_lens, block)
+            self._count_selection(counts)
             table, lengths = compact(meta.block_table, seq_lens, keep, block)
             meta.selected = (table, lengths.tolist())
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)

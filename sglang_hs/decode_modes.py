@@ -72,16 +72,18 @@ class BlockSelection:
         return layer in self.anchors
 
     def choose(self, block_lse: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               block_size: int) -> torch.Tensor:  # fmt: skip
-        """bool ``[bs, W]``: the blocks each request reads until the next anchor, from an anchor layer's
-        per-block natural-log LSE ``block_lse [bs, Hq, >= W]`` over ``block_table [bs, W]`` (``< 0``:
-        compressed block) and int ``seq_lens [bs]``."""
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(keep, counts)``: bool ``keep [bs, W]``, the blocks each request reads until the next anchor,
+        from an anchor layer's per-block natural-log LSE ``block_lse [bs, Hq, >= W]`` over ``block_table
+        [bs, W]`` (``< 0``: compressed block) and int ``seq_lens [bs]``; int64 ``counts [2]``, the
+        compressed blocks kept and all of them (the batch log line's share)."""
         width = block_table.shape[1]
         in_range, last = request_blocks(seq_lens, width, block_size)
         candidates = (block_table < 0) & in_range & ~last
         mass = pooled_mass(block_lse[..., :width], candidates)
         chosen = top_mass(mass, candidates, self.topk, self.tau if self.mode == "psa" else None)
-        return (in_range & ~candidates) | chosen
+        counts = torch.stack([chosen.sum(), candidates.sum()])
+        return (in_range & ~candidates) | chosen, counts
 
 
 def request_blocks(seq_lens: torch.Tensor, width: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,6 +72,9 @@ class HieraSparseRuntime:
     """With shared-prefix decode: int64 ``[2]`` on the GPU, decoded requests read through a column set
     and decoded requests, summed over the decode steps since start (the backend adds to it without a
     host read; the batch log line shows the share)."""
+    decode_mode_counts: torch.Tensor | None = None
+    """With a decode mode: int64 ``[2]`` on the GPU, compressed blocks the anchors kept and offered,
+    summed over anchor layers and decode steps since start (the batch log line shows the share)."""
 
     def uses_kernel(self, name: str) -> bool:
         """Whether the TileLang kernel ``name`` runs (available and enabled by the settings)."""

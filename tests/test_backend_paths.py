@@ -43,7 +43,8 @@ def make_backend(extend_plan, layers: int = LAYERS):
     dense = SimpleNamespace(forward_extend=lambda *a, **k: "dense extend", forward_decode=lambda *a, **k: "dense decode")
     backend.__dict__.update(store=store, virtual=virtual, req_to_token=req_to_token, extend_plan=extend_plan,
                             use_decode_kernel=False, token_to_kv_pool=pool, forward_metadata=None, dense=dense,
-                            permute=None, selection=None)  # fmt: skip
+                            permute=None, selection=None,
+                            runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=None))  # fmt: skip
     return backend
 
 
@@ -208,7 +209,7 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
     backend.__dict__.update(use_decode_kernel=True, q_heads=HQ, max_blocks=8, _decode_plan_obj=None, _graph_step=None,
                             config=config, shared_prefix_decode=shared_prefix_decode == "on",
                             selection=BlockSelection.from_config(config, 2),
-                            runtime=SimpleNamespace(shared_decode_counts=None))  # fmt: skip
+                            runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=None))  # fmt: skip
     return backend
 
 
@@ -230,6 +231,7 @@ def test_decode_mode_on_the_kernel_path_compacts_after_the_anchor(monkeypatch):
     assert want0 == 1 and table0[0, :4].tolist() == [1, ~0, ~1, 2] and lens0.tolist() == [200, 200]
     assert want1 == 0 and table1[0, :3].tolist() == [1, ~1, 2] and lens1.tolist() == [136, 200]
     assert torch.equal(table1[1, :4], table0[1, :4])  # request 1 has no compressed block: reads every page
+    assert backend.runtime.decode_mode_counts.tolist() == [1, 2]  # one of request 0's two compressed blocks
 
 
 def decode_batch(bs: int):

@@ -65,9 +65,12 @@ def test_choice_matches_block_select(mode, topk, tau):
     case = _case(dtype=torch.float32)
     kv = _dense_kv(case)
     rule = BlockSelection(mode, frozenset({0}), topk, tau)
-    keep = rule.choose(_block_lse(case, kv), case["block_table"], case["seq_lens"], case["block_size"])
+    keep, counts = rule.choose(_block_lse(case, kv), case["block_table"], case["seq_lens"], case["block_size"])
     expected = _reference_keep(case, kv, rule)
     assert torch.equal(keep, expected)
+    compressed = (case["block_table"] < 0) & keep  # poison past a request's blocks is never kept
+    offered = sum(max(0, -(-n // 64) - SINK - WINDOW) for n in LENS)
+    assert counts.tolist() == [int(compressed.sum()), offered]
     if mode == "psa" and tau == 0.95 and topk == 100:  # the budget adapts: requests read different counts
         assert len(set(keep.sum(1).tolist())) > 1
 
@@ -93,7 +96,7 @@ def test_fallback_over_compacted_table_reads_only_the_chosen_blocks():
                                                   case["seq_lens_list"], 64, case["sm_scale"], return_block_lse=True)
     assert torch.allclose(block_lse, _block_lse(case, kv), atol=1e-4)
     rule = BlockSelection("kascade", frozenset({0}), 5)
-    keep = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
+    keep, _ = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
     table, lengths = compact(case["block_table"], case["seq_lens"], keep, 64)
     got = decompressed_paged_attention(case["q"], list(range(bs + 1)), *args, table, lengths.tolist(), 64,
                                        case["sm_scale"])  # fmt: skip
@@ -152,7 +155,7 @@ def test_kernel_block_lse_and_compacted_decode(shape, splits):
         ref = block_logsumexp(case["q"][r], k, 64, case["sm_scale"])
         assert (block_lse[r, :, : ref.shape[1]] - ref).abs().max().item() < 2e-2, f"request {r}"
     rule = BlockSelection("psa", frozenset({0}), 12, 0.9)
-    keep = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
+    keep, _ = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
     table, lengths = compact(case["block_table"], case["seq_lens"], keep, 64)
     got = plan.run(*args[:6], table, lengths, case["sm_scale"])
     for r, (k, v) in enumerate(kv):
@@ -175,7 +178,7 @@ def test_choice_and_compaction_replay_in_a_cuda_graph():
 
     def step():
         out, block_lse = plan.run(*args, return_block_lse=True)
-        keep = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
+        keep, _ = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
         table, lengths = compact(case["block_table"], case["seq_lens"], keep, 64)
         return out.clone(), plan.run(*args[:6], table, lengths, case["sm_scale"])
 

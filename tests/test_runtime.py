@@ -94,6 +94,8 @@ def test_log_line_and_idle_check_find_the_tree_through_scheduler_objects():
     assert not any("shared-decode" in part for part in parts)
     tree.runtime = SimpleNamespace(shared_decode_counts=torch.tensor([30, 40]))  # shared-prefix decode on
     assert "hs shared-decode grouped: 0.75" in status_line_parts(["#token: 1"], stats)
+    tree.runtime = SimpleNamespace(decode_mode_counts=torch.tensor([12, 96]))  # a decode mode on
+    assert "hs decode-mode read: 0.125" in status_line_parts(["#token: 1"], stats)
     checker = SimpleNamespace(tree_cache=tree)
     assert check_store_when_idle((False, ["ok"]), checker) is None
     tree.store = SimpleNamespace(check=lambda: "compressed store leak: ...")
