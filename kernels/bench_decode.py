@@ -155,7 +155,7 @@ def bench_mode(case: dict, mode: str, args, ref_full: dict, fis: dict) -> dict:
     the per-block LSE, then the choice and the table compaction) and a layer between anchors (the
     compacted table), each timed as CUDA-graph replays beside FlashInfer's backends; the per-layer time
     is their mix at one anchor in ``--anchor-every`` layers. ``ref_full``: the case's full-decode record."""
-    from sglang_hs.decode_modes import BlockSelection, compact
+    from sglang_hs.decode_modes import BlockSelection
     from sglang_hs.kernels.decode import HieraSparseDecode
 
     q = case["q"]
@@ -166,15 +166,15 @@ def bench_mode(case: dict, mode: str, args, ref_full: dict, fis: dict) -> dict:
     rule = BlockSelection(mode, frozenset({0}), args.decode_topk, args.decode_tau)
     chosen = {}
 
+    counts = torch.zeros(2, dtype=torch.int64, device=q.device)
+
     def anchor():
         _, block_lse = plan.run(*a, return_block_lse=True)
-        keep, _ = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
-        chosen["keep"] = keep
-        chosen["table"], chosen["lens"] = compact(case["block_table"], case["seq_lens"], keep, 64)
+        chosen["table"], chosen["lens"] = rule.apply(block_lse, case["block_table"], case["seq_lens"], 64, counts)
 
     anchor()
     table, lens = chosen["table"].clone(), chosen["lens"].clone()
-    read = chosen["keep"].sum(1).float().mean().item()
+    read = ((lens.long() + 63) // 64).float().mean().item()
     selected = lambda: plan.run(*a[:6], table, lens, case["sm_scale"])  # noqa: E731
     anchor_kernel = lambda: plan.run(*a, return_block_lse=True)  # noqa: E731
     *fi_times, anchor_us, selected_us, kernel_us = time_graphs([*fis.values(), anchor, selected, anchor_kernel],

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_hs.channel_order import ChannelPermuter
-from sglang_hs.decode_modes import BlockSelection, compact
+from sglang_hs.decode_modes import BlockSelection
 from sglang_hs.fallback import decompressed_paged_attention
 from sglang_hs.runtime import HieraSparseRuntime, attach_runtime
 
@@ -103,6 +103,8 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.use_decode_kernel = runtime.uses_kernel("decode")
         self.shared_prefix_decode = self.use_decode_kernel and self.config.shared_prefix_decode == "on"
         self.selection = BlockSelection.from_config(self.config, self.store.num_layers)
+        if self.selection is not None:  # compressed blocks kept / offered by the anchors, for the log line
+            runtime.decode_mode_counts = torch.zeros(2, dtype=torch.int64, device=self.req_to_token.device)
         # q and k enter every path (dense delegate, kernels, fallback) in the K channel order, so the
         # cache and the store hold K in it; scores and outputs do not change.
         order = runtime.channel_order
@@ -315,18 +317,9 @@ class HieraSparseAttnBackend(AttentionBackend):
             return meta.decode_plan.run(q, *kv, *meta.selected, layer.scaling)
         out, block_lse = meta.decode_plan.run(q, *kv, meta.block_table, meta.seq_lens_gpu, layer.scaling,
                                               return_block_lse=True)  # fmt: skip
-        block = self.config.block_size
-        keep, counts = self.selection.choose(block_lse, meta.block_table, meta.seq_lens_gpu, block)
-        meta.selected = compact(meta.block_table, meta.seq_lens_gpu, keep, block)
-        self._count_selection(counts)
+        meta.selected = self.selection.apply(block_lse, meta.block_table, meta.seq_lens_gpu, self.config.block_size,
+                                             self.runtime.decode_mode_counts)  # fmt: skip
         return out
-
-    def _count_selection(self, counts: torch.Tensor) -> None:
-        """Add an anchor's compressed blocks kept and offered to the runtime's counts (GPU adds, no host
-        read: the batch log line reads them, ``hs decode-mode read``)."""
-        if self.runtime.decode_mode_counts is None:
-            self.runtime.decode_mode_counts = torch.zeros(2, dtype=torch.int64, device=counts.device)
-        self.runtime.decode_mode_counts += counts
 
     def _forward_extend_kernel(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
         """The new tokens' K/V go to their cache pages first; the kernel reads them there, in the
@@ -357,10 +350,9 @@ class HieraSparseAttnBackend(AttentionBackend):
                 q, meta.qo_indptr, *self._kernel_kv(layer), meta.block_table, meta.seq_lens, block_size=block,
                 sm_scale=layer.scaling, return_block_lse=True,
             )  # fmt: skip
-            seq_lens = torch.tensor(meta.seq_lens, device=q.device)
-            keep, counts = self.selection.choose(block_lse, meta.block_table, seq_lens, block)
-            self._count_selection(counts)
-            table, lengths = compact(meta.block_table, seq_lens, keep, block)
+            seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32, device=q.device)
+            table, lengths = self.selection.apply(block_lse, meta.block_table, seq_lens, block,
+                                                  self.runtime.decode_mode_counts)  # fmt: skip
             meta.selected = (table, lengths.tolist())
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 

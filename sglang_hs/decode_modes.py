@@ -21,7 +21,9 @@ are ``sglang_hs.block_select.select_topk`` / ``select_mass`` on ``exact_block_ma
 A choice is applied by *compacting* the block table: the kept blocks move to the front in their order
 and the length shrinks by the skipped blocks' tokens (every block but a request's last is full, and K
 is stored after RoPE, so a block's place in the table does not matter). Everything here is fixed-shape
-tensor work without host synchronisation, so it runs inside CUDA graphs.
+tensor work without host synchronisation, so it runs inside CUDA graphs; on a GPU one Triton kernel
+does the choice and the compaction together (``sglang_hs.kernels.decode_select``: the ~50 small ops
+here cost more than the layers between anchors save).
 """
 
 from __future__ import annotations
@@ -70,6 +72,20 @@ class BlockSelection:
 
     def is_anchor(self, layer: int) -> bool:
         return layer in self.anchors
+
+    def apply(self, block_lse: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+              counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The compacted ``(block_table, seq_lens)`` (int32) the layers up to the next anchor read, and the
+        compressed blocks kept and offered added to ``counts`` (int64 ``[2]``). On a GPU one Triton
+        launch (``sglang_hs.kernels.decode_select``), elsewhere :meth:`choose` and :func:`compact`."""
+        if block_table.is_cuda:
+            from sglang_hs.kernels.decode_select import select_blocks
+
+            tau = self.tau if self.mode == "psa" else None
+            return select_blocks(block_lse, block_table, seq_lens, block_size, self.topk, tau, counts)
+        keep, kept_offered = self.choose(block_lse, block_table, seq_lens, block_size)
+        counts += kept_offered.to(counts.device)
+        return compact(block_table, seq_lens, keep, block_size)
 
     def choose(self, block_lse: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

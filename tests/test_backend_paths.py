@@ -44,7 +44,7 @@ def make_backend(extend_plan, layers: int = LAYERS):
     backend.__dict__.update(store=store, virtual=virtual, req_to_token=req_to_token, extend_plan=extend_plan,
                             use_decode_kernel=False, token_to_kv_pool=pool, forward_metadata=None, dense=dense,
                             permute=None, selection=None,
-                            runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=None))  # fmt: skip
+                            runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=torch.zeros(2, dtype=torch.int64)))  # fmt: skip
     return backend
 
 
@@ -209,7 +209,7 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
     backend.__dict__.update(use_decode_kernel=True, q_heads=HQ, max_blocks=8, _decode_plan_obj=None, _graph_step=None,
                             config=config, shared_prefix_decode=shared_prefix_decode == "on",
                             selection=BlockSelection.from_config(config, 2),
-                            runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=None))  # fmt: skip
+                            runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=torch.zeros(2, dtype=torch.int64)))  # fmt: skip
     return backend
 
 

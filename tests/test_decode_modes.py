@@ -156,7 +156,9 @@ def test_kernel_block_lse_and_compacted_decode(shape, splits):
         assert (block_lse[r, :, : ref.shape[1]] - ref).abs().max().item() < 2e-2, f"request {r}"
     rule = BlockSelection("psa", frozenset({0}), 12, 0.9)
     keep, _ = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
-    table, lengths = compact(case["block_table"], case["seq_lens"], keep, 64)
+    table, lengths = rule.apply(block_lse, case["block_table"], case["seq_lens"], 64, torch.zeros(2, dtype=torch.int64,
+                                                                                                  device="cuda"))
+    assert torch.equal(table[:, :20], compact(case["block_table"], case["seq_lens"], keep, 64)[0][:, :20])
     got = plan.run(*args[:6], table, lengths, case["sm_scale"])
     for r, (k, v) in enumerate(kv):
         tokens = keep[r].repeat_interleave(64)[: k.shape[0]]
@@ -175,12 +177,12 @@ def test_choice_and_compaction_replay_in_a_cuda_graph():
     plan = _gpu_plan(case, block_lse=True)
     args = cases.run_args(case)
     rule = BlockSelection("kascade", frozenset({0}), 8)
+    counts = torch.zeros(2, dtype=torch.int64, device="cuda")
 
     def step():
         out, block_lse = plan.run(*args, return_block_lse=True)
-        keep, _ = rule.choose(block_lse, case["block_table"], case["seq_lens"], 64)
-        table, lengths = compact(case["block_table"], case["seq_lens"], keep, 64)
-        return out.clone(), plan.run(*args[:6], table, lengths, case["sm_scale"])
+        table, lengths = rule.apply(block_lse, case["block_table"], case["seq_lens"], 64, counts)
+        return out.clone(), plan.run(*args[:6], table, lengths, case["sm_scale"]), table, lengths
 
     step()
     stream = torch.cuda.Stream()
@@ -195,3 +197,40 @@ def test_choice_and_compaction_replay_in_a_cuda_graph():
     eager = step()
     for got, want in zip(captured, eager):
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [96, 517, 2053])
+@pytest.mark.parametrize("mode,topk,tau", [("kascade", 8, 1.0), ("kascade", 64, 1.0), ("psa", 64, 0.9),
+                                           ("psa", 6, 0.5)])  # fmt: skip
+def test_triton_choice_equals_the_pytorch_choice(width, mode, topk, tau):
+    """``BlockSelection.apply`` on a GPU (one Triton launch) writes the table, lengths and counts that
+    ``choose`` + ``compact`` give, over requests of every length, compressed or not."""
+    gen = torch.Generator(device="cuda").manual_seed(width)
+    bs, hq = 6, 32
+    lens = torch.tensor([width * 64, width * 64 - 100, 64 * 9 + 1, 64, width * 32, 0], dtype=torch.int32, device="cuda")
+    table = torch.randint(0, 1 << 20, (bs, width), generator=gen, device="cuda", dtype=torch.int32)
+    compressed = torch.rand(bs, width, generator=gen, device="cuda") < 0.9
+    compressed[4] = False  # a request without compressed blocks
+    table = torch.where(compressed, ~table, table)
+    block_lse = torch.randn(bs, hq, width, generator=gen, device="cuda") * 3
+    rule = BlockSelection(mode, frozenset({0}), topk, tau)
+    counts = torch.zeros(2, dtype=torch.int64, device="cuda")
+    got_table, got_lens = rule.apply(block_lse, table, lens, 64, counts)
+    keep, expected_counts = rule.choose(block_lse, table, lens, 64)
+    want_table, want_lens = compact(table, lens, keep, 64)
+    assert torch.equal(got_lens, want_lens) and counts.tolist() == expected_counts.tolist()
+    assert torch.equal(got_table, want_table)
+
+
+@pytest.mark.gpu
+def test_triton_choice_breaks_ties_toward_the_lower_block():
+    """Equal masses at the top-k boundary: the lower blocks are kept, as ``block_select`` (stable) does."""
+    table = torch.tensor([[5, ~0, ~1, ~2, ~3, ~4, 6]], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([64 * 7], dtype=torch.int32, device="cuda")
+    block_lse = torch.zeros(1, 4, 7, device="cuda")
+    block_lse[0, :, 4] = 1.0  # block ~3 first; ~0, ~1, ~2, ~4 tie
+    counts = torch.zeros(2, dtype=torch.int64, device="cuda")
+    table_out, lens_out = BlockSelection("kascade", frozenset({0}), 3).apply(block_lse, table, lens, 64, counts)
+    assert table_out[0, :5].tolist() == [5, ~0, ~1, ~3, 6] and lens_out.tolist() == [64 * 5]
+    assert counts.tolist() == [3, 5]
