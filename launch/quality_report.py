@@ -104,7 +104,7 @@ def markdown_report(meta: dict, rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        pruner = "dense" if r["pruner"] == "dense" else r["pruner"]
+        pruner = r["pruner"] + (f" ({r['decode_mode']} decode)" if r.get("decode_mode", "full") != "full" else "")
         lines.append(
             f"| {pruner} | {_fmt(_nominal(r, 'sk'), 2)} | {_fmt(_nominal(r, 'sv'), 2)} | {_fmt(r['sk'])} | "
             f"{r.get('bytes_saved', 0.0):.1%} | {r['kv_saved']:.1%} | {_fmt(r.get('kl'), 4)} | "
@@ -134,7 +134,9 @@ def _nominal(row: dict, key: str) -> float:
 
 
 def checks(rows: list[dict]) -> list[str]:
-    """One-line verdicts: the S=0 identity, the paper's V-vs-K direction, the pruners compared."""
+    """One-line verdicts: the S=0 identity, the paper's V-vs-K direction, the pruners compared (rows of
+    full decode only)."""
+    rows = [r for r in rows if r.get("decode_mode", "full") == "full"]
     by = {(r["pruner"], _nominal(r, "sk"), _nominal(r, "sv")): r for r in rows}
     dense = by.get(("dense", 0.0, 0.0), {})
     out = []
@@ -170,6 +172,7 @@ def checks(rows: list[dict]) -> list[str]:
 
 def plot(rows: list[dict], path: str, title: str) -> None:
     plt = pyplot()
+    rows = [r for r in rows if r.get("decode_mode", "full") == "full"]  # decode modes: the tables only
     by = {(r["pruner"], _nominal(r, "sk"), _nominal(r, "sv")): r for r in rows}
     dense = by.get(("dense", 0.0, 0.0))
     pruners = [p for p in dict.fromkeys(r["pruner"] for r in rows) if p != "dense"]
