@@ -39,7 +39,7 @@
 # (e.g. magnitude:sk=0,sv=1,mode=kascade). HICACHE=1 runs
 # the tiny step with --enable-hierarchical-cache and the shared prompt pushed out of the GPU between its
 # two chat rounds (_hicache). SHARED=1 gives the tiny and prefix steps' hierasparse servers
-# --hierasparse-shared-prefix-decode on (_shared). PORT (30000) lets steps run side by side, one GPU
+# --hierasparse-shared-prefix-decode on (_shared), DECODE_MODE=kascade|psa (with DECODE_TOPK) a decode mode. PORT (30000) lets steps run side by side, one GPU
 # each (CUDA_VISIBLE_DEVICES).
 # TP=N runs the tiny and prefix steps with --tp-size N (the tiny step then writes
 # server_check_s0_kernels_tp2_GPU.json; GPU is h100 or h200). The prefix step also takes MEM (--mem-fraction-static, 0.85),
@@ -138,6 +138,10 @@ case "$step" in
     if [ "${SHARED:-0}" = 1 ]; then  # decode batches grouped by shared prefix (--hierasparse-shared-prefix-decode)
       check_args+=(--hs-arg=--hierasparse-shared-prefix-decode=on)
       tp_tag="${tp_tag}_shared"
+    fi
+    if [ -n "${DECODE_MODE:-}" ]; then  # a decode mode on the kernel path (outputs move when blocks are skipped)
+      check_args+=(--hs-arg=--hierasparse-decode-mode=$DECODE_MODE --hs-arg=--hierasparse-decode-topk=${DECODE_TOPK:-64})
+      tp_tag="${tp_tag}_${DECODE_MODE}${DECODE_TOPK:-64}"
     fi
     if [ "${HICACHE:-0}" = 1 ]; then  # a small GPU pool, filled 3x between the chat rounds: round 2 loads from the host tier
       check_args+=(--hs-arg=--enable-hierarchical-cache --hs-arg=--hicache-size=16 --prompt-words 3000 --evict-between-rounds 3)
