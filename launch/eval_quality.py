@@ -102,6 +102,7 @@ from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry
                                              split_corpus)  # fmt: skip
 from sglang_hs.launch.quality_reference import ReferenceBackend, parse_decode_select
 from sglang_hs.launch.quality_report import merge_runs, save_run, summarize, write_report
+from sglang_hs.launch.calibrate_anchors import calibration_samples
 from sglang_hs.launch.quality_server import ServerBackend
 from sglang_hs.launch.quality_variants import load_calibration_texts, needs_calibration
 
@@ -268,12 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     rule = getattr(backend, "decode_select", None) or ""
     if rule.startswith("canchor:") and "-" not in rule:  # a count (parse_decode_select checked it): place them
         k, count = (int(x) for x in rule.split(":")[1:])
-        lengths = list(head_map.CalibrationSpec().needle_lengths)
+        calib, lengths = calibration_samples(tokenizer, haystack, args.calib_seed, args.tasks)
         if set(lengths) & set(args.lengths):
             print(f"eval_quality: --lengths {sorted(set(lengths) & set(args.lengths))} are calibration lengths; "
                   "evaluate on others", file=sys.stderr)  # fmt: skip
             return 2
-        calib = make_samples(TaskBuilder(tokenizer, haystack, args.calib_seed + 1000), args.tasks, lengths, 1)
         backend.decode_select = backend.place_anchors(calib, k, count)
         print(f"[eval] {count} anchors placed on {sum(len(c.questions) for c in calib)} calibration questions "
               f"(seed {args.calib_seed + 1000}, lengths {lengths}): {backend.decode_select}", flush=True)  # fmt: skip

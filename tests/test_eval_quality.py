@@ -368,3 +368,13 @@ def test_decode_select_rules_parse_with_one_line_errors():
         with pytest.raises(ValueError, match="expected") as info:
             parse_decode_select(bad)
         assert "\n" not in str(info.value)
+
+
+def test_calibrate_anchors_refuses_bad_input(tmp_path, capsys):
+    from sglang_hs.launch.calibrate_anchors import main
+
+    assert main(["--model-path", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["--model-path", str(tmp_path), "--count", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
