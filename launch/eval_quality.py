@@ -104,7 +104,7 @@ from sglang_hs.launch.quality_reference import ReferenceBackend, parse_decode_se
 from sglang_hs.launch.quality_report import merge_runs, save_run, summarize, write_report
 from sglang_hs.launch.calibrate_anchors import calibration_samples
 from sglang_hs.launch.quality_server import ServerBackend
-from sglang_hs.launch.quality_variants import load_calibration_texts, needs_calibration
+from sglang_hs.launch.quality_variants import load_calibration_texts, needs_calibration, parse_variant
 
 
 # ===================================================================================== CLI
@@ -207,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[eval] {len(settings)} settings: {', '.join(s.name for s in settings)}", flush=True)
 
     calibration = None
+    variants = [s.name for s in settings if not s.is_dense and parse_variant(s.pruner) is not None]
+    if args.k_head_map and variants:  # the variants choose their own K rows and would ignore the map
+        print(f"eval_quality: --k-head-map applies to the server's pruners; {variants[0]} prunes K its own way "
+              "(run it without the map)", file=sys.stderr)  # fmt: skip
+        return 2
     modes = sorted({s.mode for s in settings} - {"full"})
     if set(modes) - {"kascade", "psa"}:
         print(f"eval_quality: unknown decode mode in --settings: {modes}; allowed: kascade, psa", file=sys.stderr)

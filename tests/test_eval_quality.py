@@ -359,6 +359,26 @@ def test_server_backend_checks_the_k_head_map_before_any_server(tiny_model, corp
     assert code == 2 and "--k-head-map" in err and "the model has" in err and "\n" not in err
 
 
+def test_k_head_map_with_a_variant_or_a_bad_decode_mode_stops_the_run(tiny_model, corpus_dir, tmp_path, capsys):
+    """The reference's K variants choose their own K rows, so ``--k-head-map`` beside one is refused
+    (it used to be ignored silently); a setting's decode mode must be kascade or psa and needs servers."""
+    import json
+
+    from sglang_hs.k_head_map import KHeadMap
+
+    with open(f"{tiny_model}/config.json") as f:
+        config = json.load(f)
+    path = str(tmp_path / "map.pt")
+    KHeadMap(torch.ones(config["num_hidden_layers"], config["num_key_value_heads"], dtype=torch.bool)).save(path)
+    common = ["--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", corpus_dir]
+    assert eq.main(["--backend", "reference", *common, "--k-head-map", path, "--settings", "headmap-needle+fperm:sk=1,sv=1"]) == 2
+    assert "prunes K its own way" in capsys.readouterr().err
+    assert eq.main(["--backend", "server", *common, "--settings", "magnitude:sk=0,sv=1,mode=topk"]) == 2
+    assert "unknown decode mode" in capsys.readouterr().err
+    assert eq.main(["--backend", "reference", *common, "--settings", "magnitude:sk=0,sv=1,mode=kascade"]) == 2
+    assert "need --backend server" in capsys.readouterr().err
+
+
 def test_decode_select_rules_parse_with_one_line_errors():
     from sglang_hs.launch.quality_reference import parse_decode_select
 
