@@ -56,6 +56,10 @@ Design (and why)
   deadlock), so it is disabled and the kernel places its own barriers: one at the top of each block
   step (WAR on the refilled stage, ``P_s`` and ``scores_sh``), one after ``S^T`` is staged and one
   after ``P^T`` is written.
+* **Per-block LSE for the decode modes.** A runtime flag (no second kernel) makes each block step also
+  add its probabilities per query head across the column's lanes and store the block's own LSE, from
+  which an anchor layer's choice is made (``sglang_hs.decode_modes``); the other layers read a
+  compacted block table with the same kernel.
 * **CUDA graphs.** ``run`` is one launch; scratch is allocated once, for the plan's largest batch,
   and every call views its prefix, so graphs captured at different batch sizes share it at fixed
   addresses; no host synchronisation (seq_lens stay on the GPU: block ranges, masks and empty splits
