@@ -147,11 +147,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     reference.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is "
                            "faster on a CPU shared with other jobs)")  # fmt: skip
     reference.add_argument("--decode-select", metavar="RULE", help="decode steps of every non-dense setting read only "
-                           "the compressible prefix blocks RULE picks: topk:K (key bounds), exact:K (exact masses, an oracle), "
-                           "pooled:K (exact masses summed over KV heads: one choice per layer), "
-                           "anchor:K:S (exact top-K on every S-th layer, reused between), panchor:K:S (the same pooled "
-                           "over KV heads), canchor:K:M (M pooled anchors placed offline on calibration questions of another seed and "
-                           "lengths) or mass:TAU (sglang_hs.block_select)")  # fmt: skip
+                           "the compressible prefix blocks RULE picks by exact attention mass: exact:K (each layer's "
+                           "top K per KV head, an oracle), pooled:K (summed over KV heads: one choice per layer), "
+                           "panchor:K:S (pooled top K on every S-th layer, reused between) or canchor:K:M (M pooled "
+                           "anchors placed offline on calibration questions of another seed and lengths; "
+                           "sglang_hs.block_select)")  # fmt: skip
     reference.add_argument("--batch", type=int, default=8, help="settings run together as one batch")
     server = parser.add_argument_group("server backend")
     server.add_argument("--port", type=int, default=30000)

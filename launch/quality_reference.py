@@ -5,7 +5,6 @@ module docstring says what is measured and how."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,10 +112,11 @@ def register_capture_attention() -> str:
 class DecodeSelection:
     """Decode-time block selection (``--decode-select``, ``sglang_hs.block_select``) on the rows
     ``rows`` of a batch: a decode step reads the compressible prefix blocks ``[lo, hi)`` (token
-    positions) that ``rule`` picks per KV head, and every other position in full."""
+    positions) that ``rule`` picks, and every other position in full."""
 
-    rule: str  # "topk:K" (K blocks by key-bound score), "exact:K" (by exact mass), "pooled:K" (exact mass summed
-    #            over the KV heads, one choice for all), "anchor:K:S" / "panchor:K:S" (pooled) or "mass:TAU"
+    rule: str  # "exact:K" (each layer's top K by exact mass, per KV head: an oracle), "pooled:K" (exact mass
+    #            summed over the KV heads, one choice for all), "panchor:K:S" (pooled, on every S-th layer,
+    #            reused between) or "canchor:K:A-B-.." (pooled, on anchor layers placed offline)
     lo: int
     hi: int
     block: int
@@ -125,9 +125,10 @@ class DecodeSelection:
 
     def key_mask(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer: int = 0) -> torch.Tensor:
         """bool ``[batch, heads, 1, kv_len]``: False on the unselected blocks of the selected rows.
-        ``anchor:K:S`` measures exact masses on every S-th layer (0, S, 2S, ...) and reuses that
-        top-K in the layers up to the next anchor (same KV head), as Kascade does; ``canchor:K:A-B-..``
-        pools over the KV heads on the listed anchor layers (placed offline: :meth:`ReferenceBackend.place_anchors`)."""
+        ``panchor:K:S`` measures exact masses on every S-th layer (0, S, 2S, ...) and reuses that top-K
+        in the layers up to the next anchor, as Kascade does; ``canchor:K:A-B-..`` on the listed anchor
+        layers (placed offline: :meth:`ReferenceBackend.place_anchors`, ``calibrate_anchors``). The
+        server's ``kascade`` decode mode is ``canchor``."""
         from sglang_hs import block_select
 
         batch, heads, kv_len = key.shape[0], key.shape[1], key.shape[2]
@@ -139,26 +140,17 @@ class DecodeSelection:
                 continue
             region = key[row, :, self.lo : self.hi].transpose(0, 1)  # [n*B, H, D]
             none = torch.zeros(n, dtype=torch.bool)
-            if kind in ("anchor", "panchor", "canchor"):
+            if kind in ("panchor", "canchor"):
                 if (layer in {int(a) for a in rest[0].split("-")}) if kind == "canchor" else layer % int(rest[0]) == 0:
                     mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
-                    if kind != "anchor":  # pooled over the KV heads: one choice, no head mapping to reuse it
-                        mass = mass.sum(0, keepdim=True).expand(heads, n)
+                    mass = mass.sum(0, keepdim=True).expand(heads, n)  # pooled over the KV heads: one choice
                     self.anchor_choice[row] = block_select.select_topk(mass, int(value), none)
                 chosen = self.anchor_choice[row]
-                keep[row, :, 0, self.lo : self.hi] = chosen.repeat_interleave(self.block, dim=-1)
-                continue
-            if kind == "exact":  # the oracle of top-k: each layer's exact block masses (Kascade measures them on anchors)
-                mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
-                chosen = block_select.select_topk(mass, int(value), none)
-            elif kind == "pooled":  # the same top-k for every KV head (a per-request block table can say it)
-                mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
-                chosen = block_select.select_topk(mass.sum(0, keepdim=True), int(value), none).expand(heads, n)
             else:
-                kmin, kmax = block_select.key_bounds(region, self.block)
-                scores = block_select.bound_scores(query[row, :, 0], kmin, kmax, scaling)
-                chosen = (block_select.select_topk(scores, int(value), none) if kind == "topk" else
-                          block_select.select_mass(scores + math.log(self.block), float(value), none))  # fmt: skip
+                mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
+                if kind == "pooled":  # the same top-k for every KV head (a per-request block table can say it)
+                    mass = mass.sum(0, keepdim=True)
+                chosen = block_select.select_topk(mass, int(value), none).expand(heads, n)
             keep[row, :, 0, self.lo : self.hi] = chosen.repeat_interleave(self.block, dim=-1)
         return keep
 
@@ -180,9 +172,10 @@ class AnchorRecorder(DecodeSelection):
 
 
 def parse_decode_select(rule: str | None) -> str | None:
-    """``topk:K`` / ``exact:K`` / ``pooled:K`` (K >= 1), ``anchor:K:S`` / ``panchor:K:S``, ``canchor:K:M``
-    (M anchors placed on calibration prompts) / ``canchor:K:0-A-B..`` (those anchor layers) or
-    ``mass:TAU`` (0 < TAU <= 1); ValueError with one line otherwise."""
+    """``exact:K`` / ``pooled:K`` (K >= 1), ``panchor:K:S``, ``canchor:K:M`` (M anchors placed on
+    calibration prompts) / ``canchor:K:0-A-B..`` (those anchor layers); ValueError with one line otherwise.
+    (Rules scored by per-block key bounds, ``topk`` and ``mass``, and per-head anchors, ``anchor``,
+    lost; ``docs/quality.md``.)"""
     if rule is None:
         return None
     kind, _, value = rule.partition(":")
@@ -191,16 +184,16 @@ def parse_decode_select(rule: str | None) -> str | None:
             k, anchors = value.split(":")
             layers = [int(a) for a in anchors.split("-")]
             ok = int(k) >= 1 and (layers[0] >= 1 if len(layers) == 1 else layers[0] == 0 and layers == sorted(set(layers)))
-        elif kind in ("anchor", "panchor"):
+        elif kind == "panchor":
             k, stride = value.split(":")
             ok = int(k) >= 1 and int(stride) >= 1
         else:
-            ok = (kind in ("topk", "exact", "pooled") and int(value) >= 1) or (kind == "mass" and 0 < float(value) <= 1)
+            ok = kind in ("exact", "pooled") and int(value) >= 1
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"--decode-select {rule!r}: expected topk:K, exact:K, pooled:K, anchor:K:STRIDE, panchor:K:STRIDE, "
-                         "canchor:K:COUNT, canchor:K:0-A-B... or mass:TAU (0 < TAU <= 1)")
+        raise ValueError(f"--decode-select {rule!r}: expected exact:K, pooled:K, panchor:K:STRIDE, canchor:K:COUNT "
+                         "or canchor:K:0-A-B...")
     return rule
 
 

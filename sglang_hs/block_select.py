@@ -1,14 +1,18 @@
 """Decode-time block selection over a cached prefix: which KV blocks a decode query reads.
 
 Two rules from the literature, as PyTorch references of the decode modes (``sglang_hs.decode_modes``,
-whose batched, fixed-shape rules the tests check against these):
+whose batched, fixed-shape rules the tests check against these), and the offline anchor placement:
 
-- **top-k** (Quest's bound, Kascade's selection): score every block by an upper bound of ``q . k`` over
-  its keys, from a per-block summary kept with the block (the channel-wise min and max of its keys,
-  :func:`key_bounds`), and read the ``k`` best blocks per KV head. Kascade computes exact block masses
-  on a few anchor layers (:func:`exact_block_mass`) and reuses their top-k in the layers between.
-- **mass threshold** (PSA): read, per KV head, the fewest blocks whose estimated attention mass reaches
-  a fraction ``tau`` of the total (:func:`select_mass`); the budget follows how peaked attention is.
+- **top-k** (Kascade): read the ``k`` blocks of most exact attention mass (:func:`exact_block_mass`,
+  :func:`select_topk`); Kascade measures the masses on a few anchor layers and reuses the choice in the
+  layers between, pooled over the KV heads here (one choice a request: a shorter block table).
+- **mass threshold** (PSA): read the fewest blocks whose attention mass reaches a fraction ``tau`` of
+  the total (:func:`select_mass`); the budget follows how peaked attention is.
+- **anchor placement** (:func:`place_anchors`): which layers measure, chosen offline on calibration
+  queries.
+
+Scores from a per-block key summary (Quest's bound from each block's channel-wise key min/max) were
+measured and lost on SmolLM2 (``docs/quality.md``); they live in git history (commit 9eed4b0).
 
 The sink and the window blocks are always read (``always``). Shapes: ``n`` blocks of ``B`` tokens,
 ``H`` KV heads, ``Hq`` query heads (a KV head's query heads are consecutive), ``D`` head_dim.
@@ -24,23 +28,6 @@ import torch
 def _real(x: torch.Tensor) -> torch.Tensor:
     """fp32 for 16-bit inputs (scores are compared, not stored); fp64 stays fp64."""
     return x if x.dtype == torch.float64 else x.float()
-
-
-def key_bounds(k: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k [n*B, H, D]`` -> channel-wise ``(min, max)`` of each block's keys, each ``[n, H, D]``: the
-    summary a block keeps so that selection never reads its keys."""
-    blocks = k.unflatten(0, (-1, block))
-    return blocks.amin(1), blocks.amax(1)
-
-
-def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
-    """float ``[H, n]``: per KV head and block an upper bound of ``scale * q . k`` over the block's keys
-    and the head's query heads (``q [Hq, D]``): ``sum_c max(q_c kmin_c, q_c kmax_c)``."""
-    heads = kmin.shape[1]
-    qg = _real(q).unflatten(0, (heads, -1))  # [H, G, D]
-    upper = torch.maximum(qg[:, :, None] * _real(kmin).transpose(0, 1)[:, None],
-                          qg[:, :, None] * _real(kmax).transpose(0, 1)[:, None])  # [H, G, n, D]  # fmt: skip
-    return scale * upper.sum(-1).amax(1)
 
 
 def exact_block_mass(q: torch.Tensor, k: torch.Tensor, block: int, scale: float) -> torch.Tensor:

@@ -317,33 +317,28 @@ def test_prompts_longer_than_the_server_takes_are_refused(monkeypatch):
 
 
 def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, corpus_dir, tmp_path):
-    """``--decode-select``: at ``mass:1`` every block is read, so S = 0 still answers as dense; ``topk:1``
-    changes what decode steps see; a bad rule is refused with one line."""
+    """``--decode-select``: with K above the blocks every block is read, so S = 0 still answers as dense;
+    the rules choose per KV head (exact), per layer (pooled) or on anchors (panchor); a bad rule is
+    refused with one line."""
     common = ["--backend", "reference", "--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", corpus_dir,
               "--lengths", "1024", "--samples", "1", "--tasks", "single", "multikey", "--fidelity-windows", "0",
               "--window-tokens", "128", "--settings", "magnitude:sk=0,sv=0"]  # fmt: skip
-    assert eq.main([*common, "--tag", "all", "--decode-select", "mass:1"]) == 0
+    assert eq.main([*common, "--tag", "all", "--decode-select", "pooled:1000"]) == 0
     data = json.loads((tmp_path / "quality_all.json").read_text())
-    assert data["meta"]["decode_select"] == "mass:1"
+    assert data["meta"]["decode_select"] == "pooled:1000"
     assert all(r["agrees_with_dense"] for r in data["records"] if r["setting"] == "magnitude:sk=0,sv=0")
-    selection = qref.DecodeSelection("topk:1", 64, 64 * 5, 64, [False, True])
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 2, 400, 16, generator=g)
-    keep = selection.key_mask(q, k, 0.25)
-    assert keep[0].all() and keep[1, :, 0, :64].all() and keep[1, :, 0, 320:].all()
-    assert (keep[1, :, 0, 64:320].sum(-1) == 64).all()  # one block of four per KV head
     exact = qref.DecodeSelection("exact:2", 64, 64 * 5, 64, [True, False]).key_mask(q, k, 0.25)
     assert (exact[0, :, 0, 64:320].sum(-1) == 128).all() and exact[1].all()
-    anchors = qref.DecodeSelection("anchor:2:2", 64, 64 * 5, 64, [True, False])
-    first = anchors.key_mask(q, k, 0.25, layer=0)
-    assert torch.equal(first, exact) and torch.equal(anchors.key_mask(-q, k, 0.25, layer=1), first)  # reused
-    assert not torch.equal(anchors.key_mask(-q, k, 0.25, layer=2), first)  # a new anchor chooses again
+    assert exact[0, :, 0, :64].all() and exact[0, :, 0, 320:].all()  # sink and window always read
     pooled = qref.DecodeSelection("pooled:2", 64, 64 * 5, 64, [True, False]).key_mask(q, k, 0.25)
     assert (pooled[0, :, 0, 64:320].sum(-1) == 128).all() and torch.equal(pooled[0, 0], pooled[0, 1])  # one choice
     panchors = qref.DecodeSelection("panchor:2:2", 64, 64 * 5, 64, [True, False])
     assert torch.equal(panchors.key_mask(q, k, 0.25, layer=0), pooled)
     assert torch.equal(panchors.key_mask(-q, k, 0.25, layer=1), pooled)  # reused by the next layer
-    assert eq.main([*common, "--decode-select", "topk:0"]) == 2
+    assert not torch.equal(panchors.key_mask(-q, k, 0.25, layer=2), pooled)  # a new anchor chooses again
+    assert eq.main([*common, "--decode-select", "pooled:0"]) == 2
 
 
 def test_server_backend_checks_the_k_head_map_before_any_server(tiny_model, corpus_dir, tmp_path, capsys):
@@ -382,9 +377,9 @@ def test_k_head_map_with_a_variant_or_a_bad_decode_mode_stops_the_run(tiny_model
 def test_decode_select_rules_parse_with_one_line_errors():
     from sglang_hs.launch.quality_reference import parse_decode_select
 
-    for rule in ("topk:8", "mass:0.9", "panchor:8:4", "canchor:8:8", "canchor:8:0-3-11"):
+    for rule in ("exact:8", "pooled:8", "panchor:8:4", "canchor:8:8", "canchor:8:0-3-11"):
         assert parse_decode_select(rule) == rule
-    for bad in ("canchor:8:3-11", "canchor:8:0-11-3", "canchor:8:0", "canchor:0:4", "panchor:8", "mass:2"):
+    for bad in ("canchor:8:3-11", "canchor:8:0-11-3", "canchor:8:0", "canchor:0:4", "panchor:8", "topk:8", "mass:0.9"):
         with pytest.raises(ValueError, match="expected") as info:
             parse_decode_select(bad)
         assert "\n" not in str(info.value)
