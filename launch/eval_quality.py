@@ -102,7 +102,7 @@ from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry
                                              split_corpus)  # fmt: skip
 from sglang_hs.launch.quality_reference import ReferenceBackend, parse_decode_select
 from sglang_hs.launch.quality_report import merge_runs, save_run, summarize, write_report
-from sglang_hs.launch.calibrate_anchors import calibration_samples
+from sglang_hs.launch.calibrate_anchors import CALIBRATION_SEED_OFFSET, calibration_samples
 from sglang_hs.launch.quality_server import ServerBackend
 from sglang_hs.launch.quality_variants import load_calibration_texts, needs_calibration, parse_variant
 
@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         backend.decode_select = backend.place_anchors(calib, k, count)
         print(f"[eval] {count} anchors placed on {sum(len(c.questions) for c in calib)} calibration questions "
-              f"(seed {args.calib_seed + 1000}, lengths {lengths}): {backend.decode_select}", flush=True)  # fmt: skip
+              f"(seed {args.calib_seed + CALIBRATION_SEED_OFFSET}, lengths {lengths}): {backend.decode_select}",
+              flush=True)  # fmt: skip
     samples = make_samples(builder, args.tasks, args.lengths, args.samples) if args.samples else []
     windows = make_windows(tokenizer, heldout, args.lengths, args.fidelity_windows, args.fidelity_tokens, args.seed)
     print(f"[eval] {len(samples)} haystacks ({sum(len(s.questions) for s in samples)} questions), "

@@ -313,13 +313,18 @@ class HieraSparseAttnBackend(AttentionBackend):
         """A decode mode's layer: an anchor reads every block and chooses, for each request, the blocks
         the next layers read; the others read the compacted table of that choice."""
         kv = self._kernel_kv(layer)
-        if meta.selected is not None and not self.selection.is_anchor(layer.layer_id):
+        if self._reads_choice(meta, layer):
             return meta.decode_plan.run(q, *kv, *meta.selected, layer.scaling)
         out, block_lse = meta.decode_plan.run(q, *kv, meta.block_table, meta.seq_lens_gpu, layer.scaling,
                                               return_block_lse=True)  # fmt: skip
         meta.selected = self.selection.apply(block_lse, meta.block_table, meta.seq_lens_gpu, self.config.block_size,
                                              self.runtime.decode_mode_counts)  # fmt: skip
         return out
+
+    def _reads_choice(self, meta: ForwardMetadata, layer: RadixAttention) -> bool:
+        """A decode mode's layer between anchors: it reads the last anchor's compacted table (layer 0 is
+        always an anchor, so a step's first layer makes the choice)."""
+        return meta.selected is not None and not self.selection.is_anchor(layer.layer_id)
 
     def _forward_extend_kernel(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
         """The new tokens' K/V go to their cache pages first; the kernel reads them there, in the
@@ -342,7 +347,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         if self.selection is None or not forward_batch.forward_mode.is_decode():
             out = decompressed_paged_attention(q, meta.qo_indptr, *self._kernel_kv(layer), meta.block_table,
                                                meta.seq_lens, block_size=block, sm_scale=layer.scaling)  # fmt: skip
-        elif meta.selected is not None and not self.selection.is_anchor(layer.layer_id):
+        elif self._reads_choice(meta, layer):
             out = decompressed_paged_attention(q, meta.qo_indptr, *self._kernel_kv(layer), *meta.selected,
                                                block_size=block, sm_scale=layer.scaling)  # fmt: skip
         else:  # a decode mode's anchor layer, as _decode_selected (eager: the compacted lengths go to the host)

@@ -143,15 +143,12 @@ class HieraSparseConfig:
         )
         _require(self.shared_prefix_decode in ("off", "on"), cli_flag("shared_prefix_decode"),
                  self.shared_prefix_decode, "'off' or 'on'")  # fmt: skip
-        from sglang_hs.decode_modes import MODES, parse_anchors
+        from sglang_hs.decode_modes import MODES
 
         _require(self.decode_mode in MODES, cli_flag("decode_mode"), self.decode_mode, f"one of {list(MODES)}")
         _require(self.decode_mode == "full" or self.shared_prefix_decode == "off", cli_flag("decode_mode"),
                  self.decode_mode, "'full' with --hierasparse-shared-prefix-decode on")  # fmt: skip
-        try:
-            parse_anchors(self.decode_anchors, None)  # the syntax now; the model's layer count at start-up
-        except ValueError as exc:
-            raise HieraSparseConfigError(str(exc)) from None
+        self._check_anchors(None)  # the syntax now; the model's layer count in validate_model
         _require(self.decode_topk >= 1, cli_flag("decode_topk"), self.decode_topk, "an integer >= 1")
         _require(0.0 < self.decode_tau <= 1.0, cli_flag("decode_tau"), self.decode_tau, "a fraction in (0, 1]")
         names = self.kernels.split(",")
@@ -164,6 +161,15 @@ class HieraSparseConfig:
         _require(self.shared_prefix_decode == "off" or self.uses_kernel("decode"), cli_flag("shared_prefix_decode"),
                  self.shared_prefix_decode, "'off' unless --hierasparse-kernels includes decode")  # fmt: skip
 
+    def _check_anchors(self, num_layers: int | None) -> None:
+        """``--hierasparse-decode-anchors`` parses (and, given ``num_layers``, fits the model)."""
+        from sglang_hs.decode_modes import parse_anchors
+
+        try:
+            parse_anchors(self.decode_anchors, num_layers)
+        except ValueError as exc:
+            raise HieraSparseConfigError(str(exc)) from None
+
     def uses_kernel(self, name: str) -> bool:
         """Whether the TileLang kernel ``name`` (one of ``KERNELS``) is enabled by the settings."""
         return name in self.kernels.split(",")
@@ -173,12 +179,7 @@ class HieraSparseConfig:
         """Check the model shape (``gqa_group``: query heads per KV head on one rank; ``num_layers`` for
         the decode modes' anchors) and the cache dtype against what the kernels support."""
         if num_layers is not None and self.decode_mode != "full":
-            from sglang_hs.decode_modes import parse_anchors
-
-            try:
-                parse_anchors(self.decode_anchors, num_layers)
-            except ValueError as exc:
-                raise HieraSparseConfigError(str(exc)) from None
+            self._check_anchors(num_layers)
         _require(
             gqa_group in KERNEL_GQA_GROUPS or not (self.uses_kernel("decode") or self.uses_kernel("extend")),
             cli_flag("kernels"),
