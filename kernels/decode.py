@@ -302,93 +302,90 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             seq_len = seq_lens[request]
             seq_blocks = T.ceildiv(seq_len, B)
             # A request's splits take at least min_split_blocks blocks each, so a short request (a decode
-            # mode's compacted table) uses few of the S splits; the rest exit at once and the merge
-            # reads only the active ones. An empty request keeps one split, which writes zeros.
+            # mode's compacted table) walks its blocks on few of the S splits; the others find no block.
             per_split = T.max(T.ceildiv(seq_blocks, S), min_split_blocks)
-            active = T.max(T.ceildiv(seq_blocks, per_split), 1)
             first_block = split * per_split
             # The plan keeps S >= ceil(max_blocks / bps) and min_split_blocks <= bps, so per_split <= bps;
             # the bound only guards the maps.
             num_blocks = T.max(T.min(T.min(per_split, bps), seq_blocks - first_block), 0)
             scale_log2 = sm_scale * LOG2E
 
-            if split < active:  # uniform per CTA: a split past the active ones does nothing
-                # Resolve this CTA's blocks: mode = k_mode | v_mode << 2 (0 cache page, 1 dense row, 2 2:4 row).
-                for i in T.Parallel(bps):
-                    if i < num_blocks:
-                        entry = block_table[request, first_block + i]
-                        if entry >= 0:
-                            block_mode[i] = 0
-                            block_k_row[i] = entry
-                            block_v_row[i] = entry
-                        else:
-                            k_entry = k_index[h, -entry - 1]
-                            v_entry = v_index[h, -entry - 1]
-                            block_mode[i] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
-                            block_k_row[i] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
-                            block_v_row[i] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
-                for g, d in T.Parallel(NH, D):
-                    Q_s[g, d] = T.if_then_else(g < G, q[request, h * G + g, d], T.cast(0, dtype))
-                T.fill(oT, 0)
-                run_max[0] = -T.infinity(accum)
-                run_sum[0] = 0.0
-                T.fence_proxy_async()
-                T.sync_threads()
+            # Resolve this CTA's blocks: mode = k_mode | v_mode << 2 (0 cache page, 1 dense row, 2 2:4 row).
+            for i in T.Parallel(bps):
+                if i < num_blocks:
+                    entry = block_table[request, first_block + i]
+                    if entry >= 0:
+                        block_mode[i] = 0
+                        block_k_row[i] = entry
+                        block_v_row[i] = entry
+                    else:
+                        k_entry = k_index[h, -entry - 1]
+                        v_entry = v_index[h, -entry - 1]
+                        block_mode[i] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
+                        block_k_row[i] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
+                        block_v_row[i] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
+            for g, d in T.Parallel(NH, D):
+                Q_s[g, d] = T.if_then_else(g < G, q[request, h * G + g, d], T.cast(0, dtype))
+            T.fill(oT, 0)
+            run_max[0] = -T.infinity(accum)
+            run_sum[0] = 0.0
+            T.fence_proxy_async()
+            T.sync_threads()
 
-                src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
-                maps = (block_mode, block_k_row, block_v_row)
-                frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse,
-                         block_lse, request * q_heads + h * G)
-                emit_prologue(num_blocks, h, maps, ring_stages, src)
-                for it in T.serial(T.ceildiv(num_blocks, stages)):
-                    emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
+            src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
+            maps = (block_mode, block_k_row, block_v_row)
+            frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse,
+                     block_lse, request * q_heads + h * G)
+            emit_prologue(num_blocks, h, maps, ring_stages, src)
+            for it in T.serial(T.ceildiv(num_blocks, stages)):
+                emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
 
-                tid = T.get_thread_binding()
-                for k in T.unroll(len(SHUF)):
-                    run_sum[0] = run_sum[0] + T.shfl_xor(run_sum[0], TPC >> (k + 1))
-                if tid % TPC == 0:
-                    stats_sh[0, tid // TPC] = run_max[0]
-                    stats_sh[1, tid // TPC] = run_sum[0]
-                T.sync_threads()
-                for g in T.Parallel(NH):
-                    if g < G:
-                        lse_part[request, h * G + g, split] = T.if_then_else(
-                            stats_sh[1, g] > 0, T.log2(stats_sh[1, g]) + stats_sh[0, g] * scale_log2, -T.infinity(accum))
-                for d, g in T.Parallel(D, NH):
-                    if g < G:
-                        o_part[request, h * G + g, split, d] = T.if_then_else(
-                            stats_sh[1, g] > 0, oT[d, g] / stats_sh[1, g], 0.0)
+            tid = T.get_thread_binding()
+            for k in T.unroll(len(SHUF)):
+                run_sum[0] = run_sum[0] + T.shfl_xor(run_sum[0], TPC >> (k + 1))
+            if tid % TPC == 0:
+                stats_sh[0, tid // TPC] = run_max[0]
+                stats_sh[1, tid // TPC] = run_sum[0]
+            T.sync_threads()
+            for g in T.Parallel(NH):
+                if g < G:
+                    lse_part[request, h * G + g, split] = T.if_then_else(
+                        stats_sh[1, g] > 0, T.log2(stats_sh[1, g]) + stats_sh[0, g] * scale_log2, -T.infinity(accum))
+            for d, g in T.Parallel(D, NH):
+                if g < G:
+                    o_part[request, h * G + g, split, d] = T.if_then_else(
+                        stats_sh[1, g] > 0, oT[d, g] / stats_sh[1, g], 0.0)
 
-                # Split-KV merge by the last CTA of this (request, KV head): release our partials, take a
-                # ticket (acq_rel, device scope), and merge if we are the last.
-                tid = T.get_thread_binding()
-                T.sync_threads()
+            # Split-KV merge by the last CTA of this (request, KV head): release our partials, take a
+            # ticket (acq_rel, device scope), and merge if we are the last.
+            tid = T.get_thread_binding()
+            T.sync_threads()
+            if tid == 0:
+                ticket_sh[0] = T.atomic_add(tickets[request, h], 1, memory_order="acq_rel", return_prev=True)
+            T.sync_threads()
+            if ticket_sh[0] == S - 1:
+                for it2 in T.serial(T.ceildiv(G * D, threads)):
+                    head = (it2 * threads + tid) // D
+                    d = (it2 * threads + tid) % D
+                    if head < G:
+                        merge_stat[0] = -T.infinity(accum)
+                        for s2 in T.serial(S):
+                            merge_stat[0] = T.max(merge_stat[0], lse_part[request, h * G + head, s2])
+                        merge_stat[1] = 0.0
+                        merge_stat[2] = 0.0
+                        for s2 in T.serial(S):
+                            merge_stat[3] = T.if_then_else(
+                                lse_part[request, h * G + head, s2] == -T.infinity(accum), 0.0,
+                                T.exp2(lse_part[request, h * G + head, s2] - merge_stat[0]))
+                            merge_stat[1] = merge_stat[1] + merge_stat[3]
+                            merge_stat[2] = merge_stat[2] + merge_stat[3] * o_part[request, h * G + head, s2, d]
+                        out[request, h * G + head, d] = T.if_then_else(
+                            merge_stat[1] > 0, merge_stat[2] / merge_stat[1], 0.0)
+                        if d == 0:
+                            lse[request, h * G + head] = T.if_then_else(
+                                merge_stat[1] > 0, (T.log2(merge_stat[1]) + merge_stat[0]) * LN2, -T.infinity(accum))
                 if tid == 0:
-                    ticket_sh[0] = T.atomic_add(tickets[request, h], 1, memory_order="acq_rel", return_prev=True)
-                T.sync_threads()
-                if ticket_sh[0] == active - 1:
-                    for it2 in T.serial(T.ceildiv(G * D, threads)):
-                        head = (it2 * threads + tid) // D
-                        d = (it2 * threads + tid) % D
-                        if head < G:
-                            merge_stat[0] = -T.infinity(accum)
-                            for s2 in T.serial(active):
-                                merge_stat[0] = T.max(merge_stat[0], lse_part[request, h * G + head, s2])
-                            merge_stat[1] = 0.0
-                            merge_stat[2] = 0.0
-                            for s2 in T.serial(active):
-                                merge_stat[3] = T.if_then_else(
-                                    lse_part[request, h * G + head, s2] == -T.infinity(accum), 0.0,
-                                    T.exp2(lse_part[request, h * G + head, s2] - merge_stat[0]))
-                                merge_stat[1] = merge_stat[1] + merge_stat[3]
-                                merge_stat[2] = merge_stat[2] + merge_stat[3] * o_part[request, h * G + head, s2, d]
-                            out[request, h * G + head, d] = T.if_then_else(
-                                merge_stat[1] > 0, merge_stat[2] / merge_stat[1], 0.0)
-                            if d == 0:
-                                lse[request, h * G + head] = T.if_then_else(
-                                    merge_stat[1] > 0, (T.log2(merge_stat[1]) + merge_stat[0]) * LN2, -T.infinity(accum))
-                    if tid == 0:
-                        tickets[request, h] = 0
+                    tickets[request, h] = 0
 
     return main
 
