@@ -137,8 +137,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     natural log), ``tickets [bs, Hkv]`` (int32 split tickets, zero between calls), ``want_block_lse``
     (int32: non-zero also writes each block's own LSE) and ``block_lse [bs*Hq, W]`` (fp32, natural log:
     row ``r*Hq + head``, column = the block's place in the request's table; a ``[1, 1]`` stand-in when
-    not wanted) and ``min_split_blocks`` (int32, 1 to ``split_capacity``: a request's splits take at
-    least that many blocks, so a short request runs fewer than ``S``). Every tensor is contiguous.
+    not wanted). Every tensor is contiguous.
     """
     import tilelang.language as T
 
@@ -276,7 +275,6 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         tickets: T.Tensor([batch, kv_heads], "int32"),
         want_block_lse: T.int32,
         block_lse: T.Tensor([lse_rows, lse_cols], accum),
-        min_split_blocks: T.int32,
     ):
         with T.Kernel(S, kv_heads, batch, threads=threads) as (split, h, request):
             Q_s = T.alloc_shared([NH, D], dtype)
@@ -301,12 +299,9 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             # generated code stays that of a static split count but for the (loop-invariant) division.
             seq_len = seq_lens[request]
             seq_blocks = T.ceildiv(seq_len, B)
-            # A request's splits take at least min_split_blocks blocks each, so a short request (a decode
-            # mode's compacted table) walks its blocks on few of the S splits; the others find no block.
-            per_split = T.max(T.ceildiv(seq_blocks, S), min_split_blocks)
+            per_split = T.ceildiv(seq_blocks, S)
             first_block = split * per_split
-            # The plan keeps S >= ceil(max_blocks / bps) and min_split_blocks <= bps, so per_split <= bps;
-            # the bound only guards the maps.
+            # The plan keeps S >= ceil(max_blocks / bps), so per_split <= bps; the bound only guards the maps.
             num_blocks = T.max(T.min(T.min(per_split, bps), seq_blocks - first_block), 0)
             scale_log2 = sm_scale * LOG2E
 
@@ -334,8 +329,8 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
             src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
             maps = (block_mode, block_k_row, block_v_row)
-            frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse,
-                     block_lse, request * q_heads + h * G)
+            frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse,
+                     request * q_heads + h * G)
             emit_prologue(num_blocks, h, maps, ring_stages, src)
             for it in T.serial(T.ceildiv(num_blocks, stages)):
                 emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
@@ -506,7 +501,7 @@ class HieraSparseDecode:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pools: BlockPools,
             k_index: torch.Tensor, v_index: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
             sm_scale: float, out: torch.Tensor | None = None, return_lse: bool = False,
-            return_block_lse: bool = False, read_blocks: int | None = None):
+            return_block_lse: bool = False):
         """Decode attention of one layer; one kernel launch per ``batch_size`` requests, no host
         synchronisation.
 
@@ -526,10 +521,6 @@ class HieraSparseDecode:
           are never read.
         * ``seq_lens``: ``[bs]`` int32, tokens of each request (0: a padded request, output 0, LSE -inf).
         * ``out``: ``[bs, Hq, D]``, contiguous, written if given.
-        * ``read_blocks``: the blocks a request is expected to hold when far fewer than ``W`` (a decode
-          mode's compacted table): each request's splits then take at least the blocks a call planned
-          for a ``read_blocks`` wide table gives a split, so a short request runs few CTAs and a long
-          one still gets every split.
 
         Returns ``out [bs, Hq, D]``, and with ``return_lse`` also the natural-log LSE ``[bs, Hq]`` fp32
         (a plan-owned buffer up to ``batch_size`` requests, overwritten by the next call); with
@@ -558,12 +549,12 @@ class HieraSparseDecode:
         for start in range(0, bs, self.batch_size):
             stop = min(bs, start + self.batch_size)
             self._launch(q[start:stop], kv, block_table[start:stop], seq_lens[start:stop], float(sm_scale),
-                         out[start:stop], lse[start:stop], block_lse, read_blocks)
+                         out[start:stop], lse[start:stop], block_lse)
         result = (out,) + ((lse[:bs],) if return_lse else ()) + ((block_lse,) if return_block_lse else ())
         return result if len(result) > 1 else out
 
     def _launch(self, q, kv: tuple, block_table, seq_lens, sm_scale: float, out, lse,
-                block_lse: torch.Tensor | None = None, read_blocks: int | None = None) -> None:
+                block_lse: torch.Tensor | None = None) -> None:
         """One launch for at most ``batch_size`` requests, on views of the plan's scratch."""
         n, hq, d = q.shape[0], self.q_heads, self.head_dim
         width = block_table.shape[1]
@@ -571,14 +562,11 @@ class HieraSparseDecode:
         # sized for it); a narrower table never needs more than min_splits(max_blocks) <= what fits.
         s = max(min(self.splits(n, width), self.part_capacity // n), min_splits(width, self.split_capacity))
         self.last_num_splits = s
-        min_split_blocks = 1
-        if read_blocks is not None and 0 < read_blocks < width:
-            min_split_blocks = min(-(-read_blocks // self.splits(n, read_blocks)), self.split_capacity)
         o_part = self.o_part[:n * hq * s * d].view(n, hq, s, d)
         lse_part = self.lse_part[:n * hq * s].view(n, hq, s)
         lse_out = self._no_block_lse if block_lse is None else block_lse.view(n * hq, width)
         self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, out, lse[:n], self.counter[:n],
-                    int(block_lse is not None), lse_out, min_split_blocks)
+                    int(block_lse is not None), lse_out)
 
 
 # The kernels the GPU tests build, as (q_heads, kv_heads, head_dim, dtype); every batch size, block-table

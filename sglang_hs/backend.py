@@ -314,9 +314,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         the next layers read; the others read the compacted table of that choice."""
         kv = self._kernel_kv(layer)
         if self._reads_choice(meta, layer):
-            config = self.config
-            read = self.selection.read_blocks(config.block_size, config.sink_tokens + config.window_tokens)
-            return meta.decode_plan.run(q, *kv, *meta.selected, layer.scaling, read_blocks=read)
+            return meta.decode_plan.run(q, *kv, *meta.selected, layer.scaling)
         out, block_lse = meta.decode_plan.run(q, *kv, meta.block_table, meta.seq_lens_gpu, layer.scaling,
                                               return_block_lse=True)  # fmt: skip
         meta.selected = self.selection.apply(block_lse, meta.block_table, meta.seq_lens_gpu, self.config.block_size,

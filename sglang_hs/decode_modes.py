@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 MODES = ("full", "kascade", "psa")
-OWN_PAGES = 3  # pages of a request's own tokens a compacted layer's split plan allows for
 
 
 def parse_anchors(text: str, num_layers: int | None) -> tuple[int, ...]:
@@ -73,13 +72,6 @@ class BlockSelection:
 
     def is_anchor(self, layer: int) -> bool:
         return layer in self.anchors
-
-    def read_blocks(self, block_size: int, dense_tokens: int) -> int:
-        """The blocks a request is expected to read between anchors: the chosen ones, the prefix's
-        ``dense_tokens`` of sink and window and a few pages of its own (question, answer so far). The
-        decode kernel gives such a request few splits on those layers (its table's full width would
-        give it one CTA per two or three blocks); a longer request still gets every split."""
-        return self.topk + -(-dense_tokens // block_size) + OWN_PAGES
 
     def apply(self, block_lse: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
               counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

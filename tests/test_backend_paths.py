@@ -180,13 +180,11 @@ class RecordingDecodeKernel:
     def __init__(self):
         self.batches = []
         self.tables = []  # per launch: (wants the per-block LSE, block table, seq_lens)
-        self.min_split_blocks = []
 
     def __call__(self, q, *args):
-        out, lse, want_block_lse, block_lse, min_split_blocks = args[-6], args[-5], args[-3], args[-2], args[-1]
+        out, lse, want_block_lse, block_lse = args[-5], args[-4], args[-2], args[-1]
         self.batches.append(q.shape[0])
         self.tables.append((want_block_lse, args[10].clone(), args[11].clone()))
-        self.min_split_blocks.append(min_split_blocks)
         out.fill_(1.0)
         lse.fill_(0.0)
         if want_block_lse:  # the third block of every request gets the most attention

@@ -160,12 +160,10 @@ def test_kernel_block_lse_and_compacted_decode(shape, splits):
                                                                                                   device="cuda"))
     assert torch.equal(table[:, :20], compact(case["block_table"], case["seq_lens"], keep, 64)[0][:, :20])
     got = plan.run(*args[:6], table, lengths, case["sm_scale"])
-    floored = plan.run(*args[:6], table, lengths, case["sm_scale"], read_blocks=rule.read_blocks(64, 128)).clone()
     for r, (k, v) in enumerate(kv):
         tokens = keep[r].repeat_interleave(64)[: k.shape[0]]
         ref, _ = R.dense_attention(case["q"][r : r + 1], k[tokens], v[tokens], sm_scale=case["sm_scale"])
-        for result in (got, floored):  # the server's compacted layers pass read_blocks
-            assert cases.rel_err(result[r : r + 1], ref) < (1e-2 if dtype == torch.bfloat16 else 3e-3), f"request {r}"
+        assert cases.rel_err(got[r : r + 1], ref) < (1e-2 if dtype == torch.bfloat16 else 3e-3), f"request {r}"
     read, blocks = keep.sum(1).tolist(), ((case["seq_lens"] + 63) // 64).tolist()
     assert [r < b for r, b in zip(read, blocks)] == [True, True, False, True]  # request 2: 2 compressed blocks, both read
 

@@ -206,16 +206,13 @@ class RecordingKernel:
         self.key, self.launches = key, []
 
     def __call__(self, q, k_cache, v_cache, *rest):
-        (block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse,
-         min_split_blocks) = rest[8:]
+        block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse = rest[8:]
         n, hq, s, d = o_part.shape
         assert want_block_lse in (0, 1) and block_lse.shape == ((n * hq, block_table.shape[1]) if want_block_lse else (1, 1))
         assert q.shape == out.shape == (n, hq, d) and block_table.shape[0] == seq_lens.shape[0] == n
         assert lse_part.shape == (n, hq, s) and lse.shape == (n, hq) and tickets.shape[0] == n
         assert all(t.is_contiguous() for t in (q, block_table, seq_lens, o_part, lse_part, out, lse, tickets))
-        assert 1 <= min_split_blocks <= SPLIT_CAPACITY
-        self.launches.append(dict(n=n, splits=s, width=block_table.shape[1], min_split_blocks=min_split_blocks,
-                                  o_part=o_part.data_ptr(),
+        self.launches.append(dict(n=n, splits=s, width=block_table.shape[1], o_part=o_part.data_ptr(),
                                   lse_part=lse_part.data_ptr(), tickets=tickets.data_ptr(), out=out.data_ptr()))
         out.fill_(1.0)
 
@@ -245,29 +242,14 @@ def test_one_kernel_for_every_batch_size_and_context(recording_builder):
     assert list(recording_builder) == [(32, 8, 128, 64, "float16", 2)]
 
 
-def _cpu_run(plan, bs, width, out=None, read_blocks=None):
+def _cpu_run(plan, bs, width, out=None):
     case = dict(k_cache=torch.zeros(64, plan.kv_heads, plan.head_dim, dtype=plan.dtype),
                 k_index=torch.zeros(plan.kv_heads, 0, dtype=torch.int32))
     pools = cases.BlockPools(*(torch.zeros(0) for _ in range(6)))
     q = torch.zeros(bs, plan.q_heads, plan.head_dim, dtype=plan.dtype)
     table, seq_lens = torch.zeros(bs, width, dtype=torch.int32), torch.ones(bs, dtype=torch.int32)
     return plan.run(q, case["k_cache"], case["k_cache"], pools, case["k_index"], case["k_index"], table, seq_lens,
-                    0.125, out=out, read_blocks=read_blocks)
-
-
-def test_read_blocks_sets_the_blocks_a_split_takes_at_least(recording_builder):
-    """CPU: a call told that requests read about ``read_blocks`` blocks keeps the split count of its
-    table's width (a long request still gets every split) and asks each split to take at least the
-    blocks a plan for ``read_blocks`` would give one; without it, or when it is not below the width, 1."""
-    plan = HieraSparseDecode(8, 32, 8, 128, 64, 2049, torch.float16, "cpu", num_sms=132)
-    for read, width in ((72, 2049), (72, 529), (16, 64), (None, 2049), (2049, 2049), (600, 529)):
-        _cpu_run(plan, 8, width, read_blocks=read)
-        launch = plan.kernel.launches[-1]
-        assert launch["splits"] == plan.splits(8, width)
-        want = -(-read // plan.splits(8, read)) if read is not None and read < width else 1
-        assert launch["min_split_blocks"] == want
-    _cpu_run(plan, 8, 2049, read_blocks=72)
-    assert plan.kernel.launches[-1]["min_split_blocks"] > 1  # 8 x 8 pairs at 72 blocks: a few splits of many
+                    0.125, out=out)
 
 
 def test_scratch_views_fixed_addresses_and_large_batches(recording_builder):
@@ -351,26 +333,6 @@ def test_one_kernel_serves_batch_sizes_widths_and_graphs():
     torch.cuda.synchronize()
     assert plan.batch_size == 6 and not plan.counter.any()
     _check_against_reference(big, out, lse)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("read_blocks", [3, 16, 200])
-def test_short_and_long_requests_with_a_split_floor(read_blocks):
-    """A floor on the blocks a split takes (``read_blocks``) leaves most splits of a short request idle
-    and a long one on every split: outputs and LSEs still equal the reference, also for an empty
-    request, and the split tickets are back to zero."""
-    lens = [64 * 5, 64 * 300 + 17, 64 * 2, 64 * 40 - 3, 1]
-    case = cases.make_case(lens, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda", max_blocks=320, seed=61)
-    ref_out, ref_lse = _reference(case)
-    case["seq_lens"][2] = 0  # a padded request
-    plan = _plan(case)
-    out, lse = plan.run(*cases.run_args(case), return_lse=True, read_blocks=read_blocks)
-    torch.cuda.synchronize()
-    assert plan.last_num_splits > 1 and not plan.counter.any()
-    assert torch.count_nonzero(out[2]) == 0 and torch.isneginf(lse[2]).all()
-    for r in (0, 1, 3, 4):
-        assert cases.rel_err(out[r].cpu(), ref_out[r]) < _tol(torch.float16), f"request {r}"
-        assert (lse[r].cpu() - ref_lse[r]).abs().max().item() < 2e-2, f"request {r}"
 
 
 @pytest.mark.gpu
