@@ -45,6 +45,8 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="only S_K,S_V in {(0,1), (1,1)}")
+    ap.add_argument("--points", default=None, metavar="SK:SV,...",
+                    help="decode: the S_K:S_V points to time (e.g. 1:0 for K alone), instead of the default grid")
     ap.add_argument("--variants", action="store_true", help="also time the kernel's other tiles / pipeline depths")
     ap.add_argument("--variant", action="append", default=None, metavar="TILE:STAGES",
                     help="extend, prefill: time this variant besides the default plan (repeatable; with "
@@ -93,6 +95,14 @@ def main(argv=None):
             ap.error(f"--variant {v!r}: expected TILE:STAGES, e.g. n128:3")
         variants.append((parts[0], int(parts[1])))
     args.variant = variants
+    if args.points is not None:
+        text = args.points
+        try:
+            args.points = [tuple(float(x) for x in p.split(":")) for p in text.split(",")]
+        except ValueError:
+            args.points = []
+        if not args.points or any(len(p) != 2 or not all(0 <= x <= 1 for x in p) for p in args.points):
+            ap.error(f"--points {text!r}: expected S_K:S_V pairs in [0, 1], e.g. 1:0,0:1")
     if args.plot:
         with open(args.plot) as f:
             plot_decode(json.load(f), os.path.splitext(args.plot)[0] + ".png")

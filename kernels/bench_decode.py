@@ -37,6 +37,7 @@ def bench_decode(args):
     distinct = min(args.groups or bs, bs)  # requests with their own KV; the others share it
     seq_lens = [L - (37 * r) % 64 if args.ragged else L for r in range(distinct)]
     points = [(0.0, 0.0), (0.0, 1.0), (0.5, 1.0), (1.0, 1.0)] if not args.quick else [(0.0, 1.0), (1.0, 1.0)]
+    points = getattr(args, "points", None) or points
     variants = [dict()]  # the default plan first: its time is the record's ours_us
     if args.variants:
         variants += [dict(stages=stages) for stages in VARIANT_STAGES]

@@ -354,3 +354,13 @@ def test_split_capacity_edges(blocks):
         torch.cuda.synchronize()
         assert plan.last_num_splits >= fewest
         _check_against_reference(case, out, lse)
+
+
+@pytest.mark.parametrize("bad", ["1:2", "x", "1", "0.5:1:0", ""])
+def test_bench_rejects_malformed_points(bad):
+    """``--points`` takes S_K:S_V pairs in [0, 1]; anything else is a usage error before any GPU work."""
+    from sglang_hs.kernels import bench
+
+    with pytest.raises(SystemExit) as err:
+        bench.main(["--kernel", "decode", "--points", bad])
+    assert err.value.code == 2
