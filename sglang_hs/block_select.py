@@ -51,9 +51,9 @@ def select_topk(scores: torch.Tensor, k: int, always: torch.Tensor) -> torch.Ten
 
 
 def select_mass(log_mass: torch.Tensor, tau: float, always: torch.Tensor, cap: int | None = None) -> torch.Tensor:
-    """bool ``[H, n]``: per head the ``always`` blocks plus the fewest highest blocks whose estimated mass
-    (``softmax`` of ``log_mass [H, n]``, e.g. bound scores plus ``log B``) brings the selected share to
-    at least ``tau`` in ``(0, 1]``; at most ``cap`` blocks besides the ``always`` ones."""
+    """bool ``[H, n]``: per head the ``always`` blocks plus the fewest highest blocks whose mass
+    (``softmax`` of ``log_mass [H, n]``, e.g. the log of :func:`exact_block_mass`) brings the selected
+    share to at least ``tau`` in ``(0, 1]``; at most ``cap`` blocks besides the ``always`` ones."""
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"tau={tau} is not in (0, 1]")
     mass = _real(log_mass).softmax(-1)
