@@ -15,11 +15,15 @@ A setting's pruner name selects a variant (``+`` joins parts):
 ``perm`` and ``fperm`` prune K on every block the magnitude ranking picks at S_K, or, after
 ``headmap-<score>+``, on the rows the head map picks (e.g. ``headmap-copy+perm``).
 
+- ``vmap`` (with ``headmap-<score>``): V follows the head map too: 2:4 V only on the (layer, KV head)
+  rows whose K the map stores sparse (and on blocks the V ranking picks at S_V), so the heads that
+  retrieve keep both K and V dense (a per-head V format the store does not hold yet).
+
 Variants that lost (``mustafar``: per-token unstructured K; ``wperm``/``sperm``: data-free channel
 orders; ``refit``: kept values re-fitted to the query second moment) are described with their
 results in ``docs/quality.md`` and live in git history (commit 8f42e89).
 
-V is always the magnitude pruner's (2:4, the server's block ranking at S_V). The sparse K of the
+V is the magnitude pruner's (2:4, the server's block ranking at S_V), on every head unless ``vmap``. The sparse K of the
 magnitude and head-map variants is the server compressor's output read back from the store.
 """
 
@@ -40,6 +44,7 @@ from sglang_hs.pruner import MagnitudePruner, rank_sparse
 
 HEADMAP = "headmap-"
 PERM = "perm"
+V_MAP = "vmap"
 FILE_PERM = "fperm"
 RANDOM_SCORE = "random"
 CALIBRATION_CORPUS = "/usr/share/common-licenses"
@@ -51,12 +56,13 @@ class Variant:
     score: str | None  # head-map score name, or None (every head alike)
     perm: bool = False
     perm_source: str = "calibration"  # or "file" (fperm)
+    v_map: bool = False  # V sparse only where the head map stores K sparse
 
 
 def parse_variant(pruner: str) -> Variant | None:
     """The variant a pruner name selects, or None for the server's own pruners."""
     parts = pruner.split("+")
-    score, perm, source = None, False, "calibration"
+    score, perm, source, v_map = None, False, "calibration", False
     for part in parts:
         if part.startswith(HEADMAP) and score is None:
             score = part[len(HEADMAP) :].replace("-", "_")
@@ -66,11 +72,15 @@ def parse_variant(pruner: str) -> Variant | None:
             perm = True
         elif part == FILE_PERM:
             perm, source = True, "file"
+        elif part == V_MAP:
+            v_map = True
         elif len(parts) == 1:
             return None
         else:
             raise ValueError(f"unknown variant part {part!r} in {pruner!r}")
-    return Variant(score, perm, source)
+    if v_map and score is None:
+        raise ValueError(f"{V_MAP!r} needs a head map part ({HEADMAP}<score>) in {pruner!r}")
+    return Variant(score, perm, source, v_map)
 
 
 def needs_calibration(pruners: list[str]) -> bool:
@@ -135,31 +145,36 @@ class VariantKV:
         b, n, rows = self.geometry.block, len(blocks), self.num_layers * self.kv_heads
         lo, hi = blocks.start * b, blocks.stop * b
         every = torch.ones(n, dtype=torch.bool)
-        sparse_v = rank_sparse(loss_v, every, setting.sv)
-        tokens_v = sparse_v.repeat_interleave(b)[:, None, None]
-        v = [torch.cat([vl[:lo], torch.where(tokens_v, vb, vl[lo:hi]), vl[hi:]]) for vl, (_, vb) in zip(state.v, layers)]
         if variant.score is not None:
             sparse_k = self.head_mask(state, variant.score, setting.sk, blocks)
         else:
             sparse_k = rank_sparse(loss_k, every, setting.sk).expand(self.num_layers, self.kv_heads, n)
+        sparse_v = rank_sparse(loss_v, every, setting.sv).expand(self.num_layers, self.kv_heads, n)
+        if variant.v_map:  # the mapped heads: those the K budget prunes fully
+            sparse_v = sparse_v & (head_map.budget_map(self.scores_of(variant.score), setting.sk) >= 1.0)[..., None]
+        v = [torch.cat([vl[:lo], torch.where(token_mask(mask, b), vb, vl[lo:hi]), vl[hi:]])
+             for vl, (_, vb), mask in zip(state.v, layers, sparse_v)]  # fmt: skip
         k_sparse = self._permuted(state, blocks, variant.perm_source) if variant.perm else [kb for kb, _ in layers]
         k = [torch.cat([kl[:lo], torch.where(token_mask(mask, b), kb, kl[lo:hi]), kl[hi:]])
              for kl, kb, mask in zip(state.k, k_sparse, sparse_k)]  # fmt: skip
-        return k, v, kv_stats(blocks, (sparse_k, sparse_v.expand(self.num_layers, self.kv_heads, n)), rows)
+        return k, v, kv_stats(blocks, (sparse_k, sparse_v), rows)
 
     def head_mask(self, state: Any, score: str, sk: float, blocks: range) -> torch.Tensor:
         """bool ``[L, H, n]``: the K rows the head map of ``score`` at budget ``sk`` stores sparse."""
-        if score == RANDOM_SCORE:
-            scores = head_map.random_scores(self.num_layers, self.kv_heads, self.random_seed)
-        elif self.head_scores is None or score not in self.head_scores.scores:
-            raise RuntimeError(f"head-map score {score!r} needs calibrate() first")
-        else:
-            scores = self.head_scores.scores[score]
+        scores = self.scores_of(score)
         if "head_losses" not in state.pruned:
             state.pruned["head_losses"] = head_map.head_block_losses(
                 MagnitudePruner(), state.k, self._slots(blocks), self.geometry.block, self.kv_heads)
         every = torch.ones(len(blocks), dtype=torch.bool)
         return head_map.head_sparse_masks(head_map.budget_map(scores, sk), state.pruned["head_losses"], every)
+
+    def scores_of(self, score: str) -> torch.Tensor:
+        """``[L, H]`` calibration scores of ``score`` (or the seeded random control)."""
+        if score == RANDOM_SCORE:
+            return head_map.random_scores(self.num_layers, self.kv_heads, self.random_seed)
+        if self.head_scores is None or score not in self.head_scores.scores:
+            raise RuntimeError(f"head-map score {score!r} needs calibrate() first")
+        return self.head_scores.scores[score]
 
     def permutations(self) -> torch.Tensor:
         """int64 ``[L, H, D]``: the calibrated channel permutation of K (and Q) per (layer, KV head)."""

@@ -155,8 +155,9 @@ def test_variant_names_parse():
     assert qv.parse_variant("headmap-copy+perm") == qv.Variant("copy", True)
     assert qv.parse_variant("headmap-needle+fperm") == qv.Variant("needle", True, "file")
     assert qv.parse_variant("fperm") == qv.Variant(None, True, "file")
+    assert qv.parse_variant("headmap-needle+fperm+vmap") == qv.Variant("needle", True, "file", True)
     assert not qv.needs_calibration(["fperm"]) and qv.needs_calibration(["perm"])
-    for name in ("headmap-nope", "perm+refit", "headmap-copy+mustafar"):  # unknown parts, incl. removed variants
+    for name in ("headmap-nope", "perm+refit", "headmap-copy+mustafar", "fperm+vmap"):  # unknown parts, incl. removed variants
         with pytest.raises(ValueError):
             qv.parse_variant(name)
     assert qv.needs_calibration(["magnitude", "headmap-needle"]) and not qv.needs_calibration(["headmap-random"])
@@ -202,6 +203,14 @@ def test_all_dense_map_equals_sk0_bit_for_bit_and_all_sparse_equals_sk1(calibrat
     k0, v0, _ = calibrated.fast_kv(state, qi.Setting("magnitude", 0.0, 1.0))
     assert all(torch.equal(a, b) for a, b in zip(v, v0)) and not all(torch.equal(a, b) for a, b in zip(k, k0))
     assert stats["sparse_k_blocks"] == 0.5 * n
+    # vmap: V is 2:4 exactly on the heads whose K the map prunes, dense on the heads that retrieve.
+    k2, v2, stats = calibrated.fast_kv(state, qi.Setting("headmap-needle+vmap", 0.5, 1.0))
+    mapped = hm.budget_map(calibrated.head_scores.scores["needle"], 0.5) >= 1.0
+    assert all(torch.equal(a, b) for a, b in zip(k2, k)) and stats["sparse_v_blocks"] == 0.5 * n
+    for layer in range(2):
+        for head in range(2):
+            want = v0 if mapped[layer, head] else state.v
+            assert torch.equal(v2[layer][:, head], want[layer][:, head]), (layer, head)
     # The channel-order variants at S_K = 0 are dense too; at S_K = 1 they prune every compressible K row.
     for name in ("perm", "headmap-needle+perm"):
         k1, v1, _ = calibrated.fast_kv(state, qi.Setting(name, 0.0, 1.0))
