@@ -18,6 +18,10 @@ A setting's pruner name selects a variant (``+`` joins parts):
 - ``vmap`` (with ``headmap-<score>``): V follows the head map too: 2:4 V only on the (layer, KV head)
   rows whose K the map stores sparse (and on blocks the V ranking picks at S_V), so the heads that
   retrieve keep both K and V dense (a per-head V format the store does not hold yet).
+- ``vcomp-<percent>``: V error compensation on the magnitude 2:4 support: in every group of 4 tokens
+  and channel, the two kept values each take ``percent``/100 of half the dropped values' sum (100: the
+  group's sum is kept exactly, the optimum when attention is even across the group; 0: plain
+  magnitude). The format and the kernels are unchanged; only the stored values move.
 
 Variants that lost (``mustafar``: per-token unstructured K; ``wperm``/``sperm``: data-free channel
 orders; ``refit``: kept values re-fitted to the query second moment) are described with their
@@ -40,11 +44,13 @@ from sglang_hs import head_map
 from sglang_hs.channel_order import ChannelOrder, unpermute
 from sglang_hs.head_map import SCORE_NAMES
 from sglang_hs.launch.quality_inputs import MissingInput, Setting
-from sglang_hs.pruner import MagnitudePruner, rank_sparse
+from sglang_hs.format import GROUP, KEEP
+from sglang_hs.pruner import MagnitudePruner, rank_sparse, top2_of_4
 
 HEADMAP = "headmap-"
 PERM = "perm"
 V_MAP = "vmap"
+V_COMP = "vcomp-"
 FILE_PERM = "fperm"
 RANDOM_SCORE = "random"
 CALIBRATION_CORPUS = "/usr/share/common-licenses"
@@ -57,12 +63,13 @@ class Variant:
     perm: bool = False
     perm_source: str = "calibration"  # or "file" (fperm)
     v_map: bool = False  # V sparse only where the head map stores K sparse
+    v_comp: float = 0.0  # share of the dropped V group sum the kept values absorb
 
 
 def parse_variant(pruner: str) -> Variant | None:
     """The variant a pruner name selects, or None for the server's own pruners."""
     parts = pruner.split("+")
-    score, perm, source, v_map = None, False, "calibration", False
+    score, perm, source, v_map, v_comp = None, False, "calibration", False, 0.0
     for part in parts:
         if part.startswith(HEADMAP) and score is None:
             score = part[len(HEADMAP) :].replace("-", "_")
@@ -74,13 +81,15 @@ def parse_variant(pruner: str) -> Variant | None:
             perm, source = True, "file"
         elif part == V_MAP:
             v_map = True
+        elif part.startswith(V_COMP) and part[len(V_COMP) :].isdigit():
+            v_comp = int(part[len(V_COMP) :]) / 100
         elif len(parts) == 1:
             return None
         else:
             raise ValueError(f"unknown variant part {part!r} in {pruner!r}")
     if v_map and score is None:
         raise ValueError(f"{V_MAP!r} needs a head map part ({HEADMAP}<score>) in {pruner!r}")
-    return Variant(score, perm, source, v_map)
+    return Variant(score, perm, source, v_map, v_comp)
 
 
 def needs_calibration(pruners: list[str]) -> bool:
@@ -129,6 +138,16 @@ def kv_stats(blocks: range, sparse: tuple[torch.Tensor, torch.Tensor] | None, ro
     }
 
 
+def compensated_v(dense: torch.Tensor, share: float) -> torch.Tensor:
+    """``[T, H, D]`` V (T a multiple of 4, groups aligned) pruned 2:4 along tokens by magnitude, the
+    kept two of every group raised by ``share`` x half the group's dropped sum (per head and channel)."""
+    keep = top2_of_4(dense.float().abs(), 0)
+    x = dense.float()
+    dropped = (x * ~keep).unflatten(0, (-1, GROUP)).sum(1, keepdim=True)
+    moved = x.unflatten(0, (-1, GROUP)) + share * dropped / KEEP
+    return torch.where(keep, moved.flatten(0, 1), 0).to(dense.dtype)
+
+
 class VariantKV:
     """The reference backend's K/V for variant settings (mixed into
     :class:`sglang_hs.launch.quality_reference.ReferenceBackend`, whose model, geometry, store and
@@ -152,6 +171,8 @@ class VariantKV:
         sparse_v = rank_sparse(loss_v, every, setting.sv).expand(self.num_layers, self.kv_heads, n)
         if variant.v_map:  # the mapped heads: those the K budget prunes fully
             sparse_v = sparse_v & (head_map.budget_map(self.scores_of(variant.score), setting.sk) >= 1.0)[..., None]
+        if variant.v_comp:
+            layers = [(kb, compensated_v(vl[lo:hi], variant.v_comp)) for vl, (kb, _) in zip(state.v, layers)]
         v = [torch.cat([vl[:lo], torch.where(token_mask(mask, b), vb, vl[lo:hi]), vl[hi:]])
              for vl, (_, vb), mask in zip(state.v, layers, sparse_v)]  # fmt: skip
         k_sparse = self._permuted(state, blocks, variant.perm_source) if variant.perm else [kb for kb, _ in layers]

@@ -156,8 +156,9 @@ def test_variant_names_parse():
     assert qv.parse_variant("headmap-needle+fperm") == qv.Variant("needle", True, "file")
     assert qv.parse_variant("fperm") == qv.Variant(None, True, "file")
     assert qv.parse_variant("headmap-needle+fperm+vmap") == qv.Variant("needle", True, "file", True)
+    assert qv.parse_variant("vcomp-50") == qv.Variant(None, v_comp=0.5)
     assert not qv.needs_calibration(["fperm"]) and qv.needs_calibration(["perm"])
-    for name in ("headmap-nope", "perm+refit", "headmap-copy+mustafar", "fperm+vmap"):  # unknown parts, incl. removed variants
+    for name in ("headmap-nope", "perm+refit", "headmap-copy+mustafar", "fperm+vmap", "fperm+vcomp-x"):  # unknown parts, incl. removed variants
         with pytest.raises(ValueError):
             qv.parse_variant(name)
     assert qv.needs_calibration(["magnitude", "headmap-needle"]) and not qv.needs_calibration(["headmap-random"])
@@ -217,6 +218,23 @@ def test_all_dense_map_equals_sk0_bit_for_bit_and_all_sparse_equals_sk1(calibrat
         assert all(torch.equal(a, b) for a, b in zip(k1 + v1, k0 + v0)), name
         k1, _, s1 = calibrated.fast_kv(state, qi.Setting(name, 1.0, 1.0))
         assert s1["sparse_k_blocks"] == n and not torch.equal(k1[0], k0[0]), name
+
+
+def test_v_compensation_keeps_the_store_support_and_the_group_sums(calibrated):
+    torch.manual_seed(3)
+    ids = torch.randint(5, 1000, (900,)).tolist()
+    state = calibrated.prefix_state(ids, GEOMETRY.reused(900, 900), calibrate=False)
+    blocks = GEOMETRY.compressed_blocks(900, state.reused)
+    lo, hi = blocks.start * 64, blocks.stop * 64
+    _, v0, _ = calibrated.fast_kv(state, qi.Setting("magnitude", 0.0, 1.0))
+    _, v1, stats = calibrated.fast_kv(state, qi.Setting("vcomp-100", 0.0, 1.0))
+    assert stats["sparse_v_blocks"] == len(blocks)
+    for layer in range(2):
+        assert torch.equal(qv.compensated_v(state.v[layer][lo:hi], 0.0), v0[layer][lo:hi])  # the store's 2:4 V
+        assert torch.equal(v1[layer][:lo], state.v[layer][:lo]) and torch.equal(v1[layer][hi:], state.v[layer][hi:])
+        groups = lambda x: x[lo:hi].float().unflatten(0, (-1, 4)).sum(1)  # noqa: E731
+        assert torch.allclose(groups(v1[layer]), groups(state.v[layer]), atol=2e-2)
+        assert not torch.allclose(groups(v0[layer]), groups(state.v[layer]), atol=2e-2)
 
 
 def test_permuted_k_through_the_store_is_the_permuted_2to4_of_k(calibrated):
