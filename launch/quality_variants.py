@@ -27,8 +27,9 @@ Variants that lost (``mustafar``: per-token unstructured K; ``wperm``/``sperm``:
 orders; ``refit``: kept values re-fitted to the query second moment) are described with their
 results in ``docs/quality.md`` and live in git history (commit 8f42e89).
 
-V is the magnitude pruner's (2:4, the server's block ranking at S_V), on every head unless ``vmap``. The sparse K of the
-magnitude and head-map variants is the server compressor's output read back from the store.
+V is the magnitude pruner's (2:4, the server's block ranking at S_V), on every head unless ``vmap``,
+with its stored values unless ``vcomp``. The sparse K of the magnitude and head-map variants is the
+server compressor's output read back from the store.
 """
 
 from __future__ import annotations
@@ -141,8 +142,8 @@ def kv_stats(blocks: range, sparse: tuple[torch.Tensor, torch.Tensor] | None, ro
 def compensated_v(dense: torch.Tensor, share: float) -> torch.Tensor:
     """``[T, H, D]`` V (T a multiple of 4, groups aligned) pruned 2:4 along tokens by magnitude, the
     kept two of every group raised by ``share`` x half the group's dropped sum (per head and channel)."""
-    keep = top2_of_4(dense.float().abs(), 0)
     x = dense.float()
+    keep = top2_of_4(x.abs(), 0)
     dropped = (x * ~keep).unflatten(0, (-1, GROUP)).sum(1, keepdim=True)
     moved = x.unflatten(0, (-1, GROUP)) + share * dropped / KEEP
     return torch.where(keep, moved.flatten(0, 1), 0).to(dense.dtype)

@@ -158,7 +158,7 @@ def test_variant_names_parse():
     assert qv.parse_variant("headmap-needle+fperm+vmap") == qv.Variant("needle", True, "file", True)
     assert qv.parse_variant("vcomp-50") == qv.Variant(None, v_comp=0.5)
     assert not qv.needs_calibration(["fperm"]) and qv.needs_calibration(["perm"])
-    for name in ("headmap-nope", "perm+refit", "headmap-copy+mustafar", "fperm+vmap", "fperm+vcomp-x"):  # unknown parts, incl. removed variants
+    for name in ("headmap-nope", "perm+refit", "headmap-copy+mustafar", "fperm+vmap", "fperm+vcomp-x"):  # unknown parts (incl. removed variants), vmap without a map
         with pytest.raises(ValueError):
             qv.parse_variant(name)
     assert qv.needs_calibration(["magnitude", "headmap-needle"]) and not qv.needs_calibration(["headmap-random"])
