@@ -101,11 +101,15 @@ def bench_decode(args):
         case_for_modes, fis_for_modes = (case, fis) if args.modes else (None, None)
         shared_rec = None
         if distinct < bs:
-            shared_rec = bench_shared_prefix(case, ref, fis, args.iters, args.shared_splits)
+            from sglang_hs.kernels.decode_shared import compressed_forms
+
+            forms = compressed_forms((sk,), (sv,), k_head_map=args.k_sparse_heads is not None)
+            shared_rec = bench_shared_prefix(case, ref, fis, args.iters, args.shared_splits, forms)
         if shared_rec:
             for r in [shared_rec, *shared_rec.get("variants", [])]:
                 lines.append(f"{layout} S_K={sk} S_V={sv} shared-prefix decode ({shared_rec['column_sets']} column sets, "
-                             f"{r['shared_splits']} shared splits): {r['us']:.1f} us, FI {r['flashinfer_us']:.1f} us "
+                             f"forms {'/'.join(r['forms'])}, {r['shared_splits']} shared splits): {r['us']:.1f} us, "
+                             f"FI {r['flashinfer_us']:.1f} us "
                              f"({shared_rec['flashinfer_backend']}), speedup {r['speedup']:.3f}, err {r['rel_err_vs_flashinfer']:.2e}")
                 print(lines[-1], flush=True)
         del case
@@ -204,22 +208,28 @@ def bench_mode(case: dict, mode: str, args, ref_full: dict, fis: dict) -> dict:
     )
 
 
-def bench_shared_prefix(case: dict, ref: torch.Tensor, fis: dict, iters: int, splits: str | None = None) -> dict | None:
+def bench_shared_prefix(case: dict, ref: torch.Tensor, fis: dict, iters: int, splits: str | None = None,
+                        forms: tuple[str, str] = ("any", "any")) -> dict | None:  # fmt: skip
     """The shared-prefix decode (:mod:`sglang_hs.kernels.decode_shared`) of a batch whose requests share
     prefixes, each keeping its last block to its own pass (a request's own tokens), timed side by side
     with FlashInfer's backends (``fis``: backend -> run()) as CUDA-graph replays, per layer (the step's
-    tables are built once, as a server builds them once per decode step). ``splits``: comma list of
-    shared-pass split counts to time besides the plan's own (``variants``)."""
+    tables are built once, as a server builds them once per decode step). ``forms``: the shared pass's
+    block forms (the compressed blocks' forms, as a server plans them); with fewer than every form the
+    every-form kernel is timed too (a variant). ``splits``: comma list of shared-pass split counts to
+    time besides the plan's own (``variants``)."""
     from sglang_hs.kernels.decode_shared import SharedPrefixDecode
 
     q = case["q"]
     bs, hq, d = q.shape
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = run_args(case)
     results = []
-    for forced in [None, *(int(x) for x in (splits or "").split(",") if x)]:
+    runs = [(None, tuple(forms)), *((int(x), tuple(forms)) for x in (splits or "").split(",") if x)]
+    if tuple(forms) != ("any", "any"):
+        runs.append((None, ("any", "any")))
+    for forced, run_forms in runs:
         plan = SharedPrefixDecode(bs, hq, k_cache.shape[1], d, case["block_size"], case["max_blocks"], q.dtype,
-                                  q.device, shared_splits=forced)  # fmt: skip
-        step = plan.plan_step(block_table, seq_lens, min_own_blocks=1)  # once per decode step, not per layer
+                                  q.device, shared_splits=forced, forms=run_forms)  # fmt: skip
+        step = plan.plan_step(block_table, seq_lens, k_index, v_index, min_own_blocks=1)  # once per step, not per layer
         sets = int((step.members[:, 0] >= 0).sum())
         if not sets:
             return None
@@ -235,9 +245,11 @@ def bench_shared_prefix(case: dict, ref: torch.Tensor, fis: dict, iters: int, sp
         results.append(dict(us=round(g, 2), flashinfer_us=round(fi_us[fast], 2), speedup=round(fi_us[fast] / g, 4),
                             flashinfer_us_by_backend={b: round(t, 2) for b, t in fi_us.items()},
                             flashinfer_backend=f"{fast} (tensor-core decode)", rel_err_vs_flashinfer=err,
-                            shared_splits=plan.shared_plan.num_splits))  # fmt: skip
-    record = dict(results[0], column_sets=sets, fold=plan.fold,
-                  shared_blocks=(step.shared_lens[:sets] // case["block_size"]).tolist(), own_blocks_per_request=1)
+                            shared_splits=plan.shared_plan.num_splits, forms=list(run_forms)))  # fmt: skip
+        if len(results) == 1:
+            first = dict(sets=sets, shared_blocks=(step.shared_lens[:sets] // case["block_size"]).tolist())
+    record = dict(results[0], column_sets=first["sets"], fold=plan.fold, shared_blocks=first["shared_blocks"],
+                  own_blocks_per_request=1)
     if len(results) > 1:
         record["variants"] = results[1:]
     return record

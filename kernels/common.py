@@ -55,18 +55,36 @@ class KvSources(NamedTuple):
     v_meta: object  # [rows, B*D/256, 16] int16
 
 
-def tma_loads(T, block_size: int, k_sparse: bool = True):
+KV_FORMS = ("any", "dense", "sparse")
+"""What a kernel's stages hold for one operand (K or V): every form (``any``: cache pages, dense pool
+rows and 2:4 rows), dense rows only (cache pages and dense pool rows), or 2:4 rows only. A kernel
+compiled for fewer forms has smaller stages, so more CTAs fit an SM; it must only be given blocks of
+its forms."""
+ANY_FORMS = ("any", "any")
+
+
+def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any"):
     """The TileLang macros ``load_k(mode, k_row, h, stage, src)`` and ``load_v(mode, v_row, h, stage,
     src)``: the TMA loads of a block's K (mode ``& 3``) or V (mode ``>> 2``) of KV head ``h`` into a
     :class:`Stage` from a :class:`KvSources`, on the stage's ``full`` barrier. Mode 0: a cache page (the
     row is the page, a strided 3-D box); 1: a dense pool row; 2: 2:4 values and metadata of a pool row
     (the metadata tile is contiguous and moved as a ``[B*D/256, 16]`` box: TMA needs an inner box of
-    >= 16 bytes)."""
+    >= 16 bytes). ``k_form`` / ``v_form`` (:data:`KV_FORMS`): the forms the stage holds; the branches
+    of the others are not generated."""
     B = block_size
+    assert k_form in KV_FORMS and v_form in KV_FORMS
 
     @T.macro
     def load_k(mode, k_row, h, stage, src):
-        if k_sparse:
+        if k_form == "sparse":
+            T.tma_copy(src.k_values[k_row, :, :], stage.k_values, barrier=stage.full)
+            T.tma_copy(src.k_meta[k_row, :, :], stage.k_meta, barrier=stage.full)
+        elif k_form == "dense":
+            if (mode & 3) == 0:
+                T.tma_copy(src.k_cache[k_row * B:(k_row + 1) * B, h, :], stage.k_dense, barrier=stage.full)
+            else:
+                T.tma_copy(src.k_dense[k_row, :, :], stage.k_dense, barrier=stage.full)
+        else:
             if (mode & 3) == 0:
                 T.tma_copy(src.k_cache[k_row * B:(k_row + 1) * B, h, :], stage.k_dense, barrier=stage.full)
             elif (mode & 3) == 1:
@@ -74,21 +92,25 @@ def tma_loads(T, block_size: int, k_sparse: bool = True):
             else:
                 T.tma_copy(src.k_values[k_row, :, :], stage.k_values, barrier=stage.full)
                 T.tma_copy(src.k_meta[k_row, :, :], stage.k_meta, barrier=stage.full)
-        else:
-            if (mode & 3) == 0:
-                T.tma_copy(src.k_cache[k_row * B:(k_row + 1) * B, h, :], stage.k_dense, barrier=stage.full)
-            else:
-                T.tma_copy(src.k_dense[k_row, :, :], stage.k_dense, barrier=stage.full)
 
     @T.macro
     def load_v(mode, v_row, h, stage, src):
-        if (mode >> 2) == 0:
-            T.tma_copy(src.v_cache[v_row * B:(v_row + 1) * B, h, :], stage.v_dense, barrier=stage.full)
-        elif (mode >> 2) == 1:
-            T.tma_copy(src.v_dense[v_row, :, :], stage.v_dense, barrier=stage.full)
-        else:
+        if v_form == "sparse":
             T.tma_copy(src.v_values[v_row, :, :], stage.v_values, barrier=stage.full)
             T.tma_copy(src.v_meta[v_row, :, :], stage.v_meta, barrier=stage.full)
+        elif v_form == "dense":
+            if (mode >> 2) == 0:
+                T.tma_copy(src.v_cache[v_row * B:(v_row + 1) * B, h, :], stage.v_dense, barrier=stage.full)
+            else:
+                T.tma_copy(src.v_dense[v_row, :, :], stage.v_dense, barrier=stage.full)
+        else:
+            if (mode >> 2) == 0:
+                T.tma_copy(src.v_cache[v_row * B:(v_row + 1) * B, h, :], stage.v_dense, barrier=stage.full)
+            elif (mode >> 2) == 1:
+                T.tma_copy(src.v_dense[v_row, :, :], stage.v_dense, barrier=stage.full)
+            else:
+                T.tma_copy(src.v_values[v_row, :, :], stage.v_values, barrier=stage.full)
+                T.tma_copy(src.v_meta[v_row, :, :], stage.v_meta, barrier=stage.full)
 
     return load_k, load_v
 

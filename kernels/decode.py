@@ -77,8 +77,8 @@ import torch
 
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import (
-    LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape, compile_cached,
-    precompile_main, split_count, tma_loads,
+    ANY_FORMS, KV_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
+    compile_cached, precompile_main, split_count, tma_loads,
 )
 
 STAGES = 2
@@ -96,12 +96,20 @@ def _n_pad(group: int) -> int:
     return 8 if group <= 8 else 16
 
 
-def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int = SPLIT_CAPACITY) -> int:
+def stage_bytes(head_dim: int, block_size: int, forms: tuple[str, str] = ANY_FORMS) -> int:
+    """One stage's K and V buffers (bytes) for the ``(k_form, v_form)`` it holds
+    (:data:`sglang_hs.kernels.common.KV_FORMS`): a dense tile, 2:4 values + int16 metadata, or both."""
+    elems = block_size * head_dim
+    dense, sparse = elems * 2, elems + elems // 8
+    return sum({"any": dense + sparse, "dense": dense, "sparse": sparse}[form] for form in forms)
+
+
+def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int = SPLIT_CAPACITY,
+               forms: tuple[str, str] = ANY_FORMS) -> int:  # fmt: skip
     """Shared memory of one CTA (bytes), an upper bound of the buffers of :func:`build_decode_prim_func`
     (its index maps hold ``blocks_per_split`` entries: the kernel's :data:`SPLIT_CAPACITY`)."""
     n = _n_pad(group)
-    elems = block_size * head_dim
-    stage = 2 * (elems * 2 + elems + elems // 8)  # K and V: dense tile, 2:4 values, int16 metadata
+    stage = stage_bytes(head_dim, block_size, forms)
     other = n * head_dim * 2 + block_size * n * 6 + 3 * blocks_per_split * 4 + 4 * 512  # Q, P, S^T, maps
     return stages * stage + other
 
@@ -112,20 +120,29 @@ def min_splits(max_blocks: int, capacity: int = SPLIT_CAPACITY) -> int:
     return max(1, -(-max_blocks // capacity))
 
 
-def fitting_split_capacity(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int) -> int:
-    """The largest split capacity (512 down to 64 blocks) at which two CTAs of the shape share an SM.
-    At 16 query heads per KV head and d 128 the wider N costs 5 KB of shared memory, which a capacity
-    of 64 (smaller index maps, more splits) gives back; every other tested shape keeps 512."""
-    for capacity in (SPLIT_CAPACITY, 256, 128, 64):
-        if 2 * (smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, capacity) + 1024) <= SMEM_PER_SM:
-            return capacity
-    return SPLIT_CAPACITY
+def fitting_split_capacity(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
+                           forms: tuple[str, str] = ANY_FORMS) -> int:  # fmt: skip
+    """The largest split capacity (512 down to 64 blocks) at which the most CTAs of the shape share an
+    SM. At 16 query heads per KV head and d 128 the wider N costs 5 KB of shared memory, which a
+    capacity of 64 (smaller index maps, more splits) gives back, keeping two CTAs; every other tested
+    shape keeps 512."""
+    capacities = (SPLIT_CAPACITY, 256, 128, 64)
+    fits = {c: ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, c, forms) for c in capacities}
+    return max((fits[c], c) for c in capacities)[1]
 
 
 def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64, dtype: str = "float16",
-                           stages: int = STAGES, split_capacity: int = SPLIT_CAPACITY):
+                           stages: int = STAGES, split_capacity: int = SPLIT_CAPACITY,
+                           forms: tuple[str, str] = ANY_FORMS, min_split_blocks: int = 1):  # fmt: skip
     """The TileLang ``prim_func`` of one model shape. The batch size, the block table's width and the
     split count are dynamic (bound from the arguments' shapes), so one kernel serves every plan.
+    ``forms`` = ``(k_form, v_form)`` (:data:`sglang_hs.kernels.common.KV_FORMS`): the block forms the
+    stages hold; a kernel for fewer forms must only be given blocks of those forms (the shared-prefix
+    decode's shared pass, :mod:`.decode_shared`), and fits more CTAs an SM. ``min_split_blocks`` > 1
+    gives every split of a request at least that many blocks and lets the splits past its blocks exit
+    at once (the merge takes only the splits with blocks): a plan for long requests then costs a short
+    one a CTA per few blocks, not one per split (the shared-prefix decode's own pass, whose requests
+    are mostly a short tail).
 
     Arguments, in order (``S`` = the split count, bound from ``o_part``'s shape; it must be at least
     ``min_splits(max_blocks)``): ``q [bs, Hq, D]``, ``k_cache, v_cache [slots, Hkv, D]``, the six pools
@@ -156,12 +173,17 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     (num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual, batch, max_blocks,
      S, lse_rows, lse_cols) = T.dynamic("num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, "
                                        "num_virtual, batch, max_blocks, num_splits, lse_rows, lse_cols")
-    load_k, load_v = tma_loads(T, B)
+    k_form, v_form = forms
+    assert k_form in KV_FORMS and v_form in KV_FORMS
+    load_k, load_v = tma_loads(T, B, k_form, v_form)
 
     def alloc_stages():
-        return [Stage(T.alloc_shared([B, D], dtype), T.alloc_shared([B, D // 2], dtype),
-                      T.alloc_shared([e_rows, 16], "int16"), T.alloc_shared([B, D], dtype),
-                      T.alloc_shared([D, B // 2], dtype), T.alloc_shared([e_rows, 16], "int16"),
+        def shared(form, kind, shape, dt):  # a buffer of a form the stage holds, else None
+            return T.alloc_shared(shape, dt) if form in ("any", kind) else None
+
+        return [Stage(shared(k_form, "dense", [B, D], dtype), shared(k_form, "sparse", [B, D // 2], dtype),
+                      shared(k_form, "sparse", [e_rows, 16], "int16"), shared(v_form, "dense", [B, D], dtype),
+                      shared(v_form, "sparse", [D, B // 2], dtype), shared(v_form, "sparse", [e_rows, 16], "int16"),
                       T.alloc_barrier(threads), None) for _ in range(stages)]
 
     @T.macro
@@ -179,7 +201,12 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row):
         # Block j: S^T = K·Q^T, the lane softmax (TPC consecutive lanes own a column), O^T += V^T·P^T.
         mode = maps[0][j]
-        if (mode & 3) == 2:
+        if k_form == "sparse":
+            T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
+                      clear_accum=True)
+        elif k_form == "dense":
+            T.gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True)
+        elif (mode & 3) == 2:
             T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                       clear_accum=True)
         else:
@@ -221,7 +248,11 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         T.sync_threads()
         for d, g in T.Parallel(D, NH):
             oT[d, g] *= rescale_sh[g]
-        if (mode >> 2) == 2:
+        if v_form == "sparse":
+            T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
+        elif v_form == "dense":
+            T.gemm(stage.v_dense, P_s, oT, transpose_A=True)
+        elif (mode >> 2) == 2:
             T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
         else:
             T.gemm(stage.v_dense, P_s, oT, transpose_A=True)
@@ -251,6 +282,18 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         for s in range(stages):
             step(it * stages + s, it & 1, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st[s],
                  st[(s + stages - 1) % stages], src, *frags)
+
+    # Plain Python helpers: with min_split_blocks = 1 (every plain decode) they emit exactly the split
+    # arithmetic of a kernel without the floor (no guard, every split takes part in the merge).
+    def blocks_per_split(seq_blocks):
+        per_split = T.ceildiv(seq_blocks, S)
+        return per_split if min_split_blocks == 1 else T.max(per_split, min_split_blocks)
+
+    def splits_with_blocks(seq_blocks, per_split):  # at least 1: an empty request's split 0 writes its -inf LSE
+        return S if min_split_blocks == 1 else T.max(T.ceildiv(seq_blocks, per_split), 1)
+
+    def cta_guard(split, live_splits):  # (used inline: binding S to a new name would rename the kernel's argument)
+        return True if min_split_blocks == 1 else split < live_splits
 
     @T.prim_func
     def main(
@@ -299,105 +342,111 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             # generated code stays that of a static split count but for the (loop-invariant) division.
             seq_len = seq_lens[request]
             seq_blocks = T.ceildiv(seq_len, B)
-            per_split = T.ceildiv(seq_blocks, S)
+            per_split = blocks_per_split(seq_blocks)
             first_block = split * per_split
             # The plan keeps S >= ceil(max_blocks / bps), so per_split <= bps; the bound only guards the maps.
             num_blocks = T.max(T.min(T.min(per_split, bps), seq_blocks - first_block), 0)
             scale_log2 = sm_scale * LOG2E
 
-            # Resolve this CTA's blocks: mode = k_mode | v_mode << 2 (0 cache page, 1 dense row, 2 2:4 row).
-            for i in T.Parallel(bps):
-                if i < num_blocks:
-                    entry = block_table[request, first_block + i]
-                    if entry >= 0:
-                        block_mode[i] = 0
-                        block_k_row[i] = entry
-                        block_v_row[i] = entry
-                    else:
-                        k_entry = k_index[h, -entry - 1]
-                        v_entry = v_index[h, -entry - 1]
-                        block_mode[i] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
-                        block_k_row[i] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
-                        block_v_row[i] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
-            for g, d in T.Parallel(NH, D):
-                Q_s[g, d] = T.if_then_else(g < G, q[request, h * G + g, d], T.cast(0, dtype))
-            T.fill(oT, 0)
-            run_max[0] = -T.infinity(accum)
-            run_sum[0] = 0.0
-            T.fence_proxy_async()
-            T.sync_threads()
+            # A split past its request's blocks has nothing to do (only with a split floor).
+            if cta_guard(split, splits_with_blocks(seq_blocks, per_split)):
+                # Resolve this CTA's blocks: mode = k_mode | v_mode << 2 (0 cache page, 1 dense row, 2 2:4 row).
+                for i in T.Parallel(bps):
+                    if i < num_blocks:
+                        entry = block_table[request, first_block + i]
+                        if entry >= 0:
+                            block_mode[i] = 0
+                            block_k_row[i] = entry
+                            block_v_row[i] = entry
+                        else:
+                            k_entry = k_index[h, -entry - 1]
+                            v_entry = v_index[h, -entry - 1]
+                            block_mode[i] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
+                            block_k_row[i] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
+                            block_v_row[i] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
+                for g, d in T.Parallel(NH, D):
+                    Q_s[g, d] = T.if_then_else(g < G, q[request, h * G + g, d], T.cast(0, dtype))
+                T.fill(oT, 0)
+                run_max[0] = -T.infinity(accum)
+                run_sum[0] = 0.0
+                T.fence_proxy_async()
+                T.sync_threads()
 
-            src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
-            maps = (block_mode, block_k_row, block_v_row)
-            frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse,
-                     request * q_heads + h * G)
-            emit_prologue(num_blocks, h, maps, ring_stages, src)
-            for it in T.serial(T.ceildiv(num_blocks, stages)):
-                emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
+                src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
+                maps = (block_mode, block_k_row, block_v_row)
+                frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse,
+                         request * q_heads + h * G)
+                emit_prologue(num_blocks, h, maps, ring_stages, src)
+                for it in T.serial(T.ceildiv(num_blocks, stages)):
+                    emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
 
-            tid = T.get_thread_binding()
-            for k in T.unroll(len(SHUF)):
-                run_sum[0] = run_sum[0] + T.shfl_xor(run_sum[0], TPC >> (k + 1))
-            if tid % TPC == 0:
-                stats_sh[0, tid // TPC] = run_max[0]
-                stats_sh[1, tid // TPC] = run_sum[0]
-            T.sync_threads()
-            for g in T.Parallel(NH):
-                if g < G:
-                    lse_part[request, h * G + g, split] = T.if_then_else(
-                        stats_sh[1, g] > 0, T.log2(stats_sh[1, g]) + stats_sh[0, g] * scale_log2, -T.infinity(accum))
-            for d, g in T.Parallel(D, NH):
-                if g < G:
-                    o_part[request, h * G + g, split, d] = T.if_then_else(
-                        stats_sh[1, g] > 0, oT[d, g] / stats_sh[1, g], 0.0)
+                tid = T.get_thread_binding()
+                for k in T.unroll(len(SHUF)):
+                    run_sum[0] = run_sum[0] + T.shfl_xor(run_sum[0], TPC >> (k + 1))
+                if tid % TPC == 0:
+                    stats_sh[0, tid // TPC] = run_max[0]
+                    stats_sh[1, tid // TPC] = run_sum[0]
+                T.sync_threads()
+                for g in T.Parallel(NH):
+                    if g < G:
+                        lse_part[request, h * G + g, split] = T.if_then_else(
+                            stats_sh[1, g] > 0, T.log2(stats_sh[1, g]) + stats_sh[0, g] * scale_log2, -T.infinity(accum))
+                for d, g in T.Parallel(D, NH):
+                    if g < G:
+                        o_part[request, h * G + g, split, d] = T.if_then_else(
+                            stats_sh[1, g] > 0, oT[d, g] / stats_sh[1, g], 0.0)
 
-            # Split-KV merge by the last CTA of this (request, KV head): release our partials, take a
-            # ticket (acq_rel, device scope), and merge if we are the last.
-            tid = T.get_thread_binding()
-            T.sync_threads()
-            if tid == 0:
-                ticket_sh[0] = T.atomic_add(tickets[request, h], 1, memory_order="acq_rel", return_prev=True)
-            T.sync_threads()
-            if ticket_sh[0] == S - 1:
-                for it2 in T.serial(T.ceildiv(G * D, threads)):
-                    head = (it2 * threads + tid) // D
-                    d = (it2 * threads + tid) % D
-                    if head < G:
-                        merge_stat[0] = -T.infinity(accum)
-                        for s2 in T.serial(S):
-                            merge_stat[0] = T.max(merge_stat[0], lse_part[request, h * G + head, s2])
-                        merge_stat[1] = 0.0
-                        merge_stat[2] = 0.0
-                        for s2 in T.serial(S):
-                            merge_stat[3] = T.if_then_else(
-                                lse_part[request, h * G + head, s2] == -T.infinity(accum), 0.0,
-                                T.exp2(lse_part[request, h * G + head, s2] - merge_stat[0]))
-                            merge_stat[1] = merge_stat[1] + merge_stat[3]
-                            merge_stat[2] = merge_stat[2] + merge_stat[3] * o_part[request, h * G + head, s2, d]
-                        out[request, h * G + head, d] = T.if_then_else(
-                            merge_stat[1] > 0, merge_stat[2] / merge_stat[1], 0.0)
-                        if d == 0:
-                            lse[request, h * G + head] = T.if_then_else(
-                                merge_stat[1] > 0, (T.log2(merge_stat[1]) + merge_stat[0]) * LN2, -T.infinity(accum))
+                # Split-KV merge by the last CTA of this (request, KV head): release our partials, take a
+                # ticket (acq_rel, device scope), and merge if we are the last.
+                tid = T.get_thread_binding()
+                T.sync_threads()
                 if tid == 0:
-                    tickets[request, h] = 0
+                    ticket_sh[0] = T.atomic_add(tickets[request, h], 1, memory_order="acq_rel", return_prev=True)
+                T.sync_threads()
+                if ticket_sh[0] == splits_with_blocks(seq_blocks, per_split) - 1:
+                    for it2 in T.serial(T.ceildiv(G * D, threads)):
+                        head = (it2 * threads + tid) // D
+                        d = (it2 * threads + tid) % D
+                        if head < G:
+                            merge_stat[0] = -T.infinity(accum)
+                            for s2 in T.serial(splits_with_blocks(seq_blocks, per_split)):
+                                merge_stat[0] = T.max(merge_stat[0], lse_part[request, h * G + head, s2])
+                            merge_stat[1] = 0.0
+                            merge_stat[2] = 0.0
+                            for s2 in T.serial(splits_with_blocks(seq_blocks, per_split)):
+                                merge_stat[3] = T.if_then_else(
+                                    lse_part[request, h * G + head, s2] == -T.infinity(accum), 0.0,
+                                    T.exp2(lse_part[request, h * G + head, s2] - merge_stat[0]))
+                                merge_stat[1] = merge_stat[1] + merge_stat[3]
+                                merge_stat[2] = merge_stat[2] + merge_stat[3] * o_part[request, h * G + head, s2, d]
+                            out[request, h * G + head, d] = T.if_then_else(
+                                merge_stat[1] > 0, merge_stat[2] / merge_stat[1], 0.0)
+                            if d == 0:
+                                lse[request, h * G + head] = T.if_then_else(
+                                    merge_stat[1] > 0, (T.log2(merge_stat[1]) + merge_stat[0]) * LN2, -T.infinity(accum))
+                    if tid == 0:
+                        tickets[request, h] = 0
 
     return main
 
 
 def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
-                       split_capacity=SPLIT_CAPACITY) -> tuple:  # fmt: skip
-    """The arguments that key a decode kernel in TileLang's cache (and a compile job): the shape, and
-    the split capacity only where it is not the default (so the default kernels keep their keys)."""
-    args = (q_heads, kv_heads, head_dim, block_size, dtype, stages)
-    return args + (split_capacity,) if split_capacity != SPLIT_CAPACITY else args
+                       split_capacity=SPLIT_CAPACITY, forms=ANY_FORMS, min_split_blocks=1) -> tuple:  # fmt: skip
+    """The arguments that key a decode kernel in TileLang's cache (and a compile job): the shape, then
+    the split capacity, the forms and the split floor up to the last that is not its default (so the
+    default kernels keep their keys)."""
+    extra = (split_capacity, tuple(forms), min_split_blocks)
+    defaults = (SPLIT_CAPACITY, ANY_FORMS, 1)
+    kept = max((i + 1 for i in range(3) if extra[i] != defaults[i]), default=0)
+    return (q_heads, kv_heads, head_dim, block_size, dtype, stages) + extra[:kept]
 
 
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
-                        split_capacity=SPLIT_CAPACITY, target=None):  # fmt: skip
+                        split_capacity=SPLIT_CAPACITY, forms=ANY_FORMS, min_split_blocks=1, target=None):  # fmt: skip
     """Compile (or load from TileLang's cache) the kernel of one model shape. Needs TileLang, not a GPU."""
-    args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity)
+    args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, forms,
+                              min_split_blocks)  # fmt: skip
     return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target)
 
 
@@ -413,21 +462,22 @@ def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
 
 @functools.lru_cache(maxsize=4096)
 def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                    stages: int, num_sms: int, split_capacity: int = SPLIT_CAPACITY) -> int:
+                    stages: int, num_sms: int, split_capacity: int = SPLIT_CAPACITY,
+                    forms: tuple[str, str] = ANY_FORMS) -> int:
     """The split count of a call with ``batch`` requests and a block table ``max_blocks`` wide on a GPU
     of ``num_sms`` SMs (host arithmetic on shapes only: no device value is read).
 
     A CTA's shared memory does not depend on the call (its index maps hold :data:`SPLIT_CAPACITY`
     blocks), so the CTAs per SM are fixed by the model shape: two at d 128 for the GQA groups the
     server takes. At a 32K context (512-529 blocks) and 8 requests of 8 KV heads that is 4 splits."""
-    ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity)
+    ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity, forms)
     return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas, capacity=split_capacity)
 
 
 def ctas_per_sm(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
-                split_capacity: int = SPLIT_CAPACITY) -> int:
+                split_capacity: int = SPLIT_CAPACITY, forms: tuple[str, str] = ANY_FORMS) -> int:
     """CTAs of the model shape's kernel that fit an SM (shared memory; fixed by the shape, not the call)."""
-    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity) + 1024
+    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity, forms) + 1024
     return max(1, min(SMEM_PER_SM // per_cta, 8))
 
 
@@ -443,18 +493,22 @@ class HieraSparseDecode:
     ``num_sms`` SMs: this GPU's by default); ``plan_batch`` maps a call's request count to the count
     the rule plans for (a batch where only some requests are long wants the splits of that many).
     ``block_lse``: also keep scratch for :meth:`run`'s per-block LSE (the decode modes' anchor layers).
-    One call at a time per plan.
+    ``forms``: the ``(k_form, v_form)`` the kernel's stages hold (:func:`build_decode_prim_func`); a plan
+    for fewer than every form must only be given blocks of those forms. ``min_split_blocks``: the
+    kernel's floor of blocks a split (:func:`build_decode_prim_func`). One call at a time per plan.
     """
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None, stages: int = STAGES,
                  num_sms: int | None = None, split_capacity: int = SPLIT_CAPACITY,
-                 plan_batch: Callable[[int], int] | None = None, block_lse: bool = False):
+                 plan_batch: Callable[[int], int] | None = None, block_lse: bool = False,
+                 forms: tuple[str, str] = ANY_FORMS, min_split_blocks: int = 1):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
         self.dtype, self.device, self.stages = dtype, torch.device(device), stages
         self.split_capacity = split_capacity
+        self.forms = tuple(forms)
         if num_splits is not None and num_splits < min_splits(max_blocks, split_capacity):
             raise ValueError(f"num_splits={num_splits} < {min_splits(max_blocks, split_capacity)}: a split walks at "
                              f"most {split_capacity} of the {max_blocks} blocks")
@@ -465,7 +519,8 @@ class HieraSparseDecode:
         self.num_sms = num_sms
         dt = "float16" if dtype == torch.float16 else "bfloat16"
         self.kernel = build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
-                                          split_capacity=split_capacity)
+                                          split_capacity=split_capacity, forms=self.forms,
+                                          min_split_blocks=min_split_blocks)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
         self.with_block_lse = block_lse
@@ -481,7 +536,7 @@ class HieraSparseDecode:
         if self.plan_batch is not None:
             batch = self.plan_batch(batch)
         return plan_num_splits(batch, self.q_heads, self.kv_heads, self.head_dim, self.block_size, width,
-                               self.stages, self.num_sms, self.split_capacity)
+                               self.stages, self.num_sms, self.split_capacity, self.forms)
 
     def _allocate(self, batch_size: int) -> None:
         """Scratch for up to ``batch_size`` requests at the split counts their calls choose."""

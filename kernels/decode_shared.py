@@ -35,6 +35,12 @@ from dataclasses import dataclass
 import torch
 
 from sglang_hs.format import BlockPools
+from sglang_hs.kernels.common import ANY_FORMS
+
+OWN_MIN_SPLIT_BLOCKS = 4
+"""The own pass's floor of blocks a split (``HieraSparseDecode(min_split_blocks=...)``): its requests
+mostly read a short tail (a dense sink and window, the question, generated tokens), which a split
+count planned for long requests would spread one block a CTA; measured in ``docs/results.md``."""
 
 FOLD_COLUMNS = 16
 """The widest N the decode kernel takes (query heads of one KV head, padded): a column set holds
@@ -49,16 +55,57 @@ def fold_of(q_heads: int, kv_heads: int) -> int:
 GPU_SHAPES = ((32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (8, 2, 64, "float16"))
 """The model shapes (q_heads, kv_heads, head_dim, dtype) of the GPU tests; their own-pass kernels are
 :data:`sglang_hs.kernels.decode.PRECOMPILE` entries, their shared-pass kernels (``Hkv * 16`` query
-heads) are compiled by ``python -m sglang_hs.kernels.decode_shared [--jobs N]``."""
+heads, one per :data:`GPU_FORMS` entry) and own-pass kernels (the model's shape with a split floor)
+are compiled by ``python -m sglang_hs.kernels.decode_shared [--jobs N]``."""
+GPU_FORMS = (ANY_FORMS, ("sparse", "sparse"), ("dense", "sparse"))
+"""The shared-pass forms the GPU tests build for every shape of :data:`GPU_SHAPES`."""
 
 
-def shared_kernel_spec(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int) -> tuple[int, int, int]:
+def shared_kernel_spec(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
+                       forms: tuple[str, str] = ANY_FORMS) -> tuple[int, int, int]:  # fmt: skip
     """(query heads, KV heads, split capacity) of the shared pass's decode kernel for a model shape:
-    ``Hkv * fold * G`` query heads, and index maps small enough for two CTAs an SM."""
+    ``Hkv * fold * G`` query heads, and index maps small enough for the most CTAs an SM."""
     from sglang_hs.kernels.decode import fitting_split_capacity
 
     shared_heads = kv_heads * fold_of(q_heads, kv_heads) * (q_heads // kv_heads)
-    return shared_heads, kv_heads, fitting_split_capacity(shared_heads, kv_heads, head_dim, block_size, stages)
+    return shared_heads, kv_heads, fitting_split_capacity(shared_heads, kv_heads, head_dim, block_size, stages, forms)
+
+
+def compressed_forms(sk: tuple[float, ...], sv: tuple[float, ...], k_head_map: bool = False) -> tuple[str, str]:
+    """The ``(k_form, v_form)`` every compressed block of a store has, from its settings (each operand's
+    S for prefill- and decode-compressed blocks): ``sparse`` when every S is 1 (for K: and no K head
+    map keeps some heads dense), ``dense`` when every S is 0, else ``any``. The shared pass then runs a
+    kernel whose stages hold just those forms over the blocks that have them (its dense sink and
+    window go to the own pass): smaller stages, more CTAs an SM."""
+    def form(values, uniform=True):
+        if uniform and all(v == 1 for v in values):
+            return "sparse"
+        return "dense" if all(v == 0 for v in values) else "any"
+
+    return form(sk, not k_head_map), form(sv)
+
+
+def conforming_blocks(block_table: torch.Tensor, k_index: torch.Tensor, v_index: torch.Tensor,
+                      forms: tuple[str, str]) -> torch.Tensor | None:  # fmt: skip
+    """``[bs, W]`` bool: whether each block-table entry is, for every KV head, of the forms a shared
+    pass kernel for ``forms`` takes (``None``: every block, ``forms`` is ``("any", "any")``). A cache
+    page is dense K and V; a virtual block's form per head is its index maps' sign (``>= 0`` dense
+    row). Entries past a request's blocks give arbitrary values (the caller masks them)."""
+    if tuple(forms) == ANY_FORMS:
+        return None
+    virtual = block_table < 0
+    ok = torch.ones_like(block_table, dtype=torch.bool)
+    for form, index in zip(forms, (k_index, v_index)):
+        if form == "any":
+            continue
+        if index.shape[1] == 0:  # an empty store: no virtual block exists
+            sparse = dense = torch.zeros_like(ok)
+        else:
+            vb = torch.where(virtual, -block_table.long() - 1, 0).clamp(0, index.shape[1] - 1)
+            signs = index[:, vb] < 0  # [H, bs, W]: 2:4 row
+            sparse, dense = signs.all(0), (~signs).all(0)
+        ok &= (virtual & sparse) if form == "sparse" else (~virtual | dense)
+    return ok
 
 
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
@@ -88,7 +135,8 @@ class StepTables:
 
 
 def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, fold: int, max_sets: int,
-                min_shared_blocks: int = 1, min_own_blocks: int = 0) -> "StepTables":  # fmt: skip
+                min_shared_blocks: int = 1, min_own_blocks: int = 0,
+                conforming: torch.Tensor | None = None) -> "StepTables":  # fmt: skip
     """Group one decode batch on the GPU, without a host synchronisation and in shapes fixed by the
     batch size (so a CUDA graph can replay it).
 
@@ -98,7 +146,12 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     request's own question and generated tokens). Members are cut, in batch order, into column sets of
     ``fold``; a set of one, a group sharing fewer than ``min_shared_blocks`` blocks, and sets beyond
     ``max_sets`` stay out (their requests read everything in the own pass), and so does a request
-    with fewer than ``min_shared_blocks`` blocks to share (padding requests included)."""
+    with fewer than ``min_shared_blocks`` blocks to share (padding requests included).
+
+    ``conforming`` (``[bs, W]`` bool, :func:`conforming_blocks`): the blocks the shared pass's kernel
+    takes. The shared run then starts at the leader's first such block and stops before the first
+    block that is not; the own pass reads the blocks before the run (a dense sink) and after it, in
+    table order (attention does not depend on the order of its keys)."""
     device = block_table.device
     bs, width = block_table.shape
     lens = seq_lens.long()
@@ -112,7 +165,13 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     leader = torch.where(valid, same.int().argmax(1), idx)  # the group's first request
     columns = torch.arange(width, device=device)[None, :]
     equal = (block_table == block_table[leader]) & (columns < limit[:, None])
-    common = equal.int().cumprod(1).sum(1)
+    if conforming is None:
+        start = torch.zeros(bs, dtype=torch.long, device=device)
+    else:  # the run starts at the leader's first conforming block and keeps to conforming blocks
+        start = torch.where(conforming.any(1), conforming.int().argmax(1), width)[leader]
+        equal &= conforming
+    after = columns >= start[:, None]
+    common = torch.where(after, equal, True).int().cumprod(1).sum(1) - start
     shared = torch.full((bs,), width, dtype=torch.long, device=device).scatter_reduce(0, leader, common, "amin")[leader]
     size = torch.zeros(bs, dtype=torch.long, device=device).scatter_add(0, leader, valid.long())[leader]
     position = (same & (idx[None, :] < idx[:, None])).sum(1)  # members before this one
@@ -127,16 +186,19 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     flat = torch.where(eligible, set_id * fold + slot, max_sets * fold)  # the spare entry takes the others
     members = torch.full((max_sets * fold + 1,), -1, dtype=torch.long, device=device).scatter(0, flat, idx)
     members = members[:-1].view(max_sets, fold)
-    shared_blocks = torch.zeros(max_sets + 1, dtype=torch.long, device=device).scatter(
-        0, torch.where(eligible, set_id, max_sets), shared)[:-1]  # fmt: skip
-    own_start = torch.where(eligible, shared, 0)
-    own_columns = (columns + own_start[:, None]).clamp(max=width - 1)
+    set_rows = torch.where(eligible, set_id, max_sets)
+    shared_blocks = torch.zeros(max_sets + 1, dtype=torch.long, device=device).scatter(0, set_rows, shared)[:-1]
+    set_start = torch.zeros(max_sets + 1, dtype=torch.long, device=device).scatter(0, set_rows, start)[:-1]
+    leaders = members[:, 0].clamp(min=0)
+    shared_columns = (columns + set_start[:, None]).clamp(max=width - 1)
+    skipped = torch.where(eligible, shared, 0)  # blocks the own pass leaves to the shared pass
+    own_columns = torch.where(columns < start[:, None], columns, columns + skipped[:, None]).clamp(max=width - 1)
     return StepTables(
         members=members,
-        shared_table=block_table[members[:, 0].clamp(min=0)].contiguous(),
+        shared_table=block_table[leaders].gather(1, shared_columns).contiguous(),
         shared_lens=(shared_blocks * block_size).to(torch.int32),
         own_table=block_table.gather(1, own_columns).contiguous(),
-        own_lens=(lens - own_start * block_size).to(torch.int32),
+        own_lens=(lens - skipped * block_size).to(torch.int32),
         pick=torch.where(eligible, set_id * fold + slot, -1).to(torch.int32),
     )
 
@@ -181,25 +243,29 @@ class SharedPrefixDecode:
     ``shared_splits`` forces the shared pass's split count (else the per-request rule,
     :func:`sglang_hs.kernels.decode.plan_num_splits`, at ``max_sets`` requests; more splits measured
     slower, ``docs/results.md``).
+    ``forms`` (:func:`compressed_forms`): the block forms of the shared pass's kernel; with fewer than
+    every form, :meth:`plan_step` keeps the other blocks (a dense sink and window) to the own pass.
     ``plans`` (tests): a ``(shared, own)`` pair of objects with ``HieraSparseDecode.run``'s signature
     (``return_lse`` included) to use instead of building the kernels; the merge then runs in PyTorch."""
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None,
-                 shared_splits: int | None = None):  # fmt: skip
+                 shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS):  # fmt: skip
         self.q_heads, self.kv_heads, self.head_dim, self.block_size = q_heads, kv_heads, head_dim, block_size
         self.group = q_heads // kv_heads
         self.fold = fold_of(q_heads, kv_heads)
         self.max_sets = max_sets or max(1, batch_size // 2)
+        self.forms = tuple(forms)
         self.merge_kernel = None
         if plans is None:
             from sglang_hs.kernels.decode import STAGES, HieraSparseDecode
 
-            shared_heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, STAGES)
+            shared_heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, STAGES, self.forms)
             plans = (HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
-                                       device, num_splits=shared_splits, split_capacity=capacity),
+                                       device, num_splits=shared_splits, split_capacity=capacity, forms=self.forms),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device,
-                                       plan_batch=self.own_pass_long_requests))  # fmt: skip
+                                       plan_batch=self.own_pass_long_requests,
+                                       min_split_blocks=OWN_MIN_SPLIT_BLOCKS))  # fmt: skip
             if torch.device(device).type == "cuda":  # off the GPU (tests) the merge runs in PyTorch
                 self.merge_kernel = _merge_kernel_factory()
         self.shared_plan, self.own_plan = plans
@@ -222,10 +288,19 @@ class SharedPrefixDecode:
         """Whether a CUDA graph captured the plan (its scratch may no longer move)."""
         return self.own_plan.captured or self.shared_plan.captured
 
-    def plan_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, **kw) -> StepTables:
+    def plan_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, k_index: torch.Tensor | None = None,
+                  v_index: torch.Tensor | None = None, **kw) -> StepTables:  # fmt: skip
         """The tables every layer of one decode step uses (:func:`step_tables` with this plan's fold and
-        sets): built once per step, on the GPU, in shapes fixed by the batch size."""
-        return step_tables(block_table, seq_lens, self.block_size, self.fold, self.max_sets, **kw)
+        sets): built once per step, on the GPU, in shapes fixed by the batch size. A plan for fewer than
+        every form needs the index maps (``[Hkv, n_virtual]``, the same in every layer) to find the
+        blocks of its forms."""
+        conforming = None
+        if self.forms != ANY_FORMS:
+            if k_index is None or v_index is None:
+                raise ValueError(f"a shared pass for forms {self.forms} needs the index maps")
+            conforming = conforming_blocks(block_table, k_index, v_index, self.forms)
+        return step_tables(block_table, seq_lens, self.block_size, self.fold, self.max_sets, conforming=conforming,
+                           **kw)  # fmt: skip
 
     def fold_queries(self, q: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
         """``q [bs, Hq, D]`` -> ``[max_sets, Hkv * fold * G, D]``: column set ``s``'s KV head ``h`` holds
@@ -264,13 +339,17 @@ class SharedPrefixDecode:
 def _precompile_one(cfg):
     from sglang_hs.kernels.decode import STAGES, build_decode_kernel
 
-    hq, hkv, d, dt = cfg
-    heads, kv_heads, capacity = shared_kernel_spec(hq, hkv, d, 64, STAGES)
-    build_decode_kernel(heads, kv_heads, d, 64, dt, STAGES, split_capacity=capacity)
+    hq, hkv, d, dt, forms = cfg
+    if forms is None:  # the own pass's kernel
+        build_decode_kernel(hq, hkv, d, 64, dt, STAGES, min_split_blocks=OWN_MIN_SPLIT_BLOCKS)
+        return cfg
+    heads, kv_heads, capacity = shared_kernel_spec(hq, hkv, d, 64, STAGES, forms)
+    build_decode_kernel(heads, kv_heads, d, 64, dt, STAGES, split_capacity=capacity, forms=forms)
     return cfg
 
 
 if __name__ == "__main__":
     from sglang_hs.kernels.common import precompile_main
 
-    precompile_main("compile the shared-pass decode kernels of the GPU tests", _precompile_one, GPU_SHAPES)
+    precompile_main("compile the shared-pass decode kernels of the GPU tests", _precompile_one,
+                    [(*shape, forms) for shape in GPU_SHAPES for forms in (*GPU_FORMS, None)])

@@ -185,7 +185,7 @@ class ExtendParts:
                         ring.k_row[slot] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
                         ring.v_row[slot] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
 
-        load_k, load_v = tma_loads(T, B, k_sparse)
+        load_k, load_v = tma_loads(T, B, "any" if k_sparse else "dense")
 
         @T.macro
         def load(i, num_blocks, h, ring, stage, src):

@@ -37,24 +37,30 @@ LOCK_NAME = "hierasparse-compile.lock"
 
 def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode: bool = True,
                extend_k_sparse: tuple[bool, ...] = (False, True), compress: bool = True,
-               loss_operands: tuple[str, ...] = ("k", "v"), shared_decode: bool = False) -> list[Job]:
+               loss_operands: tuple[str, ...] = ("k", "v"),
+               shared_decode_forms: tuple[str, str] | None = None) -> list[Job]:  # fmt: skip
     """The kernels of one model shape (per tensor-parallel rank): the decode kernel (``decode``) and,
-    with ``shared_decode``, the shared-prefix decode's 16-column one, the extend tiles, each with and
+    with ``shared_decode_forms`` (the block forms of its shared pass, ``decode_shared.compressed_forms``),
+    the shared-prefix decode's own-pass (a split floor) and 16-column ones, the extend tiles, each with and
     without 2:4 K rows as ``extend_k_sparse`` lists (empty: none), the pack kernel (``compress``) and
     the loss kernels of ``loss_operands``. A GQA group the attention kernels do not take gets the
     compressor's kernels only."""
     from sglang_hs.kernels.decode import STAGES as DECODE_STAGES
     from sglang_hs.kernels.decode import decode_kernel_args
-    from sglang_hs.kernels.decode_shared import fold_of, shared_kernel_spec
+    from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, fold_of, shared_kernel_spec
     from sglang_hs.kernels.extend_common import TILES
 
     jobs: list[Job] = []
     if q_heads // kv_heads in KERNEL_GQA_GROUPS:
         if decode:
             jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES)))
-        if decode and shared_decode and fold_of(q_heads, kv_heads) >= 2:
-            heads, kv, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, BLOCK_SIZE, DECODE_STAGES)
-            jobs.append(("decode", decode_kernel_args(heads, kv, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES, capacity)))
+        if decode and shared_decode_forms and fold_of(q_heads, kv_heads) >= 2:
+            jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
+                                                      min_split_blocks=OWN_MIN_SPLIT_BLOCKS)))  # fmt: skip
+            forms = shared_decode_forms
+            heads, kv, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, BLOCK_SIZE, DECODE_STAGES, forms)
+            jobs.append(("decode", decode_kernel_args(heads, kv, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES, capacity,
+                                                      forms)))  # fmt: skip
         jobs += [("extend", (q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, tile, _extend_stages(tile), k_sparse))
                  for tile in TILES for k_sparse in extend_k_sparse]  # fmt: skip
     if compress:

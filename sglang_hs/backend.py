@@ -102,6 +102,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.max_blocks = -(-self.req_to_token.shape[1] // self.config.block_size)
         self.use_decode_kernel = runtime.uses_kernel("decode")
         self.shared_prefix_decode = self.use_decode_kernel and self.config.shared_prefix_decode == "on"
+        self.shared_forms = self._shared_pass_forms() if self.shared_prefix_decode else None
         self.selection = BlockSelection.from_config(self.config, self.store.num_layers)
         if self.selection is not None:  # compressed blocks kept / offered by the anchors, for the log line
             runtime.decode_mode_counts = torch.zeros(2, dtype=torch.int64, device=self.req_to_token.device)
@@ -144,7 +145,7 @@ class HieraSparseAttnBackend(AttentionBackend):
             bs = forward_batch.batch_size
             table, seq_lens = self._decode_inputs(forward_batch, bs)
             plan = self._decode_plan(bs)
-            step = plan.plan_step(table, seq_lens) if self.shared_prefix_decode else None
+            step = self._plan_step(plan, table, seq_lens) if self.shared_prefix_decode else None
             if step is not None:
                 self._count_grouping(step, bs)
             self.forward_metadata = ForwardMetadata(
@@ -164,7 +165,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         plan = self._decode_plan(bs)
         step = None
         if self.shared_prefix_decode:
-            step = self._graph_step_views(plan, plan.plan_step(table, seq_lens))
+            step = self._graph_step_views(plan, self._plan_step(plan, table, seq_lens))
             self._count_grouping(step, bs)
         self.forward_metadata = ForwardMetadata(
             Path.DECODE_KERNEL,
@@ -188,12 +189,25 @@ class HieraSparseAttnBackend(AttentionBackend):
         the step's batch. The buffers are a step of the largest captured batch, built once: its per-set
         tables have the plan's fixed set count, its per-request ones a row per request."""
         if self._graph_step is None:
-            self._graph_step = plan.plan_step(self._graph_table, self._graph_seq_lens)
+            self._graph_step = self._plan_step(plan, self._graph_table, self._graph_seq_lens)
         views = {}
         for field in dataclasses.fields(step):
             value = getattr(step, field.name)
             views[field.name] = getattr(self._graph_step, field.name)[: value.shape[0]].copy_(value)
         return type(step)(**views)
+
+    def _shared_pass_forms(self) -> tuple[str, str]:
+        """The block forms of the shared-prefix decode's shared pass: those every compressed block has
+        under the settings (its kernel then holds only them and fits more CTAs an SM)."""
+        from sglang_hs.kernels.decode_shared import compressed_forms
+
+        c = self.config
+        return compressed_forms((c.sk_prefill, c.sk_decode), (c.sv_prefill, c.sv_decode), bool(c.k_head_map))
+
+    def _plan_step(self, plan, table: torch.Tensor, seq_lens: torch.Tensor):
+        """A shared-prefix decode step's tables; the index maps (the same in every layer for the forms
+        :meth:`_shared_pass_forms` restricts) tell which blocks the shared pass takes."""
+        return plan.plan_step(table, seq_lens, self.store.k_index_of(0), self.store.v_index)
 
     def _decode_inputs(self, forward_batch, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block table (full ``req_to_token`` width, so shapes are fixed per batch size) and int32
@@ -218,7 +232,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         shape = (batch_size, self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size,
                  self.max_blocks, kv_pool.dtype, kv_pool.device)  # fmt: skip
         if self.shared_prefix_decode:
-            return SharedPrefixDecode(*shape)
+            return SharedPrefixDecode(*shape, forms=self.shared_forms)
         return HieraSparseDecode(*shape, block_lse=self.selection is not None)
 
     def _prepare_kernels(self, runtime: HieraSparseRuntime) -> int:
@@ -240,7 +254,7 @@ class HieraSparseAttnBackend(AttentionBackend):
             self.q_heads, kv_pool.head_num, kv_pool.head_dim, str(kv_pool.dtype).removeprefix("torch."),
             decode=runtime.uses_kernel("decode"),
             extend_k_sparse=(self.store.capacity.k_sparse > 0,) if runtime.uses_kernel("extend") else (),
-            compress=compress, loss_operands=tuple(loss), shared_decode=self.shared_prefix_decode,
+            compress=compress, loss_operands=tuple(loss), shared_decode_forms=self.shared_forms,
         )  # fmt: skip
         return prepare_kernels(jobs, logger.info) if jobs else 0
 

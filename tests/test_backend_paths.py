@@ -196,8 +196,11 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
     from sglang_hs.decode_modes import BlockSelection
     from sglang_hs.kernels import decode
 
-    def record(*args, split_capacity=decode.SPLIT_CAPACITY):  # key: the arguments, a non-default capacity appended
+    def record(*args, split_capacity=decode.SPLIT_CAPACITY, forms=decode.ANY_FORMS,
+               min_split_blocks=1):  # key: the arguments, the non-default options appended
         key = args + ((split_capacity,) if split_capacity != decode.SPLIT_CAPACITY else ())
+        key += (forms,) if forms != decode.ANY_FORMS else ()
+        key += (min_split_blocks,) if min_split_blocks != 1 else ()
         return built.setdefault(key, RecordingDecodeKernel())
 
     monkeypatch.setattr(decode, "build_decode_kernel", record)
@@ -210,6 +213,7 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
                             config=config, shared_prefix_decode=shared_prefix_decode == "on",
                             selection=BlockSelection.from_config(config, 2),
                             runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=torch.zeros(2, dtype=torch.int64)))  # fmt: skip
+    backend.shared_forms = backend._shared_pass_forms() if backend.shared_prefix_decode else None
     return backend
 
 
@@ -268,11 +272,14 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     """CPU, with recording kernels: with --hierasparse-shared-prefix-decode on, the decode plan is the
     shared-prefix one; every captured batch size's step tables are views of buffers allocated once (the
     addresses a graph captured), requests sharing a row are grouped, and a layer launches the shared
-    pass (over column sets) and the own pass (over requests) with the two shapes' kernels."""
+    pass (over column sets) and the own pass (over requests) with the two shapes' kernels. The store's
+    compressed blocks are dense (S = 0), so the shared pass's kernel holds dense blocks only and takes
+    every block of the rows."""
     from sglang_hs.kernels.decode_shared import SharedPrefixDecode, fold_of, shared_kernel_spec
 
     built = {}
-    backend = decode_backend(monkeypatch, built, shared_prefix_decode="on")
+    backend = decode_backend(monkeypatch, built, shared_prefix_decode="on", sv_prefill=0.0, sv_decode=0.0)
+    assert backend.shared_forms == ("dense", "dense")
     backend.init_cuda_graph_state(16, 16)
     plan = backend._decode_plan_obj
     assert isinstance(plan, SharedPrefixDecode) and plan.batch_size == 16
@@ -294,6 +301,7 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     assert out.shape == (16, HQ * D) and bool((out == 1).all())
     shared_heads, _, _ = shared_kernel_spec(HQ, HKV, D, 64, 2)
     assert sorted(key[0] for key in built) == sorted([HQ, shared_heads])
+    assert next(key for key in built if key[0] == shared_heads)[-1] == ("dense", "dense")
     shared_kernel = built[next(key for key in built if key[0] == shared_heads)]
     assert shared_kernel.batches == [plan.max_sets]
 

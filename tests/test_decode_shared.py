@@ -18,7 +18,10 @@ import torch
 
 from sglang_hs import reference as R
 from sglang_hs.kernels import cases
-from sglang_hs.kernels.decode_shared import GPU_SHAPES, SharedPrefixDecode, fold_of, merge_states, step_tables
+from sglang_hs.kernels.common import ANY_FORMS
+from sglang_hs.kernels.decode_shared import (
+    GPU_FORMS, GPU_SHAPES, SharedPrefixDecode, compressed_forms, conforming_blocks, fold_of, merge_states, step_tables,
+)
 
 B = 64
 # Case sources: 0 and 1 are prefixes (20 and 12 blocks), 2..5 lend their blocks as own tails.
@@ -37,12 +40,14 @@ class PrefixGroups:
     """The oracle's grouping of one decode batch (host lists, as :func:`find_shared_prefixes` returns them).
 
     ``sets``: per column set, its member requests (1 to ``fold``); ``shared_blocks``: per set, the
-    blocks its members share; ``own_start``: per request, the first block of its own pass (0 for a
-    request in no set)."""
+    blocks its members share; ``own_start``: per request, the first block after its shared run (0 for
+    a request in no set); ``run_start``: per request, the first block of its shared run (0 without a
+    conforming mask, or for a request in no set)."""
 
     sets: list[list[int]]
     shared_blocks: list[int]
     own_start: list[int]
+    run_start: list[int]
 
     @property
     def any_shared(self) -> bool:
@@ -50,7 +55,8 @@ class PrefixGroups:
 
 
 def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_size: int, fold: int,
-                         min_shared_blocks: int = 1, min_own_blocks: int = 0) -> PrefixGroups:  # fmt: skip
+                         min_shared_blocks: int = 1, min_own_blocks: int = 0,
+                         conforming: torch.Tensor | None = None) -> PrefixGroups:  # fmt: skip
     """The oracle of :func:`step_tables`: the same grouping by a host loop over ``block_table [bs, W]``.
 
     Requests with the same first entry form a group; its shared blocks are the leading columns equal
@@ -58,22 +64,30 @@ def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_s
     ``min_own_blocks`` (the benchmark uses 1 so that every request keeps a block of its own, as a
     request's question and generated tokens would be). Groups of one, or sharing fewer than
     ``min_shared_blocks`` blocks, stay out; larger groups are cut into column sets of ``fold``
-    members, in batch order."""
+    members, in batch order. With ``conforming`` (``[bs, W]`` bool) the run starts at the group's first
+    request's first conforming column and keeps to conforming columns."""
     table = block_table.cpu()
     if fold < 2:  # the GQA group fills the kernel's columns: nothing to fold
-        return PrefixGroups([], [], [0] * table.shape[0])
+        return PrefixGroups([], [], [0] * table.shape[0], [0] * table.shape[0])
     by_first: dict[int, list[int]] = {}
     for r in range(table.shape[0]):
         if seq_lens[r] // block_size - min_own_blocks >= max(min_shared_blocks, 1):  # long enough to share
             by_first.setdefault(int(table[r, 0]), []).append(r)
-    sets, shared_blocks, own_start = [], [], [0] * table.shape[0]
+    sets, shared_blocks, own_start, run_start = [], [], [0] * table.shape[0], [0] * table.shape[0]
     for members in by_first.values():
         if len(members) < 2:
             continue
         rows = table[members]
         limit = min(seq_lens[r] // block_size for r in members) - min_own_blocks
-        equal = (rows == rows[0]).all(0)[: max(limit, 0)]
-        shared = int(equal.long().cumprod(0).sum())  # leading columns equal in every member
+        begin = 0
+        if conforming is not None:
+            marks = conforming[members[0]].tolist()
+            begin = marks.index(True) if True in marks else table.shape[1]
+        shared = 0  # columns equal (and conforming) in every member, from begin on
+        for c in range(begin, max(limit, 0)):
+            if not bool((rows[:, c] == rows[0, c]).all()) or (conforming is not None and not bool(conforming[members, c].all())):
+                break
+            shared += 1
         if shared < min_shared_blocks:
             continue
         for start in range(0, len(members), fold):
@@ -83,8 +97,8 @@ def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_s
             sets.append(chunk)
             shared_blocks.append(shared)
             for r in chunk:
-                own_start[r] = shared
-    return PrefixGroups(sets, shared_blocks, own_start)
+                own_start[r], run_start[r] = begin + shared, begin
+    return PrefixGroups(sets, shared_blocks, own_start, run_start)
 
 
 def _case(q_heads, kv_heads, dtype, device, sk=1.0, sv=1.0, seed=3, head_dim=64):
@@ -102,7 +116,7 @@ def _reference(case):
 
 def _run(plan, case):
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
-    step = plan.plan_step(block_table, seq_lens)
+    step = plan.plan_step(block_table, seq_lens, k_index, v_index)
     assert (step.members[:, 0] >= 0).any()  # the batch has column sets
     return plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
 
@@ -173,14 +187,63 @@ def test_fold_and_unfold_are_inverse():
 
 
 @pytest.mark.parametrize("q_heads, kv_heads", [(32, 8), (8, 4), (16, 2)])
-def test_cascade_matches_reference_with_the_oracle_as_kernel(q_heads, kv_heads):
-    case = _case(q_heads, kv_heads, torch.float32, "cpu", sk=0.5, sv=1.0)
+@pytest.mark.parametrize("sk, sv", [(0.5, 1.0), (1.0, 1.0), (0.0, 1.0), (0.0, 0.0)])
+def test_cascade_matches_reference_with_the_oracle_as_kernel(q_heads, kv_heads, sk, sv):
+    """With the shared pass restricted to the forms of the case's compressed blocks (its dense sink and
+    window pages go to the own pass) as with every form."""
+    case = _case(q_heads, kv_heads, torch.float32, "cpu", sk=sk, sv=sv)
     bs = case["q"].shape[0]
-    plan = SharedPrefixDecode(bs, q_heads, kv_heads, 64, B, case["max_blocks"], torch.float32, "cpu",
-                              plans=(ReferencePlan(), ReferencePlan()))  # fmt: skip
-    out = _run(plan, case)
     ref, _ = _reference(case)
-    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
+    for forms in {ANY_FORMS, compressed_forms((sk,), (sv,))}:
+        plan = SharedPrefixDecode(bs, q_heads, kv_heads, 64, B, case["max_blocks"], torch.float32, "cpu",
+                                  plans=(ReferencePlan(), ReferencePlan()), forms=forms)  # fmt: skip
+        out = _run(plan, case)
+        assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), forms
+
+
+def test_compressed_forms_follow_the_settings():
+    assert compressed_forms((1.0, 1.0), (1.0, 1.0)) == ("sparse", "sparse")
+    assert compressed_forms((0.0, 0.0), (1.0, 1.0)) == ("dense", "sparse")
+    assert compressed_forms((1.0, 0.0), (1.0, 1.0)) == ("any", "sparse")  # prefill and decode blocks differ
+    assert compressed_forms((0.5, 0.5), (0.0, 0.0)) == ("any", "dense")
+    assert compressed_forms((1.0, 1.0), (1.0, 1.0), k_head_map=True) == ("any", "sparse")  # some heads keep K dense
+
+
+@pytest.mark.parametrize("sk, sv", [(1.0, 1.0), (0.0, 1.0), (0.5, 1.0), (0.0, 0.0)])
+def test_conforming_blocks_are_the_blocks_of_the_forms(sk, sv):
+    """The case's compressed blocks are the virtual ones; its sink and window are cache pages. A kernel
+    for the forms of the settings takes exactly the virtual blocks, or every block when the forms are
+    all dense; a block sparse on some heads only is taken by neither a sparse nor a dense form."""
+    case = _case(32, 8, torch.float32, "cpu", sk=sk, sv=sv)
+    table, k_index, v_index = case["block_table"], case["k_index"], case["v_index"]
+    forms = compressed_forms((sk,), (sv,))
+    ok = conforming_blocks(table, k_index, v_index, forms)
+    lens = torch.tensor(case["seq_lens_list"])
+    inside = torch.arange(table.shape[1])[None, :] < (lens[:, None] + B - 1) // B
+    want = inside if forms == ("dense", "dense") else (table < 0) & inside
+    assert torch.equal(ok & inside, want)
+    assert conforming_blocks(table, k_index, v_index, ANY_FORMS) is None
+    if sk == 0.5:  # K sparse on some heads of a block: a single K form takes the block only if all agree
+        for k_form in ("sparse", "dense"):
+            ok = conforming_blocks(table, k_index, v_index, (k_form, "any"))
+            for r, c in (table < 0).logical_and(inside).nonzero().tolist():
+                sparse_heads = sum(int(k_index[h, -int(table[r, c]) - 1]) < 0 for h in range(k_index.shape[0]))
+                assert bool(ok[r, c]) == (sparse_heads == (k_index.shape[0] if k_form == "sparse" else 0))
+
+
+def test_a_restricted_shared_pass_leaves_the_dense_sink_to_the_own_pass():
+    case = _case(32, 8, torch.float32, "cpu", sk=1.0, sv=1.0)
+    table, k_index, v_index = case["block_table"], case["k_index"], case["v_index"]
+    plan = SharedPrefixDecode(table.shape[0], 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
+                              plans=(None, None), forms=("sparse", "sparse"))  # fmt: skip
+    step = plan.plan_step(table, case["seq_lens"], k_index, v_index)
+    # Source 0: a sink page, 15 compressed blocks, 4 window pages; its group shares 18 blocks, of which
+    # the 15 compressed ones go to the shared pass. Source 1 (12 blocks + 10 tokens): 8 of its 10.
+    assert step.shared_lens.tolist()[:2] == [15 * B, 8 * B]
+    assert step.shared_table[0, :15].tolist() == table[0, 1:16].tolist()
+    assert step.own_table[0, :5].tolist() == [table[0, 0].item(), *table[0, 16:20].tolist()]
+    with pytest.raises(ValueError, match="index maps"):
+        plan.plan_step(table, case["seq_lens"])
 
 
 def _oracle_tables(groups: PrefixGroups, bs: int, fold: int, max_sets: int) -> dict:
@@ -191,17 +254,20 @@ def _oracle_tables(groups: PrefixGroups, bs: int, fold: int, max_sets: int) -> d
         shared[i] = blocks
         for position, r in enumerate(group):
             pick[r] = i * fold + position
-    return dict(members=members, shared=shared, own_start=groups.own_start, pick=pick)
+    return dict(members=members, shared=shared, own_start=groups.own_start, run_start=groups.run_start, pick=pick)
 
 
 @pytest.mark.parametrize("fold", [1, 2, 4])
 @pytest.mark.parametrize("min_own_blocks", [0, 1])
-def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks):
+@pytest.mark.parametrize("conform", [False, True])
+def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks, conform):
     """CPU: the GPU-side grouping equals the host loop on the case above and on random batches (shared
-    runs of random length, padding requests of length 0, first entries shared by unrelated rows)."""
+    runs of random length, padding requests of length 0, first entries shared by unrelated rows);
+    ``conform``: with a mask of the blocks the shared pass takes (a function of the block, as the
+    forms of a block are: here its parity, and every block of the case but the cache pages)."""
     case = _case(32, 8, torch.float32, "cpu")
     batches = [(case["block_table"], case["seq_lens_list"])]
-    rng = random.Random(fold * 10 + min_own_blocks)
+    rng = random.Random(fold * 10 + min_own_blocks + 100 * conform)
     for _ in range(60):
         bs, width = rng.randint(1, 12), rng.randint(1, 9)
         prefixes = [[rng.randint(0, 3)] + [rng.randint(0, 50) for _ in range(width - 1)] for _ in range(3)]
@@ -216,18 +282,26 @@ def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks):
     for table, lens in batches:
         bs = table.shape[0]
         max_sets = max(1, bs // 2)
-        groups = find_shared_prefixes(table, lens, B, fold, min_own_blocks=min_own_blocks)
+        mask = None
+        if conform:
+            mask = table < 0 if table is case["block_table"] else table % 2 == 0
+        groups = find_shared_prefixes(table, lens, B, fold, min_own_blocks=min_own_blocks, conforming=mask)
         if len(groups.sets) > max_sets:
             continue
         want = _oracle_tables(groups, bs, fold, max_sets)
         step = step_tables(table, torch.tensor(lens, dtype=torch.int32), B, fold, max_sets,
-                           min_own_blocks=min_own_blocks)  # fmt: skip
+                           min_own_blocks=min_own_blocks, conforming=mask)  # fmt: skip
         assert step.members.tolist() == want["members"], (table, lens)
         assert step.shared_lens.tolist() == [b * B for b in want["shared"]]
         assert step.pick.tolist() == want["pick"]
-        assert step.own_lens.tolist() == [n - s * B for n, s in zip(lens, want["own_start"])]
-        for r, start in enumerate(want["own_start"]):
-            assert step.own_table[r, : table.shape[1] - start].tolist() == table[r, start:].tolist()
+        runs = [end - start for start, end in zip(want["run_start"], want["own_start"])]
+        assert step.own_lens.tolist() == [n - run * B for n, run in zip(lens, runs)]
+        for r, (start, end) in enumerate(zip(want["run_start"], want["own_start"])):
+            own = table[r, :start].tolist() + table[r, end:].tolist()
+            assert step.own_table[r, : len(own)].tolist() == own
+        for i, (group, blocks) in enumerate(zip(groups.sets, groups.shared_blocks)):
+            start = want["run_start"][group[0]]
+            assert step.shared_table[i, :blocks].tolist() == table[group[0], start : start + blocks].tolist()
 
 
 def test_a_short_request_does_not_cut_its_groups_run():
@@ -247,12 +321,16 @@ def test_sets_beyond_max_sets_fall_back_to_the_own_pass():
 
 
 def test_the_shared_pass_kernel_keeps_two_ctas_per_sm():
-    """CPU: the 16-column kernel of a d-128 model gets index maps small enough for two CTAs an SM."""
-    from sglang_hs.kernels.decode import SMEM_PER_SM, fitting_split_capacity, smem_bytes
+    """CPU: the 16-column kernel of a d-128 model gets index maps small enough for two CTAs an SM; for
+    the forms of S_K = S_V = 1 (2:4 K and V only) four fit, for S_K = 0, S_V = 1 three."""
+    from sglang_hs.kernels.decode import SMEM_PER_SM, ctas_per_sm, fitting_split_capacity, smem_bytes
 
     assert fitting_split_capacity(32, 8, 128, 64, 2) == 512  # the model's own kernel is unchanged
     capacity = fitting_split_capacity(128, 8, 128, 64, 2)
     assert capacity < 512 and 2 * (smem_bytes(128, 64, 2, 16, capacity) + 1024) <= SMEM_PER_SM
+    for forms, ctas in ((("sparse", "sparse"), 4), (("dense", "sparse"), 3), (ANY_FORMS, 2)):
+        capacity = fitting_split_capacity(128, 8, 128, 64, 2, forms)
+        assert ctas_per_sm(128, 8, 128, 64, 2, capacity, forms) == ctas, forms
 
 
 def test_fused_merge_kernel_in_tritons_interpreter():
@@ -285,16 +363,20 @@ print("ok")
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, dtype", [(hq, hkv, d, getattr(torch, dt)) for hq, hkv, d, dt in GPU_SHAPES],
                          ids=lambda v: str(v).split(".")[-1])  # fmt: skip
 @pytest.mark.parametrize("splits", ["plan", "fewest"])
-def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype, splits):
-    """The shared pass at the plan's split count and at the fewest its capacity allows."""
+@pytest.mark.parametrize("forms", GPU_FORMS, ids=lambda f: "-".join(f))
+def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype, splits, forms):
+    """The shared pass at the plan's split count and at the fewest its capacity allows, for every form
+    the tests build (a restricted kernel on a case whose compressed blocks are of its forms)."""
     from sglang_hs.kernels.decode import STAGES, min_splits
     from sglang_hs.kernels.decode_shared import shared_kernel_spec
 
-    case = _case(q_heads, kv_heads, dtype, "cuda", head_dim=head_dim)
+    sk = 0.0 if forms[0] == "dense" else 1.0
+    case = _case(q_heads, kv_heads, dtype, "cuda", head_dim=head_dim, sk=sk)
     bs = case["q"].shape[0]
-    capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, B, STAGES)[2]
+    capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, B, STAGES, forms)[2]
     forced = min_splits(case["max_blocks"], capacity) if splits == "fewest" else None
-    plan = SharedPrefixDecode(bs, q_heads, kv_heads, head_dim, B, case["max_blocks"], dtype, "cuda", shared_splits=forced)
+    plan = SharedPrefixDecode(bs, q_heads, kv_heads, head_dim, B, case["max_blocks"], dtype, "cuda",
+                              shared_splits=forced, forms=forms)  # fmt: skip
     out = _run(plan, case)
     ref, _ = _reference(case)
     err = (out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()
@@ -313,7 +395,8 @@ def test_the_own_pass_plans_splits_for_the_requests_no_set_took():
 
     plan = SharedPrefixDecode(32, 32, 8, 128, B, 529, torch.float16, "cpu", plans=(None, None))
     assert plan.fold == 4 and [plan.own_pass_long_requests(bs) for bs in (1, 4, 5, 16, 32)] == [1, 1, 2, 4, 8]
-    shape = dict(q_heads=32, kv_heads=8, head_dim=128, block_size=B, stages=STAGES, num_sms=132, split_capacity=512)
+    shape = dict(q_heads=32, kv_heads=8, head_dim=128, block_size=B, stages=STAGES, num_sms=132, split_capacity=512,
+                 forms=ANY_FORMS)
     own = SimpleNamespace(forced_splits=None, plan_batch=plan.own_pass_long_requests, **shape)
     per_request = SimpleNamespace(forced_splits=None, plan_batch=None, **shape)
 

@@ -220,11 +220,13 @@ class RecordingKernel:
 @pytest.fixture
 def recording_builder(monkeypatch):
     """``build_decode_kernel`` replaced by a recorder: {builder arguments (a non-default split capacity
-    appended): kernel}."""
+    and forms appended): kernel}."""
     built = {}
 
-    def record(*args, split_capacity=SPLIT_CAPACITY):
+    def record(*args, split_capacity=SPLIT_CAPACITY, forms=("any", "any"), min_split_blocks=1):
         key = args + ((split_capacity,) if split_capacity != SPLIT_CAPACITY else ())
+        key += (forms,) if forms != ("any", "any") else ()
+        key += (min_split_blocks,) if min_split_blocks != 1 else ()
         return built.setdefault(key, RecordingKernel(args))
 
     monkeypatch.setattr(decode_module, "build_decode_kernel", record)
