@@ -278,6 +278,14 @@ class SharedPrefixDecode:
         and a batch where every request is long still fills the GPU in whole waves."""
         return max(1, -(-bs // self.fold))
 
+    def sets_for(self, bs: int) -> int:
+        """Column sets a call of ``bs`` requests can have: every set has two members or more, so at most
+        ``bs // 2`` (and the plan's ``max_sets``); :func:`step_tables` numbers sets from 0. The shared pass
+        runs over that many rows, so its split count is planned for them, not for the ``max_sets`` of
+        the largest captured batch (a server's plan for 256 requests would give a call of 16 the 2
+        splits of 128 sets)."""
+        return min(self.max_sets, max(1, bs // 2))
+
     @property
     def batch_size(self) -> int:
         """Requests the plan's scratch holds (the own pass's; see ``HieraSparseDecode``)."""
@@ -320,8 +328,9 @@ class SharedPrefixDecode:
         """Decode attention of one layer, ``[bs, Hq, D]``. ``q`` and the KV arguments as
         ``HieraSparseDecode.run``'s; ``step`` from :meth:`plan_step`. No host synchronisation."""
         kv = (k_cache, v_cache, pools, k_index, v_index)
-        out_s, lse_s = self.shared_plan.run(self.fold_queries(q, step.members), *kv, step.shared_table,
-                                            step.shared_lens, sm_scale, return_lse=True)  # fmt: skip
+        sets = self.sets_for(q.shape[0])  # the rows that can hold a set: a static shape per batch size
+        out_s, lse_s = self.shared_plan.run(self.fold_queries(q, step.members[:sets]), *kv, step.shared_table[:sets],
+                                            step.shared_lens[:sets], sm_scale, return_lse=True)  # fmt: skip
         out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, return_lse=True)
         if self.merge_kernel is None:
             pick = step.pick.long()

@@ -201,6 +201,28 @@ def test_cascade_matches_reference_with_the_oracle_as_kernel(q_heads, kv_heads, 
         assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), forms
 
 
+def test_the_shared_pass_runs_over_the_sets_a_call_can_have():
+    """A server's plan is built for its largest captured batch (max_sets = half of it); a call of bs
+    requests hands the shared pass bs // 2 set rows, so its split count is planned for those (the
+    shared pass over a plan for 256 requests took the 2 splits of 128 sets at 16 requests: slower than
+    the per-request kernel in a server, docs/results.md), and the output is unchanged."""
+    case = _case(32, 8, torch.float32, "cpu", sk=1.0, sv=1.0)
+    bs = case["q"].shape[0]
+    rows = []
+
+    class Recording(ReferencePlan):
+        def run(self, q, *args, **kw):
+            rows.append(q.shape[0])
+            return super().run(q, *args, **kw)
+
+    plan = SharedPrefixDecode(64, 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
+                              plans=(Recording(), ReferencePlan()))  # fmt: skip
+    assert plan.max_sets == 32 and plan.sets_for(bs) == bs // 2 == 4 and plan.sets_for(1) == 1
+    out = _run(plan, case)
+    ref, _ = _reference(case)
+    assert rows == [bs // 2] and torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_compressed_forms_follow_the_settings():
     assert compressed_forms((1.0, 1.0), (1.0, 1.0)) == ("sparse", "sparse")
     assert compressed_forms((0.0, 0.0), (1.0, 1.0)) == ("dense", "sparse")
