@@ -44,7 +44,9 @@ Design (and why)
   K and V (50 KB at D = 128); only one form per operand is filled per block. Aliasing them does not
   survive TileLang 0.1.11's layout inference (buffers that share storage get one layout, and unequal
   sizes are rejected). Two stages with two CTAs per SM: one CTA's block step is a serial chain
-  (issue, wait, wgmma, softmax, wgmma), and a second resident CTA hides it.
+  (issue, wait, wgmma, softmax, wgmma), and a second resident CTA hides it. A kernel compiled for
+  fewer forms (``forms``: the shared-prefix decode's shared pass, which reads only compressed blocks)
+  allocates only those buffers, and three or four CTAs fit an SM.
 * **Lane softmax.** ``S^T`` is staged in shared memory and each query head (column) belongs to
   ``128 / N`` consecutive lanes, so the block max is a few shuffles, the row sums stay per lane until
   the end, and a block step has 3 CTA barriers.

@@ -13,10 +13,13 @@ split in two passes over disjoint KV, merged by log-sum-exp:
   or 16), so ``fold = 16 // G`` requests' queries fit one CTA. A *column set* of up to ``fold``
   members is one request of a decode kernel compiled for ``Hkv * fold * G`` query heads, with the
   group's shared blocks as its block table: each shared block is loaded and stepped once per set, not
-  once per request.
-* **Own pass.** Every request then attends to the blocks after its group's shared ones (its question,
-  its generated tokens) with the model's own decode kernel; a request without a group reads all of
-  its blocks here.
+  once per request. Under settings that give every compressed block one form per operand
+  (:func:`compressed_forms`) the shared run keeps to those blocks and the kernel's stages hold just
+  that form (smaller stages, more CTAs an SM); a dense sink and window then go to the own pass.
+* **Own pass.** Every request then attends to the blocks outside its group's shared run (its question,
+  its generated tokens, a dense sink and window) with the model's own decode kernel, built with a
+  floor of blocks a split (its requests mostly read a short tail); a request without a group reads
+  all of its blocks here.
 * **Merge.** ``out = (e^(lse_s) o_s + e^(lse_o) o_o) / (e^(lse_s) + e^(lse_o))`` per query head (an
   empty pass has LSE ``-inf`` and weight 0).
 

@@ -1,0 +1,85 @@
+"""Where the time of one layer of shared-prefix decode goes: the whole call and each of its parts.
+
+    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape]
+
+16 requests over 6 shared prefixes of 32K, S_K = S_V = 1, Llama-3.1-8B decode shape (32/8 heads,
+d 128), each request keeping its last block to its own pass, natural pool order. Times are CUDA-graph
+replays side by side (``sglang_hs.kernels.timing.time_graphs``): ``plan.run`` (all), the shared pass,
+the own pass, the query fold, the step tables (once per decode step in a server), and the shared pass
+at other split counts. ``--server-shape``: the regime-1 server's shape instead (bf16, a block table 529
+blocks wide, plans built for 256 requests as for SGLang's largest captured batch and for 16), beside
+FlashInfer fa2 and the per-request kernel. ``docs/results.md`` quotes both.
+"""
+
+import argparse
+
+import torch
+
+from sglang_hs.kernels.cases import flashinfer_decode, make_case, paged_dense, run_args, share_prefixes
+from sglang_hs.kernels.decode import HieraSparseDecode
+from sglang_hs.kernels.decode_shared import SharedPrefixDecode
+from sglang_hs.kernels.timing import time_graphs
+
+CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
+
+
+def _case(dtype: torch.dtype, max_blocks: int | None, seed: int):
+    case = make_case([CONTEXT] * PREFIXES, 32, 8, 128, 1.0, 1.0, dtype, "cuda", seed=seed, magnitude=False,
+                     shuffle=False, max_blocks=max_blocks)  # fmt: skip
+    paged = paged_dense(case)
+    return share_prefixes(case, paged, BATCH, seed=seed)
+
+
+def benchmark_shape() -> dict:
+    case, _ = _case(torch.float16, None, 11)
+    q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
+    kv = (kc, vc, pools, ki, vi)
+    plan = SharedPrefixDecode(BATCH, 32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", forms=FORMS)
+    step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
+    sets = plan.sets_for(BATCH)
+    folded = plan.fold_queries(q, step.members[:sets])
+    table, lens = step.shared_table[:sets], step.shared_lens[:sets]
+    fns = {
+        "all": lambda: plan.run(q, *kv, step, scale),
+        f"shared pass ({plan.shared_plan.splits(sets, case['max_blocks'])} splits)":
+            lambda: plan.shared_plan.run(folded, *kv, table, lens, scale, return_lse=True),
+        "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True),
+        "query fold": lambda: plan.fold_queries(q, step.members[:sets]),
+        "step tables": lambda: plan.plan_step(bt, sl, ki, vi, min_own_blocks=1),
+    }  # fmt: skip
+    for splits in (5, 6, 7, 9, 10):
+        other = HieraSparseDecode(sets, 128, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", num_splits=splits,
+                                  split_capacity=plan.shared_plan.split_capacity, forms=FORMS)  # fmt: skip
+        fns[f"shared pass ({splits} splits)"] = lambda p=other: p.run(folded, *kv, table, lens, scale, return_lse=True)
+    return fns
+
+
+def server_shape() -> dict:
+    width = 529
+    case, paged = _case(torch.bfloat16, width, 5)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
+    kv = (kc, vc, pools, ki, vi)
+    per_request = HieraSparseDecode(256, 32, 8, 128, 64, width, torch.bfloat16, "cuda")
+    out = torch.empty_like(q)
+    fns = {"FlashInfer fa2": flashinfer_decode(case, paged, workspace, "fa2"),
+           "per-request kernel": lambda: per_request.run(q, *kv, bt, sl, scale, out=out)}
+    for plan_batch, forms in ((256, FORMS), (16, FORMS), (256, ("any", "any"))):
+        plan = SharedPrefixDecode(plan_batch, 32, 8, 128, 64, width, torch.bfloat16, "cuda", forms=forms)
+        step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
+        fns[f"shared-prefix decode, plan for {plan_batch}, forms {'/'.join(forms)}"] = (
+            lambda plan=plan, step=step: plan.run(q, *kv, step, scale))
+    return fns
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--server-shape", action="store_true", help="the regime-1 server's shape (see the docstring)")
+    args = ap.parse_args(argv)
+    fns = server_shape() if args.server_shape else benchmark_shape()
+    for name, us in zip(fns, time_graphs(list(fns.values()), 20)):
+        print(f"{name}: {us:.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
