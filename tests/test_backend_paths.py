@@ -304,6 +304,16 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     assert next(key for key in built if key[0] == shared_heads)[-1] == ("dense", "dense")
     shared_kernel = built[next(key for key in built if key[0] == shared_heads)]
     assert shared_kernel.batches == [plan.max_sets]
+    # A server captures graphs up to a larger batch than it runs: the plan holds max_bs // 2 set rows,
+    # a step of 16 requests hands the shared pass 8 (its splits are planned for 8 sets, not 32).
+    built.clear()
+    backend = decode_backend(monkeypatch, built, shared_prefix_decode="on", sv_prefill=0.0, sv_decode=0.0)
+    backend.init_cuda_graph_state(64, 64)
+    backend.init_forward_metadata_out_graph(decode_batch(16))
+    backend.forward_decode(torch.zeros(16, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(16),
+                           save_kv_cache=False)  # fmt: skip
+    assert backend._decode_plan_obj.max_sets == 32
+    assert built[next(key for key in built if key[0] == shared_heads)].batches == [8]
 
 
 def test_start_up_compiles_the_kernels_the_settings_use(monkeypatch):
