@@ -60,6 +60,8 @@ REGIME_WORKING_SET = {1: 0.5, 2: 1.4, 3: 2.5}
 DENSE_SERVERS = ("flashinfer", "triton")  # plain SGLang servers: their KV capacity sizes the regimes
 BASELINES = (*DENSE_SERVERS, "hicache")  # what hierasparse records are compared with
 _PREFILL_LINE = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
+_DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?cuda graph: (True|False), "
+                          r"gen throughput \(token/s\): ([0-9.]+)")
 _STORE_LINE = re.compile(r"hierasparse: KV budget ([0-9.]+) GiB")
 _METRIC_LINE = re.compile(r"^(sglang:\w+)(?:\{[^}]*\})? ([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
 APIS = ("sglang", "sglang-oai", "sglang-oai-chat")
@@ -207,6 +209,21 @@ def hit_rate(log_text: str) -> float:
         new += int(match.group(1))
         cached += int(match.group(2))
     return cached / (new + cached) if new + cached else 0.0
+
+
+def decode_log_stats(log_text: str) -> dict:
+    """From SGLang's decode log lines (one every ``--decode-log-interval`` steps): how many there are,
+    the share that ran in a CUDA graph, the most running requests, and the median generation rate of the
+    lines at that many. The rate is tokens over the wall time since the previous line, prefill batches
+    in between included; against TPOT it tells whether a slow decode comes from the decode steps or
+    from what runs between them."""
+    lines = [(int(m.group(1)), m.group(2) == "True", float(m.group(3))) for m in _DECODE_LINE.finditer(log_text)]
+    if not lines:
+        return {"decode_log_lines": 0}
+    top = max(running for running, _, _ in lines)
+    rates = sorted(rate for running, _, rate in lines if running == top)
+    return {"decode_log_lines": len(lines), "decode_cuda_graph_share": sum(g for _, g, _ in lines) / len(lines),
+            "decode_max_running": top, "decode_tok_s_p50_at_max_running": rates[len(rates) // 2]}
 
 
 def kv_budget_gib(log_text: str, kv_tokens: int, model_config: dict, tp_size: int = 1) -> float:
@@ -542,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                         "ttft_p99_ms": result["p99_ttft_ms"], "tpot_mean_ms": result["mean_tpot_ms"],
                         "tpot_p50_ms": result["median_tpot_ms"], "tpot_p99_ms": result["p99_tpot_ms"],
                         "cache_hit_rate": hit_rate(server.log_text()[log_start:]),
+                        **decode_log_stats(server.log_text()[log_start:]),
                         **request_fields(result), **metrics_fields(metrics),
                     }  # fmt: skip
                     server_records.append(record)

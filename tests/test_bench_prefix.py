@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_hs.format import dense_block_bytes
-from sglang_hs.launch.bench_prefix import ServerSpec, auto_store_fraction, hit_rate, kv_budget_gib
+from sglang_hs.launch.bench_prefix import ServerSpec, auto_store_fraction, decode_log_stats, hit_rate, kv_budget_gib
 from sglang_hs.pools import StoreCapacity
 
 
@@ -117,6 +117,18 @@ def test_hit_rate_and_kv_budget_from_logs():
     # Tensor parallelism: each rank logs its own budget; a dense rank holds its share of the heads.
     assert kv_budget_gib("hierasparse: KV budget 20.5 GiB = dense pool", 0, config, tp_size=2) == 41.0
     assert kv_budget_gib(log, 2**20, config, tp_size=2) == pytest.approx(128.0)
+
+
+def test_decode_log_stats_from_sglang_lines():
+    """SGLang 0.5.17's decode log line (metrics_reporter): running requests, CUDA graph, generation rate."""
+    line = ("[2026-11-27 02:00:00] Decode batch, #running-req: {n}, #token: 1000, token usage: 0.10, "
+            "cuda graph: {g}, gen throughput (token/s): {r}, #queue-req: 0\n")
+    log = "".join(line.format(n=n, g=g, r=r) for n, g, r in
+                  [(16, True, 700.0), (16, True, 900.5), (12, False, 300.0), (16, True, 800.0)])  # fmt: skip
+    stats = decode_log_stats(log)
+    assert stats == {"decode_log_lines": 4, "decode_cuda_graph_share": 0.75, "decode_max_running": 16,
+                     "decode_tok_s_p50_at_max_running": 800.0}
+    assert decode_log_stats("[t] Prefill batch, #new-token: 3, #cached-token: 4") == {"decode_log_lines": 0}
 
 
 def test_regimes_and_groups():
