@@ -35,6 +35,7 @@ For each server (started one after another on the same GPU with the same --mem-f
 
 Per server and load a record is written (throughput, TTFT/TPOT p50/p99, request errors, the
 radix-cache hit rate from the server's prefill log lines and the per-request cached tokens, the
+decode log lines' CUDA-graph share and generation rate at the most running requests, the
 compressed-cache gauges of ``/metrics``, resident prefix tokens, the KV budget, the flush check) to
 ``--out`` (JSON), with PNG plots beside it. Servers are always stopped, also on Ctrl-C and on errors.
 """
