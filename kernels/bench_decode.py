@@ -271,20 +271,27 @@ def plot_decode(records: list[dict], path: str) -> bool:
 
     labels = [label(r) for r in recs]
     x = range(len(recs))
+    # Records of requests sharing prefixes also carry the shared-prefix decode: a third bar where present.
+    shared = [(i, r["shared_prefix_decode"]) for i, r in enumerate(recs) if r.get("shared_prefix_decode")]
+    w = 0.27 if shared else 0.4
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(4 + 1.1 * len(recs), 4.4))
-    a1.bar([i - 0.2 for i in x], [r["flashinfer_us"] for r in recs], 0.4, label="FlashInfer (dense)")
-    a1.bar([i + 0.2 for i in x], [r["ours_us"] for r in recs], 0.4, label="HieraSparse (TileLang)")
+    a1.bar([i - w / 2 for i in x], [r["flashinfer_us"] for r in recs], w, label="FlashInfer (dense)")
+    a1.bar([i + w / 2 for i in x], [r["ours_us"] for r in recs], w, label="HieraSparse (TileLang)")
+    a2.bar([i - w / 2 for i in x], [r["speedup"] for r in recs], w, label="measured")
+    if shared:
+        a1.bar([i + 1.5 * w for i, _ in shared], [d["us"] for _, d in shared], w, label="shared-prefix decode")
+        a2.bar([i + 1.5 * w for i, _ in shared], [d["speedup"] for _, d in shared], w,
+               label="shared-prefix decode (its own FlashInfer time)")  # fmt: skip
     a1.set_xticks(list(x), labels)
     a1.set_ylabel("decode attention time (us)")
     a1.set_ylim(0, 1.3 * max([r["flashinfer_us"] for r in recs] + [1]))
-    a1.legend(loc="upper left", ncol=2)
-    a2.bar([i - 0.2 for i in x], [r["speedup"] for r in recs], 0.4, label="measured")
-    a2.bar([i + 0.2 for i in x], [r["ideal_speedup"] for r in recs], 0.4, label="ideal (byte ratio)")
+    a1.legend(loc="upper left", ncol=3)
+    a2.bar([i + w / 2 for i in x], [r["ideal_speedup"] for r in recs], w, label="ideal (byte ratio)")
     a2.axhline(1.0, color="k", lw=0.8)
     a2.set_xticks(list(x), labels)
     a2.set_ylabel("speedup vs FlashInfer")
-    a2.set_ylim(0, 1.3 * max([r["ideal_speedup"] for r in recs] + [1]))
-    a2.legend(loc="upper left", ncol=2)
+    a2.set_ylim(0, 1.3 * max([r["ideal_speedup"] for r in recs] + [d["speedup"] for _, d in shared] + [1]))
+    a2.legend(loc="upper left", ncol=3)
     fig.suptitle(f"Decode, batch {r0.get('batch')} (unless noted), {r0.get('context')} tokens, 32/8 heads, d=128, "
                  f"{r0.get('dtype', 'float16')} "
                  f"- {r0.get('device', '')}")
