@@ -426,3 +426,15 @@ def test_the_own_pass_plans_splits_for_the_requests_no_set_took():
         return plan_num_splits(batch, 32, 8, 128, B, 529, STAGES, 132, 512)
 
     assert HieraSparseDecode.splits(own, 16, 529) == rule(4) > HieraSparseDecode.splits(per_request, 16, 529) == rule(16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("argv", [[], ["--server-shape"]], ids=["bench-shape", "server-shape"])
+def test_profile_script_runs(argv, capsys):
+    """``launch/profile_shared_decode.py`` (the breakdown quoted in docs/results.md) runs and times every
+    part it names."""
+    from sglang_hs.launch import profile_shared_decode
+
+    profile_shared_decode.main(argv)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.endswith(" us")]
+    assert len(lines) >= 5 and all(float(line.rsplit(": ", 1)[1][:-3]) > 0 for line in lines)
