@@ -19,6 +19,7 @@ import torch
 
 from sglang_hs.format import compression_ratio
 from sglang_hs.kernels.cases import flashinfer_decode, kv_bytes, make_case, paged_dense, rel_err, run_args, share_prefixes
+from sglang_hs.kernels.common import ANY_FORMS
 from sglang_hs.kernels.timing import time_graph, time_graphs, time_plain
 from sglang_hs.plotting import pyplot
 
@@ -209,7 +210,7 @@ def bench_mode(case: dict, mode: str, args, ref_full: dict, fis: dict) -> dict:
 
 
 def bench_shared_prefix(case: dict, ref: torch.Tensor, fis: dict, iters: int, splits: str | None = None,
-                        forms: tuple[str, str] = ("any", "any")) -> dict | None:  # fmt: skip
+                        forms: tuple[str, str] = ANY_FORMS) -> dict | None:  # fmt: skip
     """The shared-prefix decode (:mod:`sglang_hs.kernels.decode_shared`) of a batch whose requests share
     prefixes, each keeping its last block to its own pass (a request's own tokens), timed side by side
     with FlashInfer's backends (``fis``: backend -> run()) as CUDA-graph replays, per layer (the step's
@@ -224,8 +225,8 @@ def bench_shared_prefix(case: dict, ref: torch.Tensor, fis: dict, iters: int, sp
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = run_args(case)
     results = []
     runs = [(None, tuple(forms)), *((int(x), tuple(forms)) for x in (splits or "").split(",") if x)]
-    if tuple(forms) != ("any", "any"):
-        runs.append((None, ("any", "any")))
+    if tuple(forms) != ANY_FORMS:
+        runs.append((None, ANY_FORMS))
     for forced, run_forms in runs:
         plan = SharedPrefixDecode(bs, hq, k_cache.shape[1], d, case["block_size"], case["max_blocks"], q.dtype,
                                   q.device, shared_splits=forced, forms=run_forms)  # fmt: skip

@@ -168,13 +168,13 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     leader = torch.where(valid, same.int().argmax(1), idx)  # the group's first request
     columns = torch.arange(width, device=device)[None, :]
     equal = (block_table == block_table[leader]) & (columns < limit[:, None])
-    if conforming is None:
+    if conforming is None:  # the run starts at the first column
         start = torch.zeros(bs, dtype=torch.long, device=device)
+        common = equal.int().cumprod(1).sum(1)
     else:  # the run starts at the leader's first conforming block and keeps to conforming blocks
         start = torch.where(conforming.any(1), conforming.int().argmax(1), width)[leader]
         equal &= conforming
-    after = columns >= start[:, None]
-    common = torch.where(after, equal, True).int().cumprod(1).sum(1) - start
+        common = torch.where(columns >= start[:, None], equal, True).int().cumprod(1).sum(1) - start
     shared = torch.full((bs,), width, dtype=torch.long, device=device).scatter_reduce(0, leader, common, "amin")[leader]
     size = torch.zeros(bs, dtype=torch.long, device=device).scatter_add(0, leader, valid.long())[leader]
     position = (same & (idx[None, :] < idx[:, None])).sum(1)  # members before this one

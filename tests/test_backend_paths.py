@@ -196,11 +196,8 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
     from sglang_hs.decode_modes import BlockSelection
     from sglang_hs.kernels import decode
 
-    def record(*args, split_capacity=decode.SPLIT_CAPACITY, forms=decode.ANY_FORMS,
-               min_split_blocks=1):  # key: the arguments, the non-default options appended
-        key = args + ((split_capacity,) if split_capacity != decode.SPLIT_CAPACITY else ())
-        key += (forms,) if forms != decode.ANY_FORMS else ()
-        key += (min_split_blocks,) if min_split_blocks != 1 else ()
+    def record(*args, split_capacity=decode.SPLIT_CAPACITY, forms=decode.ANY_FORMS, min_split_blocks=1):
+        key = decode.decode_kernel_args(*args, split_capacity, forms, min_split_blocks)  # the kernel's cache key
         return built.setdefault(key, RecordingDecodeKernel())
 
     monkeypatch.setattr(decode, "build_decode_kernel", record)

@@ -219,14 +219,12 @@ class RecordingKernel:
 
 @pytest.fixture
 def recording_builder(monkeypatch):
-    """``build_decode_kernel`` replaced by a recorder: {builder arguments (a non-default split capacity
-    and forms appended): kernel}."""
+    """``build_decode_kernel`` replaced by a recorder: {the kernel's cache key (``decode_kernel_args``):
+    kernel}."""
     built = {}
 
-    def record(*args, split_capacity=SPLIT_CAPACITY, forms=("any", "any"), min_split_blocks=1):
-        key = args + ((split_capacity,) if split_capacity != SPLIT_CAPACITY else ())
-        key += (forms,) if forms != ("any", "any") else ()
-        key += (min_split_blocks,) if min_split_blocks != 1 else ()
+    def record(*args, split_capacity=SPLIT_CAPACITY, forms=decode_module.ANY_FORMS, min_split_blocks=1):
+        key = decode_module.decode_kernel_args(*args, split_capacity, forms, min_split_blocks)
         return built.setdefault(key, RecordingKernel(args))
 
     monkeypatch.setattr(decode_module, "build_decode_kernel", record)
