@@ -49,12 +49,14 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
 from sglang_hs.config import HieraSparseConfig
 from sglang_hs.format import dense_block_bytes, sparse_block_bytes
 from sglang_hs.launch.server import SGLangServer, ServerStartError, http_json
+from sglang_hs.launch.trace_summary import load_events, summarize
 from sglang_hs.plotting import pyplot
 
 REGIME_WORKING_SET = {1: 0.5, 2: 1.4, 3: 2.5}
@@ -63,6 +65,7 @@ BASELINES = (*DENSE_SERVERS, "hicache")  # what hierasparse records are compared
 _PREFILL_LINE = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
 _DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?cuda graph: (True|False), "
                           r"gen throughput \(token/s\): ([0-9.]+)")
+_GROUPED_LINE = re.compile(r"hs shared-decode grouped: ([0-9.]+)")
 _STORE_LINE = re.compile(r"hierasparse: KV budget ([0-9.]+) GiB")
 _METRIC_LINE = re.compile(r"^(sglang:\w+)(?:\{[^}]*\})? ([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
 APIS = ("sglang", "sglang-oai", "sglang-oai-chat")
@@ -223,8 +226,33 @@ def decode_log_stats(log_text: str) -> dict:
         return {"decode_log_lines": 0}
     top = max(running for running, _, _ in lines)
     rates = sorted(rate for running, _, rate in lines if running == top)
+    grouped = _GROUPED_LINE.findall(log_text)  # shared-prefix decode: a share since the server started
     return {"decode_log_lines": len(lines), "decode_cuda_graph_share": sum(g for _, g, _ in lines) / len(lines),
-            "decode_max_running": top, "decode_tok_s_p50_at_max_running": rates[len(rates) // 2]}
+            "decode_max_running": top, "decode_tok_s_p50_at_max_running": rates[len(rates) // 2],
+            "shared_decode_grouped": float(grouped[-1]) if grouped else None}
+
+
+def start_profile(server: SGLangServer, trace_dir: str, steps: int) -> None:
+    """Ask the server for a PyTorch profiler trace (CPU and GPU activity) of its next ``steps`` forward
+    passes, written to ``trace_dir`` (SGLang's ``/start_profile``)."""
+    try:
+        server.post("/start_profile", {"output_dir": trace_dir, "num_steps": steps, "activities": ["CPU", "GPU"]})
+    except Exception as exc:  # the load goes on; the record says no trace came
+        print(f"[bench] /start_profile failed: {exc}", flush=True)
+
+
+def profile_summary(trace_dir: str, wait_s: float = 120) -> dict | None:
+    """:func:`sglang_hs.launch.trace_summary.summarize` of the trace the server wrote to ``trace_dir``
+    (waits for the export), with its path; ``None`` if none came."""
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        traces = sorted(f for f in os.listdir(trace_dir) if f.endswith(".trace.json.gz")) if os.path.isdir(trace_dir) else []
+        if traces:
+            time.sleep(2)  # the export writes the file in one go; let it finish
+            path = os.path.join(trace_dir, traces[0])
+            return {"trace": path, **summarize(load_events(path))}
+        time.sleep(2)
+    return None
 
 
 def kv_budget_gib(log_text: str, kv_tokens: int, model_config: dict, tp_size: int = 1) -> float:
@@ -468,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
                         "the effective S_K")  # fmt: skip
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--bench-timeout", type=float, default=900)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="trace this many forward passes of every load in each server (PyTorch profiler), "
+                             "--profile-delay seconds after the load starts; the record gets a summary")  # fmt: skip
+    parser.add_argument("--profile-delay", type=float, default=10.0)
     parser.add_argument("--out", default="launch/results/prefix_bench_h100.json")
     args = parser.parse_args(argv)
     if args.report_only:
@@ -548,7 +580,15 @@ def main(argv: list[str] | None = None) -> int:
                     result_path = os.path.join(out_dir, f"bs_{spec.label.replace(':', '_')}_{regime}.jsonl")
                     if os.path.exists(result_path):
                         os.remove(result_path)  # bench_serving appends
+                    trace_dir = os.path.join(out_dir, f"trace_{spec.label.replace(':', '_')}_{regime}")
+                    profiler = None
+                    if args.profile_steps:
+                        profiler = threading.Timer(args.profile_delay, start_profile,
+                                                   (server, trace_dir, args.profile_steps))  # fmt: skip
+                        profiler.start()
                     result = run_bench_serving(server, args, groups, per_group, result_path)
+                    if profiler is not None:
+                        profiler.cancel()
                     metrics = read_metrics(server.base_url)
                     record = {
                         "regime": regime, "api": args.api, **server_fields, "working_set_tokens": groups * args.context,
@@ -563,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
                         **decode_log_stats(server.log_text()[log_start:]),
                         **request_fields(result), **metrics_fields(metrics),
                     }  # fmt: skip
+                    if profiler is not None:
+                        record["profile"] = profile_summary(trace_dir)
                     server_records.append(record)
                     records.append(record)
                     print(f"[bench] {json.dumps(record)}", flush=True)

@@ -47,7 +47,8 @@
 # (the hicache server's host pool; SGLang's default of twice the GPU pool exceeds the H100 host's free
 # memory at MEM 0.85), DENSE_CAP (the dense server's KV tokens, for hs:...:auto without a dense server in
 # the run or in OUT), PROBE=1 (run the capacity probe before numbered regimes too; PROBE=0: not before gN either) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
-# run, or flashinfer, which needs the warmfi step first).
+# run, or flashinfer, which needs the warmfi step first). PROFILE_STEPS=N (PROFILE_DELAY=S, 15) traces N forward
+# passes of each load with SGLang's /start_profile and adds the trace's summary to the record (launch/trace_summary.py).
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
 set -uo pipefail
@@ -165,6 +166,7 @@ case "$step" in
         --prompts-per-group "${PPG:-8}" --max-concurrency 16 --request-rate 16 --mem-fraction-static "${MEM:-0.85}" \
         --hicache-size "${HICACHE_GB:-0}" "${probe[@]}" "${PREFIX_ARGS[@]}" --port "${PORT:-30000}" \
         ${DENSE_CAP:+--dense-capacity=$DENSE_CAP} ${KHEADMAP:+--k-head-map=$KHEADMAP} \
+        ${PROFILE_STEPS:+--profile-steps=$PROFILE_STEPS --profile-delay=${PROFILE_DELAY:-15}} \
         --out "$out/prefix_bench${tp_tag}_${gpu}.json" 2>&1 |
         grep -E "\[bench\]|error" | cut -c1-400
     ;;

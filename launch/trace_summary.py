@@ -1,0 +1,120 @@
+"""What a server's decode steps spend their time on, from a PyTorch profiler trace of the server.
+
+    python3 -m sglang_hs.launch.trace_summary TRACE.json.gz [--top 15]
+
+``bench_prefix --profile-steps N`` asks the server for such a trace (SGLang's ``/start_profile``, CPU
+and GPU activity) in the middle of a load and stores this summary in the record. It answers the
+question the kernel timings alone cannot: where a step's time goes when the kernels are fast.
+
+- ``graph_steps``: one entry per CUDA-graph launch (a decode step), from the kernels that carry the
+  launch's correlation id: ``gpu_us`` (their summed time), ``span_us`` (first start to last end) and
+  ``period_us`` (launch to next launch, the step's wall time). Medians over the steps are reported;
+  ``period - span`` is time the GPU waited on the host or ran other work between steps.
+- ``kernels``: GPU time per kernel name (all activity in the window, graph or not), the largest first.
+- ``runtime``: CUDA runtime calls by name, count and host time; a long ``cudaStreamSynchronize`` or
+  device-to-host ``cudaMemcpyAsync`` is a host wait that stops the scheduler from running ahead.
+- ``gpu_busy_share``: the union of GPU activity over the window; ``gaps_over_100us``: idle gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+from collections import defaultdict
+
+_GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+_RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def load_events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 1) if values else None
+
+
+def summarize(events: list[dict], top: int = 15) -> dict:
+    """The summary described in the module docstring, from a Chrome trace's ``traceEvents``."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in _GPU_CATEGORIES]
+    runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") in _RUNTIME_CATEGORIES]
+    if not gpu:
+        return {"gpu_events": 0}
+    intervals = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in gpu]
+    window = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    busy = _union(intervals)
+    gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:]) if b[0] - a[1] > 100]
+
+    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in gpu:
+        entry = by_kernel[e.get("name", "?")[:100]]
+        entry[0] += float(e.get("dur", 0))
+        entry[1] += 1
+    by_call: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in runtime:
+        entry = by_call[e.get("name", "?")]
+        entry[0] += float(e.get("dur", 0))
+        entry[1] += 1
+
+    # A graph launch's kernels carry its correlation id.
+    by_correlation: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for e, interval in zip(gpu, intervals):
+        correlation = (e.get("args") or {}).get("correlation")
+        if correlation is not None:
+            by_correlation[correlation].append(interval)
+    launches = sorted((float(e["ts"]), (e.get("args") or {}).get("correlation"))
+                      for e in runtime if e.get("name") == "cudaGraphLaunch")  # fmt: skip
+    steps = []
+    for (ts, correlation), following in zip(launches, [*launches[1:], None]):
+        kernels = by_correlation.get(correlation, [])
+        if not kernels:
+            continue
+        steps.append({
+            "gpu_us": sum(end - start for start, end in kernels),
+            "span_us": max(end for _, end in kernels) - min(start for start, _ in kernels),
+            "period_us": following[0] - ts if following else None,
+        })  # fmt: skip
+    periods = [s["period_us"] for s in steps if s["period_us"] is not None]
+    return {
+        "gpu_events": len(gpu),
+        "window_ms": round(window / 1000, 2),
+        "gpu_busy_share": round(sum(e - s for s, e in busy) / window, 3) if window else None,
+        "gaps_over_100us": len(gaps),
+        "gap_ms_over_100us": round(sum(gaps) / 1000, 2),
+        "graph_steps": len(steps),
+        "graph_step_gpu_us_p50": _median([s["gpu_us"] for s in steps]),
+        "graph_step_span_us_p50": _median([s["span_us"] for s in steps]),
+        "graph_step_period_us_p50": _median(periods),
+        "kernels": [{"name": name, "total_us": round(t, 1), "count": int(n)}
+                    for name, (t, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]],  # fmt: skip
+        "runtime": [{"name": name, "total_us": round(t, 1), "count": int(n)}
+                    for name, (t, n) in sorted(by_call.items(), key=lambda kv: -kv[1][0])[:top]],  # fmt: skip
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace")
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args(argv)
+    print(json.dumps(summarize(load_events(args.trace), args.top), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

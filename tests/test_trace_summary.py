@@ -1,0 +1,50 @@
+"""The server-trace summary (``launch/trace_summary.py``) on a small synthetic Chrome trace."""
+
+import gzip
+import json
+
+from sglang_hs.launch.trace_summary import load_events, main, summarize
+
+
+def _kernel(name, ts, dur, correlation=None):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+
+def _runtime(name, ts, dur, correlation):
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+
+def _trace():
+    # Two graph launches (decode steps) 1000 us apart, each running two kernels of 300 us; between them
+    # an eager kernel of 50 us and a host wait; a CPU op that must not count as GPU activity.
+    events = [
+        _runtime("cudaGraphLaunch", 0, 10, 1), _kernel("attn", 20, 300, 1), _kernel("mlp", 320, 300, 1),
+        _runtime("cudaLaunchKernel", 700, 5, 2), _kernel("plan", 710, 50, 2),
+        _runtime("cudaStreamSynchronize", 800, 150, 3),
+        _runtime("cudaGraphLaunch", 1000, 10, 4), _kernel("attn", 1020, 300, 4), _kernel("mlp", 1320, 300, 4),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 5, "dur": 5000},
+    ]  # fmt: skip
+    return events
+
+
+def test_summary_of_graph_steps_kernels_and_host_calls():
+    s = summarize(_trace())
+    assert s["gpu_events"] == 5 and s["window_ms"] == 1.6
+    assert s["graph_steps"] == 2
+    assert s["graph_step_gpu_us_p50"] == 600 and s["graph_step_span_us_p50"] == 600
+    assert s["graph_step_period_us_p50"] == 1000  # the last launch has no next one
+    assert s["gpu_busy_share"] == round(1250 / 1600, 3)
+    assert s["gaps_over_100us"] == 1 and s["gap_ms_over_100us"] == 0.26  # 620-710 is 90 us: not counted
+    assert s["kernels"][0] == {"name": "attn", "total_us": 600.0, "count": 2}
+    assert s["runtime"][0] == {"name": "cudaStreamSynchronize", "total_us": 150.0, "count": 1}
+    assert summarize([]) == {"gpu_events": 0}
+
+
+def test_reads_gzipped_trace_files(tmp_path, capsys):
+    path = tmp_path / "x-TP-0.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": _trace()}, f)
+    assert len(load_events(str(path))) == 10
+    assert main([str(path), "--top", "1"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert len(printed["kernels"]) == 1 and printed["graph_steps"] == 2
