@@ -286,8 +286,10 @@ class SharedPrefixDecode:
         ``bs // 2`` (and the plan's ``max_sets``); :func:`step_tables` numbers sets from 0. The shared pass
         runs over that many rows, so its split count is planned for them, not for the ``max_sets`` of
         the largest captured batch (a server's plan for 256 requests would give a call of 16 the 2
-        splits of 128 sets)."""
-        return min(self.max_sets, max(1, bs // 2))
+        splits of 128 sets). A call of one request has none: it runs the own pass alone (a server's
+        batch of one, common while long prompts prefill, paid an empty shared pass of 106 us a layer
+        on an H200, more than the request's whole attention, 46 us; docs/results.md)."""
+        return min(self.max_sets, bs // 2)
 
     @property
     def batch_size(self) -> int:
@@ -332,6 +334,8 @@ class SharedPrefixDecode:
         ``HieraSparseDecode.run``'s; ``step`` from :meth:`plan_step`. No host synchronisation."""
         kv = (k_cache, v_cache, pools, k_index, v_index)
         sets = self.sets_for(q.shape[0])  # the rows that can hold a set: a static shape per batch size
+        if sets == 0:  # nothing to share: the own pass holds every block (its table is the whole table)
+            return self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale)
         out_s, lse_s = self.shared_plan.run(self.fold_queries(q, step.members[:sets]), *kv, step.shared_table[:sets],
                                             step.shared_lens[:sets], sm_scale, return_lse=True)  # fmt: skip
         out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, return_lse=True)

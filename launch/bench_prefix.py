@@ -236,7 +236,8 @@ def start_profile(server: SGLangServer, trace_dir: str, steps: int) -> None:
     """Ask the server for a PyTorch profiler trace (CPU and GPU activity) of its next ``steps`` forward
     passes, written to ``trace_dir`` (SGLang's ``/start_profile``)."""
     try:
-        server.post("/start_profile", {"output_dir": trace_dir, "num_steps": steps, "activities": ["CPU", "GPU"]})
+        server.post("/start_profile", {"output_dir": trace_dir, "num_steps": steps, "activities": ["CPU", "GPU"],
+                                        "with_stack": False, "record_shapes": False})
     except Exception as exc:  # the load goes on; the record says no trace came
         print(f"[bench] /start_profile failed: {exc}", flush=True)
 

@@ -10,15 +10,20 @@ question the kernel timings alone cannot: where a step's time goes when the kern
   launch's correlation id: ``gpu_us`` (their summed time), ``span_us`` (first start to last end) and
   ``period_us`` (launch to next launch, the step's wall time). Medians over the steps are reported;
   ``period - span`` is time the GPU waited on the host or ran other work between steps.
+- ``graph_kernels_per_step``: the graph steps' GPU time and launches per kernel name, per step.
 - ``kernels``: GPU time per kernel name (all activity in the window, graph or not), the largest first.
 - ``runtime``: CUDA runtime calls by name, count and host time; a long ``cudaStreamSynchronize`` or
   device-to-host ``cudaMemcpyAsync`` is a host wait that stops the scheduler from running ahead.
+- ``eager_forward_*``: forward passes outside CUDA graphs (prefill and extend batches, from SGLang's
+  ``scheduler.run_batch`` annotation): their GPU span against their kernels' time. A span well above
+  the kernel time is a forward the host could not launch fast enough.
 - ``gpu_busy_share``: the union of GPU activity over the window; ``gaps_over_100us``: idle gaps.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import statistics
@@ -73,23 +78,44 @@ def summarize(events: list[dict], top: int = 15) -> dict:
 
     # A graph launch's kernels carry its correlation id.
     by_correlation: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    names_by_correlation: dict[int, list[str]] = defaultdict(list)
     for e, interval in zip(gpu, intervals):
         correlation = (e.get("args") or {}).get("correlation")
         if correlation is not None:
             by_correlation[correlation].append(interval)
+            names_by_correlation[correlation].append(e.get("name", "?")[:100])
     launches = sorted((float(e["ts"]), (e.get("args") or {}).get("correlation"))
                       for e in runtime if e.get("name") == "cudaGraphLaunch")  # fmt: skip
     steps = []
+    in_graphs: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for (ts, correlation), following in zip(launches, [*launches[1:], None]):
         kernels = by_correlation.get(correlation, [])
         if not kernels:
             continue
+        for name, (start, end) in zip(names_by_correlation[correlation], kernels):
+            in_graphs[name][0] += end - start
+            in_graphs[name][1] += 1
         steps.append({
             "gpu_us": sum(end - start for start, end in kernels),
             "span_us": max(end for _, end in kernels) - min(start for start, _ in kernels),
             "period_us": following[0] - ts if following else None,
         })  # fmt: skip
     periods = [s["period_us"] for s in steps if s["period_us"] is not None]
+
+    # Forward passes outside CUDA graphs (prefill / extend batches): SGLang marks each forward with a
+    # ``scheduler.run_batch`` annotation, projected onto the GPU timeline.
+    graph_correlations = {correlation for _, correlation in launches}
+    order = sorted(range(len(gpu)), key=lambda i: intervals[i][0])
+    starts = [intervals[i][0] for i in order]
+    eager = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "gpu_user_annotation" or e.get("name") != "scheduler.run_batch":
+            continue
+        t0, t1 = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
+        inside = [order[i] for i in range(bisect.bisect_left(starts, t0), bisect.bisect_right(starts, t1))]
+        if any((gpu[i].get("args") or {}).get("correlation") in graph_correlations for i in inside):
+            continue
+        eager.append((t1 - t0, sum(intervals[i][1] - intervals[i][0] for i in inside)))
     return {
         "gpu_events": len(gpu),
         "window_ms": round(window / 1000, 2),
@@ -100,6 +126,13 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         "graph_step_gpu_us_p50": _median([s["gpu_us"] for s in steps]),
         "graph_step_span_us_p50": _median([s["span_us"] for s in steps]),
         "graph_step_period_us_p50": _median(periods),
+        "eager_forwards": len(eager),
+        "eager_forward_span_us_p50": _median([span for span, _ in eager]),
+        "eager_forward_kernel_us_p50": _median([busy for _, busy in eager]),
+        "eager_forward_span_ms_total": round(sum(span for span, _ in eager) / 1000, 1),
+        "eager_forward_kernel_ms_total": round(sum(busy for _, busy in eager) / 1000, 1),
+        "graph_kernels_per_step": [{"name": name, "us": round(t / len(steps), 1), "count": round(n / len(steps), 2)}
+                                   for name, (t, n) in sorted(in_graphs.items(), key=lambda kv: -kv[1][0])[:top]],
         "kernels": [{"name": name, "total_us": round(t, 1), "count": int(n)}
                     for name, (t, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]],  # fmt: skip
         "runtime": [{"name": name, "total_us": round(t, 1), "count": int(n)}

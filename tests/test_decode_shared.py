@@ -217,10 +217,32 @@ def test_the_shared_pass_runs_over_the_sets_a_call_can_have():
 
     plan = SharedPrefixDecode(64, 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
                               plans=(Recording(), ReferencePlan()))  # fmt: skip
-    assert plan.max_sets == 32 and plan.sets_for(bs) == bs // 2 == 4 and plan.sets_for(1) == 1
+    assert plan.max_sets == 32 and plan.sets_for(bs) == bs // 2 == 4 and plan.sets_for(1) == 0
     out = _run(plan, case)
     ref, _ = _reference(case)
     assert rows == [bs // 2] and torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_a_call_of_one_request_skips_the_shared_pass():
+    """A batch of one cannot share: the shared pass does not run (it cost more than the request's
+    whole attention in a server) and the own pass alone gives the reference output."""
+    case = _case(32, 8, torch.float32, "cpu", sk=1.0, sv=1.0)
+    one = {**case, "q": case["q"][:1], "block_table": case["block_table"][:1], "seq_lens": case["seq_lens"][:1],
+           "seq_lens_list": case["seq_lens_list"][:1]}
+    rows = []
+
+    class Recording(ReferencePlan):
+        def run(self, q, *args, **kw):
+            rows.append(q.shape[0])
+            return super().run(q, *args, **kw)
+
+    plan = SharedPrefixDecode(64, 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
+                              plans=(Recording(), ReferencePlan()))  # fmt: skip
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(one)
+    step = plan.plan_step(block_table, seq_lens, k_index, v_index)
+    out = plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
+    ref, _ = _reference(one)
+    assert rows == [] and out.shape == one["q"].shape and torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_compressed_forms_follow_the_settings():

@@ -23,6 +23,9 @@ def _trace():
         _runtime("cudaStreamSynchronize", 800, 150, 3),
         _runtime("cudaGraphLaunch", 1000, 10, 4), _kernel("attn", 1020, 300, 4), _kernel("mlp", 1320, 300, 4),
         {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 5, "dur": 5000},
+        # forward annotations: the first graph step's, and an eager forward around the plan kernel
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "scheduler.run_batch", "ts": 20, "dur": 600},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "scheduler.run_batch", "ts": 700, "dur": 200},
     ]  # fmt: skip
     return events
 
@@ -35,6 +38,8 @@ def test_summary_of_graph_steps_kernels_and_host_calls():
     assert s["graph_step_period_us_p50"] == 1000  # the last launch has no next one
     assert s["gpu_busy_share"] == round(1250 / 1600, 3)
     assert s["gaps_over_100us"] == 1 and s["gap_ms_over_100us"] == 0.26  # 620-710 is 90 us: not counted
+    assert s["eager_forwards"] == 1 and s["eager_forward_span_us_p50"] == 200
+    assert s["eager_forward_kernel_us_p50"] == 50
     assert s["kernels"][0] == {"name": "attn", "total_us": 600.0, "count": 2}
     assert s["runtime"][0] == {"name": "cudaStreamSynchronize", "total_us": 150.0, "count": 1}
     assert summarize([]) == {"gpu_events": 0}
@@ -44,7 +49,7 @@ def test_reads_gzipped_trace_files(tmp_path, capsys):
     path = tmp_path / "x-TP-0.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": _trace()}, f)
-    assert len(load_events(str(path))) == 10
+    assert len(load_events(str(path))) == 12
     assert main([str(path), "--top", "1"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert len(printed["kernels"]) == 1 and printed["graph_steps"] == 2
