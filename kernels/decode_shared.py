@@ -144,17 +144,18 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     batch size (so a CUDA graph can replay it).
 
     Requests with the same first block-table entry form a group (they hang off one radix-tree path);
-    its shared blocks are the leading columns equal in every member, at most each member's full blocks
+    its common blocks are the leading columns equal in every member, at most each member's full blocks
     (``seq_len // block_size``) minus ``min_own_blocks`` (the benchmark keeps 1, standing in for a
-    request's own question and generated tokens). Members are cut, in batch order, into column sets of
-    ``fold``; a set of one, a group sharing fewer than ``min_shared_blocks`` blocks, and sets beyond
-    ``max_sets`` stay out (their requests read everything in the own pass), and so does a request
-    with fewer than ``min_shared_blocks`` blocks to share (padding requests included).
-
-    ``conforming`` (``[bs, W]`` bool, :func:`conforming_blocks`): the blocks the shared pass's kernel
-    takes. The shared run then starts at the leader's first such block and stops before the first
-    block that is not; the own pass reads the blocks before the run (a dense sink) and after it, in
-    table order (attention does not depend on the order of its keys)."""
+    request's own question and generated tokens). The shared pass takes the common blocks that are
+    ``conforming`` (``[bs, W]`` bool, :func:`conforming_blocks`: the blocks its kernel's forms hold;
+    ``None``: all of them), packed in table order; each request's own pass takes every other block of
+    its table, in table order (attention does not depend on the order of its keys). A prefix that
+    entered the radix tree in chunks (chunked prefill) keeps a dense window at the end of every chunk,
+    so its compressed blocks come in runs with dense blocks between them: all of those runs are shared.
+    Members are cut, in batch order, into column sets of ``fold``; a set of one, a group with fewer than
+    ``min_shared_blocks`` blocks to share, and sets beyond ``max_sets`` stay out (their requests read
+    everything in the own pass), and so does a request with fewer than ``min_shared_blocks`` full
+    blocks (padding requests included)."""
     device = block_table.device
     bs, width = block_table.shape
     lens = seq_lens.long()
@@ -168,20 +169,18 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     leader = torch.where(valid, same.int().argmax(1), idx)  # the group's first request
     columns = torch.arange(width, device=device)[None, :]
     equal = (block_table == block_table[leader]) & (columns < limit[:, None])
-    if conforming is None:  # the run starts at the first column
-        start = torch.zeros(bs, dtype=torch.long, device=device)
-        common = equal.int().cumprod(1).sum(1)
-    else:  # the run starts at the leader's first conforming block and keeps to conforming blocks
-        start = torch.where(conforming.any(1), conforming.int().argmax(1), width)[leader]
-        equal &= conforming
-        common = torch.where(columns >= start[:, None], equal, True).int().cumprod(1).sum(1) - start
-    shared = torch.full((bs,), width, dtype=torch.long, device=device).scatter_reduce(0, leader, common, "amin")[leader]
+    common = torch.full((bs,), width, dtype=torch.long, device=device).scatter_reduce(
+        0, leader, equal.int().cumprod(1).sum(1), "amin")[leader]  # fmt: skip
+    take = columns < common[:, None]  # equal in every member: so is whether the kernel takes them
+    if conforming is not None:
+        take &= conforming
+    shared = take.sum(1)
     size = torch.zeros(bs, dtype=torch.long, device=device).scatter_add(0, leader, valid.long())[leader]
     position = (same & (idx[None, :] < idx[:, None])).sum(1)  # members before this one
     chunk, slot = position // fold, position % fold
     chunk_size = (size - chunk * fold).clamp(max=fold)
     sets_of_group = size // fold + (size % fold >= 2).long()  # chunks of two or more
-    group_ok = valid & (size >= 2) & (shared >= min_shared_blocks) & (fold >= 2)
+    group_ok = valid & (size >= 2) & (shared >= max(min_shared_blocks, 1)) & (fold >= 2)
     per_leader = torch.where((leader == idx) & group_ok, sets_of_group, 0)  # column sets per group, at its leader
     offset = (per_leader.cumsum(0) - per_leader)[leader]
     set_id = offset + chunk
@@ -191,19 +190,23 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     members = members[:-1].view(max_sets, fold)
     set_rows = torch.where(eligible, set_id, max_sets)
     shared_blocks = torch.zeros(max_sets + 1, dtype=torch.long, device=device).scatter(0, set_rows, shared)[:-1]
-    set_start = torch.zeros(max_sets + 1, dtype=torch.long, device=device).scatter(0, set_rows, start)[:-1]
-    leaders = members[:, 0].clamp(min=0)
-    shared_columns = (columns + set_start[:, None]).clamp(max=width - 1)
-    skipped = torch.where(eligible, shared, 0)  # blocks the own pass leaves to the shared pass
-    own_columns = torch.where(columns < start[:, None], columns, columns + skipped[:, None]).clamp(max=width - 1)
+    take &= eligible[:, None]
     return StepTables(
         members=members,
-        shared_table=block_table[leaders].gather(1, shared_columns).contiguous(),
+        shared_table=_pack(block_table, take)[members[:, 0].clamp(min=0)].contiguous(),
         shared_lens=(shared_blocks * block_size).to(torch.int32),
-        own_table=block_table.gather(1, own_columns).contiguous(),
-        own_lens=(lens - skipped * block_size).to(torch.int32),
+        own_table=_pack(block_table, ~take),
+        own_lens=(lens - take.sum(1) * block_size).to(torch.int32),
         pick=torch.where(eligible, set_id * fold + slot, -1).to(torch.int32),
     )
+
+
+def _pack(block_table: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``[bs, W]``: each row's entries where ``keep``, in order, then zeros (a stable compaction)."""
+    bs, width = block_table.shape
+    slots = torch.where(keep, keep.long().cumsum(1) - 1, width)  # the others go to a spare column
+    packed = torch.zeros(bs, width + 1, dtype=block_table.dtype, device=block_table.device)
+    return packed.scatter_(1, slots, block_table)[:, :width].contiguous()
 
 
 def _merge_kernel_factory():

@@ -39,15 +39,11 @@ REQUESTS = [
 class PrefixGroups:
     """The oracle's grouping of one decode batch (host lists, as :func:`find_shared_prefixes` returns them).
 
-    ``sets``: per column set, its member requests (1 to ``fold``); ``shared_blocks``: per set, the
-    blocks its members share; ``own_start``: per request, the first block after its shared run (0 for
-    a request in no set); ``run_start``: per request, the first block of its shared run (0 without a
-    conforming mask, or for a request in no set)."""
+    ``sets``: per column set, its member requests (1 to ``fold``); ``taken``: per set, the block-table
+    columns its shared pass reads (the same for every member)."""
 
     sets: list[list[int]]
-    shared_blocks: list[int]
-    own_start: list[int]
-    run_start: list[int]
+    taken: list[list[int]]
 
     @property
     def any_shared(self) -> bool:
@@ -59,46 +55,39 @@ def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_s
                          conforming: torch.Tensor | None = None) -> PrefixGroups:  # fmt: skip
     """The oracle of :func:`step_tables`: the same grouping by a host loop over ``block_table [bs, W]``.
 
-    Requests with the same first entry form a group; its shared blocks are the leading columns equal
+    Requests with the same first entry form a group; its common blocks are the leading columns equal
     in every member, at most each member's full blocks (``seq_len // block_size``) minus
     ``min_own_blocks`` (the benchmark uses 1 so that every request keeps a block of its own, as a
-    request's question and generated tokens would be). Groups of one, or sharing fewer than
-    ``min_shared_blocks`` blocks, stay out; larger groups are cut into column sets of ``fold``
-    members, in batch order. With ``conforming`` (``[bs, W]`` bool) the run starts at the group's first
-    request's first conforming column and keeps to conforming columns."""
+    request's question and generated tokens would be). The shared pass takes the common columns that
+    ``conforming`` (``[bs, W]`` bool, a function of the block) marks, all without it. Groups of one, or
+    with fewer than ``min_shared_blocks`` (at least 1) such columns, stay out; larger groups are cut into
+    column sets of ``fold`` members, in batch order."""
     table = block_table.cpu()
     if fold < 2:  # the GQA group fills the kernel's columns: nothing to fold
-        return PrefixGroups([], [], [0] * table.shape[0], [0] * table.shape[0])
+        return PrefixGroups([], [])
     by_first: dict[int, list[int]] = {}
     for r in range(table.shape[0]):
         if seq_lens[r] // block_size - min_own_blocks >= max(min_shared_blocks, 1):  # long enough to share
             by_first.setdefault(int(table[r, 0]), []).append(r)
-    sets, shared_blocks, own_start, run_start = [], [], [0] * table.shape[0], [0] * table.shape[0]
+    sets, taken = [], []
     for members in by_first.values():
         if len(members) < 2:
             continue
         rows = table[members]
         limit = min(seq_lens[r] // block_size for r in members) - min_own_blocks
-        begin = 0
-        if conforming is not None:
-            marks = conforming[members[0]].tolist()
-            begin = marks.index(True) if True in marks else table.shape[1]
-        shared = 0  # columns equal (and conforming) in every member, from begin on
-        for c in range(begin, max(limit, 0)):
-            if not bool((rows[:, c] == rows[0, c]).all()) or (conforming is not None and not bool(conforming[members, c].all())):
-                break
-            shared += 1
-        if shared < min_shared_blocks:
+        common = 0
+        while common < limit and bool((rows[:, common] == rows[0, common]).all()):
+            common += 1
+        columns = [c for c in range(common) if conforming is None or bool(conforming[members[0], c])]
+        if len(columns) < max(min_shared_blocks, 1):
             continue
         for start in range(0, len(members), fold):
             chunk = members[start : start + fold]
             if len(chunk) < 2:  # a lone remainder reads its prefix in its own pass
                 continue
             sets.append(chunk)
-            shared_blocks.append(shared)
-            for r in chunk:
-                own_start[r], run_start[r] = begin + shared, begin
-    return PrefixGroups(sets, shared_blocks, own_start, run_start)
+            taken.append(columns)
+    return PrefixGroups(sets, taken)
 
 
 def _case(q_heads, kv_heads, dtype, device, sk=1.0, sv=1.0, seed=3, head_dim=64):
@@ -143,23 +132,22 @@ def test_grouping_finds_sets_and_leaves_lone_requests_out():
     groups = find_shared_prefixes(case["block_table"], case["seq_lens_list"], B, fold)
     # Source 0's group: requests 0, 2, 3, 5, 7 -> a set of 4 and a lone remainder (7) left to its own pass.
     assert groups.sets == [[0, 2, 3, 5], [1, 6]]
-    assert groups.shared_blocks == [18, 10]
-    assert groups.own_start == [18, 10, 18, 18, 0, 18, 10, 0, 0]
+    assert groups.taken == [list(range(18)), list(range(10))]
     # With a fold of 2 the same group makes three sets, the last of two.
     two = find_shared_prefixes(case["block_table"], case["seq_lens_list"], B, 2)
-    assert two.sets == [[0, 2], [3, 5], [1, 6]] and two.own_start[7] == 0
+    assert two.sets == [[0, 2], [3, 5], [1, 6]]
     # min_own_blocks keeps a block of every member out of the shared pass; a fold of 1 has no sets.
     kept = find_shared_prefixes(case["block_table"], case["seq_lens_list"], B, fold, min_own_blocks=1)
-    assert kept.shared_blocks == [17, 10]  # request 5 has 18 full blocks and keeps one
+    assert [len(t) for t in kept.taken] == [17, 10]  # request 5 has 18 full blocks and keeps one
     assert not find_shared_prefixes(case["block_table"], case["seq_lens_list"], B, 1).any_shared
 
 
 def test_shared_blocks_stop_at_the_first_difference_and_at_full_blocks():
     table = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 1, 2], [5, 6, 7, 8, 3]], dtype=torch.int32)
     groups = find_shared_prefixes(table, [5 * B, 5 * B, 3 * B + 1], B, 4)
-    assert groups.sets == [[0, 1, 2]] and groups.shared_blocks == [3]
+    assert groups.sets == [[0, 1, 2]] and groups.taken == [[0, 1, 2]]
     # Request 2 has 3 full blocks: with one block kept for its own pass only 2 are shared.
-    assert find_shared_prefixes(table, [5 * B, 5 * B, 3 * B + 1], B, 4, min_own_blocks=1).shared_blocks == [2]
+    assert find_shared_prefixes(table, [5 * B, 5 * B, 3 * B + 1], B, 4, min_own_blocks=1).taken == [[0, 1]]
 
 
 def test_merge_states_is_attention_over_the_union():
@@ -292,13 +280,14 @@ def test_a_restricted_shared_pass_leaves_the_dense_sink_to_the_own_pass():
 
 def _oracle_tables(groups: PrefixGroups, bs: int, fold: int, max_sets: int) -> dict:
     members = [[-1] * fold for _ in range(max_sets)]
-    shared, pick = [0] * max_sets, [-1] * bs
-    for i, (group, blocks) in enumerate(zip(groups.sets, groups.shared_blocks)):
+    shared, pick, taken = [0] * max_sets, [-1] * bs, [[] for _ in range(bs)]
+    for i, (group, columns) in enumerate(zip(groups.sets, groups.taken)):
         members[i][: len(group)] = group
-        shared[i] = blocks
+        shared[i] = len(columns)
         for position, r in enumerate(group):
             pick[r] = i * fold + position
-    return dict(members=members, shared=shared, own_start=groups.own_start, run_start=groups.run_start, pick=pick)
+            taken[r] = columns
+    return dict(members=members, shared=shared, pick=pick, taken=taken)
 
 
 @pytest.mark.parametrize("fold", [1, 2, 4])
@@ -324,7 +313,7 @@ def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks, conform):
             lens.append(rng.choice([0, width * B, width * B, width * B - 1, rng.randint(1, width * B)]))
         batches.append((torch.tensor(rows, dtype=torch.int32), lens))
     for table, lens in batches:
-        bs = table.shape[0]
+        bs, width = table.shape
         max_sets = max(1, bs // 2)
         mask = None
         if conform:
@@ -338,14 +327,27 @@ def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks, conform):
         assert step.members.tolist() == want["members"], (table, lens)
         assert step.shared_lens.tolist() == [b * B for b in want["shared"]]
         assert step.pick.tolist() == want["pick"]
-        runs = [end - start for start, end in zip(want["run_start"], want["own_start"])]
-        assert step.own_lens.tolist() == [n - run * B for n, run in zip(lens, runs)]
-        for r, (start, end) in enumerate(zip(want["run_start"], want["own_start"])):
-            own = table[r, :start].tolist() + table[r, end:].tolist()
+        assert step.own_lens.tolist() == [n - len(t) * B for n, t in zip(lens, want["taken"])]
+        for r, columns in enumerate(want["taken"]):
+            own = [table[r, c].item() for c in range(width) if c not in columns]
             assert step.own_table[r, : len(own)].tolist() == own
-        for i, (group, blocks) in enumerate(zip(groups.sets, groups.shared_blocks)):
-            start = want["run_start"][group[0]]
-            assert step.shared_table[i, :blocks].tolist() == table[group[0], start : start + blocks].tolist()
+        for i, (group, columns) in enumerate(zip(groups.sets, groups.taken)):
+            assert step.shared_table[i, : len(columns)].tolist() == [table[group[0], c].item() for c in columns]
+
+
+def test_every_compressed_run_of_a_chunked_prefix_is_shared():
+    """A prefix that entered the radix tree in chunks keeps dense blocks (each chunk's window) between
+    its compressed runs: the shared pass takes every compressed run, the own pass the dense blocks
+    and the request's own blocks, in table order."""
+    # virtual (compressed) blocks are negative, cache pages non-negative; two requests share 7 blocks
+    prefix = [5, -1, -2, 6, -3, -4, 7]
+    table = torch.tensor([prefix + [8, 9], prefix + [10, 11]], dtype=torch.int32)
+    step = step_tables(table, torch.tensor([9 * B, 8 * B + 3], dtype=torch.int32), B, 4, max_sets=1,
+                       conforming=table < 0)  # fmt: skip
+    assert step.members.tolist() == [[0, 1, -1, -1]] and step.shared_lens.tolist() == [4 * B]
+    assert step.shared_table[0, :4].tolist() == [-1, -2, -3, -4]
+    assert step.own_table[:, :5].tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11]]
+    assert step.own_lens.tolist() == [5 * B, 4 * B + 3]
 
 
 def test_a_short_request_does_not_cut_its_groups_run():
