@@ -1,6 +1,6 @@
 """Where the time of one layer of shared-prefix decode goes: the whole call and each of its parts.
 
-    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape]
+    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --chunked]
 
 16 requests over 6 shared prefixes of 32K, S_K = S_V = 1, Llama-3.1-8B decode shape (32/8 heads,
 d 128), each request keeping its last block to its own pass, natural pool order. Times are CUDA-graph
@@ -8,7 +8,10 @@ replays side by side (``sglang_hs.kernels.timing.time_graphs``): ``plan.run`` (a
 the own pass, the query fold, the step tables (once per decode step in a server), and the shared pass
 at other split counts. ``--server-shape``: the regime-1 server's shape instead (bf16, a block table 529
 blocks wide, plans built for 256 requests as for SGLang's largest captured batch and for 16), beside
-FlashInfer fa2 and the per-request kernel. ``docs/results.md`` quotes both.
+FlashInfer fa2 and the per-request kernel. At the server's shape, ``--batches``: batches of 1 to 16
+requests over 1 and over 6 prefixes (a server's batch is small while long prompts prefill);
+``--chunked``: 8, 16 and 32 requests whose prefixes keep a dense window after every 8K chunk, as a
+prefix cached by chunked prefill does. ``docs/results.md`` quotes them all.
 """
 
 import argparse
@@ -17,7 +20,7 @@ import torch
 
 from sglang_hs.kernels.cases import flashinfer_decode, make_case, paged_dense, run_args, share_prefixes
 from sglang_hs.kernels.decode import HieraSparseDecode
-from sglang_hs.kernels.decode_shared import SharedPrefixDecode
+from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode
 from sglang_hs.kernels.timing import time_graphs
 
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
@@ -54,28 +57,78 @@ def benchmark_shape() -> dict:
     return fns
 
 
+SERVER_WIDTH = 529  # the regime-1 server's block table: (32768 + 1024) / 64 + 1
+
+
 def server_shape() -> dict:
-    width = 529
-    case, paged = _case(torch.bfloat16, width, 5)
+    case, paged = _case(torch.bfloat16, SERVER_WIDTH, 5)
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
     kv = (kc, vc, pools, ki, vi)
-    per_request = HieraSparseDecode(256, 32, 8, 128, 64, width, torch.bfloat16, "cuda")
+    per_request = HieraSparseDecode(256, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
     out = torch.empty_like(q)
     fns = {"FlashInfer fa2": flashinfer_decode(case, paged, workspace, "fa2"),
            "per-request kernel": lambda: per_request.run(q, *kv, bt, sl, scale, out=out)}
     for plan_batch, forms in ((256, FORMS), (16, FORMS), (256, ("any", "any"))):
-        plan = SharedPrefixDecode(plan_batch, 32, 8, 128, 64, width, torch.bfloat16, "cuda", forms=forms)
+        plan = SharedPrefixDecode(plan_batch, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=forms)
         step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
         fns[f"shared-prefix decode, plan for {plan_batch}, forms {'/'.join(forms)}"] = (
             lambda plan=plan, step=step: plan.run(q, *kv, step, scale))
     return fns
 
 
+def _server_batches(batches, prefixes: int, chunk_windows: bool):
+    """Per batch size: its label and the functions timed side by side (FlashInfer fa2, the per-request
+    kernel, shared-prefix decode and its passes) at the server's shape, plans built for 32 requests (the
+    prefix benchmark's largest captured batch). ``chunk_windows``: a dense window of 4 pages after
+    every 8K chunk of each prefix (the case's own window pages, read again)."""
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
+    floor = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
+                              min_split_blocks=OWN_MIN_SPLIT_BLOCKS)  # fmt: skip
+    plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
+    base = make_case([CONTEXT] * prefixes, 32, 8, 128, 1.0, 1.0, torch.bfloat16, "cuda", seed=5, magnitude=False,
+                     shuffle=False, max_blocks=SERVER_WIDTH)  # fmt: skip
+    paged = paged_dense(base)
+    blocks = CONTEXT // 64
+    for bs in batches:
+        case, case_paged = share_prefixes(base, paged, bs, seed=5)
+        q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
+        if chunk_windows:
+            for start in range(128, blocks, 128):
+                bt[:, start : start + 4] = bt[:, blocks - 4 : blocks]
+        kv, out = (kc, vc, pools, ki, vi), torch.empty_like(q)
+        step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
+        sets = plan.sets_for(bs)
+        fns = {"FlashInfer fa2": flashinfer_decode(case, case_paged, workspace, "fa2"),
+               "per-request kernel": lambda: per_request.run(q, *kv, bt, sl, scale, out=out),
+               "per-request kernel with the own pass's floor": lambda: floor.run(q, *kv, bt, sl, scale, out=out),
+               "shared-prefix decode": lambda: plan.run(q, *kv, step, scale),
+               "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True)}
+        if sets:
+            folded = plan.fold_queries(q, step.members[:sets])
+            fns["shared pass"] = lambda: plan.shared_plan.run(folded, *kv, step.shared_table[:sets],
+                                                             step.shared_lens[:sets], scale, return_lse=True)  # fmt: skip
+        grouped = int((step.pick[:bs] >= 0).sum())
+        shared_blocks = (step.shared_lens[:sets] // 64).tolist()
+        yield f"{prefixes} prefixes, {bs} requests ({grouped} in column sets, shared blocks {shared_blocks})", fns
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--server-shape", action="store_true", help="the regime-1 server's shape (see the docstring)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--server-shape", action="store_true", help="the regime-1 server's shape (see the docstring)")
+    mode.add_argument("--batches", action="store_true", help="1 to 16 requests over 1 and 6 prefixes, server shape")
+    mode.add_argument("--chunked", action="store_true", help="prefixes cached in 8K chunks, server shape")
     args = ap.parse_args(argv)
+    if args.batches or args.chunked:
+        runs = ([g for prefixes in (1, 6) for g in _server_batches((1, 2, 4, 8, 16), prefixes, False)]
+                if args.batches else _server_batches((8, 16, 32), PREFIXES, True))  # fmt: skip
+        for label, fns in runs:
+            print(label, flush=True)
+            for name, us in zip(fns, time_graphs(list(fns.values()), 20)):
+                print(f"  {name}: {us:.1f} us", flush=True)
+        return
     fns = server_shape() if args.server_shape else benchmark_shape()
     for name, us in zip(fns, time_graphs(list(fns.values()), 20)):
         print(f"{name}: {us:.1f} us", flush=True)
