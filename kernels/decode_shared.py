@@ -14,20 +14,22 @@ split in two passes over disjoint KV, merged by log-sum-exp:
   members is one request of a decode kernel compiled for ``Hkv * fold * G`` query heads, with the
   group's shared blocks as its block table: each shared block is loaded and stepped once per set, not
   once per request. Under settings that give every compressed block one form per operand
-  (:func:`compressed_forms`) the shared run keeps to those blocks and the kernel's stages hold just
-  that form (smaller stages, more CTAs an SM); a dense sink and window then go to the own pass.
-* **Own pass.** Every request then attends to the blocks outside its group's shared run (its question,
-  its generated tokens, a dense sink and window) with the model's own decode kernel, built with a
-  floor of blocks a split (its requests mostly read a short tail); a request without a group reads
-  all of its blocks here.
+  (:func:`compressed_forms`) the shared pass takes only the shared blocks of that form and the
+  kernel's stages hold just that form (smaller stages, more CTAs an SM); dense sinks and windows (one
+  after every chunk of a prefix cached through chunked prefill) then go to the own pass.
+* **Own pass.** Every request then attends to the blocks its set's shared pass did not take (its
+  question, its generated tokens, dense sinks and windows) with the model's own decode kernel, built
+  with a floor of blocks a split (its requests mostly read a short tail); a request without a group
+  reads all of its blocks here.
 * **Merge.** ``out = (e^(lse_s) o_s + e^(lse_o) o_o) / (e^(lse_s) + e^(lse_o))`` per query head (an
   empty pass has LSE ``-inf`` and weight 0).
 
 Grouping runs on the GPU once per decode step (:func:`step_tables`): requests whose first block
 entries are equal share a radix-tree path; the shared part is the run of leading block-table columns
-equal for all of them, full blocks only. Every tensor has a shape fixed by the batch size (``max_sets``
+equal for all of them, full blocks only. Every tensor has a shape fixed by the batch size (``bs // 2``
 column sets, padded with empty sets) and nothing is read back to the host, so a step can be captured
-in a CUDA graph. ``sglang_hs.reference.paged_attention`` over each request's whole block table is
+in a CUDA graph. Calls of fewer than :data:`MIN_SHARED_BATCH` requests form no sets and run the
+per-request kernel. ``sglang_hs.reference.paged_attention`` over each request's whole block table is
 the oracle (``tests/test_decode_shared.py``).
 """
 
@@ -41,6 +43,11 @@ from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import ANY_FORMS
 
 OWN_MIN_SPLIT_BLOCKS = 4
+MIN_SHARED_BATCH = 8
+"""Calls of fewer requests run the per-request kernel: the shared pass costs 90-150 us whatever it
+shares, and below 8 requests it lost to the per-request kernel at the regime-1 server's shape on an
+H200 even when every request shared one prefix (2 requests: 161 against 60 us, 4: 116 against 104; 8:
+120 against 195; ``bench_decode_shared_batches_h200.log``)."""
 """The own pass's floor of blocks a split (``HieraSparseDecode(min_split_blocks=...)``): its requests
 mostly read a short tail (a dense sink and window, the question, generated tokens), which a split
 count planned for long requests would spread one block a CTA; measured in ``docs/results.md``."""
@@ -251,8 +258,11 @@ class SharedPrefixDecode:
     slower, ``docs/results.md``).
     ``forms`` (:func:`compressed_forms`): the block forms of the shared pass's kernel; with fewer than
     every form, :meth:`plan_step` keeps the other blocks (a dense sink and window) to the own pass.
-    ``plans`` (tests): a ``(shared, own)`` pair of objects with ``HieraSparseDecode.run``'s signature
-    (``return_lse`` included) to use instead of building the kernels; the merge then runs in PyTorch."""
+    Calls of fewer than :data:`MIN_SHARED_BATCH` requests form no sets and run a third plan, the
+    per-request kernel (no split floor), over the whole batch.
+    ``plans`` (tests): a ``(shared, own[, per_request])`` tuple of objects with ``HieraSparseDecode.run``'s
+    signature (``return_lse`` included) to use instead of building the kernels (the per-request one
+    defaults to the own one); the merge then runs in PyTorch."""
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None,
@@ -271,10 +281,13 @@ class SharedPrefixDecode:
                                        device, num_splits=shared_splits, split_capacity=capacity, forms=self.forms),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device,
                                        plan_batch=self.own_pass_long_requests,
-                                       min_split_blocks=OWN_MIN_SPLIT_BLOCKS))  # fmt: skip
+                                       min_split_blocks=OWN_MIN_SPLIT_BLOCKS),
+                     HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
+                                       device))  # fmt: skip
             if torch.device(device).type == "cuda":  # off the GPU (tests) the merge runs in PyTorch
                 self.merge_kernel = _merge_kernel_factory()
-        self.shared_plan, self.own_plan = plans
+        self.shared_plan, self.own_plan = plans[:2]
+        self.per_request_plan = plans[2] if len(plans) > 2 else self.own_plan
 
     def own_pass_long_requests(self, bs: int) -> int:
         """The requests the own pass's split count is planned for, in a call of ``bs``: most of them read
@@ -289,10 +302,10 @@ class SharedPrefixDecode:
         ``bs // 2`` (and the plan's ``max_sets``); :func:`step_tables` numbers sets from 0. The shared pass
         runs over that many rows, so its split count is planned for them, not for the ``max_sets`` of
         the largest captured batch (a server's plan for 256 requests would give a call of 16 the 2
-        splits of 128 sets). A call of one request has none: it runs the own pass alone (a server's
-        batch of one, common while long prompts prefill, paid an empty shared pass of 106 us a layer
-        on an H200, more than the request's whole attention, 46 us; docs/results.md)."""
-        return min(self.max_sets, bs // 2)
+        splits of 128 sets). A call of fewer than :data:`MIN_SHARED_BATCH` requests has none (a
+        server's batch is small while long prompts prefill: a batch of one paid an empty shared pass
+        of 106 us a layer on an H200, more than the request's whole attention, 46 us)."""
+        return 0 if bs < MIN_SHARED_BATCH else min(self.max_sets, bs // 2)
 
     @property
     def batch_size(self) -> int:
@@ -302,7 +315,7 @@ class SharedPrefixDecode:
     @property
     def captured(self) -> bool:
         """Whether a CUDA graph captured the plan (its scratch may no longer move)."""
-        return self.own_plan.captured or self.shared_plan.captured
+        return any(plan.captured for plan in (self.own_plan, self.shared_plan, self.per_request_plan))
 
     def plan_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, k_index: torch.Tensor | None = None,
                   v_index: torch.Tensor | None = None, **kw) -> StepTables:  # fmt: skip
@@ -315,8 +328,8 @@ class SharedPrefixDecode:
             if k_index is None or v_index is None:
                 raise ValueError(f"a shared pass for forms {self.forms} needs the index maps")
             conforming = conforming_blocks(block_table, k_index, v_index, self.forms)
-        return step_tables(block_table, seq_lens, self.block_size, self.fold, self.max_sets, conforming=conforming,
-                           **kw)  # fmt: skip
+        return step_tables(block_table, seq_lens, self.block_size, self.fold, self.sets_for(block_table.shape[0]),
+                           conforming=conforming, **kw)  # fmt: skip
 
     def fold_queries(self, q: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
         """``q [bs, Hq, D]`` -> ``[max_sets, Hkv * fold * G, D]``: column set ``s``'s KV head ``h`` holds
@@ -337,8 +350,8 @@ class SharedPrefixDecode:
         ``HieraSparseDecode.run``'s; ``step`` from :meth:`plan_step`. No host synchronisation."""
         kv = (k_cache, v_cache, pools, k_index, v_index)
         sets = self.sets_for(q.shape[0])  # the rows that can hold a set: a static shape per batch size
-        if sets == 0:  # nothing to share: the own pass holds every block (its table is the whole table)
-            return self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale)
+        if sets == 0:  # no sets: the own tables are the whole tables
+            return self.per_request_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale)
         out_s, lse_s = self.shared_plan.run(self.fold_queries(q, step.members[:sets]), *kv, step.shared_table[:sets],
                                             step.shared_lens[:sets], sm_scale, return_lse=True)  # fmt: skip
         out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, return_lse=True)

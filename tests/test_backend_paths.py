@@ -281,23 +281,25 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     plan = backend._decode_plan_obj
     assert isinstance(plan, SharedPrefixDecode) and plan.batch_size == 16
     addresses = None
-    for bs in (2, 4, 16):
+    for bs in (4, 8, 16):
         backend.init_forward_metadata_out_graph(decode_batch(bs))
         step = backend.forward_metadata.decode_step
-        assert step.own_table.shape == (bs, 8) and step.members.shape == (plan.max_sets, fold_of(HQ, HKV))
-        # Requests r and r + 2 read the same row: from 4 requests on every one is in a column set.
-        assert bool((step.pick >= 0).all()) == (bs >= 4) and bool((step.pick < 0).all()) == (bs < 4)
+        assert step.own_table.shape == (bs, 8) and step.members.shape == (plan.sets_for(bs), fold_of(HQ, HKV))
+        # Requests r and r + 2 read the same row; calls of fewer than 8 requests form no sets.
+        assert bool((step.pick >= 0).all()) == (bs >= 8) and bool((step.pick < 0).all()) == (bs < 8)
+        if bs < 8:  # no sets: the per-set views are empty
+            continue
         now = [t.data_ptr() for t in (step.members, step.shared_table, step.own_table, step.pick)]
         assert addresses is None or now == addresses
         addresses = now
-    # The batch log line's grouping share: 0 of 2, 4 of 4 and 16 of 16 requests read through column sets.
-    assert backend.runtime.shared_decode_counts.tolist() == [20, 22]
+    # The batch log line's grouping share: 0 of 4, 8 of 8 and 16 of 16 requests read through column sets.
+    assert backend.runtime.shared_decode_counts.tolist() == [24, 28]
     layer = SimpleNamespace(layer_id=0, tp_q_head_num=HQ, head_dim=D, v_head_dim=D, scaling=0.125)
     out = backend.forward_decode(torch.zeros(16, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(16),
                                  save_kv_cache=False)  # fmt: skip
     assert out.shape == (16, HQ * D) and bool((out == 1).all())
     shared_heads, _, _ = shared_kernel_spec(HQ, HKV, D, 64, 2)
-    assert sorted(key[0] for key in built) == sorted([HQ, shared_heads])
+    assert sorted(key[0] for key in built) == sorted([HQ, HQ, shared_heads])  # own pass, per-request, shared pass
     assert next(key for key in built if key[0] == shared_heads)[-1] == ("dense", "dense")
     shared_kernel = built[next(key for key in built if key[0] == shared_heads)]
     assert shared_kernel.batches == [plan.max_sets]

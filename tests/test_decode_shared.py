@@ -20,7 +20,8 @@ from sglang_hs import reference as R
 from sglang_hs.kernels import cases
 from sglang_hs.kernels.common import ANY_FORMS
 from sglang_hs.kernels.decode_shared import (
-    GPU_FORMS, GPU_SHAPES, SharedPrefixDecode, compressed_forms, conforming_blocks, fold_of, merge_states, step_tables,
+    GPU_FORMS, GPU_SHAPES, MIN_SHARED_BATCH, SharedPrefixDecode, compressed_forms, conforming_blocks, fold_of,
+    merge_states, step_tables,
 )
 
 B = 64
@@ -211,26 +212,33 @@ def test_the_shared_pass_runs_over_the_sets_a_call_can_have():
     assert rows == [bs // 2] and torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
 
 
-def test_a_call_of_one_request_skips_the_shared_pass():
-    """A batch of one cannot share: the shared pass does not run (it cost more than the request's
-    whole attention in a server) and the own pass alone gives the reference output."""
+@pytest.mark.parametrize("bs", [1, 4, 7])
+def test_small_calls_run_the_per_request_kernel(bs):
+    """A call of fewer than MIN_SHARED_BATCH requests forms no sets (the shared pass cost more than it
+    saved there): neither pass runs, the per-request plan reads every request's whole table."""
     case = _case(32, 8, torch.float32, "cpu", sk=1.0, sv=1.0)
-    one = {**case, "q": case["q"][:1], "block_table": case["block_table"][:1], "seq_lens": case["seq_lens"][:1],
-           "seq_lens_list": case["seq_lens_list"][:1]}
-    rows = []
+    assert bs < MIN_SHARED_BATCH <= case["q"].shape[0]
+    small = {**case, "q": case["q"][:bs], "block_table": case["block_table"][:bs], "seq_lens": case["seq_lens"][:bs],
+             "seq_lens_list": case["seq_lens_list"][:bs]}
+    calls = []
 
     class Recording(ReferencePlan):
+        def __init__(self, name):
+            self.name = name
+
         def run(self, q, *args, **kw):
-            rows.append(q.shape[0])
+            calls.append(self.name)
             return super().run(q, *args, **kw)
 
     plan = SharedPrefixDecode(64, 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
-                              plans=(Recording(), ReferencePlan()))  # fmt: skip
-    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(one)
+                              plans=(Recording("shared"), Recording("own"), Recording("per-request")))  # fmt: skip
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(small)
     step = plan.plan_step(block_table, seq_lens, k_index, v_index)
+    assert plan.sets_for(bs) == 0 and step.members.shape[0] == 0 and bool((step.pick < 0).all())
+    assert torch.equal(step.own_table[:, : block_table.shape[1]], block_table)
     out = plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
-    ref, _ = _reference(one)
-    assert rows == [] and out.shape == one["q"].shape and torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
+    ref, _ = _reference(small)
+    assert calls == ["per-request"] and torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_compressed_forms_follow_the_settings():
@@ -428,6 +436,20 @@ def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype, splits, for
     err = (out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()
     assert float(err) < (1e-2 if dtype == torch.bfloat16 else 3e-3)
 
+
+
+@pytest.mark.gpu
+def test_small_calls_match_reference_on_the_gpu():
+    """A call of fewer than MIN_SHARED_BATCH requests runs the per-request kernel over the whole tables."""
+    case = _case(32, 8, torch.float16, "cuda", head_dim=128)
+    small = {**case, "q": case["q"][:4], "block_table": case["block_table"][:4], "seq_lens": case["seq_lens"][:4],
+             "seq_lens_list": case["seq_lens_list"][:4]}
+    plan = SharedPrefixDecode(16, 32, 8, 128, B, case["max_blocks"], torch.float16, "cuda", forms=("sparse", "sparse"))
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(small)
+    out = plan.run(q, k_cache, v_cache, pools, k_index, v_index, plan.plan_step(block_table, seq_lens, k_index,
+                                                                                 v_index), sm_scale)  # fmt: skip
+    ref, _ = _reference(small)
+    assert float((out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
 
 
 def test_the_own_pass_plans_splits_for_the_requests_no_set_took():
