@@ -9,7 +9,8 @@ the own pass, the query fold, the step tables (once per decode step in a server)
 at other split counts. ``--server-shape``: the regime-1 server's shape instead (bf16, a block table 529
 blocks wide, plans built for 256 requests as for SGLang's largest captured batch and for 16), beside
 FlashInfer fa2 and the per-request kernel. At the server's shape, ``--batches``: batches of 1 to 16
-requests over 1 and over 6 prefixes (a server's batch is small while long prompts prefill);
+requests over 1 and over 6 prefixes (a server's batch is small while long prompts prefill), with the
+shared pass also at 4, 8, 16 and 32 splits;
 ``--chunked``: 8, 16 and 32 requests whose prefixes keep a dense window after every 8K chunk, as a
 prefix cached by chunked prefill does. ``docs/results.md`` quotes them all.
 """
@@ -19,8 +20,8 @@ import argparse
 import torch
 
 from sglang_hs.kernels.cases import flashinfer_decode, make_case, paged_dense, run_args, share_prefixes
-from sglang_hs.kernels.decode import HieraSparseDecode
-from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode
+from sglang_hs.kernels.decode import STAGES, HieraSparseDecode
+from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode, shared_kernel_spec
 from sglang_hs.kernels.timing import time_graphs
 
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
@@ -87,6 +88,8 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
     floor = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
                               min_split_blocks=OWN_MIN_SPLIT_BLOCKS)  # fmt: skip
     plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
+    shared_heads, _, capacity = shared_kernel_spec(32, 8, 128, 64, STAGES, FORMS)
+    shared_shape = (shared_heads, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
     base = make_case([CONTEXT] * prefixes, 32, 8, 128, 1.0, 1.0, torch.bfloat16, "cuda", seed=5, magnitude=False,
                      shuffle=False, max_blocks=SERVER_WIDTH)  # fmt: skip
     paged = paged_dense(base)
@@ -107,8 +110,15 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
                "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True)}
         if sets:
             folded = plan.fold_queries(q, step.members[:sets])
-            fns["shared pass"] = lambda: plan.shared_plan.run(folded, *kv, step.shared_table[:sets],
-                                                             step.shared_lens[:sets], scale, return_lse=True)  # fmt: skip
+            table, lens = step.shared_table[:sets], step.shared_lens[:sets]
+            fns[f"shared pass ({plan.shared_plan.splits(sets, SERVER_WIDTH)} splits)"] = (
+                lambda: plan.shared_plan.run(folded, *kv, table, lens, scale, return_lse=True))
+            # The split count trades the walk (blocks a CTA steps through) against the fused merge (the
+            # last CTA of a set and KV head loops over every split for each of its folded heads).
+            for splits in (4, 8, 16, 32):
+                other = HieraSparseDecode(sets, *shared_shape, num_splits=splits, split_capacity=capacity, forms=FORMS)
+                fns[f"shared pass ({splits} splits)"] = (
+                    lambda p=other: p.run(folded, *kv, table, lens, scale, return_lse=True))
         grouped = int((step.pick[:bs] >= 0).sum())
         shared_blocks = (step.shared_lens[:sets] // 64).tolist()
         yield f"{prefixes} prefixes, {bs} requests ({grouped} in column sets, shared blocks {shared_blocks})", fns
