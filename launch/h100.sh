@@ -49,6 +49,8 @@
 # the run or in OUT), PROBE=1 (run the capacity probe before numbered regimes too; PROBE=0: not before gN either) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
 # run, or flashinfer, which needs the warmfi step first). PROFILE_STEPS=N (PROFILE_DELAY=S, 15) traces N forward
 # passes of each load with SGLang's /start_profile and adds the trace's summary to the record (launch/trace_summary.py).
+# PREFILL_GRAPHS=1 gives the tiny step's hierasparse server and every prefix-step server
+# --cuda-graph-backend-prefill=breakable (_pgraphs; SGLang's default for dense servers, off for hierasparse otherwise).
 #
 # Each step prints its summary last and writes JSON (and PNG) under OUT; copy them to launch/results/.
 set -uo pipefail
@@ -68,6 +70,7 @@ ctxlen=$(( context > 15360 ? context + 1024 : 16384 ))
 PREFIX_ARGS=(--server-arg=--context-length=$ctxlen --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64
              --server-arg=--hierasparse-dense-backend=${HS_DENSE:-triton} --tp-size=${TP:-1})
 [ "${SHARED:-0}" = 1 ] && PREFIX_ARGS+=(--server-arg=--hierasparse-shared-prefix-decode=on)
+[ "${PREFILL_GRAPHS:-0}" = 1 ] && PREFIX_ARGS+=(--server-arg=--cuda-graph-backend-prefill=breakable)
 tp_tag=""
 [ "${TP:-1}" = 1 ] || tp_tag="_tp${TP}"
 # File names say which GPU ran them (h100, h200); the kernel benchmark names its own files.
@@ -139,6 +142,10 @@ case "$step" in
     if [ "${SHARED:-0}" = 1 ]; then  # decode batches grouped by shared prefix (--hierasparse-shared-prefix-decode)
       check_args+=(--hs-arg=--hierasparse-shared-prefix-decode=on)
       tp_tag="${tp_tag}_shared"
+    fi
+    if [ "${PREFILL_GRAPHS:-0}" = 1 ]; then  # SGLang's breakable prefill CUDA graphs (attention between segments)
+      check_args+=(--hs-arg=--cuda-graph-backend-prefill=breakable)
+      tp_tag="${tp_tag}_pgraphs"
     fi
     if [ -n "${DECODE_MODE:-}" ]; then  # a decode mode on the kernel path (outputs move when blocks are skipped)
       check_args+=(--hs-arg=--hierasparse-decode-mode=$DECODE_MODE --hs-arg=--hierasparse-decode-topk=${DECODE_TOPK:-64})

@@ -7,7 +7,7 @@ applies the hooks registered here through its ``HookRegistry``. Nothing in SGLan
 - ``--hierasparse-*`` flags are added to SGLang's parser; the launcher validates them and exports
   them (``SGLANG_HIERASPARSE_CONFIG``) to the scheduler processes.
 - When the backend is selected, server-argument defaults it needs are applied (``--page-size`` =
-  block size, no prefill CUDA graph) and the model and GPU are checked, so that a bad setting stops
+  block size, prefill CUDA graphs only when asked for, and breakable) and the model and GPU are checked, so that a bad setting stops
   the launcher with one line instead of a traceback from a scheduler.
 - With ``--enable-hierarchical-cache`` the same radix-cache backend builds its hierarchical variant
   (SGLang's HiRadixCache, host pool and controller; compressed prefixes on the host tier too).
@@ -189,15 +189,24 @@ def apply_backend_defaults(_result, server_args) -> None:
             f"{cli_flag('block_size')}={config.block_size}; allowed: {config.block_size} or unset"
         )
     server_args.page_size = config.block_size
-    # Extend batches that read compressed blocks run eagerly, so prefill CUDA graphs are off. Decode
-    # keeps SGLang's CUDA graphs when the TileLang decode kernel runs (it serves every decode batch);
-    # without TileLang, or with the kernel left out of --hierasparse-kernels, decode falls back to
-    # eager PyTorch and its graphs are off too.
+    # Prefill CUDA graphs are off unless asked for with SGLang's --cuda-graph-backend-prefill breakable:
+    # breakable graphs capture the layers' GEMMs and norms and run attention eagerly between the
+    # captured segments with the live batch's metadata, which the compressed extend path needs (it
+    # reads the batch's block table on the host); graphs that capture attention itself cannot take it.
+    # Decode keeps SGLang's CUDA graphs when the TileLang decode kernel runs (it serves every decode
+    # batch); without TileLang, or with the kernel left out of --hierasparse-kernels, decode falls back
+    # to eager PyTorch and its graphs are off too.
     from importlib.util import find_spec
 
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
-    server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
+    prefill_graphs = getattr(server_args, "cuda_graph_backend_prefill", None)
+    if prefill_graphs not in (None, Backend.DISABLED, Backend.BREAKABLE):
+        raise HieraSparseConfigError(
+            f"hierasparse: --cuda-graph-backend-prefill={prefill_graphs} captures attention; allowed: "
+            f"{Backend.BREAKABLE} or {Backend.DISABLED} (the default)"
+        )
+    server_args.cuda_graph_config.prefill.backend = prefill_graphs or Backend.DISABLED
     has_tilelang = find_spec("tilelang") is not None
     if not has_tilelang:
         logger.warning("hierasparse: TileLang is not installed; the compressed paths run on PyTorch, decode "

@@ -570,3 +570,27 @@ def test_k_head_map_host_budget_counts_dense_heads(hienv):
     share = e.store.k_sparse_share
     allocated = sum(e.host_store.layer_pools(layer).nbytes() for layer in range(LAYERS))
     assert 0 < share < 1 and e.host_store.capacity.nbytes(LAYERS, HEADS, DIM, PAGE, share) == allocated
+
+
+@pytest.mark.parametrize("flag, kept", [(None, "disabled"), ("disabled", "disabled"), ("breakable", "breakable")])
+def test_prefill_cuda_graphs_only_when_asked_for_and_breakable(flag, kept):
+    """Prefill graphs stay off unless --cuda-graph-backend-prefill breakable asks for them (attention
+    then runs eagerly between the captured segments); SGLang's default on CUDA is breakable too, so
+    the plugin reads the explicit flag, not the resolved config."""
+    from sglang_hs.plugin import apply_backend_defaults
+
+    server_args, reached = hierarchical_server_args(enable_hierarchical_cache=False, cuda_graph_backend_prefill=flag)
+    server_args.cuda_graph_config.prefill.backend = "breakable"  # SGLang's resolved default
+    with pytest.raises(reached):
+        apply_backend_defaults(None, server_args)
+    assert server_args.cuda_graph_config.prefill.backend == kept
+
+
+@pytest.mark.parametrize("flag", ["full", "tc_piecewise"])
+def test_prefill_cuda_graphs_that_capture_attention_stop_with_one_line(flag):
+    from sglang_hs.config import HieraSparseConfigError
+    from sglang_hs.plugin import apply_backend_defaults
+
+    server_args, _ = hierarchical_server_args(enable_hierarchical_cache=False, cuda_graph_backend_prefill=flag)
+    with pytest.raises(HieraSparseConfigError, match=f"--cuda-graph-backend-prefill={flag} captures attention"):
+        apply_backend_defaults(None, server_args)
