@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tp_size": tp_size,
                     "mem_fraction_static": args.mem_fraction_static, "store_fraction": spec.store_fraction,
                     "host_tier": host_tier(spec, args.hicache_size),
-                    "device": device_name(),
+                    "device": device_name(), "server_args": list(args.server_arg),
                 }  # fmt: skip
                 server_records = []
                 if not regimes:
