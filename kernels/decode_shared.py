@@ -43,14 +43,14 @@ from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import ANY_FORMS
 
 OWN_MIN_SPLIT_BLOCKS = 4
+"""The own pass's floor of blocks a split (``HieraSparseDecode(min_split_blocks=...)``): its requests
+mostly read a short tail (a dense sink and window, the question, generated tokens), which a split
+count planned for long requests would spread one block a CTA; measured in ``docs/results.md``."""
 MIN_SHARED_BATCH = 8
 """Calls of fewer requests run the per-request kernel: the shared pass costs 90-150 us whatever it
 shares, and below 8 requests it lost to the per-request kernel at the regime-1 server's shape on an
 H200 even when every request shared one prefix (2 requests: 161 against 60 us, 4: 116 against 104; 8:
 120 against 195; ``bench_decode_shared_batches_h200.log``)."""
-"""The own pass's floor of blocks a split (``HieraSparseDecode(min_split_blocks=...)``): its requests
-mostly read a short tail (a dense sink and window, the question, generated tokens), which a split
-count planned for long requests would spread one block a CTA; measured in ``docs/results.md``."""
 
 FOLD_COLUMNS = 16
 """The widest N the decode kernel takes (query heads of one KV head, padded): a column set holds

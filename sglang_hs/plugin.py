@@ -7,8 +7,9 @@ applies the hooks registered here through its ``HookRegistry``. Nothing in SGLan
 - ``--hierasparse-*`` flags are added to SGLang's parser; the launcher validates them and exports
   them (``SGLANG_HIERASPARSE_CONFIG``) to the scheduler processes.
 - When the backend is selected, server-argument defaults it needs are applied (``--page-size`` =
-  block size, prefill CUDA graphs only when asked for, and breakable) and the model and GPU are checked, so that a bad setting stops
-  the launcher with one line instead of a traceback from a scheduler.
+  block size; prefill CUDA graphs only when asked for, and only breakable ones) and the model and GPU
+  are checked, so that a bad setting stops the launcher with one line instead of a traceback from a
+  scheduler.
 - With ``--enable-hierarchical-cache`` the same radix-cache backend builds its hierarchical variant
   (SGLang's HiRadixCache, host pool and controller; compressed prefixes on the host tier too).
 - In each scheduler process the KV-budget hook, the attention-backend factory and the radix-cache
