@@ -6,17 +6,20 @@
 and GPU activity) in the middle of a load and stores this summary in the record. It answers the
 question the kernel timings alone cannot: where a step's time goes when the kernels are fast.
 
-- ``graph_steps``: one entry per CUDA-graph launch (a decode step), from the kernels that carry the
-  launch's correlation id: ``gpu_us`` (their summed time), ``span_us`` (first start to last end) and
-  ``period_us`` (launch to next launch, the step's wall time). Medians over the steps are reported;
-  ``period - span`` is time the GPU waited on the host or ran other work between steps.
+- ``graph_steps``: one entry per decode step's CUDA-graph launch (the launches of forwards that made
+  exactly one), from the kernels that carry the launch's correlation id: ``gpu_us`` (their summed
+  time), ``span_us`` (first start to last end) and ``period_us`` (launch to next launch, the step's
+  wall time). Medians over the steps are reported; ``period - span`` is time the GPU waited on the
+  host or ran other work between steps.
 - ``graph_kernels_per_step``: the graph steps' GPU time and launches per kernel name, per step.
 - ``kernels``: GPU time per kernel name (all activity in the window, graph or not), the largest first.
 - ``runtime``: CUDA runtime calls by name, count and host time; a long ``cudaStreamSynchronize`` or
   device-to-host ``cudaMemcpyAsync`` is a host wait that stops the scheduler from running ahead.
-- ``eager_forward_*``: forward passes outside CUDA graphs (prefill and extend batches, from SGLang's
-  ``scheduler.run_batch`` annotation): their GPU span against their kernels' time. A span well above
-  the kernel time is a forward the host could not launch fast enough.
+- ``forwards``: forward passes (SGLang's ``scheduler.run_batch`` annotation) by kind, ``eager`` (no
+  graph launch: prefills without prefill graphs), ``one_graph`` (decode steps) and ``breakable``
+  (SGLang's breakable prefill graphs, one launch per captured segment): count, GPU span against the
+  kernels' time (p50 and total). A span well above the kernel time is a forward the host could not
+  launch fast enough.
 - ``gpu_busy_share``: the union of GPU activity over the window; ``gaps_over_100us``: idle gaps.
 """
 
@@ -86,6 +89,27 @@ def summarize(events: list[dict], top: int = 15) -> dict:
             names_by_correlation[correlation].append(e.get("name", "?")[:100])
     launches = sorted((float(e["ts"]), (e.get("args") or {}).get("correlation"))
                       for e in runtime if e.get("name") == "cudaGraphLaunch")  # fmt: skip
+    graph_correlations = {correlation for _, correlation in launches}
+
+    # Forward passes: SGLang marks each with a ``scheduler.run_batch`` annotation, projected onto the
+    # GPU timeline; a forward is eager (no graph launch), one graph (a decode step) or breakable
+    # (several: SGLang's breakable prefill graphs launch one per captured segment).
+    order = sorted(range(len(gpu)), key=lambda i: intervals[i][0])
+    starts = [intervals[i][0] for i in order]
+    forwards: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    decode_graphs: set = set()
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "gpu_user_annotation" or e.get("name") != "scheduler.run_batch":
+            continue
+        t0, t1 = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
+        inside = [order[i] for i in range(bisect.bisect_left(starts, t0), bisect.bisect_right(starts, t1))]
+        graphs = {(gpu[i].get("args") or {}).get("correlation") for i in inside} & graph_correlations
+        kind = "eager" if not graphs else "one_graph" if len(graphs) == 1 else "breakable"
+        decode_graphs |= graphs if kind == "one_graph" else set()
+        forwards[kind].append((t1 - t0, sum(intervals[i][1] - intervals[i][0] for i in inside)))
+    if forwards:  # graph steps: the one-graph forwards' launches (all launches without annotations)
+        launches = [launch for launch in launches if launch[1] in decode_graphs]
+
     steps = []
     in_graphs: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for (ts, correlation), following in zip(launches, [*launches[1:], None]):
@@ -101,21 +125,6 @@ def summarize(events: list[dict], top: int = 15) -> dict:
             "period_us": following[0] - ts if following else None,
         })  # fmt: skip
     periods = [s["period_us"] for s in steps if s["period_us"] is not None]
-
-    # Forward passes outside CUDA graphs (prefill / extend batches): SGLang marks each forward with a
-    # ``scheduler.run_batch`` annotation, projected onto the GPU timeline.
-    graph_correlations = {correlation for _, correlation in launches}
-    order = sorted(range(len(gpu)), key=lambda i: intervals[i][0])
-    starts = [intervals[i][0] for i in order]
-    eager = []
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") != "gpu_user_annotation" or e.get("name") != "scheduler.run_batch":
-            continue
-        t0, t1 = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
-        inside = [order[i] for i in range(bisect.bisect_left(starts, t0), bisect.bisect_right(starts, t1))]
-        if any((gpu[i].get("args") or {}).get("correlation") in graph_correlations for i in inside):
-            continue
-        eager.append((t1 - t0, sum(intervals[i][1] - intervals[i][0] for i in inside)))
     return {
         "gpu_events": len(gpu),
         "window_ms": round(window / 1000, 2),
@@ -126,11 +135,13 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         "graph_step_gpu_us_p50": _median([s["gpu_us"] for s in steps]),
         "graph_step_span_us_p50": _median([s["span_us"] for s in steps]),
         "graph_step_period_us_p50": _median(periods),
-        "eager_forwards": len(eager),
-        "eager_forward_span_us_p50": _median([span for span, _ in eager]),
-        "eager_forward_kernel_us_p50": _median([busy for _, busy in eager]),
-        "eager_forward_span_ms_total": round(sum(span for span, _ in eager) / 1000, 1),
-        "eager_forward_kernel_ms_total": round(sum(busy for _, busy in eager) / 1000, 1),
+        "forwards": {kind: {
+            "count": len(spans),
+            "span_us_p50": _median([span for span, _ in spans]),
+            "kernel_us_p50": _median([busy for _, busy in spans]),
+            "span_ms_total": round(sum(span for span, _ in spans) / 1000, 1),
+            "kernel_ms_total": round(sum(busy for _, busy in spans) / 1000, 1),
+        } for kind, spans in sorted(forwards.items())},  # fmt: skip
         "graph_kernels_per_step": [{"name": name, "us": round(t / len(steps), 1), "count": round(n / len(steps), 2)}
                                    for name, (t, n) in sorted(in_graphs.items(), key=lambda kv: -kv[1][0])[:top]],
         "kernels": [{"name": name, "total_us": round(t, 1), "count": int(n)}

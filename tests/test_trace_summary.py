@@ -33,13 +33,15 @@ def _trace():
 def test_summary_of_graph_steps_kernels_and_host_calls():
     s = summarize(_trace())
     assert s["gpu_events"] == 5 and s["window_ms"] == 1.6
-    assert s["graph_steps"] == 2
+    # Only the first graph launch lies in an annotated forward: it is the one decode step.
+    assert s["graph_steps"] == 1
     assert s["graph_step_gpu_us_p50"] == 600 and s["graph_step_span_us_p50"] == 600
-    assert s["graph_step_period_us_p50"] == 1000  # the last launch has no next one
+    assert s["graph_step_period_us_p50"] is None  # one step: no next launch among the steps
     assert s["gpu_busy_share"] == round(1250 / 1600, 3)
     assert s["gaps_over_100us"] == 1 and s["gap_ms_over_100us"] == 0.26  # 620-710 is 90 us: not counted
-    assert s["eager_forwards"] == 1 and s["eager_forward_span_us_p50"] == 200
-    assert s["eager_forward_kernel_us_p50"] == 50
+    assert s["forwards"]["eager"]["count"] == 1 and s["forwards"]["eager"]["span_us_p50"] == 200
+    assert s["forwards"]["eager"]["kernel_us_p50"] == 50
+    assert s["forwards"]["one_graph"]["count"] == 1 and "breakable" not in s["forwards"]
     assert s["kernels"][0] == {"name": "attn", "total_us": 600.0, "count": 2}
     assert s["runtime"][0] == {"name": "cudaStreamSynchronize", "total_us": 150.0, "count": 1}
     assert summarize([]) == {"gpu_events": 0}
@@ -52,4 +54,21 @@ def test_reads_gzipped_trace_files(tmp_path, capsys):
     assert len(load_events(str(path))) == 12
     assert main([str(path), "--top", "1"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert len(printed["kernels"]) == 1 and printed["graph_steps"] == 2
+    assert len(printed["kernels"]) == 1 and printed["graph_steps"] == 1
+
+
+def test_breakable_prefill_graphs_are_not_decode_steps():
+    """A forward that launches several graphs (SGLang's breakable prefill graphs, one per captured
+    segment) is a prefill: its launches do not count as decode steps."""
+    events = [
+        _runtime("cudaGraphLaunch", 0, 5, 1), _kernel("gemm", 10, 100, 1),
+        _runtime("cudaLaunchKernel", 120, 5, 2), _kernel("attn", 130, 50, 2),
+        _runtime("cudaGraphLaunch", 190, 5, 3), _kernel("gemm", 200, 100, 3),
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "scheduler.run_batch", "ts": 10, "dur": 290},
+        _runtime("cudaGraphLaunch", 400, 5, 4), _kernel("decode", 410, 300, 4),
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "scheduler.run_batch", "ts": 410, "dur": 300},
+    ]  # fmt: skip
+    s = summarize(events)
+    assert s["forwards"]["breakable"] == {"count": 1, "span_us_p50": 290, "kernel_us_p50": 250, "span_ms_total": 0.3,
+                                          "kernel_ms_total": 0.2}  # fmt: skip
+    assert s["graph_steps"] == 1 and s["graph_step_gpu_us_p50"] == 300
