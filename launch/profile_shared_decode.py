@@ -16,6 +16,7 @@ prefix cached by chunked prefill does. ``docs/results.md`` quotes them all.
 """
 
 import argparse
+import itertools
 
 import torch
 
@@ -132,7 +133,8 @@ def main(argv=None):
     mode.add_argument("--chunked", action="store_true", help="prefixes cached in 8K chunks, server shape")
     args = ap.parse_args(argv)
     if args.batches or args.chunked:
-        runs = ([g for prefixes in (1, 6) for g in _server_batches((1, 2, 4, 8, 16), prefixes, False)]
+        # Lazily: each batch's functions close over that batch's tensors, which the next one rebinds.
+        runs = (itertools.chain(*(_server_batches((1, 2, 4, 8, 16), prefixes, False) for prefixes in (1, 6)))
                 if args.batches else _server_batches((8, 16, 32), PREFIXES, True))  # fmt: skip
         for label, fns in runs:
             print(label, flush=True)
