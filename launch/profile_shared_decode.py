@@ -112,7 +112,7 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
         if sets:
             folded = plan.fold_queries(q, step.members[:sets])
             table, lens = step.shared_table[:sets], step.shared_lens[:sets]
-            fns[f"shared pass ({plan.shared_plan.splits(sets, SERVER_WIDTH)} splits)"] = (
+            fns[f"shared pass (the plan's {plan.shared_plan.splits(sets, SERVER_WIDTH)} splits)"] = (
                 lambda: plan.shared_plan.run(folded, *kv, table, lens, scale, return_lse=True))
             # The split count trades the walk (blocks a CTA steps through) against the fused merge (the
             # last CTA of a set and KV head loops over every split for each of its folded heads).
