@@ -438,6 +438,36 @@ def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype, splits, for
 
 
 
+def test_a_dense_window_inside_the_shared_prefix_matches_reference_with_the_oracle_as_kernel():
+    """CPU twin of the GPU test below: the packed shared and own tables cover every block once."""
+    case = _case(32, 8, torch.float32, "cpu")
+    table = case["block_table"]
+    table[table[:, 0] == table[0, 0], 8] = table[0, 16]
+    plan = SharedPrefixDecode(16, 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
+                              plans=(ReferencePlan(), ReferencePlan()), forms=("sparse", "sparse"))  # fmt: skip
+    out = _run(plan, case)
+    ref, _ = _reference(case)
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_a_dense_window_inside_the_shared_prefix_matches_reference_on_the_gpu():
+    """A prefix cached in chunks keeps a dense window after each chunk: with one inside source 0's
+    compressed run, the restricted shared pass takes the compressed blocks on both sides of it and the
+    own pass the window, and the output still equals the reference over the whole tables."""
+    case = _case(32, 8, torch.float16, "cuda", head_dim=128)
+    table = case["block_table"]
+    group = table[:, 0] == table[0, 0]
+    table[group, 8] = table[0, 16]  # a dense window page (source 0: sink, 15 compressed blocks, 4 window pages)
+    plan = SharedPrefixDecode(16, 32, 8, 128, B, case["max_blocks"], torch.float16, "cuda", forms=("sparse", "sparse"))
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
+    step = plan.plan_step(block_table, seq_lens, k_index, v_index)
+    assert step.shared_lens[0].item() == 14 * B  # 15 compressed blocks, one replaced by the window page
+    out = plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
+    ref, _ = _reference(case)
+    assert float((out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
+
+
 @pytest.mark.gpu
 def test_small_calls_match_reference_on_the_gpu():
     """A call of fewer than MIN_SHARED_BATCH requests runs the per-request kernel over the whole tables."""
