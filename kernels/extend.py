@@ -208,6 +208,9 @@ class HieraSparseExtend:
         self._lp_dummy = torch.zeros(1, q_heads, 1, **f32)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.last_config = None  # tile, stages, k_sparse, num_splits and tile ids of the last call
+        # Every layer of a forward asks for the same split count: the cost model's scan over split
+        # counts was most of run()'s host time (about 80 of 130 us a call), so answers are kept.
+        self.splits = functools.lru_cache(maxsize=4096)(self.splits)
 
     # ------------------------------------------------------------------------------ configuration
     def pick_tile(self, total_tokens: int, batch: int) -> str:
@@ -226,6 +229,7 @@ class HieraSparseExtend:
         return k, stages
 
     def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int) -> int:
+        """The split count of a call's shape (host arithmetic; memoized per plan in ``__init__``)."""
         if self.num_splits is not None:
             return max(1, int(self.num_splits))
         if self._sms is None:

@@ -272,3 +272,24 @@ def test_plan_rejects_stage_counts_a_tile_cannot_build():
     with pytest.raises(ValueError, match="n64"):
         HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", stages=3)  # "auto" may pick n64
     assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n128", stages=3).stages == 3
+
+
+def test_a_plan_runs_the_split_cost_model_once_per_call_shape(monkeypatch):
+    """CPU, with the kernel stubbed: every layer of a forward asks for the same split count, so the
+    cost model (most of ``run``'s host time) runs once per shape, not once per layer."""
+    import sglang_hs.kernels.extend as extend
+
+    asked = []
+    model = extend.choose_num_splits
+    monkeypatch.setattr(extend, "choose_num_splits", lambda *args: asked.append(args) or model(*args))
+    plan = HieraSparseExtend(32, 8, 128, 64, 8, torch.float16, "cpu")
+    plan._sms = 132
+    plan.kernel = lambda tile, k_sparse: ((lambda *args: None), 2)
+    case = cases.make_case([256, 200], 32, 8, 128, 1.0, 1.0, torch.float16, "cpu", seed=1)
+    _, k_cache, v_cache, pools, k_index, v_index, table, lens, scale = cases.run_args(case)
+    q = torch.zeros(64, 32, 128, dtype=torch.float16)
+    qo = torch.tensor([0, 32, 64], dtype=torch.int32)
+    for _ in range(3):  # three layers of one forward
+        plan.run(q, qo, k_cache, v_cache, pools, k_index, v_index, table, lens, scale)
+    plan.run(q[:32], qo[:2], k_cache, v_cache, pools, k_index, v_index, table[:1], lens[:1], scale)  # another shape
+    assert len(asked) == 2
