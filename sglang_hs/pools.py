@@ -251,14 +251,18 @@ class CompressedStore:
         return self.k_index[layer] if self.k_index.dim() == 3 else self.k_index
 
     def stored_bytes(self) -> int:
-        """Bytes of the blocks currently held (all layers)."""
+        """Bytes of the blocks currently held (all layers), from the pools' slots in use (free counts
+        against capacity, which :meth:`check` verifies): the tree publishes this after every
+        compression and eviction, so it must not walk the blocks."""
         dense_row = dense_block_bytes(self.block_size, self.head_dim)
         sparse_row = sparse_block_bytes(self.block_size, self.head_dim)
         rows = self.kv_heads * self.num_layers
         k_sparse_rows = sum(self._k_sparse_rows)
         k_sparse_block = k_sparse_rows * sparse_row + (rows - k_sparse_rows) * dense_row
-        k = sum(k_sparse_block if is_sparse else rows * dense_row for is_sparse, _ in self._k_slot.values())
-        v = sum(rows * (sparse_row if is_sparse else dense_row) for is_sparse, _ in self._v_slot.values())
+        used = {name: getattr(self.capacity, name) - len(self._free[name])
+                for name in ("k_dense", "k_sparse", "v_dense", "v_sparse")}  # fmt: skip
+        k = used["k_sparse"] * k_sparse_block + used["k_dense"] * rows * dense_row
+        v = (used["v_sparse"] * sparse_row + used["v_dense"] * dense_row) * rows
         return k + v
 
     def _take(self, pool: str, n: int) -> list[int]:

@@ -215,3 +215,30 @@ def test_decode_kernel_reads_each_layers_k_map():
                                    store.v_index.cpu(), table.cpu(), seq_lens.tolist(), dim**-0.5)  # fmt: skip
         err = (out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()
         assert float(err) < 3e-3, (layer, float(err))
+
+
+def test_stored_bytes_counts_the_blocks_held_after_allocations_and_frees():
+    """``stored_bytes`` reads slots in use from the free lists; it equals the sum over the held
+    blocks' placements (dense and 2:4 K and V, the map's mixed K rows) through allocations and frees."""
+    from sglang_hs.format import dense_block_bytes, sparse_block_bytes
+
+    store = CompressedStore(StoreCapacity(12, 6, 6, 6, 6), LAYERS, HEADS, DIM, B, torch.float16, "cpu",
+                            k_sparse_heads=MAP)  # fmt: skip
+    dense, sparse = dense_block_bytes(B, DIM), sparse_block_bytes(B, DIM)
+    mapped = int(MAP.sum())
+
+    def walked() -> int:
+        total = 0
+        for p in store.placements().values():
+            total += (mapped * sparse + (LAYERS * HEADS - mapped) * dense) if p.k_sparse else LAYERS * HEADS * dense
+            total += LAYERS * HEADS * (sparse if p.v_sparse else dense)
+        return total
+
+    assert store.stored_bytes() == walked() == 0
+    first = store.allocate([True, False, True], [False, True, True])
+    second = store.allocate([False, False], [True, False])
+    assert store.stored_bytes() == walked() > 0
+    store.free(first[1:])
+    assert store.stored_bytes() == walked()
+    store.free(first[:1] + second)
+    assert store.stored_bytes() == walked() == 0
