@@ -232,9 +232,17 @@ def decode_log_stats(log_text: str) -> dict:
             "shared_decode_grouped": float(grouped[-1]) if grouped else None}
 
 
-def start_profile(server: SGLangServer, trace_dir: str, steps: int) -> None:
+def start_profile(server: SGLangServer, trace_dir: str, steps: int, delay: float = 0.0, log_start: int = 0,
+                  stop: threading.Event | None = None) -> None:  # fmt: skip
     """Ask the server for a PyTorch profiler trace (CPU and GPU activity) of its next ``steps`` forward
-    passes, written to ``trace_dir`` (SGLang's ``/start_profile``)."""
+    passes, written to ``trace_dir`` (SGLang's ``/start_profile``), ``delay`` seconds after the load's
+    first prefill (its first ``Prefill batch`` log line after ``log_start``: bench_serving spends tens
+    of seconds building long prompts before it sends any). ``stop`` set: give up."""
+    stop = stop or threading.Event()
+    while not stop.is_set() and not _PREFILL_LINE.search(server.log_text(), log_start):
+        stop.wait(0.5)
+    if stop.wait(delay):
+        return
     try:
         server.post("/start_profile", {"output_dir": trace_dir, "num_steps": steps, "activities": ["CPU", "GPU"],
                                         "with_stack": False, "record_shapes": False})
@@ -499,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench-timeout", type=float, default=900)
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="trace this many forward passes of every load in each server (PyTorch profiler), "
-                             "--profile-delay seconds after the load starts; the record gets a summary")  # fmt: skip
+                             "--profile-delay seconds after the load's first prefill; the record gets a summary")  # fmt: skip
     parser.add_argument("--profile-delay", type=float, default=10.0)
     parser.add_argument("--out", default="launch/results/prefix_bench_h100.json")
     args = parser.parse_args(argv)
@@ -582,14 +590,13 @@ def main(argv: list[str] | None = None) -> int:
                     if os.path.exists(result_path):
                         os.remove(result_path)  # bench_serving appends
                     trace_dir = os.path.join(out_dir, f"trace_{spec.label.replace(':', '_')}_{regime}")
-                    profiler = None
+                    profiler, stop_profiler = None, threading.Event()
                     if args.profile_steps:
-                        profiler = threading.Timer(args.profile_delay, start_profile,
-                                                   (server, trace_dir, args.profile_steps))  # fmt: skip
+                        profiler = threading.Thread(target=start_profile, daemon=True, args=(
+                            server, trace_dir, args.profile_steps, args.profile_delay, log_start, stop_profiler))
                         profiler.start()
                     result = run_bench_serving(server, args, groups, per_group, result_path)
-                    if profiler is not None:
-                        profiler.cancel()
+                    stop_profiler.set()
                     metrics = read_metrics(server.base_url)
                     record = {
                         "regime": regime, "api": args.api, **server_fields, "working_set_tokens": groups * args.context,

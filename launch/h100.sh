@@ -47,8 +47,9 @@
 # (the hicache server's host pool; SGLang's default of twice the GPU pool exceeds the H100 host's free
 # memory at MEM 0.85), DENSE_CAP (the dense server's KV tokens, for hs:...:auto without a dense server in
 # the run or in OUT), PROBE=1 (run the capacity probe before numbered regimes too; PROBE=0: not before gN either) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
-# run, or flashinfer, which needs the warmfi step first). PROFILE_STEPS=N (PROFILE_DELAY=S, 15) traces N forward
-# passes of each load with SGLang's /start_profile and adds the trace's summary to the record (launch/trace_summary.py).
+# run, or flashinfer, which needs the warmfi step first). PROFILE_STEPS=N (PROFILE_DELAY=S, 15: seconds after the
+# load's first prefill) traces N forward passes of each load with SGLang's /start_profile and adds the trace's
+# summary to the record (launch/trace_summary.py).
 # PREFILL_GRAPHS=1 gives the tiny step's hierasparse server and every prefix-step server
 # --cuda-graph-backend-prefill=breakable (_pgraphs; SGLang's default for dense servers, off for hierasparse otherwise).
 #

@@ -208,3 +208,35 @@ def test_ratios_pair_each_hierasparse_record_with_its_dense_load():
     assert [line.split(", TTFT")[0] for line in lines] == [
         "regime 2, hs:1:1:0.8 vs flashinfer: req/s 3.00x", "regime 2, hs:1:1:0.8 vs triton: req/s 1.50x",
         "regime 2, hs:1:1:0.8 vs hicache: req/s 0.75x"]
+
+
+def test_the_profile_starts_after_the_loads_first_prefill():
+    """``--profile-steps``: the trace is asked for ``delay`` seconds after the load's first prefill line
+    (bench_serving builds long prompts for tens of seconds first), and not at all once the load ended."""
+    import threading
+
+    from sglang_hs.launch.bench_prefix import start_profile
+
+    class Server:
+        def __init__(self):
+            self.text, self.posts = "[t] Prefill batch, #new-token: 9, #cached-token: 0\n", []
+
+        def log_text(self):
+            return self.text
+
+        def post(self, path, payload):
+            self.posts.append((path, payload["num_steps"], len(self.text)))
+
+    server = Server()
+    start = len(server.text)  # an earlier load's prefill does not count
+    thread = threading.Thread(target=start_profile, args=(server, "/tmp/t", 7, 0.05, start))
+    thread.start()
+    thread.join(0.8)
+    assert thread.is_alive() and server.posts == []  # waiting for this load's first prefill
+    server.text += "[t] Prefill batch, #new-token: 5, #cached-token: 3\n"
+    thread.join(5)
+    assert not thread.is_alive() and server.posts == [("/start_profile", 7, len(server.text))]
+    stop = threading.Event()
+    stop.set()
+    start_profile(server, "/tmp/t", 7, 0.05, len(server.text), stop)  # the load ended first
+    assert len(server.posts) == 1
