@@ -527,9 +527,6 @@ class HieraSparseDecode:
         self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
         self.with_block_lse = block_lse
         self._no_block_lse = torch.empty(1, 1, dtype=torch.float32, device=self.device)
-        # Eager calls (batches beyond the captured sizes) ask every layer for the same split count; the
-        # cost model's scan is host time, so answers are kept.
-        self.splits = functools.lru_cache(maxsize=4096)(self.splits)
         self._allocate(batch_size)
         self.num_splits = self.splits(batch_size, max_blocks)  # at the plan's full shape (reported)
         self.last_num_splits = None

@@ -154,6 +154,7 @@ def tile_ids(qo_indptr: list[int], tokens_per_tile: int) -> list[tuple[int, int,
     return out
 
 
+@functools.lru_cache(maxsize=4096)  # every layer of a forward asks for the same shape's answer
 def choose_num_splits(tiles: int, kv_heads: int, blocks: int, num_sms: int, ctas_per_sm: int,
                       max_splits: int = 64, cta_overhead_blocks: float = 8.0) -> int:
     """Splits per (tile, KV head): the fewest that keep every resident CTA slot busy
@@ -208,9 +209,6 @@ class HieraSparseExtend:
         self._lp_dummy = torch.zeros(1, q_heads, 1, **f32)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.last_config = None  # tile, stages, k_sparse, num_splits and tile ids of the last call
-        # Every layer of a forward asks for the same split count: the cost model's scan over split
-        # counts was most of run()'s host time (about 80 of 130 us a call), so answers are kept.
-        self.splits = functools.lru_cache(maxsize=4096)(self.splits)
 
     # ------------------------------------------------------------------------------ configuration
     def pick_tile(self, total_tokens: int, batch: int) -> str:
@@ -229,7 +227,6 @@ class HieraSparseExtend:
         return k, stages
 
     def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int) -> int:
-        """The split count of a call's shape (host arithmetic; memoized per plan in ``__init__``)."""
         if self.num_splits is not None:
             return max(1, int(self.num_splits))
         if self._sms is None:
