@@ -16,7 +16,8 @@ Design (and why)
   shapes with ``T.gemm`` (``wgmma``), sparse blocks ``T.gemm_sp`` (``wgmma.sp``); the accumulators are
   shared, so both paths fold into one online softmax.
 * **GQA as the GEMM N dim.** One CTA (one warpgroup) serves the ``G = Hq/Hkv`` query heads of one KV
-  head, so every KV byte is read once. N is padded to 8 for G in {1, 2, 4, 8} (16 up to G = 16):
+  head, so every KV byte is read once. N is padded to 8 for G in {1, 2, 4, 8} (16 up to G = 16; 32
+  and 64 for the shared-prefix decode's folded requests):
   ``m64n8`` is a legal wgmma shape and avoids TileLang's N = 24/40 bug (issue #2603) and wasted
   accumulator registers.
 * **Split-KV.** Grid ``(num_splits, Hkv, bs)``: each CTA walks a contiguous range of its request's
@@ -92,10 +93,16 @@ CTAs take 128-133 blocks)."""
 MAX_SPLITS = 128
 
 
+MAX_COLUMNS = 64
+"""The widest N (query heads of one KV head, padded) the kernel takes: a model's GQA group is at most 16,
+the shared-prefix decode's shared pass folds several requests' groups into one CTA (up to 64 columns)."""
+
+
 def _n_pad(group: int) -> int:
-    if group > 16:
-        raise ValueError(f"GQA group {group} > 16 is not supported")
-    return 8 if group <= 8 else 16
+    """N of the block GEMMs: the group padded to 8, 16, 32 or 64 (legal wgmma N, 128 / N lanes a column)."""
+    if group > MAX_COLUMNS:
+        raise ValueError(f"{group} query heads per KV head > {MAX_COLUMNS} is not supported")
+    return next(n for n in (8, 16, 32, 64) if group <= n)
 
 
 def stage_bytes(head_dim: int, block_size: int, forms: tuple[str, str] = ANY_FORMS) -> int:

@@ -53,13 +53,13 @@ H200 even when every request shared one prefix (2 requests: 161 against 60 us, 4
 120 against 195; ``bench_decode_shared_batches_h200.log``)."""
 
 FOLD_COLUMNS = 16
-"""The widest N the decode kernel takes (query heads of one KV head, padded): a column set holds
-``FOLD_COLUMNS // G`` requests."""
+"""The shared pass's N (query heads of one KV head, padded): a column set holds ``FOLD_COLUMNS // G``
+requests. The decode kernel takes up to :data:`sglang_hs.kernels.decode.MAX_COLUMNS`."""
 
 
-def fold_of(q_heads: int, kv_heads: int) -> int:
+def fold_of(q_heads: int, kv_heads: int, columns: int = FOLD_COLUMNS) -> int:
     """Requests per column set for a model's GQA group (1 when the group fills the N columns)."""
-    return max(1, FOLD_COLUMNS // (q_heads // kv_heads))
+    return max(1, columns // (q_heads // kv_heads))
 
 
 GPU_SHAPES = ((32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (8, 2, 64, "float16"))
@@ -69,15 +69,18 @@ heads, one per :data:`GPU_FORMS` entry) and own-pass kernels (the model's shape 
 are compiled by ``python -m sglang_hs.kernels.decode_shared [--jobs N]``."""
 GPU_FORMS = (ANY_FORMS, ("sparse", "sparse"), ("dense", "sparse"))
 """The shared-pass forms the GPU tests build for every shape of :data:`GPU_SHAPES`."""
+WIDE_COLUMNS = (32, 64)
+"""Shared-pass widths beyond :data:`FOLD_COLUMNS` that the GPU tests build (Llama-8B's shape, fp16,
+forms 2:4/2:4 and any/any) and ``profile_shared_decode --columns`` times (bf16, 2:4/2:4)."""
 
 
 def shared_kernel_spec(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
-                       forms: tuple[str, str] = ANY_FORMS) -> tuple[int, int, int]:  # fmt: skip
+                       forms: tuple[str, str] = ANY_FORMS, columns: int = FOLD_COLUMNS) -> tuple[int, int, int]:  # fmt: skip
     """(query heads, KV heads, split capacity) of the shared pass's decode kernel for a model shape:
     ``Hkv * fold * G`` query heads, and index maps small enough for the most CTAs an SM."""
     from sglang_hs.kernels.decode import fitting_split_capacity
 
-    shared_heads = kv_heads * fold_of(q_heads, kv_heads) * (q_heads // kv_heads)
+    shared_heads = kv_heads * fold_of(q_heads, kv_heads, columns) * (q_heads // kv_heads)
     return shared_heads, kv_heads, fitting_split_capacity(shared_heads, kv_heads, head_dim, block_size, stages, forms)
 
 
@@ -266,17 +269,19 @@ class SharedPrefixDecode:
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None,
-                 shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS):  # fmt: skip
+                 shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS,
+                 columns: int = FOLD_COLUMNS):  # fmt: skip
         self.q_heads, self.kv_heads, self.head_dim, self.block_size = q_heads, kv_heads, head_dim, block_size
         self.group = q_heads // kv_heads
-        self.fold = fold_of(q_heads, kv_heads)
+        self.fold = fold_of(q_heads, kv_heads, columns)
         self.max_sets = max_sets or max(1, batch_size // 2)
         self.forms = tuple(forms)
         self.merge_kernel = None
         if plans is None:
             from sglang_hs.kernels.decode import STAGES, HieraSparseDecode
 
-            shared_heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, STAGES, self.forms)
+            shared_heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, STAGES, self.forms,
+                                                           columns)  # fmt: skip
             plans = (HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
                                        device, num_splits=shared_splits, split_capacity=capacity, forms=self.forms),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device,
@@ -371,17 +376,26 @@ class SharedPrefixDecode:
 def _precompile_one(cfg):
     from sglang_hs.kernels.decode import STAGES, build_decode_kernel
 
-    hq, hkv, d, dt, forms = cfg
+    hq, hkv, d, dt, forms, columns = cfg
     if forms is None:  # the own pass's kernel
         build_decode_kernel(hq, hkv, d, 64, dt, STAGES, min_split_blocks=OWN_MIN_SPLIT_BLOCKS)
         return cfg
-    heads, kv_heads, capacity = shared_kernel_spec(hq, hkv, d, 64, STAGES, forms)
+    heads, kv_heads, capacity = shared_kernel_spec(hq, hkv, d, 64, STAGES, forms, columns)
     build_decode_kernel(heads, kv_heads, d, 64, dt, STAGES, split_capacity=capacity, forms=forms)
     return cfg
+
+
+def _precompile_configs() -> list[tuple]:
+    """The kernels of the GPU tests and of ``profile_shared_decode``: (shape..., forms, columns)."""
+    llama = (32, 8, 128)
+    configs = [(*shape, forms, FOLD_COLUMNS) for shape in GPU_SHAPES for forms in (*GPU_FORMS, None)]
+    configs += [(*llama, "float16", forms, c) for c in WIDE_COLUMNS for forms in (("sparse", "sparse"), ANY_FORMS)]
+    configs += [(*llama, "bfloat16", forms, c) for c in (FOLD_COLUMNS, *WIDE_COLUMNS) for forms in
+                (("sparse", "sparse"),)] + [(*llama, "bfloat16", None, FOLD_COLUMNS)]  # fmt: skip
+    return configs
 
 
 if __name__ == "__main__":
     from sglang_hs.kernels.common import precompile_main
 
-    precompile_main("compile the shared-pass decode kernels of the GPU tests", _precompile_one,
-                    [(*shape, forms) for shape in GPU_SHAPES for forms in (*GPU_FORMS, None)])
+    precompile_main("compile the shared-pass decode kernels of the GPU tests", _precompile_one, _precompile_configs())

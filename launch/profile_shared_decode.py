@@ -1,6 +1,6 @@
 """Where the time of one layer of shared-prefix decode goes: the whole call and each of its parts.
 
-    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --chunked]
+    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --chunked | --columns]
 
 16 requests over 6 shared prefixes of 32K, S_K = S_V = 1, Llama-3.1-8B decode shape (32/8 heads,
 d 128), each request keeping its last block to its own pass, natural pool order. Times are CUDA-graph
@@ -12,7 +12,9 @@ FlashInfer fa2 and the per-request kernel. At the server's shape, ``--batches``:
 requests over 1 and over 6 prefixes (a server's batch is small while long prompts prefill), with the
 shared pass also at 4, 8, 16 and 32 splits;
 ``--chunked``: 8, 16 and 32 requests whose prefixes keep a dense window after every 8K chunk, as a
-prefix cached by chunked prefill does. ``docs/results.md`` quotes them all.
+prefix cached by chunked prefill does; ``--columns``: the shared pass 16, 32 or 64 query columns wide
+(4, 8 or 16 requests a column set), 16 and 32 requests over 1 to 6 chunked prefixes.
+``docs/results.md`` quotes them all.
 """
 
 import argparse
@@ -125,17 +127,66 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
         yield f"{prefixes} prefixes, {bs} requests ({grouped} in column sets, shared blocks {shared_blocks})", fns
 
 
+def _server_columns(mixes, columns_options=(16, 32, 64), splits_options=(8, 16, 32)):
+    """Per (prefixes, requests) mix: FlashInfer fa2, the per-request kernel, and for each shared-pass
+    width (query columns a CTA: ``columns // G`` requests a column set) the whole call at the plan's
+    split count and the shared pass alone at other split counts; server shape, a dense window after
+    every 8K chunk of each prefix (as chunked prefill caches them), plans built for 32 requests."""
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
+    plans = {c: SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS, columns=c)
+             for c in columns_options}  # fmt: skip
+    blocks = CONTEXT // 64
+    for prefixes, bs in mixes:
+        base = make_case([CONTEXT] * prefixes, 32, 8, 128, 1.0, 1.0, torch.bfloat16, "cuda", seed=5, magnitude=False,
+                         shuffle=False, max_blocks=SERVER_WIDTH)  # fmt: skip
+        case, case_paged = share_prefixes(base, paged_dense(base), bs, seed=5)
+        q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
+        for start in range(128, blocks, 128):
+            bt[:, start : start + 4] = bt[:, blocks - 4 : blocks]
+        kv, out = (kc, vc, pools, ki, vi), torch.empty_like(q)
+        fns = {"FlashInfer fa2": flashinfer_decode(case, case_paged, workspace, "fa2"),
+               "per-request kernel": lambda q=q, kv=kv, bt=bt, sl=sl, out=out: per_request.run(q, *kv, bt, sl, scale,
+                                                                                             out=out)}  # fmt: skip
+        notes = []
+        for columns, plan in plans.items():
+            step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
+            sets = plan.sets_for(bs)
+            grouped = int((step.pick[:bs] >= 0).sum())
+            real_sets = int((step.shared_lens[:sets] > 0).sum())
+            notes.append(f"{columns} columns: {real_sets} sets, {grouped} grouped")
+            fns[f"{columns} columns: shared-prefix decode ({plan.shared_plan.splits(sets, SERVER_WIDTH)} splits)"] = (
+                lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
+            if not sets:
+                continue
+            folded = plan.fold_queries(q, step.members[:sets])
+            table, lens = step.shared_table[:sets], step.shared_lens[:sets]
+            shared_heads, _, capacity = shared_kernel_spec(32, 8, 128, 64, STAGES, FORMS, columns)
+            for splits in splits_options:
+                other = HieraSparseDecode(sets, shared_heads, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
+                                          num_splits=splits, split_capacity=capacity, forms=FORMS)  # fmt: skip
+                fns[f"{columns} columns: shared pass ({splits} splits)"] = (
+                    lambda p=other, f=folded, t=table, n=lens, kv=kv: p.run(f, *kv, t, n, scale, return_lse=True))
+        yield f"{prefixes} prefixes, {bs} requests ({'; '.join(notes)})", fns
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--server-shape", action="store_true", help="the regime-1 server's shape (see the docstring)")
     mode.add_argument("--batches", action="store_true", help="1 to 16 requests over 1 and 6 prefixes, server shape")
     mode.add_argument("--chunked", action="store_true", help="prefixes cached in 8K chunks, server shape")
+    mode.add_argument("--columns", action="store_true",
+                      help="the shared pass at 16, 32 and 64 query columns a CTA, 16-32 requests over 1-6 prefixes")
     args = ap.parse_args(argv)
-    if args.batches or args.chunked:
+    if args.batches or args.chunked or args.columns:
         # Lazily: each batch's functions close over that batch's tensors, which the next one rebinds.
-        runs = (itertools.chain(*(_server_batches((1, 2, 4, 8, 16), prefixes, False) for prefixes in (1, 6)))
-                if args.batches else _server_batches((8, 16, 32), PREFIXES, True))  # fmt: skip
+        if args.batches:
+            runs = itertools.chain(*(_server_batches((1, 2, 4, 8, 16), prefixes, False) for prefixes in (1, 6)))
+        elif args.chunked:
+            runs = _server_batches((8, 16, 32), PREFIXES, True)
+        else:
+            runs = _server_columns(((1, 16), (2, 16), (3, 16), (6, 16), (3, 32), (6, 32)))
         for label, fns in runs:
             print(label, flush=True)
             for name, us in zip(fns, time_graphs(list(fns.values()), 20)):

@@ -20,7 +20,7 @@ from sglang_hs import reference as R
 from sglang_hs.kernels import cases
 from sglang_hs.kernels.common import ANY_FORMS
 from sglang_hs.kernels.decode_shared import (
-    GPU_FORMS, GPU_SHAPES, MIN_SHARED_BATCH, SharedPrefixDecode, compressed_forms, conforming_blocks, fold_of,
+    GPU_FORMS, GPU_SHAPES, MIN_SHARED_BATCH, WIDE_COLUMNS, SharedPrefixDecode, compressed_forms, conforming_blocks, fold_of,
     merge_states, step_tables,
 )
 
@@ -298,7 +298,7 @@ def _oracle_tables(groups: PrefixGroups, bs: int, fold: int, max_sets: int) -> d
     return dict(members=members, shared=shared, pick=pick, taken=taken)
 
 
-@pytest.mark.parametrize("fold", [1, 2, 4])
+@pytest.mark.parametrize("fold", [1, 2, 4, 16])
 @pytest.mark.parametrize("min_own_blocks", [0, 1])
 @pytest.mark.parametrize("conform", [False, True])
 def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks, conform):
@@ -469,6 +469,24 @@ def test_a_dense_window_inside_the_shared_prefix_matches_reference_on_the_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("columns", WIDE_COLUMNS)
+@pytest.mark.parametrize("forms", [("sparse", "sparse"), ANY_FORMS], ids=lambda f: "-".join(f))
+def test_wide_column_sets_match_reference_on_the_gpu(columns, forms):
+    """A shared pass 32 or 64 query columns wide (8 or 16 requests a column set at G = 4): the case's
+    group of 5 fills one set partly, its group of 2 another; the output equals the reference."""
+    sk = 1.0 if forms == ("sparse", "sparse") else 0.5
+    case = _case(32, 8, torch.float16, "cuda", head_dim=128, sk=sk)
+    plan = SharedPrefixDecode(case["q"].shape[0], 32, 8, 128, B, case["max_blocks"], torch.float16, "cuda",
+                              forms=forms, columns=columns)  # fmt: skip
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
+    step = plan.plan_step(block_table, seq_lens, k_index, v_index)
+    assert sorted(int((step.members[s] >= 0).sum()) for s in range(step.members.shape[0]) if step.members[s, 0] >= 0) == [2, 5]
+    out = plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
+    ref, _ = _reference(case)
+    assert float((out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
+
+
+@pytest.mark.gpu
 def test_small_calls_match_reference_on_the_gpu():
     """A call of fewer than MIN_SHARED_BATCH requests runs the per-request kernel over the whole tables."""
     case = _case(32, 8, torch.float16, "cuda", head_dim=128)
@@ -505,8 +523,8 @@ def test_the_own_pass_plans_splits_for_the_requests_no_set_took():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("argv", [[], ["--server-shape"], ["--batches"], ["--chunked"]],
-                         ids=["bench-shape", "server-shape", "batches", "chunked"])
+@pytest.mark.parametrize("argv", [[], ["--server-shape"], ["--batches"], ["--chunked"], ["--columns"]],
+                         ids=["bench-shape", "server-shape", "batches", "chunked", "columns"])
 def test_profile_script_runs(argv, capsys):
     """``launch/profile_shared_decode.py`` (the breakdown quoted in docs/results.md) runs and times every
     part it names."""
