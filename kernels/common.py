@@ -216,16 +216,20 @@ def load_cached(kind: str, args: tuple, pass_configs: dict, target=None):
     return load_frontend_cached(_frontend_key(kind, args), target=target or SM90_TARGET, pass_configs=pass_configs)
 
 
-def compile_cached(kind: str, args: tuple, make_func: Callable[[], object], pass_configs: dict, target=None):
+def compile_cached(kind: str, args: tuple, make_func: Callable[[], object], pass_configs: dict, target=None,
+                   name: str | None = None):  # fmt: skip
     """``tilelang.compile(make_func())`` through :func:`load_cached`: load the kernel when its entry
     exists, else compile it (into TileLang's disk cache) and record the entry. ``args`` must be every
-    argument the kernel depends on (the builder's parameters but ``target``)."""
+    argument the kernel depends on (the builder's parameters but ``target``). The CUDA kernel is named
+    ``{name}_kernel`` (``name`` a function of ``args``, default ``hs_{kind}``), not TileLang's
+    ``main_kernel`` for all of them, so that profiler traces tell the kernels apart."""
     import tilelang
     from tilelang.cache import store_frontend_cache
 
     kernel = load_cached(kind, args, pass_configs, target)
     if kernel is None:
-        kernel = tilelang.compile(make_func(), target=target or SM90_TARGET, pass_configs=pass_configs)
+        func = make_func().with_attr("global_symbol", name or f"hs_{kind}")
+        kernel = tilelang.compile(func, target=target or SM90_TARGET, pass_configs=pass_configs)
         key = getattr(kernel, "_tilelang_cache_key", None)
         if key:
             store_frontend_cache(_frontend_key(kind, args), key, target=target or SM90_TARGET,

@@ -456,7 +456,16 @@ def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float
     """Compile (or load from TileLang's cache) the kernel of one model shape. Needs TileLang, not a GPU."""
     args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, forms,
                               min_split_blocks)  # fmt: skip
-    return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target)
+    return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target,
+                          name=decode_kernel_name(forms, min_split_blocks))
+
+
+def decode_kernel_name(forms: tuple[str, str] = ANY_FORMS, min_split_blocks: int = 1) -> str:
+    """The CUDA kernel's name, as traces show it: ``hs_decode``, with ``_floor`` for a split floor (the
+    shared-prefix decode's own pass) and the forms' initials for fewer forms (its shared pass, e.g.
+    ``hs_decode_ss`` for 2:4 K and V)."""
+    name = "hs_decode" + ("_floor" if min_split_blocks > 1 else "")
+    return name if tuple(forms) == ANY_FORMS else f"{name}_{forms[0][0]}{forms[1][0]}"
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,

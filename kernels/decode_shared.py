@@ -162,10 +162,13 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     its table, in table order (attention does not depend on the order of its keys). A prefix that
     entered the radix tree in chunks (chunked prefill) keeps a dense window at the end of every chunk,
     so its compressed blocks come in runs with dense blocks between them: all of those runs are shared.
-    Members are cut, in batch order, into column sets of ``fold``; a set of one, a group with fewer than
+    Members are cut, in batch order, into column sets of ``fold``; a group's remainder of one is a set
+    too (left to the own pass, it read its whole prefix there, after the shared pass: session 40's
+    ``--columns`` timing, 3 prefixes, 16 requests). A request alone on its prefix, a group with fewer than
     ``min_shared_blocks`` blocks to share, and sets beyond ``max_sets`` stay out (their requests read
     everything in the own pass), and so does a request with fewer than ``min_shared_blocks`` full
-    blocks (padding requests included)."""
+    blocks (padding requests included). With ``fold >= 4`` a group of ``s >= 2`` makes at most ``s / 2``
+    sets, so ``bs // 2`` rows hold every set of a batch."""
     device = block_table.device
     bs, width = block_table.shape
     lens = seq_lens.long()
@@ -188,13 +191,12 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     size = torch.zeros(bs, dtype=torch.long, device=device).scatter_add(0, leader, valid.long())[leader]
     position = (same & (idx[None, :] < idx[:, None])).sum(1)  # members before this one
     chunk, slot = position // fold, position % fold
-    chunk_size = (size - chunk * fold).clamp(max=fold)
-    sets_of_group = size // fold + (size % fold >= 2).long()  # chunks of two or more
+    sets_of_group = -(-size // fold)  # a remainder of one is a set too
     group_ok = valid & (size >= 2) & (shared >= max(min_shared_blocks, 1)) & (fold >= 2)
     per_leader = torch.where((leader == idx) & group_ok, sets_of_group, 0)  # column sets per group, at its leader
     offset = (per_leader.cumsum(0) - per_leader)[leader]
     set_id = offset + chunk
-    eligible = group_ok & (chunk_size >= 2) & (set_id < max_sets)
+    eligible = group_ok & (set_id < max_sets)
     flat = torch.where(eligible, set_id * fold + slot, max_sets * fold)  # the spare entry takes the others
     members = torch.full((max_sets * fold + 1,), -1, dtype=torch.long, device=device).scatter(0, flat, idx)
     members = members[:-1].view(max_sets, fold)
@@ -303,8 +305,10 @@ class SharedPrefixDecode:
         return max(1, -(-bs // self.fold))
 
     def sets_for(self, bs: int) -> int:
-        """Column sets a call of ``bs`` requests can have: every set has two members or more, so at most
-        ``bs // 2`` (and the plan's ``max_sets``); :func:`step_tables` numbers sets from 0. The shared pass
+        """Column sets a call of ``bs`` requests can have: a group of ``s >= 2`` members makes at most
+        ``s / 2`` sets at a fold of 4 or more, so at most ``bs // 2`` (and the plan's ``max_sets``; at a
+        fold of 2 a group of 3 makes 2, and a set past the rows falls back to the own pass);
+        :func:`step_tables` numbers sets from 0. The shared pass
         runs over that many rows, so its split count is planned for them, not for the ``max_sets`` of
         the largest captured batch (a server's plan for 256 requests would give a call of 16 the 2
         splits of 128 sets). A call of fewer than :data:`MIN_SHARED_BATCH` requests has none (a

@@ -11,7 +11,11 @@ question the kernel timings alone cannot: where a step's time goes when the kern
   time), ``span_us`` (first start to last end) and ``period_us`` (launch to next launch, the step's
   wall time). Medians over the steps are reported; ``period - span`` is time the GPU waited on the
   host or ran other work between steps.
-- ``graph_kernels_per_step``: the graph steps' GPU time and launches per kernel name, per step.
+- ``graph_kernels_per_step``: the graph steps' GPU time and launches per kernel name, per step;
+  ``prefill_kernels_per_forward`` the same for the other forwards (eager and breakable: prefills and
+  extends), per forward. The project's TileLang kernels are named by role (``hs_decode`` the
+  per-request decode, ``hs_decode_floor`` the shared-prefix decode's own pass, ``hs_decode_ss`` /
+  ``_ds`` its shared pass over 2:4 / dense K blocks, ``hs_extend``, ``hs_pack``, ``hs_loss``).
 - ``kernels``: GPU time per kernel name (all activity in the window, graph or not), the largest first.
 - ``runtime``: CUDA runtime calls by name, count and host time; a long ``cudaStreamSynchronize`` or
   device-to-host ``cudaMemcpyAsync`` is a host wait that stops the scheduler from running ahead.
@@ -97,6 +101,7 @@ def summarize(events: list[dict], top: int = 15) -> dict:
     order = sorted(range(len(gpu)), key=lambda i: intervals[i][0])
     starts = [intervals[i][0] for i in order]
     forwards: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    in_prefills: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # eager and breakable forwards' kernels
     decode_graphs: set = set()
     for e in events:
         if e.get("ph") != "X" or e.get("cat") != "gpu_user_annotation" or e.get("name") != "scheduler.run_batch":
@@ -107,6 +112,11 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         kind = "eager" if not graphs else "one_graph" if len(graphs) == 1 else "breakable"
         decode_graphs |= graphs if kind == "one_graph" else set()
         forwards[kind].append((t1 - t0, sum(intervals[i][1] - intervals[i][0] for i in inside)))
+        if kind != "one_graph":
+            for i in inside:
+                entry = in_prefills[gpu[i].get("name", "?")[:100]]
+                entry[0] += intervals[i][1] - intervals[i][0]
+                entry[1] += 1
     if forwards:  # graph steps: the one-graph forwards' launches (all launches without annotations)
         launches = [launch for launch in launches if launch[1] in decode_graphs]
 
@@ -125,6 +135,7 @@ def summarize(events: list[dict], top: int = 15) -> dict:
             "period_us": following[0] - ts if following else None,
         })  # fmt: skip
     periods = [s["period_us"] for s in steps if s["period_us"] is not None]
+    prefills = max(1, sum(len(spans) for kind, spans in forwards.items() if kind != "one_graph"))
     return {
         "gpu_events": len(gpu),
         "window_ms": round(window / 1000, 2),
@@ -144,6 +155,8 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         } for kind, spans in sorted(forwards.items())},  # fmt: skip
         "graph_kernels_per_step": [{"name": name, "us": round(t / len(steps), 1), "count": round(n / len(steps), 2)}
                                    for name, (t, n) in sorted(in_graphs.items(), key=lambda kv: -kv[1][0])[:top]],
+        "prefill_kernels_per_forward": [{"name": name, "us": round(t / prefills, 1), "count": round(n / prefills, 2)}
+                                        for name, (t, n) in sorted(in_prefills.items(), key=lambda kv: -kv[1][0])[:top]],
         "kernels": [{"name": name, "total_us": round(t, 1), "count": int(n)}
                     for name, (t, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]],  # fmt: skip
         "runtime": [{"name": name, "total_us": round(t, 1), "count": int(n)}

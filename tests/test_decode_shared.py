@@ -82,11 +82,8 @@ def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_s
         columns = [c for c in range(common) if conforming is None or bool(conforming[members[0], c])]
         if len(columns) < max(min_shared_blocks, 1):
             continue
-        for start in range(0, len(members), fold):
-            chunk = members[start : start + fold]
-            if len(chunk) < 2:  # a lone remainder reads its prefix in its own pass
-                continue
-            sets.append(chunk)
+        for start in range(0, len(members), fold):  # a remainder of one is a set too
+            sets.append(members[start : start + fold])
             taken.append(columns)
     return PrefixGroups(sets, taken)
 
@@ -131,15 +128,16 @@ def test_grouping_finds_sets_and_leaves_lone_requests_out():
     fold = fold_of(32, 8)
     assert fold == 4
     groups = find_shared_prefixes(case["block_table"], case["seq_lens_list"], B, fold)
-    # Source 0's group: requests 0, 2, 3, 5, 7 -> a set of 4 and a lone remainder (7) left to its own pass.
-    assert groups.sets == [[0, 2, 3, 5], [1, 6]]
-    assert groups.taken == [list(range(18)), list(range(10))]
-    # With a fold of 2 the same group makes three sets, the last of two.
+    # Source 0's group: requests 0, 2, 3, 5, 7 -> a set of 4 and a set of its remainder (7); requests 4
+    # and 8, alone on their tables, stay out.
+    assert groups.sets == [[0, 2, 3, 5], [7], [1, 6]]
+    assert groups.taken == [list(range(18)), list(range(18)), list(range(10))]
+    # With a fold of 2 the same group makes three sets, the last of one.
     two = find_shared_prefixes(case["block_table"], case["seq_lens_list"], B, 2)
-    assert two.sets == [[0, 2], [3, 5], [1, 6]]
+    assert two.sets == [[0, 2], [3, 5], [7], [1, 6]]
     # min_own_blocks keeps a block of every member out of the shared pass; a fold of 1 has no sets.
     kept = find_shared_prefixes(case["block_table"], case["seq_lens_list"], B, fold, min_own_blocks=1)
-    assert [len(t) for t in kept.taken] == [17, 10]  # request 5 has 18 full blocks and keeps one
+    assert [len(t) for t in kept.taken] == [17, 17, 10]  # request 5 has 18 full blocks and keeps one
     assert not find_shared_prefixes(case["block_table"], case["seq_lens_list"], B, 1).any_shared
 
 
@@ -278,8 +276,9 @@ def test_a_restricted_shared_pass_leaves_the_dense_sink_to_the_own_pass():
                               plans=(None, None), forms=("sparse", "sparse"))  # fmt: skip
     step = plan.plan_step(table, case["seq_lens"], k_index, v_index)
     # Source 0: a sink page, 15 compressed blocks, 4 window pages; its group shares 18 blocks, of which
-    # the 15 compressed ones go to the shared pass. Source 1 (12 blocks + 10 tokens): 8 of its 10.
-    assert step.shared_lens.tolist()[:2] == [15 * B, 8 * B]
+    # the 15 compressed ones go to the shared pass (a set of 4, then its remainder's set). Source 1 (12
+    # blocks + 10 tokens): 8 of its 10.
+    assert step.shared_lens.tolist()[:3] == [15 * B, 15 * B, 8 * B]
     assert step.shared_table[0, :15].tolist() == table[0, 1:16].tolist()
     assert step.own_table[0, :5].tolist() == [table[0, 0].item(), *table[0, 16:20].tolist()]
     with pytest.raises(ValueError, match="index maps"):

@@ -50,7 +50,7 @@ def test_job_arguments_are_the_builders_cache_keys(monkeypatch):
 
     seen = []
     monkeypatch.setattr(common, "compile_cached",
-                        lambda kind, args, make, passes, target=None: seen.append((kind, args)))
+                        lambda kind, args, make, passes, target=None, name=None: seen.append((kind, args)))
     from sglang_hs.kernels import compress, decode, extend
 
     for module in (compress, decode, extend):

@@ -72,3 +72,6 @@ def test_breakable_prefill_graphs_are_not_decode_steps():
     assert s["forwards"]["breakable"] == {"count": 1, "span_us_p50": 290, "kernel_us_p50": 250, "span_ms_total": 0.3,
                                           "kernel_ms_total": 0.2}  # fmt: skip
     assert s["graph_steps"] == 1 and s["graph_step_gpu_us_p50"] == 300
+    # The prefill's kernels, per prefill forward (the decode step's are not among them).
+    assert s["prefill_kernels_per_forward"] == [{"name": "gemm", "us": 200.0, "count": 2.0},
+                                                {"name": "attn", "us": 50.0, "count": 1.0}]  # fmt: skip
