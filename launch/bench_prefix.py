@@ -47,6 +47,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -233,11 +234,12 @@ def decode_log_stats(log_text: str) -> dict:
 
 
 def start_profile(server: SGLangServer, trace_dir: str, steps: int, delay: float = 0.0, log_start: int = 0,
-                  stop: threading.Event | None = None) -> None:  # fmt: skip
+                  stop: threading.Event | None = None, stacks: bool = False) -> None:  # fmt: skip
     """Ask the server for a PyTorch profiler trace (CPU and GPU activity) of its next ``steps`` forward
     passes, written to ``trace_dir`` (SGLang's ``/start_profile``), ``delay`` seconds after the load's
     first prefill (its first ``Prefill batch`` log line after ``log_start``: bench_serving spends tens
-    of seconds building long prompts before it sends any). ``stop`` set: give up."""
+    of seconds building long prompts before it sends any). ``stop`` set: give up. ``stacks``: with
+    Python stacks (the summary's ``host_waits``; the host runs slower while they are recorded)."""
     stop = stop or threading.Event()
     while not stop.is_set() and not _PREFILL_LINE.search(server.log_text(), log_start):
         stop.wait(0.5)
@@ -245,7 +247,7 @@ def start_profile(server: SGLangServer, trace_dir: str, steps: int, delay: float
         return
     try:
         server.post("/start_profile", {"output_dir": trace_dir, "num_steps": steps, "activities": ["CPU", "GPU"],
-                                        "with_stack": False, "record_shapes": False})
+                                        "with_stack": stacks, "record_shapes": False})
     except Exception as exc:  # the load goes on; the record says no trace came
         print(f"[bench] /start_profile failed: {exc}", flush=True)
 
@@ -476,6 +478,12 @@ def run_bench_serving(server: SGLangServer, args, groups: int, per_group: int, r
         return json.loads(f.read().strip().splitlines()[-1])
 
 
+def _interrupt(signum, frame) -> None:
+    """SIGTERM handler: raise KeyboardInterrupt, so the running server's context stops it (a server left
+    running holds its port and GPU memory, and the next run's server on that port cannot start)."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path")
@@ -509,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="trace this many forward passes of every load in each server (PyTorch profiler), "
                              "--profile-delay seconds after the load's first prefill; the record gets a summary")  # fmt: skip
     parser.add_argument("--profile-delay", type=float, default=10.0)
+    parser.add_argument("--profile-stacks", action="store_true",
+                        help="record Python stacks in the trace: the summary then names the host code that "
+                             "waited on the GPU (host_waits)")  # fmt: skip
     parser.add_argument("--out", default="launch/results/prefix_bench_h100.json")
     args = parser.parse_args(argv)
     if args.report_only:
@@ -593,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
                     profiler, stop_profiler = None, threading.Event()
                     if args.profile_steps:
                         profiler = threading.Thread(target=start_profile, daemon=True, args=(
-                            server, trace_dir, args.profile_steps, args.profile_delay, log_start, stop_profiler))
+                            server, trace_dir, args.profile_steps, args.profile_delay, log_start, stop_profiler,
+                            args.profile_stacks))
                         profiler.start()
                     result = run_bench_serving(server, args, groups, per_group, result_path)
                     stop_profiler.set()
@@ -625,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
                     records.extend(server_records)
                 save(records, args.out)
     except ServerStartError as exc:
-        print(f"[bench] server failed to start:\n{exc}", file=sys.stderr)
+        reason, _, log_tail = str(exc).partition("\n")  # the reason on the [bench] line, which scripts grep
+        print(f"[bench] server failed to start: {reason}\n{log_tail}".rstrip(), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("[bench] interrupted; servers stopped", file=sys.stderr)
@@ -640,4 +653,5 @@ def print_ratios(records: list[dict]) -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and job control: stop the servers as Ctrl-C does
     sys.exit(main())

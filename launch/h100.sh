@@ -49,7 +49,8 @@
 # the run or in OUT), PROBE=1 (run the capacity probe before numbered regimes too; PROBE=0: not before gN either) and HS_DENSE (hierasparse's kernels for dense tokens: triton, as every committed
 # run, or flashinfer, which needs the warmfi step first). PROFILE_STEPS=N (PROFILE_DELAY=S, 15: seconds after the
 # load's first prefill) traces N forward passes of each load with SGLang's /start_profile and adds the trace's
-# summary to the record (launch/trace_summary.py).
+# summary to the record (launch/trace_summary.py); PROFILE_STACKS=1 records Python stacks too (the summary's
+# host_waits: which code waited on the GPU).
 # PREFILL_GRAPHS=1 gives the tiny step's hierasparse server and every prefix-step server
 # --cuda-graph-backend-prefill=breakable (_pgraphs; SGLang's default for dense servers, off for hierasparse otherwise).
 #
@@ -175,6 +176,7 @@ case "$step" in
         --hicache-size "${HICACHE_GB:-0}" "${probe[@]}" "${PREFIX_ARGS[@]}" --port "${PORT:-30000}" \
         ${DENSE_CAP:+--dense-capacity=$DENSE_CAP} ${KHEADMAP:+--k-head-map=$KHEADMAP} \
         ${PROFILE_STEPS:+--profile-steps=$PROFILE_STEPS --profile-delay=${PROFILE_DELAY:-15}} \
+        $([ "${PROFILE_STACKS:-0}" = 1 ] && echo --profile-stacks) \
         --out "$out/prefix_bench${tp_tag}_${gpu}.json" 2>&1 |
         grep -E "\[bench\]|error" | cut -c1-400
     ;;

@@ -25,6 +25,11 @@ question the kernel timings alone cannot: where a step's time goes when the kern
   kernels' time (p50 and total). A span well above the kernel time is a forward the host could not
   launch fast enough.
 - ``gpu_busy_share``: the union of GPU activity over the window; ``gaps_over_100us``: idle gaps.
+- ``host_waits`` (traces taken with Python stacks, ``bench_prefix --profile-stacks``): the host calls
+  that waited on the GPU (``cudaStreamSynchronize``, ``cudaMemcpyAsync``, ``cudaEventSynchronize``,
+  ``cudaDeviceSynchronize`` over :data:`WAIT_MIN_US`) by the innermost Python frame of this project
+  around them (else of SGLang, else any): total wait, count. A wait in a forward pass lets the GPU run
+  dry while the host catches up.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ from collections import defaultdict
 
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")
+_WAIT_CALLS = ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize", "cudaDeviceSynchronize")
+WAIT_MIN_US = 20.0
+"""Host calls shorter than this are not counted as waits (a copy that did not wait takes a few us)."""
+_PROJECT_FRAMES = ("sglang_hs", "hierasparse", "/radix/", "/kernels/", "/launch/")
 
 
 def load_events(path: str) -> list[dict]:
@@ -59,6 +68,38 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 1) if values else None
+
+
+def host_waits(events: list[dict], top: int = 15) -> list[dict]:
+    """``host_waits`` of the module docstring: each waiting runtime call attributed to its innermost
+    enclosing Python frame of the project (else SGLang's, else any), by a sweep over each thread's
+    nested ``python_function`` events."""
+    by_thread: dict[tuple, list[tuple[float, float, int, str]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        start, dur = float(e["ts"]), float(e.get("dur", 0))
+        if e.get("cat") == "python_function":
+            by_thread[(e.get("pid"), e.get("tid"))].append((start, start + dur, 0, e.get("name", "?")))
+        elif e.get("cat") in _RUNTIME_CATEGORIES and e.get("name") in _WAIT_CALLS and dur >= WAIT_MIN_US:
+            by_thread[(e.get("pid"), e.get("tid"))].append((start, start + dur, 1, e["name"]))
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for items in by_thread.values():
+        stack: list[tuple[float, str]] = []  # open frames: (end, name)
+        for start, end, is_wait, name in sorted(items, key=lambda it: (it[0], -it[1])):  # outer frames first
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            if not is_wait:
+                stack.append((end, name))
+                continue
+            frames = [frame for _, frame in reversed(stack)]
+            caller = next((f for f in frames if any(p in f for p in _PROJECT_FRAMES)),
+                          next((f for f in frames if "sglang" in f), frames[0] if frames else "(no Python frame)"))
+            entry = totals[f"{caller} [{name}]"]
+            entry[0] += end - start
+            entry[1] += 1
+    return [{"caller": caller, "us": round(t, 1), "count": int(n)}
+            for caller, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
 def summarize(events: list[dict], top: int = 15) -> dict:
@@ -161,6 +202,7 @@ def summarize(events: list[dict], top: int = 15) -> dict:
                     for name, (t, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]],  # fmt: skip
         "runtime": [{"name": name, "total_us": round(t, 1), "count": int(n)}
                     for name, (t, n) in sorted(by_call.items(), key=lambda kv: -kv[1][0])[:top]],  # fmt: skip
+        "host_waits": host_waits(events, top),
     }
 
 

@@ -225,6 +225,7 @@ def test_the_profile_starts_after_the_loads_first_prefill():
             return self.text
 
         def post(self, path, payload):
+            assert payload["with_stack"] is False  # stacks only when asked (they slow the host)
             self.posts.append((path, payload["num_steps"], len(self.text)))
 
     server = Server()
@@ -240,3 +241,28 @@ def test_the_profile_starts_after_the_loads_first_prefill():
     stop.set()
     start_profile(server, "/tmp/t", 7, 0.05, len(server.text), stop)  # the load ended first
     assert len(server.posts) == 1
+
+
+def test_sigterm_stops_the_run_like_ctrl_c(tmp_path):
+    """``timeout`` sends SIGTERM: the command line turns it into KeyboardInterrupt, so the running
+    server's context stops the server (here a stand-in: the run is waiting, the handler ends it)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import signal, sys, time\n"
+        "from sglang_hs.launch import bench_prefix as b\n"
+        "signal.signal(signal.SIGTERM, b._interrupt)\n"
+        "try:\n"
+        "    print('ready', flush=True); time.sleep(30)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('stopped', flush=True); sys.exit(130)\n"
+    )  # fmt: skip
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 130 and proc.stdout.read().strip() == "stopped"

@@ -75,3 +75,33 @@ def test_breakable_prefill_graphs_are_not_decode_steps():
     # The prefill's kernels, per prefill forward (the decode step's are not among them).
     assert s["prefill_kernels_per_forward"] == [{"name": "gemm", "us": 200.0, "count": 2.0},
                                                 {"name": "attn", "us": 50.0, "count": 1.0}]  # fmt: skip
+
+
+def test_host_waits_go_to_the_innermost_project_frame():
+    """With Python stacks in the trace, each waiting runtime call is charged to the innermost enclosing
+    frame of this project (else SGLang's); short calls are not waits."""
+    def frame(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
+
+    def call(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid,
+                "args": {"correlation": ts}}
+
+    events = [
+        frame("sglang/srt/managers/scheduler.py(10): run_batch", 0, 1000),
+        frame("sglang_hs/backend.py(277): _compressed_metadata", 100, 300),
+        frame("torch/_tensor.py(5): __bool__", 150, 200),
+        call("cudaMemcpyAsync", 160, 150),  # in our metadata code, under torch's frame
+        call("cudaMemcpyAsync", 450, 5),  # too short to be a wait
+        frame("sglang/srt/mem_cache/allocator.py(20): free", 500, 300),
+        call("cudaStreamSynchronize", 520, 100),
+        call("cudaStreamSynchronize", 700, 70),
+        call("cudaStreamSynchronize", 2000, 40, tid=2),  # no frame on that thread
+        _kernel("k", 0, 10, 1),
+    ]  # fmt: skip
+    waits = summarize(events)["host_waits"]
+    assert waits == [
+        {"caller": "sglang/srt/mem_cache/allocator.py(20): free [cudaStreamSynchronize]", "us": 170.0, "count": 2},
+        {"caller": "sglang_hs/backend.py(277): _compressed_metadata [cudaMemcpyAsync]", "us": 150.0, "count": 1},
+        {"caller": "(no Python frame) [cudaStreamSynchronize]", "us": 40.0, "count": 1},
+    ]
