@@ -246,7 +246,7 @@ def bench_shared_prefix(case: dict, ref: torch.Tensor, fis: dict, iters: int, sp
         results.append(dict(us=round(g, 2), flashinfer_us=round(fi_us[fast], 2), speedup=round(fi_us[fast] / g, 4),
                             flashinfer_us_by_backend={b: round(t, 2) for b, t in fi_us.items()},
                             flashinfer_backend=f"{fast} (tensor-core decode)", rel_err_vs_flashinfer=err,
-                            shared_splits=plan.shared_plan.num_splits, forms=list(run_forms)))  # fmt: skip
+                            shared_splits=int(step.shared_splits[0]), forms=list(run_forms)))  # fmt: skip
         if len(results) == 1:
             first = dict(sets=sets, shared_blocks=(step.shared_lens[:sets] // case["block_size"]).tolist())
     record = dict(results[0], column_sets=first["sets"], fold=plan.fold, shared_blocks=first["shared_blocks"],

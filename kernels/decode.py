@@ -142,7 +142,8 @@ def fitting_split_capacity(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
 def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64, dtype: str = "float16",
                            stages: int = STAGES, split_capacity: int = SPLIT_CAPACITY,
-                           forms: tuple[str, str] = ANY_FORMS, min_split_blocks: int = 1):  # fmt: skip
+                           forms: tuple[str, str] = ANY_FORMS, min_split_blocks: int = 1,
+                           dynamic_splits: bool = False):  # fmt: skip
     """The TileLang ``prim_func`` of one model shape. The batch size, the block table's width and the
     split count are dynamic (bound from the arguments' shapes), so one kernel serves every plan.
     ``forms`` = ``(k_form, v_form)`` (:data:`sglang_hs.kernels.common.KV_FORMS`): the block forms the
@@ -151,7 +152,10 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     gives every split of a request at least that many blocks and lets the splits past its blocks exit
     at once (the merge takes only the splits with blocks): a plan for long requests then costs a short
     one a CTA per few blocks, not one per split (the shared-prefix decode's own pass, whose requests
-    are mostly a short tail).
+    are mostly a short tail). ``dynamic_splits``: each request uses only its ``split_limit`` (``<= S``)
+    splits, read from the GPU, and the CTAs of the others exit at once: a captured graph's launch has
+    a fixed grid, but the shared pass's best split count depends on how many column sets the step
+    really has, which only the GPU knows.
 
     Arguments, in order (``S`` = the split count, bound from ``o_part``'s shape; it must be at least
     ``min_splits(max_blocks)``): ``q [bs, Hq, D]``, ``k_cache, v_cache [slots, Hkv, D]``, the six pools
@@ -161,9 +165,10 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     ``block_table [bs, max_blocks]``, ``seq_lens [bs]``, ``sm_scale``, ``o_part [bs, Hq, S, D]`` and
     ``lse_part [bs, Hq, S]`` (fp32 split partials), ``out [bs, Hq, D]``, ``lse [bs, Hq]`` (fp32,
     natural log), ``tickets [bs, Hkv]`` (int32 split tickets, zero between calls), ``want_block_lse``
-    (int32: non-zero also writes each block's own LSE) and ``block_lse [bs*Hq, W]`` (fp32, natural log:
+    (int32: non-zero also writes each block's own LSE), ``block_lse [bs*Hq, W]`` (fp32, natural log:
     row ``r*Hq + head``, column = the block's place in the request's table; a ``[1, 1]`` stand-in when
-    not wanted). Every tensor is contiguous.
+    not wanted) and ``split_limit [bs]`` (int32, read only with ``dynamic_splits``: each request's split
+    count, ``min_splits(max_blocks) <= limit <= S``). Every tensor is contiguous.
     """
     import tilelang.language as T
 
@@ -292,17 +297,19 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             step(it * stages + s, it & 1, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st[s],
                  st[(s + stages - 1) % stages], src, *frags)
 
-    # Plain Python helpers: with min_split_blocks = 1 (every plain decode) they emit exactly the split
-    # arithmetic of a kernel without the floor (no guard, every split takes part in the merge).
-    def blocks_per_split(seq_blocks):
-        per_split = T.ceildiv(seq_blocks, S)
-        return per_split if min_split_blocks == 1 else T.max(per_split, min_split_blocks)
+    # Plain Python helpers: with min_split_blocks = 1 and static splits (every plain decode) they emit
+    # exactly the split arithmetic of a kernel without the floor (no guard, every split in the merge).
+    every_split_live = min_split_blocks == 1 and not dynamic_splits
+
+    def blocks_per_split(seq_blocks, limit):  # limit: S, or the request's split_limit (dynamic_splits)
+        per_split = T.ceildiv(seq_blocks, limit)
+        return per_split if every_split_live else T.max(per_split, max(min_split_blocks, 1))
 
     def splits_with_blocks(seq_blocks, per_split):  # at least 1: an empty request's split 0 writes its -inf LSE
-        return S if min_split_blocks == 1 else T.max(T.ceildiv(seq_blocks, per_split), 1)
+        return S if every_split_live else T.max(T.ceildiv(seq_blocks, per_split), 1)
 
     def cta_guard(split, live_splits):  # (used inline: binding S to a new name would rename the kernel's argument)
-        return True if min_split_blocks == 1 else split < live_splits
+        return True if every_split_live else split < live_splits
 
     @T.prim_func
     def main(
@@ -327,6 +334,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         tickets: T.Tensor([batch, kv_heads], "int32"),
         want_block_lse: T.int32,
         block_lse: T.Tensor([lse_rows, lse_cols], accum),
+        split_limit: T.Tensor([batch], "int32"),
     ):
         with T.Kernel(S, kv_heads, batch, threads=threads) as (split, h, request):
             Q_s = T.alloc_shared([NH, D], dtype)
@@ -351,7 +359,9 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             # generated code stays that of a static split count but for the (loop-invariant) division.
             seq_len = seq_lens[request]
             seq_blocks = T.ceildiv(seq_len, B)
-            per_split = blocks_per_split(seq_blocks)
+            # A dynamic limit is kept within [the fewest splits the maps hold, S]: outside it blocks would be lost.
+            limit = T.max(T.min(split_limit[request], S), T.ceildiv(max_blocks, bps)) if dynamic_splits else S
+            per_split = blocks_per_split(seq_blocks, limit)
             first_block = split * per_split
             # The plan keeps S >= ceil(max_blocks / bps), so per_split <= bps; the bound only guards the maps.
             num_blocks = T.max(T.min(T.min(per_split, bps), seq_blocks - first_block), 0)
@@ -440,22 +450,24 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
 
 def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
-                       split_capacity=SPLIT_CAPACITY, forms=ANY_FORMS, min_split_blocks=1) -> tuple:  # fmt: skip
+                       split_capacity=SPLIT_CAPACITY, forms=ANY_FORMS, min_split_blocks=1,
+                       dynamic_splits=False) -> tuple:  # fmt: skip
     """The arguments that key a decode kernel in TileLang's cache (and a compile job): the shape, then
-    the split capacity, the forms and the split floor up to the last that is not its default (so the
-    default kernels keep their keys)."""
-    extra = (split_capacity, tuple(forms), min_split_blocks)
-    defaults = (SPLIT_CAPACITY, ANY_FORMS, 1)
-    kept = max((i + 1 for i in range(3) if extra[i] != defaults[i]), default=0)
+    the split capacity, the forms, the split floor and dynamic splits up to the last that is not its
+    default (so the default kernels keep their keys)."""
+    extra = (split_capacity, tuple(forms), min_split_blocks, dynamic_splits)
+    defaults = (SPLIT_CAPACITY, ANY_FORMS, 1, False)
+    kept = max((i + 1 for i in range(len(extra)) if extra[i] != defaults[i]), default=0)
     return (q_heads, kv_heads, head_dim, block_size, dtype, stages) + extra[:kept]
 
 
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
-                        split_capacity=SPLIT_CAPACITY, forms=ANY_FORMS, min_split_blocks=1, target=None):  # fmt: skip
+                        split_capacity=SPLIT_CAPACITY, forms=ANY_FORMS, min_split_blocks=1, dynamic_splits=False,
+                        target=None):  # fmt: skip
     """Compile (or load from TileLang's cache) the kernel of one model shape. Needs TileLang, not a GPU."""
     args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, forms,
-                              min_split_blocks)  # fmt: skip
+                              min_split_blocks, dynamic_splits)  # fmt: skip
     return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target,
                           name=decode_kernel_name(forms, min_split_blocks))
 
@@ -513,14 +525,19 @@ class HieraSparseDecode:
     ``block_lse``: also keep scratch for :meth:`run`'s per-block LSE (the decode modes' anchor layers).
     ``forms``: the ``(k_form, v_form)`` the kernel's stages hold (:func:`build_decode_prim_func`); a plan
     for fewer than every form must only be given blocks of those forms. ``min_split_blocks``: the
-    kernel's floor of blocks a split (:func:`build_decode_prim_func`). One call at a time per plan.
+    kernel's floor of blocks a split (:func:`build_decode_prim_func`). ``dynamic_splits``: the kernel
+    that reads each request's split count from the GPU (:meth:`run`'s ``split_limit``; the call's
+    split count is then the grid's, the most any request may use). ``max_parts``: at most this many
+    (request, split) partials of scratch (a call's split count is cut to fit). One call at a time per
+    plan.
     """
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None, stages: int = STAGES,
                  num_sms: int | None = None, split_capacity: int = SPLIT_CAPACITY,
                  plan_batch: Callable[[int], int] | None = None, block_lse: bool = False,
-                 forms: tuple[str, str] = ANY_FORMS, min_split_blocks: int = 1):
+                 forms: tuple[str, str] = ANY_FORMS, min_split_blocks: int = 1, dynamic_splits: bool = False,
+                 max_parts: int | None = None):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
@@ -532,13 +549,14 @@ class HieraSparseDecode:
                              f"most {split_capacity} of the {max_blocks} blocks")
         self.forced_splits = num_splits
         self.plan_batch = plan_batch
-        if num_splits is None and num_sms is None:
+        self.dynamic_splits, self.max_parts = dynamic_splits, max_parts
+        if num_sms is None and (num_splits is None or dynamic_splits):  # a dynamic plan's callers ask rule_splits
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = num_sms
         dt = "float16" if dtype == torch.float16 else "bfloat16"
         self.kernel = build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
                                           split_capacity=split_capacity, forms=self.forms,
-                                          min_split_blocks=min_split_blocks)
+                                          min_split_blocks=min_split_blocks, dynamic_splits=dynamic_splits)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
         self.with_block_lse = block_lse
@@ -553,13 +571,25 @@ class HieraSparseDecode:
             return self.forced_splits
         if self.plan_batch is not None:
             batch = self.plan_batch(batch)
+        return HieraSparseDecode.rule_splits(self, batch, width)
+
+    def rule_splits(self, batch: int, width: int) -> int:
+        """:func:`plan_num_splits` for this plan's kernel at ``batch`` requests, neither forced nor
+        mapped by ``plan_batch`` (what a call of that many live requests would want)."""
         return plan_num_splits(batch, self.q_heads, self.kv_heads, self.head_dim, self.block_size, width,
                                self.stages, self.num_sms, self.split_capacity, self.forms)
+
+    def call_splits(self, batch: int, width: int) -> int:
+        """The split count a launch of ``batch`` requests (at most ``batch_size``) uses: the planned one,
+        cut to the scratch, and at least the fewest the width needs."""
+        return max(min(self.splits(batch, width), self.part_capacity // batch), min_splits(width, self.split_capacity))
 
     def _allocate(self, batch_size: int) -> None:
         """Scratch for up to ``batch_size`` requests at the split counts their calls choose."""
         self.batch_size = batch_size
         parts = max(bs * self.splits(bs, self.max_blocks) for bs in range(1, batch_size + 1))
+        if self.max_parts is not None:
+            parts = max(min(parts, self.max_parts), batch_size * min_splits(self.max_blocks, self.split_capacity))
         hq, d = self.q_heads, self.head_dim
         f32 = dict(dtype=torch.float32, device=self.device)
         self.part_capacity = parts  # (request, split) pairs
@@ -574,7 +604,7 @@ class HieraSparseDecode:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pools: BlockPools,
             k_index: torch.Tensor, v_index: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
             sm_scale: float, out: torch.Tensor | None = None, return_lse: bool = False,
-            return_block_lse: bool = False):
+            return_block_lse: bool = False, split_limit: torch.Tensor | None = None):
         """Decode attention of one layer; one kernel launch per ``batch_size`` requests, no host
         synchronisation.
 
@@ -594,6 +624,8 @@ class HieraSparseDecode:
           are never read.
         * ``seq_lens``: ``[bs]`` int32, tokens of each request (0: a padded request, output 0, LSE -inf).
         * ``out``: ``[bs, Hq, D]``, contiguous, written if given.
+        * ``split_limit``: ``[bs]`` int32, each request's split count (a plan with ``dynamic_splits``
+          only, which needs it): at least ``min_splits(W)``, at most :meth:`call_splits` (more is cut).
 
         Returns ``out [bs, Hq, D]``, and with ``return_lse`` also the natural-log LSE ``[bs, Hq]`` fp32
         (a plan-owned buffer up to ``batch_size`` requests, overwritten by the next call); with
@@ -603,6 +635,8 @@ class HieraSparseDecode:
         bs, width = q.shape[0], block_table.shape[1]
         if width > self.max_blocks:
             raise ValueError(f"block table {width} wide > the plan's max_blocks {self.max_blocks}")
+        if self.dynamic_splits != (split_limit is not None):
+            raise ValueError("split_limit is given exactly to a plan built with dynamic_splits=True")
         if out is None:
             out = torch.empty_like(q)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -621,25 +655,26 @@ class HieraSparseDecode:
         kv = (k_cache, v_cache, *self.pools(pools, k_index, v_index))
         for start in range(0, bs, self.batch_size):
             stop = min(bs, start + self.batch_size)
+            limit = seq_lens[start:stop] if split_limit is None else split_limit[start:stop]  # (a stand-in: not read)
             self._launch(q[start:stop], kv, block_table[start:stop], seq_lens[start:stop], float(sm_scale),
-                         out[start:stop], lse[start:stop], block_lse)
+                         out[start:stop], lse[start:stop], block_lse, limit)
         result = (out,) + ((lse[:bs],) if return_lse else ()) + ((block_lse,) if return_block_lse else ())
         return result if len(result) > 1 else out
 
     def _launch(self, q, kv: tuple, block_table, seq_lens, sm_scale: float, out, lse,
-                block_lse: torch.Tensor | None = None) -> None:
+                block_lse: torch.Tensor | None, split_limit: torch.Tensor) -> None:
         """One launch for at most ``batch_size`` requests, on views of the plan's scratch."""
         n, hq, d = q.shape[0], self.q_heads, self.head_dim
         width = block_table.shape[1]
         # The split count fits the scratch: at the plan's width it is the chosen one (the scratch was
         # sized for it); a narrower table never needs more than min_splits(max_blocks) <= what fits.
-        s = max(min(self.splits(n, width), self.part_capacity // n), min_splits(width, self.split_capacity))
+        s = self.call_splits(n, width)
         self.last_num_splits = s
         o_part = self.o_part[:n * hq * s * d].view(n, hq, s, d)
         lse_part = self.lse_part[:n * hq * s].view(n, hq, s)
         lse_out = self._no_block_lse if block_lse is None else block_lse.view(n * hq, width)
         self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, out, lse[:n], self.counter[:n],
-                    int(block_lse is not None), lse_out)
+                    int(block_lse is not None), lse_out, split_limit)
 
 
 # The kernels the GPU tests build, as (q_heads, kv_heads, head_dim, dtype); every batch size, block-table
@@ -652,10 +687,12 @@ PRECOMPILE = [
 
 
 def _precompile_one(cfg):
-    hq, hkv, d, dt = cfg
-    build_decode_kernel(hq, hkv, d, 64, dt, STAGES)
+    hq, hkv, d, dt, *dynamic = cfg
+    build_decode_kernel(hq, hkv, d, 64, dt, STAGES, dynamic_splits=bool(dynamic))
     return cfg
 
 
 if __name__ == "__main__":
-    precompile_main("compile the decode kernels of the GPU tests", _precompile_one, PRECOMPILE)
+    # ... and the Llama shape's dynamic-splits kernel (test_dynamic_split_limits_match_reference)
+    precompile_main("compile the decode kernels of the GPU tests", _precompile_one,
+                    PRECOMPILE + [(32, 8, 128, "float16", "dynamic")])

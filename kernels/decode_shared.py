@@ -24,6 +24,10 @@ split in two passes over disjoint KV, merged by log-sum-exp:
 * **Merge.** ``out = (e^(lse_s) o_s + e^(lse_o) o_o) / (e^(lse_s) + e^(lse_o))`` per query head (an
   empty pass has LSE ``-inf`` and weight 0).
 
+Each set's split count is chosen on the GPU too (:func:`split_limits`): the per-request rule at the
+number of sets that have blocks to share, read by the decode kernel per set (``dynamic_splits``), so a
+captured graph's fixed grid (:data:`SHARED_MAX_SPLITS` per set row) serves steps of few and of many sets.
+
 Grouping runs on the GPU once per decode step (:func:`step_tables`): requests whose first block
 entries are equal share a radix-tree path; the shared part is the run of leading block-table columns
 equal for all of them, full blocks only. Every tensor has a shape fixed by the batch size (``bs // 2``
@@ -46,6 +50,16 @@ OWN_MIN_SPLIT_BLOCKS = 4
 """The own pass's floor of blocks a split (``HieraSparseDecode(min_split_blocks=...)``): its requests
 mostly read a short tail (a dense sink and window, the question, generated tokens), which a split
 count planned for long requests would spread one block a CTA; measured in ``docs/results.md``."""
+SHARED_MAX_SPLITS = 16
+"""The most splits a column set's shared pass uses. A set's split count is chosen on the GPU from the
+sets the step really has (:func:`split_limits`; the host plans for ``bs // 2`` rows, most of them empty):
+16 columns at 16 requests on an H200 took 106.9 us at 16 splits and 140.3 at 8 with 4 sets, 187.5 at 16
+and 148.3 at 8 with 6, and 32 splits were slower than 16 at every count measured (the fused merge of
+16 folded heads over every split; ``bench_decode_shared_columns_h200.log``)."""
+SHARED_MAX_PARTS = 512
+"""The shared pass's scratch, in (set, split) partials: a server's plan for 256 requests has 128 set
+rows, which at :data:`SHARED_MAX_SPLITS` would take 134 MB of fp32 partials; such a call gets fewer
+splits (a batch that large has many sets)."""
 MIN_SHARED_BATCH = 8
 """Calls of fewer requests run the per-request kernel: the shared pass costs 90-150 us whatever it
 shares, and below 8 requests it lost to the per-request kernel at the regime-1 server's shape on an
@@ -136,8 +150,10 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
 class StepTables:
     """What one decode step's layers share (built once per step by :func:`step_tables`):
     ``members [max_sets, fold]`` (``-1`` pads), the shared pass's ``shared_table [max_sets, W]`` and
-    ``shared_lens [max_sets]``, the own pass's ``own_table [bs, W]`` and ``own_lens [bs]``, and ``pick
-    [bs]`` int32: the unfolded shared-pass row of each request (``set * fold + position``, ``-1``: none)."""
+    ``shared_lens [max_sets]``, the own pass's ``own_table [bs, W]`` and ``own_lens [bs]``, ``pick
+    [bs]`` int32: the unfolded shared-pass row of each request (``set * fold + position``, ``-1``:
+    none), and ``shared_splits [max_sets]`` int32: each set's split count (:func:`split_limits`; ones
+    until :meth:`SharedPrefixDecode.plan_step` sets it)."""
 
     members: torch.Tensor
     shared_table: torch.Tensor
@@ -145,6 +161,7 @@ class StepTables:
     own_table: torch.Tensor
     own_lens: torch.Tensor
     pick: torch.Tensor
+    shared_splits: torch.Tensor
 
 
 def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, fold: int, max_sets: int,
@@ -210,7 +227,15 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
         own_table=_pack(block_table, ~take),
         own_lens=(lens - take.sum(1) * block_size).to(torch.int32),
         pick=torch.where(eligible, set_id * fold + slot, -1).to(torch.int32),
+        shared_splits=torch.ones(max_sets, dtype=torch.int32, device=device),
     )
+
+
+def split_limits(shared_lens: torch.Tensor, by_sets: torch.Tensor, cap: int) -> torch.Tensor:
+    """``[sets]`` int32, every set's split count for a step: ``by_sets[n]`` for the ``n`` sets with
+    blocks to share (a GPU gather, no host synchronisation), at most ``cap`` (the launch's grid)."""
+    real = (shared_lens > 0).sum()
+    return by_sets[real].clamp(max=cap).to(torch.int32).expand(shared_lens.shape[0]).contiguous()
 
 
 def _pack(block_table: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -258,9 +283,9 @@ class SharedPrefixDecode:
     *own* one of the model's shape over ``batch_size`` requests, the query fold, and one fused
     gather-and-merge kernel (Triton) per layer.
 
-    ``shared_splits`` forces the shared pass's split count (else the per-request rule,
-    :func:`sglang_hs.kernels.decode.plan_num_splits`, at ``max_sets`` requests; more splits measured
-    slower, ``docs/results.md``).
+    ``shared_splits`` forces the shared pass's split count (else each step's sets use the per-request
+    rule, :func:`sglang_hs.kernels.decode.plan_num_splits`, at the number of sets that have blocks to
+    share, at most :data:`SHARED_MAX_SPLITS`: chosen on the GPU, :func:`split_limits`).
     ``forms`` (:func:`compressed_forms`): the block forms of the shared pass's kernel; with fewer than
     every form, :meth:`plan_step` keeps the other blocks (a dense sink and window) to the own pass.
     Calls of fewer than :data:`MIN_SHARED_BATCH` requests form no sets and run a third plan, the
@@ -279,13 +304,16 @@ class SharedPrefixDecode:
         self.max_sets = max_sets or max(1, batch_size // 2)
         self.forms = tuple(forms)
         self.merge_kernel = None
+        self.kernel_plans = plans is None  # else stand-ins (tests): their split counts are not chosen
         if plans is None:
-            from sglang_hs.kernels.decode import STAGES, HieraSparseDecode
+            from sglang_hs.kernels.decode import STAGES, HieraSparseDecode, min_splits
 
             shared_heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, STAGES, self.forms,
                                                            columns)  # fmt: skip
             plans = (HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
-                                       device, num_splits=shared_splits, split_capacity=capacity, forms=self.forms),
+                                       device, num_splits=shared_splits or max(SHARED_MAX_SPLITS, min_splits(
+                                           max_blocks, capacity)), split_capacity=capacity, forms=self.forms,
+                                       dynamic_splits=True, max_parts=SHARED_MAX_PARTS),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device,
                                        plan_batch=self.own_pass_long_requests,
                                        min_split_blocks=OWN_MIN_SPLIT_BLOCKS),
@@ -295,6 +323,12 @@ class SharedPrefixDecode:
                 self.merge_kernel = _merge_kernel_factory()
         self.shared_plan, self.own_plan = plans[:2]
         self.per_request_plan = plans[2] if len(plans) > 2 else self.own_plan
+        # Split count by the number of sets with blocks to share (index 0..max_sets), on the device.
+        by_sets = [1] * (self.max_sets + 1)
+        if self.kernel_plans:
+            by_sets = [shared_splits or min(self.shared_plan.rule_splits(max(n, 1), max_blocks), SHARED_MAX_SPLITS)
+                       for n in range(self.max_sets + 1)]  # fmt: skip
+        self.splits_by_sets = torch.tensor(by_sets, dtype=torch.int32, device=device)
 
     def own_pass_long_requests(self, bs: int) -> int:
         """The requests the own pass's split count is planned for, in a call of ``bs``: most of them read
@@ -337,8 +371,12 @@ class SharedPrefixDecode:
             if k_index is None or v_index is None:
                 raise ValueError(f"a shared pass for forms {self.forms} needs the index maps")
             conforming = conforming_blocks(block_table, k_index, v_index, self.forms)
-        return step_tables(block_table, seq_lens, self.block_size, self.fold, self.sets_for(block_table.shape[0]),
-                           conforming=conforming, **kw)  # fmt: skip
+        sets = self.sets_for(block_table.shape[0])
+        step = step_tables(block_table, seq_lens, self.block_size, self.fold, sets, conforming=conforming, **kw)
+        if sets and self.kernel_plans:
+            cap = self.shared_plan.call_splits(sets, block_table.shape[1])
+            step.shared_splits = split_limits(step.shared_lens, self.splits_by_sets, cap)
+        return step
 
     def fold_queries(self, q: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
         """``q [bs, Hq, D]`` -> ``[max_sets, Hkv * fold * G, D]``: column set ``s``'s KV head ``h`` holds
@@ -362,7 +400,8 @@ class SharedPrefixDecode:
         if sets == 0:  # no sets: the own tables are the whole tables
             return self.per_request_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale)
         out_s, lse_s = self.shared_plan.run(self.fold_queries(q, step.members[:sets]), *kv, step.shared_table[:sets],
-                                            step.shared_lens[:sets], sm_scale, return_lse=True)  # fmt: skip
+                                            step.shared_lens[:sets], sm_scale, return_lse=True,
+                                            split_limit=step.shared_splits[:sets])  # fmt: skip
         out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, return_lse=True)
         if self.merge_kernel is None:
             pick = step.pick.long()
@@ -385,7 +424,7 @@ def _precompile_one(cfg):
         build_decode_kernel(hq, hkv, d, 64, dt, STAGES, min_split_blocks=OWN_MIN_SPLIT_BLOCKS)
         return cfg
     heads, kv_heads, capacity = shared_kernel_spec(hq, hkv, d, 64, STAGES, forms, columns)
-    build_decode_kernel(heads, kv_heads, d, 64, dt, STAGES, split_capacity=capacity, forms=forms)
+    build_decode_kernel(heads, kv_heads, d, 64, dt, STAGES, split_capacity=capacity, forms=forms, dynamic_splits=True)
     return cfg
 
 

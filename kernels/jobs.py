@@ -60,7 +60,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
             forms = shared_decode_forms
             heads, kv, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, BLOCK_SIZE, DECODE_STAGES, forms)
             jobs.append(("decode", decode_kernel_args(heads, kv, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES, capacity,
-                                                      forms)))  # fmt: skip
+                                                      forms, dynamic_splits=True)))  # fmt: skip
         jobs += [("extend", (q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, tile, _extend_stages(tile), k_sparse))
                  for tile in TILES for k_sparse in extend_k_sparse]  # fmt: skip
     if compress:

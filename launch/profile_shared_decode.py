@@ -30,6 +30,15 @@ from sglang_hs.kernels.timing import time_graphs
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
 
 
+def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int, capacity: int):
+    """The shared pass alone with every set at ``splits`` splits (a plan of its own, same kernel)."""
+    sets, heads = folded.shape[0], folded.shape[1]
+    plan = HieraSparseDecode(sets, heads, 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
+                             split_capacity=capacity, forms=FORMS, dynamic_splits=True)  # fmt: skip
+    limit = torch.full((sets,), splits, dtype=torch.int32, device="cuda")
+    return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True, split_limit=limit)
+
+
 def _case(dtype: torch.dtype, max_blocks: int | None, seed: int):
     case = make_case([CONTEXT] * PREFIXES, 32, 8, 128, 1.0, 1.0, dtype, "cuda", seed=seed, magnitude=False,
                      shuffle=False, max_blocks=max_blocks)  # fmt: skip
@@ -48,16 +57,16 @@ def benchmark_shape() -> dict:
     table, lens = step.shared_table[:sets], step.shared_lens[:sets]
     fns = {
         "all": lambda: plan.run(q, *kv, step, scale),
-        f"shared pass ({plan.shared_plan.splits(sets, case['max_blocks'])} splits)":
-            lambda: plan.shared_plan.run(folded, *kv, table, lens, scale, return_lse=True),
+        f"shared pass ({int(step.shared_splits[0])} splits)":
+            lambda: plan.shared_plan.run(folded, *kv, table, lens, scale, return_lse=True,
+                                         split_limit=step.shared_splits[:sets]),
         "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True),
         "query fold": lambda: plan.fold_queries(q, step.members[:sets]),
         "step tables": lambda: plan.plan_step(bt, sl, ki, vi, min_own_blocks=1),
     }  # fmt: skip
     for splits in (5, 6, 7, 9, 10):
-        other = HieraSparseDecode(sets, 128, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", num_splits=splits,
-                                  split_capacity=plan.shared_plan.split_capacity, forms=FORMS)  # fmt: skip
-        fns[f"shared pass ({splits} splits)"] = lambda p=other: p.run(folded, *kv, table, lens, scale, return_lse=True)
+        fns[f"shared pass ({splits} splits)"] = _shared_pass_at(splits, folded, kv, table, lens, scale,
+                                                                case["max_blocks"], plan.shared_plan.split_capacity)
     return fns
 
 
@@ -91,8 +100,7 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
     floor = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
                               min_split_blocks=OWN_MIN_SPLIT_BLOCKS)  # fmt: skip
     plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
-    shared_heads, _, capacity = shared_kernel_spec(32, 8, 128, 64, STAGES, FORMS)
-    shared_shape = (shared_heads, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
+    capacity = shared_kernel_spec(32, 8, 128, 64, STAGES, FORMS)[2]
     base = make_case([CONTEXT] * prefixes, 32, 8, 128, 1.0, 1.0, torch.bfloat16, "cuda", seed=5, magnitude=False,
                      shuffle=False, max_blocks=SERVER_WIDTH)  # fmt: skip
     paged = paged_dense(base)
@@ -114,14 +122,14 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
         if sets:
             folded = plan.fold_queries(q, step.members[:sets])
             table, lens = step.shared_table[:sets], step.shared_lens[:sets]
-            fns[f"shared pass (the plan's {plan.shared_plan.splits(sets, SERVER_WIDTH)} splits)"] = (
-                lambda: plan.shared_plan.run(folded, *kv, table, lens, scale, return_lse=True))
+            fns[f"shared pass (the step's {int(step.shared_splits[0])} splits)"] = (
+                lambda: plan.shared_plan.run(folded, *kv, table, lens, scale, return_lse=True,
+                                             split_limit=step.shared_splits[:sets]))
             # The split count trades the walk (blocks a CTA steps through) against the fused merge (the
             # last CTA of a set and KV head loops over every split for each of its folded heads).
             for splits in (4, 8, 16, 32):
-                other = HieraSparseDecode(sets, *shared_shape, num_splits=splits, split_capacity=capacity, forms=FORMS)
-                fns[f"shared pass ({splits} splits)"] = (
-                    lambda p=other: p.run(folded, *kv, table, lens, scale, return_lse=True))
+                fns[f"shared pass ({splits} splits)"] = _shared_pass_at(splits, folded, kv, table, lens, scale,
+                                                                        SERVER_WIDTH, capacity)
         grouped = int((step.pick[:bs] >= 0).sum())
         shared_blocks = (step.shared_lens[:sets] // 64).tolist()
         yield f"{prefixes} prefixes, {bs} requests ({grouped} in column sets, shared blocks {shared_blocks})", fns
@@ -155,18 +163,16 @@ def _server_columns(mixes, columns_options=(16, 32, 64), splits_options=(8, 16, 
             grouped = int((step.pick[:bs] >= 0).sum())
             real_sets = int((step.shared_lens[:sets] > 0).sum())
             notes.append(f"{columns} columns: {real_sets} sets, {grouped} grouped")
-            fns[f"{columns} columns: shared-prefix decode ({plan.shared_plan.splits(sets, SERVER_WIDTH)} splits)"] = (
+            fns[f"{columns} columns: shared-prefix decode ({int(step.shared_splits[0]) if sets else 0} splits)"] = (
                 lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
             if not sets:
                 continue
             folded = plan.fold_queries(q, step.members[:sets])
             table, lens = step.shared_table[:sets], step.shared_lens[:sets]
-            shared_heads, _, capacity = shared_kernel_spec(32, 8, 128, 64, STAGES, FORMS, columns)
+            capacity = shared_kernel_spec(32, 8, 128, 64, STAGES, FORMS, columns)[2]
             for splits in splits_options:
-                other = HieraSparseDecode(sets, shared_heads, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
-                                          num_splits=splits, split_capacity=capacity, forms=FORMS)  # fmt: skip
-                fns[f"{columns} columns: shared pass ({splits} splits)"] = (
-                    lambda p=other, f=folded, t=table, n=lens, kv=kv: p.run(f, *kv, t, n, scale, return_lse=True))
+                fns[f"{columns} columns: shared pass ({splits} splits)"] = _shared_pass_at(
+                    splits, folded, kv, table, lens, scale, SERVER_WIDTH, capacity)
         yield f"{prefixes} prefixes, {bs} requests ({'; '.join(notes)})", fns
 
 

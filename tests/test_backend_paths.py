@@ -180,11 +180,14 @@ class RecordingDecodeKernel:
     def __init__(self):
         self.batches = []
         self.tables = []  # per launch: (wants the per-block LSE, block table, seq_lens)
+        self.limits = []  # per launch: split_limit (read by a dynamic_splits kernel only)
 
     def __call__(self, q, *args):
-        out, lse, want_block_lse, block_lse = args[-5], args[-4], args[-2], args[-1]
+        out, lse, want_block_lse, block_lse, split_limit = args[-6], args[-5], args[-3], args[-2], args[-1]
+        assert split_limit.shape == (q.shape[0],) and split_limit.dtype == torch.int32
         self.batches.append(q.shape[0])
         self.tables.append((want_block_lse, args[10].clone(), args[11].clone()))
+        self.limits.append(split_limit.clone())
         out.fill_(1.0)
         lse.fill_(0.0)
         if want_block_lse:  # the third block of every request gets the most attention
@@ -196,8 +199,9 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
     from sglang_hs.decode_modes import BlockSelection
     from sglang_hs.kernels import decode
 
-    def record(*args, split_capacity=decode.SPLIT_CAPACITY, forms=decode.ANY_FORMS, min_split_blocks=1):
-        key = decode.decode_kernel_args(*args, split_capacity, forms, min_split_blocks)  # the kernel's cache key
+    def record(*args, split_capacity=decode.SPLIT_CAPACITY, forms=decode.ANY_FORMS, min_split_blocks=1,
+               dynamic_splits=False):  # fmt: skip
+        key = decode.decode_kernel_args(*args, split_capacity, forms, min_split_blocks, dynamic_splits)  # the cache key
         return built.setdefault(key, RecordingDecodeKernel())
 
     monkeypatch.setattr(decode, "build_decode_kernel", record)
@@ -300,11 +304,16 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     assert out.shape == (16, HQ * D) and bool((out == 1).all())
     shared_heads, _, _ = shared_kernel_spec(HQ, HKV, D, 64, 2)
     assert sorted(key[0] for key in built) == sorted([HQ, HQ, shared_heads])  # own pass, per-request, shared pass
-    assert next(key for key in built if key[0] == shared_heads)[-1] == ("dense", "dense")
-    shared_kernel = built[next(key for key in built if key[0] == shared_heads)]
+    shared_key = next(key for key in built if key[0] == shared_heads)
+    assert shared_key[7:] == (("dense", "dense"), 1, True)  # forms, no split floor, dynamic splits
+    shared_kernel = built[shared_key]
     assert shared_kernel.batches == [plan.max_sets]
+    # Its split count per set, chosen on the device from the sets that have blocks to share.
+    step = backend.forward_metadata.decode_step
+    real = int((step.shared_lens > 0).sum())
+    assert 0 < real and shared_kernel.limits[0].tolist() == [int(plan.splits_by_sets[real])] * plan.max_sets
     # A server captures graphs up to a larger batch than it runs: the plan holds max_bs // 2 set rows,
-    # a step of 16 requests hands the shared pass 8 (its splits are planned for 8 sets, not 32).
+    # a step of 16 requests hands the shared pass 8.
     built.clear()
     backend = decode_backend(monkeypatch, built, shared_prefix_decode="on", sv_prefill=0.0, sv_decode=0.0)
     backend.init_cuda_graph_state(64, 64)

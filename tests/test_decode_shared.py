@@ -112,7 +112,7 @@ class ReferencePlan:
     """Stands in for ``HieraSparseDecode`` (same ``run`` signature) with the oracle, per request."""
 
     def run(self, q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale, out=None,
-            return_lse=False):  # fmt: skip
+            return_lse=False, split_limit=None):  # fmt: skip
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], -torch.inf)
         for r, length in enumerate(seq_lens.tolist()):
@@ -483,6 +483,42 @@ def test_wide_column_sets_match_reference_on_the_gpu(columns, forms):
     out = plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
     ref, _ = _reference(case)
     assert float((out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
+
+
+def test_split_limits_follow_the_sets_with_blocks_to_share():
+    """CPU: every set of a step gets the split count of the number of sets that have blocks to share
+    (a gather on the device), at most the launch's grid."""
+    from sglang_hs.kernels.decode_shared import split_limits
+
+    by_sets = torch.tensor([1, 16, 16, 16, 16, 13, 11, 9, 8], dtype=torch.int32)
+    lens = torch.tensor([512, 512, 0, 320, 0, 0, 0, 0], dtype=torch.int32) * B
+    assert split_limits(lens, by_sets, 16).tolist() == [16] * 8  # 3 sets with blocks
+    assert split_limits(lens, by_sets, 12).tolist() == [12] * 8  # the grid holds 12
+    lens[4:] = B  # 7 sets with blocks
+    assert split_limits(lens, by_sets, 16).tolist() == [9] * 8 and split_limits(lens, by_sets, 16).dtype == torch.int32
+
+
+def test_the_shared_pass_plans_splits_for_the_sets_a_step_has(monkeypatch):
+    """CPU (kernels stubbed): the shared pass's grid holds SHARED_MAX_SPLITS splits per set row and its
+    table of split counts by live sets is the per-request rule's at that many rows (capped): at the
+    regime-1 server's shape on 132 SMs, 16 splits for up to 4 sets, 11 at 6, 8 at 8 (measured on an
+    H200: 4 sets 106.9 us at 16 splits against 140.3 at 8; 6 sets 148.3 at 8 against 187.5 at 16)."""
+    from types import SimpleNamespace
+
+    from sglang_hs.kernels import decode
+    from sglang_hs.kernels.decode_shared import SHARED_MAX_SPLITS
+
+    monkeypatch.setattr(decode, "build_decode_kernel", lambda *a, **kw: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    plan = SharedPrefixDecode(32, 32, 8, 128, B, 529, torch.bfloat16, "cpu", forms=("sparse", "sparse"))
+    by_sets = plan.splits_by_sets.tolist()
+    assert len(by_sets) == plan.max_sets + 1 == 17 and by_sets[1:5] == [SHARED_MAX_SPLITS] * 4
+    assert by_sets[5:9] == [13, 11, 9, 8] and by_sets[0] == SHARED_MAX_SPLITS  # (no set: never launched)
+    assert plan.shared_plan.call_splits(8, 529) == SHARED_MAX_SPLITS  # 16 requests: 8 set rows
+    assert plan.shared_plan.part_capacity <= 512 and plan.shared_plan.call_splits(16, 529) == 16
+    with pytest.raises(ValueError, match="split_limit"):
+        plan.shared_plan.run(torch.zeros(1, 128, 128), *([None] * 5), torch.zeros(1, 9, dtype=torch.int32),
+                             torch.zeros(1, dtype=torch.int32), 0.1)  # fmt: skip
 
 
 @pytest.mark.gpu

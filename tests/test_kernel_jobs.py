@@ -31,16 +31,18 @@ def test_model_jobs_do_not_depend_on_batch_or_context():
     assert [kind for kind, _ in server] == ["decode", "extend", "extend", "pack"]
     assert {args[5] for kind, args in server if kind == "extend"} == {"n64", "n128"}
     assert [kind for kind, _ in J.model_jobs(9, 3, 64, "float16")] == ["pack", "loss", "loss"]  # GQA 3
-    # Shared-prefix decode adds the own pass's kernel (a split floor of 4 blocks) and the 16-column one (at
-    # d 128 with index maps of 64 blocks; for 2:4 K and V only, smaller stages and index maps of 512).
+    # Shared-prefix decode adds the own pass's kernel (a split floor of 4 blocks) and the 16-column one with
+    # split counts read from the GPU (at d 128 with index maps of 64 blocks; for 2:4 K and V only,
+    # smaller stages and index maps of 512).
     every = ("any", "any")
     shared = J.model_jobs(32, 8, 128, "float16", shared_decode_forms=every)
     assert shared[:3] == [("decode", (32, 8, 128, 64, "float16", 2)),
                           ("decode", (32, 8, 128, 64, "float16", 2, 512, every, 4)),
-                          ("decode", (128, 8, 128, 64, "float16", 2, 64))]  # fmt: skip
-    assert J.model_jobs(16, 2, 64, "float16", shared_decode_forms=every)[2] == ("decode", (32, 2, 64, 64, "float16", 2))
+                          ("decode", (128, 8, 128, 64, "float16", 2, 64, every, 1, True))]  # fmt: skip
+    assert J.model_jobs(16, 2, 64, "float16", shared_decode_forms=every)[2] == (
+        "decode", (32, 2, 64, 64, "float16", 2, 512, every, 1, True))  # fmt: skip
     sparse = J.model_jobs(32, 8, 128, "float16", shared_decode_forms=("sparse", "sparse"))[2]
-    assert sparse == ("decode", (128, 8, 128, 64, "float16", 2, 512, ("sparse", "sparse")))
+    assert sparse == ("decode", (128, 8, 128, 64, "float16", 2, 512, ("sparse", "sparse"), 1, True))
 
 
 def test_job_arguments_are_the_builders_cache_keys(monkeypatch):
