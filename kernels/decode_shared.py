@@ -39,7 +39,7 @@ the oracle (``tests/test_decode_shared.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -153,15 +153,16 @@ class StepTables:
     ``shared_lens [max_sets]``, the own pass's ``own_table [bs, W]`` and ``own_lens [bs]``, ``pick
     [bs]`` int32: the unfolded shared-pass row of each request (``set * fold + position``, ``-1``:
     none), and ``shared_splits [max_sets]`` int32: each set's split count (:func:`split_limits`; ones
-    until :meth:`SharedPrefixDecode.plan_step` sets it)."""
+    until :meth:`SharedPrefixDecode.plan_step` sets it). Each field's ``rows`` metadata says whether it
+    has a row per set or per request (a CUDA graph's buffers are viewed per batch size by it)."""
 
-    members: torch.Tensor
-    shared_table: torch.Tensor
-    shared_lens: torch.Tensor
-    own_table: torch.Tensor
-    own_lens: torch.Tensor
-    pick: torch.Tensor
-    shared_splits: torch.Tensor
+    members: torch.Tensor = field(metadata={"rows": "set"})
+    shared_table: torch.Tensor = field(metadata={"rows": "set"})
+    shared_lens: torch.Tensor = field(metadata={"rows": "set"})
+    own_table: torch.Tensor = field(metadata={"rows": "request"})
+    own_lens: torch.Tensor = field(metadata={"rows": "request"})
+    pick: torch.Tensor = field(metadata={"rows": "request"})
+    shared_splits: torch.Tensor = field(metadata={"rows": "set"})
 
 
 def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, fold: int, max_sets: int,

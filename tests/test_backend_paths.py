@@ -194,6 +194,13 @@ class RecordingDecodeKernel:
             block_lse.fill_(0.0).view(q.shape[0], q.shape[1], -1)[:, :, 2] = 5.0
 
 
+def graph_step(backend, forward_batch) -> None:
+    """What SGLang's decode graph runner does for a capture or a replay: the metadata outside the graph,
+    then the recorded in-graph part (replayed with the graph)."""
+    backend.init_forward_metadata_out_graph(forward_batch)
+    backend.init_forward_metadata_in_graph(forward_batch)
+
+
 def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", **settings):
     from sglang_hs.config import HieraSparseConfig
     from sglang_hs.decode_modes import BlockSelection
@@ -226,7 +233,7 @@ def test_decode_mode_on_the_kernel_path_compacts_after_the_anchor(monkeypatch):
     backend = decode_backend(monkeypatch, built, decode_mode="kascade", decode_anchors="0", decode_topk=1)
     backend.init_cuda_graph_state(4, 4)
     assert backend._decode_plan_obj.with_block_lse
-    backend.init_forward_metadata_out_graph(decode_batch(2))
+    graph_step(backend, decode_batch(2))
     for layer_id in (0, 1):
         layer = SimpleNamespace(layer_id=layer_id, tp_q_head_num=HQ, head_dim=D, v_head_dim=D, scaling=0.125)
         backend.forward_decode(torch.zeros(2, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(2),
@@ -246,6 +253,28 @@ def decode_batch(bs: int):
                            forward_mode=ForwardMode.DECODE, out_cache_loc=torch.arange(bs))  # fmt: skip
 
 
+def test_a_replays_tables_are_filled_inside_the_graph(monkeypatch):
+    """CPU: before a replay (``init_forward_metadata_out_graph``) the backend only points the metadata
+    at the graph's buffers; the block table, lengths and shared-prefix step tables are computed by the
+    in-graph part, which a replay repeats from the graph's input buffers (so a new batch in the same
+    buffers gets new tables without any eager launch)."""
+    built = {}
+    backend = decode_backend(monkeypatch, built, shared_prefix_decode="on", sv_prefill=0.0, sv_decode=0.0)
+    backend.init_cuda_graph_state(16, 16)
+    batch = decode_batch(16)
+    backend.init_forward_metadata_out_graph(batch)
+    meta = backend.forward_metadata
+    assert not bool(meta.block_table.any()) and bool((meta.seq_lens_gpu == 1).all())  # untouched buffers
+    assert backend.runtime.shared_decode_counts.tolist() == [0, 0]
+    backend.init_forward_metadata_in_graph(batch)
+    assert meta.block_table.data_ptr() == backend._graph_table.data_ptr() and bool((meta.seq_lens_gpu == 200).all())
+    assert bool((meta.decode_step.pick >= 0).all()) and backend.runtime.shared_decode_counts.tolist() == [16, 16]
+    own_lens = meta.decode_step.own_lens.clone()
+    batch.seq_lens.fill_(130)  # the runner refills its input buffers before the next replay
+    backend.init_forward_metadata_in_graph(batch)
+    assert bool((meta.seq_lens_gpu == 130).all()) and not torch.equal(meta.decode_step.own_lens, own_lens)
+
+
 def test_every_decode_batch_size_shares_one_plan_and_one_kernel(monkeypatch):
     """CPU, with a recording kernel: the CUDA-graph state builds one plan for the largest captured batch;
     every captured batch size (SGLang's 36 defaults) and an eager batch beyond them run on it, views of
@@ -257,7 +286,7 @@ def test_every_decode_batch_size_shares_one_plan_and_one_kernel(monkeypatch):
     plan = backend._decode_plan_obj
     assert plan.batch_size == 256
     for bs in capture:
-        backend.init_forward_metadata_out_graph(decode_batch(bs))
+        graph_step(backend, decode_batch(bs))
         meta = backend.forward_metadata
         assert meta.decode_plan is plan and meta.block_table.shape == (bs, 8) and meta.seq_lens_gpu.shape == (bs,)
     backend.init_forward_metadata(decode_batch(300))  # eager, no padding
@@ -286,7 +315,7 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     assert isinstance(plan, SharedPrefixDecode) and plan.batch_size == 16
     addresses = None
     for bs in (4, 8, 16):
-        backend.init_forward_metadata_out_graph(decode_batch(bs))
+        graph_step(backend, decode_batch(bs))
         step = backend.forward_metadata.decode_step
         assert step.own_table.shape == (bs, 8) and step.members.shape == (plan.sets_for(bs), fold_of(HQ, HKV))
         # Requests r and r + 2 read the same row; calls of fewer than 8 requests form no sets.
@@ -317,7 +346,7 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     built.clear()
     backend = decode_backend(monkeypatch, built, shared_prefix_decode="on", sv_prefill=0.0, sv_decode=0.0)
     backend.init_cuda_graph_state(64, 64)
-    backend.init_forward_metadata_out_graph(decode_batch(16))
+    graph_step(backend, decode_batch(16))
     backend.forward_decode(torch.zeros(16, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(16),
                            save_kv_cache=False)  # fmt: skip
     assert backend._decode_plan_obj.max_sets == 32
