@@ -235,8 +235,8 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
 def split_limits(shared_lens: torch.Tensor, by_sets: torch.Tensor, cap: int) -> torch.Tensor:
     """``[sets]`` int32, every set's split count for a step: ``by_sets[n]`` for the ``n`` sets with
     blocks to share (a GPU gather, no host synchronisation), at most ``cap`` (the launch's grid)."""
-    real = (shared_lens > 0).sum()
-    return by_sets[real].clamp(max=cap).to(torch.int32).expand(shared_lens.shape[0]).contiguous()
+    real = (shared_lens > 0).sum().view(1)
+    return by_sets.index_select(0, real).clamp(max=cap).to(torch.int32).expand(shared_lens.shape[0]).contiguous()
 
 
 def _pack(block_table: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
