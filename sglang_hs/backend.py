@@ -118,6 +118,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         self._graph_table: torch.Tensor | None = None
         self._graph_seq_lens: torch.Tensor | None = None
         self._graph_step = None  # shared-prefix decode: the step tables the captured graphs read
+        self._counts_from_capture = False  # the log line's GPU counts hold the capture's warm-up runs
         logger.info(
             "HieraSparse backend ready: dense tokens via %s, compressed blocks via %s (extend) and %s "
             "(decode), compression via %s, compressed store %s (%.2f GiB), settings %s",
@@ -168,6 +169,13 @@ class HieraSparseAttnBackend(AttentionBackend):
             step = self._graph_step_views(plan, bs)
             if self.runtime.shared_decode_counts is None:  # allocated outside any capture
                 self.runtime.shared_decode_counts = torch.zeros(2, dtype=torch.int64, device=self._graph_table.device)
+        if in_capture:  # the capture's warm-up runs count the capture's dummy batches
+            self._counts_from_capture = True
+        elif self._counts_from_capture:  # the first replay: the log line's counts start from zero
+            self._counts_from_capture = False
+            for counts in (self.runtime.shared_decode_counts, self.runtime.decode_mode_counts):
+                if counts is not None:
+                    counts.zero_()
         self.forward_metadata = ForwardMetadata(
             Path.DECODE_KERNEL,
             block_table=self._graph_table[:bs],

@@ -218,7 +218,7 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
     pool.__dict__.update(head_num=HKV, head_dim=D, dtype=torch.float16, device=torch.device("cpu"))
     config = HieraSparseConfig(shared_prefix_decode=shared_prefix_decode, **settings)
     backend.__dict__.update(use_decode_kernel=True, q_heads=HQ, max_blocks=8, _decode_plan_obj=None, _graph_step=None,
-                            config=config, shared_prefix_decode=shared_prefix_decode == "on",
+                            _counts_from_capture=False, config=config, shared_prefix_decode=shared_prefix_decode == "on",
                             selection=BlockSelection.from_config(config, 2),
                             runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=torch.zeros(2, dtype=torch.int64)))  # fmt: skip
     backend.shared_forms = backend._shared_pass_forms() if backend.shared_prefix_decode else None
@@ -273,6 +273,15 @@ def test_a_replays_tables_are_filled_inside_the_graph(monkeypatch):
     batch.seq_lens.fill_(130)  # the runner refills its input buffers before the next replay
     backend.init_forward_metadata_in_graph(batch)
     assert bool((meta.seq_lens_gpu == 130).all()) and not torch.equal(meta.decode_step.own_lens, own_lens)
+    # A capture's warm-up runs (in_capture=True, then the in-graph part run eagerly) count its dummy
+    # batches; the first replay starts the log line's counts from zero.
+    backend.init_forward_metadata_out_graph(batch, in_capture=True)
+    backend.init_forward_metadata_in_graph(batch)
+    assert backend.runtime.shared_decode_counts.tolist() == [48, 48]
+    backend.init_forward_metadata_out_graph(batch)
+    assert backend.runtime.shared_decode_counts.tolist() == [0, 0]
+    backend.init_forward_metadata_in_graph(batch)
+    assert backend.runtime.shared_decode_counts.tolist() == [16, 16]
 
 
 def test_every_decode_batch_size_shares_one_plan_and_one_kernel(monkeypatch):
