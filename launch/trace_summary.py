@@ -70,6 +70,29 @@ def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 1) if values else None
 
 
+class _Tally:
+    """Time and count per name; :meth:`largest` lists the names with the most time."""
+
+    def __init__(self):
+        self.by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+
+    def add(self, name: str, us: float) -> None:
+        entry = self.by_name[name]
+        entry[0] += us
+        entry[1] += 1
+
+    def largest(self, top: int) -> list[tuple[str, float, int]]:
+        return [(name, t, int(n)) for name, (t, n) in sorted(self.by_name.items(), key=lambda kv: -kv[1][0])[:top]]
+
+    def totals(self, top: int) -> list[dict]:
+        return [{"name": name, "total_us": round(t, 1), "count": n} for name, t, n in self.largest(top)]
+
+    def per(self, units: int, top: int) -> list[dict]:
+        """Time and count per unit (decode step, prefill forward)."""
+        return [{"name": name, "us": round(t / units, 1), "count": round(n / units, 2)}
+                for name, t, n in self.largest(top)]  # fmt: skip
+
+
 def host_waits(events: list[dict], top: int = 15) -> list[dict]:
     """``host_waits`` of the module docstring: each waiting runtime call attributed to its innermost
     enclosing Python frame of the project (else SGLang's, else any), by a sweep over each thread's
@@ -83,7 +106,7 @@ def host_waits(events: list[dict], top: int = 15) -> list[dict]:
             by_thread[(e.get("pid"), e.get("tid"))].append((start, start + dur, 0, e.get("name", "?")))
         elif e.get("cat") in _RUNTIME_CATEGORIES and e.get("name") in _WAIT_CALLS and dur >= WAIT_MIN_US:
             by_thread[(e.get("pid"), e.get("tid"))].append((start, start + dur, 1, e["name"]))
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    waits = _Tally()
     for items in by_thread.values():
         stack: list[tuple[float, str]] = []  # open frames: (end, name)
         for start, end, is_wait, name in sorted(items, key=lambda it: (it[0], -it[1])):  # outer frames first
@@ -95,11 +118,8 @@ def host_waits(events: list[dict], top: int = 15) -> list[dict]:
             frames = [frame for _, frame in reversed(stack)]
             caller = next((f for f in frames if any(p in f for p in _PROJECT_FRAMES)),
                           next((f for f in frames if "sglang" in f), frames[0] if frames else "(no Python frame)"))
-            entry = totals[f"{caller} [{name}]"]
-            entry[0] += end - start
-            entry[1] += 1
-    return [{"caller": caller, "us": round(t, 1), "count": int(n)}
-            for caller, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
+            waits.add(f"{caller} [{name}]", end - start)
+    return [{"caller": caller, "us": round(t, 1), "count": n} for caller, t, n in waits.largest(top)]
 
 
 def summarize(events: list[dict], top: int = 15) -> dict:
@@ -113,16 +133,11 @@ def summarize(events: list[dict], top: int = 15) -> dict:
     busy = _union(intervals)
     gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:]) if b[0] - a[1] > 100]
 
-    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    by_kernel, by_call = _Tally(), _Tally()
     for e in gpu:
-        entry = by_kernel[e.get("name", "?")[:100]]
-        entry[0] += float(e.get("dur", 0))
-        entry[1] += 1
-    by_call: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        by_kernel.add(e.get("name", "?")[:100], float(e.get("dur", 0)))
     for e in runtime:
-        entry = by_call[e.get("name", "?")]
-        entry[0] += float(e.get("dur", 0))
-        entry[1] += 1
+        by_call.add(e.get("name", "?"), float(e.get("dur", 0)))
 
     # A graph launch's kernels carry its correlation id.
     by_correlation: dict[int, list[tuple[float, float]]] = defaultdict(list)
@@ -142,7 +157,7 @@ def summarize(events: list[dict], top: int = 15) -> dict:
     order = sorted(range(len(gpu)), key=lambda i: intervals[i][0])
     starts = [intervals[i][0] for i in order]
     forwards: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    in_prefills: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # eager and breakable forwards' kernels
+    in_prefills = _Tally()  # eager and breakable forwards' kernels
     decode_graphs: set = set()
     for e in events:
         if e.get("ph") != "X" or e.get("cat") != "gpu_user_annotation" or e.get("name") != "scheduler.run_batch":
@@ -155,21 +170,18 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         forwards[kind].append((t1 - t0, sum(intervals[i][1] - intervals[i][0] for i in inside)))
         if kind != "one_graph":
             for i in inside:
-                entry = in_prefills[gpu[i].get("name", "?")[:100]]
-                entry[0] += intervals[i][1] - intervals[i][0]
-                entry[1] += 1
+                in_prefills.add(gpu[i].get("name", "?")[:100], intervals[i][1] - intervals[i][0])
     if forwards:  # graph steps: the one-graph forwards' launches (all launches without annotations)
         launches = [launch for launch in launches if launch[1] in decode_graphs]
 
     steps = []
-    in_graphs: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    in_graphs = _Tally()
     for (ts, correlation), following in zip(launches, [*launches[1:], None]):
         kernels = by_correlation.get(correlation, [])
         if not kernels:
             continue
         for name, (start, end) in zip(names_by_correlation[correlation], kernels):
-            in_graphs[name][0] += end - start
-            in_graphs[name][1] += 1
+            in_graphs.add(name, end - start)
         steps.append({
             "gpu_us": sum(end - start for start, end in kernels),
             "span_us": max(end for _, end in kernels) - min(start for start, _ in kernels),
@@ -194,14 +206,10 @@ def summarize(events: list[dict], top: int = 15) -> dict:
             "span_ms_total": round(sum(span for span, _ in spans) / 1000, 1),
             "kernel_ms_total": round(sum(busy for _, busy in spans) / 1000, 1),
         } for kind, spans in sorted(forwards.items())},  # fmt: skip
-        "graph_kernels_per_step": [{"name": name, "us": round(t / len(steps), 1), "count": round(n / len(steps), 2)}
-                                   for name, (t, n) in sorted(in_graphs.items(), key=lambda kv: -kv[1][0])[:top]],
-        "prefill_kernels_per_forward": [{"name": name, "us": round(t / prefills, 1), "count": round(n / prefills, 2)}
-                                        for name, (t, n) in sorted(in_prefills.items(), key=lambda kv: -kv[1][0])[:top]],
-        "kernels": [{"name": name, "total_us": round(t, 1), "count": int(n)}
-                    for name, (t, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]],  # fmt: skip
-        "runtime": [{"name": name, "total_us": round(t, 1), "count": int(n)}
-                    for name, (t, n) in sorted(by_call.items(), key=lambda kv: -kv[1][0])[:top]],  # fmt: skip
+        "graph_kernels_per_step": in_graphs.per(len(steps) or 1, top),  # (no steps: nothing tallied)
+        "prefill_kernels_per_forward": in_prefills.per(prefills, top),
+        "kernels": by_kernel.totals(top),
+        "runtime": by_call.totals(top),
         "host_waits": host_waits(events, top),
     }
 
