@@ -73,6 +73,20 @@ def benchmark_shape() -> dict:
 SERVER_WIDTH = 529  # the regime-1 server's block table: (32768 + 1024) / 64 + 1
 
 
+def _server_case(prefixes: int) -> dict:
+    """``prefixes`` compressed 32K prefixes at the server's shape (bf16, 529-wide tables)."""
+    return make_case([CONTEXT] * prefixes, 32, 8, 128, 1.0, 1.0, torch.bfloat16, "cuda", seed=5, magnitude=False,
+                     shuffle=False, max_blocks=SERVER_WIDTH)  # fmt: skip
+
+
+def _add_chunk_windows(block_table: torch.Tensor) -> None:
+    """A dense window of 4 pages after every 8K chunk of each prefix, as chunked prefill caches a
+    prefix (the case's own window pages, read again)."""
+    blocks = CONTEXT // 64
+    for start in range(128, blocks, 128):
+        block_table[:, start : start + 4] = block_table[:, blocks - 4 : blocks]
+
+
 def server_shape() -> dict:
     case, paged = _case(torch.bfloat16, SERVER_WIDTH, 5)
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
@@ -93,24 +107,20 @@ def server_shape() -> dict:
 def _server_batches(batches, prefixes: int, chunk_windows: bool):
     """Per batch size: its label and the functions timed side by side (FlashInfer fa2, the per-request
     kernel, shared-prefix decode and its passes) at the server's shape, plans built for 32 requests (the
-    prefix benchmark's largest captured batch). ``chunk_windows``: a dense window of 4 pages after
-    every 8K chunk of each prefix (the case's own window pages, read again)."""
+    prefix benchmark's largest captured batch). ``chunk_windows``: :func:`_add_chunk_windows`."""
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
     floor = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
                               min_split_blocks=OWN_MIN_SPLIT_BLOCKS)  # fmt: skip
     plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
     capacity = shared_kernel_spec(32, 8, 128, 64, STAGES, FORMS)[2]
-    base = make_case([CONTEXT] * prefixes, 32, 8, 128, 1.0, 1.0, torch.bfloat16, "cuda", seed=5, magnitude=False,
-                     shuffle=False, max_blocks=SERVER_WIDTH)  # fmt: skip
+    base = _server_case(prefixes)
     paged = paged_dense(base)
-    blocks = CONTEXT // 64
     for bs in batches:
         case, case_paged = share_prefixes(base, paged, bs, seed=5)
         q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
         if chunk_windows:
-            for start in range(128, blocks, 128):
-                bt[:, start : start + 4] = bt[:, blocks - 4 : blocks]
+            _add_chunk_windows(bt)
         kv, out = (kc, vc, pools, ki, vi), torch.empty_like(q)
         step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
         sets = plan.sets_for(bs)
@@ -138,20 +148,17 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
 def _server_columns(mixes, columns_options=(16, 32, 64), splits_options=(8, 16, 32)):
     """Per (prefixes, requests) mix: FlashInfer fa2, the per-request kernel, and for each shared-pass
     width (query columns a CTA: ``columns // G`` requests a column set) the whole call at the plan's
-    split count and the shared pass alone at other split counts; server shape, a dense window after
-    every 8K chunk of each prefix (as chunked prefill caches them), plans built for 32 requests."""
+    split count and the shared pass alone at other split counts; server shape with chunk windows
+    (:func:`_add_chunk_windows`), plans built for 32 requests."""
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
     plans = {c: SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS, columns=c)
              for c in columns_options}  # fmt: skip
-    blocks = CONTEXT // 64
     for prefixes, bs in mixes:
-        base = make_case([CONTEXT] * prefixes, 32, 8, 128, 1.0, 1.0, torch.bfloat16, "cuda", seed=5, magnitude=False,
-                         shuffle=False, max_blocks=SERVER_WIDTH)  # fmt: skip
+        base = _server_case(prefixes)
         case, case_paged = share_prefixes(base, paged_dense(base), bs, seed=5)
         q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
-        for start in range(128, blocks, 128):
-            bt[:, start : start + 4] = bt[:, blocks - 4 : blocks]
+        _add_chunk_windows(bt)
         kv, out = (kc, vc, pools, ki, vi), torch.empty_like(q)
         fns = {"FlashInfer fa2": flashinfer_decode(case, case_paged, workspace, "fa2"),
                "per-request kernel": lambda q=q, kv=kv, bt=bt, sl=sl, out=out: per_request.run(q, *kv, bt, sl, scale,
