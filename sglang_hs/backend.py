@@ -167,8 +167,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         step = None
         if self.shared_prefix_decode:
             step = self._graph_step_views(plan, bs)
-            if self.runtime.shared_decode_counts is None:  # allocated outside any capture
-                self.runtime.shared_decode_counts = torch.zeros(2, dtype=torch.int64, device=self._graph_table.device)
+            self._grouping_counts()  # allocated here, outside any capture
         if in_capture:  # the capture's warm-up runs count the capture's dummy batches
             self._counts_from_capture = True
         elif self._counts_from_capture:  # the first replay: the log line's counts start from zero
@@ -202,11 +201,15 @@ class HieraSparseAttnBackend(AttentionBackend):
     def _count_grouping(self, step, bs: int) -> None:
         """Add this step's requests read through a column set, and its requests, to the runtime's
         counts (GPU adds, no host read: the batch log line reads them, ``hs shared-decode grouped``)."""
-        counts = self.runtime.shared_decode_counts
-        if counts is None:
-            counts = self.runtime.shared_decode_counts = torch.zeros(2, dtype=torch.int64, device=step.pick.device)
+        counts = self._grouping_counts()
         counts[0] += (step.pick[:bs] >= 0).sum()
         counts[1] += bs
+
+    def _grouping_counts(self) -> torch.Tensor:
+        """The runtime's ``[grouped, decoded]`` request counts, made on first use."""
+        if self.runtime.shared_decode_counts is None:
+            self.runtime.shared_decode_counts = torch.zeros(2, dtype=torch.int64, device=self.req_to_token.device)
+        return self.runtime.shared_decode_counts
 
     def _graph_step_views(self, plan, bs: int):
         """Views, for a step of ``bs`` requests, of the step-table buffers the captured graphs read. The

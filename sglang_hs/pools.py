@@ -259,8 +259,8 @@ class CompressedStore:
         rows = self.kv_heads * self.num_layers
         k_sparse_rows = sum(self._k_sparse_rows)
         k_sparse_block = k_sparse_rows * sparse_row + (rows - k_sparse_rows) * dense_row
-        used = {name: getattr(self.capacity, name) - len(self._free[name])
-                for name in ("k_dense", "k_sparse", "v_dense", "v_sparse")}  # fmt: skip
+        free = self.free_counts()
+        used = {name: getattr(self.capacity, name) - free[name] for name in ("k_dense", "k_sparse", "v_dense", "v_sparse")}
         k = used["k_sparse"] * k_sparse_block + used["k_dense"] * rows * dense_row
         v = (used["v_sparse"] * sparse_row + used["v_dense"] * dense_row) * rows
         return k + v
