@@ -343,10 +343,9 @@ class SharedPrefixDecode:
         """Column sets a call of ``bs`` requests can have: a group of ``s >= 2`` members makes at most
         ``s / 2`` sets at a fold of 4 or more, so at most ``bs // 2`` (and the plan's ``max_sets``; at a
         fold of 2 a group of 3 makes 2, and a set past the rows falls back to the own pass);
-        :func:`step_tables` numbers sets from 0. The shared pass
-        runs over that many rows, so its split count is planned for them, not for the ``max_sets`` of
-        the largest captured batch (a server's plan for 256 requests would give a call of 16 the 2
-        splits of 128 sets). A call of fewer than :data:`MIN_SHARED_BATCH` requests has none (a
+        :func:`step_tables` numbers sets from 0. The shared pass runs over that many rows, not over the
+        ``max_sets`` of the largest captured batch, and its grid's split count is cut to the scratch
+        for them. A call of fewer than :data:`MIN_SHARED_BATCH` requests has none (a
         server's batch is small while long prompts prefill: a batch of one paid an empty shared pass
         of 106 us a layer on an H200, more than the request's whole attention, 46 us)."""
         return 0 if bs < MIN_SHARED_BATCH else min(self.max_sets, bs // 2)
