@@ -19,13 +19,15 @@ split in two passes over disjoint KV, merged by log-sum-exp:
   after every chunk of a prefix cached through chunked prefill) then go to the own pass.
 * **Own pass.** Every request then attends to the blocks its set's shared pass did not take (its
   question, its generated tokens, dense sinks and windows) with the model's own decode kernel, built
-  with a floor of blocks a split (its requests mostly read a short tail); a request without a group
-  reads all of its blocks here.
+  with a floor of blocks a split (its requests mostly read a short tail). A request alone on a long
+  prefix (:data:`LONE_MIN_BLOCKS`) is a column set of one in a batch that has groups; other requests
+  without a group read all of their blocks here.
 * **Merge.** ``out = (e^(lse_s) o_s + e^(lse_o) o_o) / (e^(lse_s) + e^(lse_o))`` per query head (an
   empty pass has LSE ``-inf`` and weight 0).
 
 Each set's split count is chosen on the GPU too (:func:`split_limits`): the per-request rule at the
-number of sets that have blocks to share, read by the decode kernel per set (``dynamic_splits``), so a
+number of sets that have blocks to share (at most :data:`SHARED_MANY_SETS_SPLITS` from
+:data:`SHARED_MANY_SETS` sets), read by the decode kernel per set (``dynamic_splits``), so a
 captured graph's fixed grid (:data:`SHARED_MAX_SPLITS` per set row) serves steps of few and of many sets.
 
 Grouping runs on the GPU once per decode step (:func:`step_tables`): requests whose first block
@@ -56,6 +58,17 @@ sets the step really has (:func:`split_limits`; the host plans for ``bs // 2`` r
 16 columns at 16 requests on an H200 took 106.9 us at 16 splits and 140.3 at 8 with 4 sets, 187.5 at 16
 and 148.3 at 8 with 6, and 32 splits were slower than 16 at every count measured (the fused merge of
 16 folded heads over every split; ``bench_decode_shared_columns_h200.log``)."""
+SHARED_MANY_SETS = 5
+"""From this many sets with blocks to share, a set gets at most :data:`SHARED_MANY_SETS_SPLITS` splits
+(below, the cost model's count, at most :data:`SHARED_MAX_SPLITS`). The cost model counts only CTA
+waves and wanted 11 at 6 sets; the fused merge's work grows with the splits, and on an H200 6 sets took
+173.8 us at 8 splits against 229.9 at 16 (3 prefixes, 16 requests), 12 sets 326.5 against 345.8 and 9
+sets the same at both (session 41, ``bench_decode_shared_columns_h200.log``)."""
+SHARED_MANY_SETS_SPLITS = 8
+LONE_MIN_BLOCKS = 64
+"""A request alone on its prefix joins the shared pass as a set of one from this many blocks to share
+(4K tokens at 64-token blocks; :func:`step_tables`' ``lone_min_blocks``): a shorter one costs the own
+pass less than it would add to the shared pass."""
 SHARED_MAX_PARTS = 512
 """The shared pass's scratch, in (set, split) partials: a server's plan for 256 requests has 128 set
 rows, which at :data:`SHARED_MAX_SPLITS` would take 134 MB of fp32 partials; such a call gets fewer
@@ -167,7 +180,7 @@ class StepTables:
 
 def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, fold: int, max_sets: int,
                 min_shared_blocks: int = 1, min_own_blocks: int = 0,
-                conforming: torch.Tensor | None = None) -> "StepTables":  # fmt: skip
+                conforming: torch.Tensor | None = None, lone_min_blocks: int | None = None) -> "StepTables":  # fmt: skip
     """Group one decode batch on the GPU, without a host synchronisation and in shapes fixed by the
     batch size (so a CUDA graph can replay it).
 
@@ -182,11 +195,15 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     so its compressed blocks come in runs with dense blocks between them: all of those runs are shared.
     Members are cut, in batch order, into column sets of ``fold``; a group's remainder of one is a set
     too (left to the own pass, it read its whole prefix there, after the shared pass: session 40's
-    ``--columns`` timing, 3 prefixes, 16 requests). A request alone on its prefix, a group with fewer than
-    ``min_shared_blocks`` blocks to share, and sets beyond ``max_sets`` stay out (their requests read
+    ``--columns`` timing, 3 prefixes, 16 requests). A request alone on its prefix becomes a set of
+    its own, numbered after every group's sets, when it has at least ``lone_min_blocks`` blocks to
+    take and the batch has a group (the shared pass runs anyway; in the own pass its whole prefix is
+    the one long read the pass waits for: 140 us of a layer's 306 in session 41's regime-1 trace); with
+    ``lone_min_blocks=None``, or no group in the batch, it stays out. A group with fewer than
+    ``min_shared_blocks`` blocks to share and sets beyond ``max_sets`` stay out too (their requests read
     everything in the own pass), and so does a request with fewer than ``min_shared_blocks`` full
     blocks (padding requests included). With ``fold >= 4`` a group of ``s >= 2`` makes at most ``s / 2``
-    sets, so ``bs // 2`` rows hold every set of a batch."""
+    sets, so ``bs // 2`` rows hold every group's set; lone requests take the rows left."""
     device = block_table.device
     bs, width = block_table.shape
     lens = seq_lens.long()
@@ -212,8 +229,11 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     sets_of_group = -(-size // fold)  # a remainder of one is a set too
     group_ok = valid & (size >= 2) & (shared >= max(min_shared_blocks, 1)) & (fold >= 2)
     per_leader = torch.where((leader == idx) & group_ok, sets_of_group, 0)  # column sets per group, at its leader
-    offset = (per_leader.cumsum(0) - per_leader)[leader]
-    set_id = offset + chunk
+    set_id = (per_leader.cumsum(0) - per_leader)[leader] + chunk
+    if lone_min_blocks is not None:  # lone requests: sets of one after the groups' (if the batch has a group)
+        lone = valid & (size == 1) & (shared >= max(lone_min_blocks, min_shared_blocks, 1)) & group_ok.any()
+        set_id = torch.where(lone, per_leader.sum() + lone.long().cumsum(0) - 1, set_id)
+        group_ok = group_ok | lone
     eligible = group_ok & (set_id < max_sets)
     flat = torch.where(eligible, set_id * fold + slot, max_sets * fold)  # the spare entry takes the others
     members = torch.full((max_sets * fold + 1,), -1, dtype=torch.long, device=device).scatter(0, flat, idx)
@@ -327,7 +347,8 @@ class SharedPrefixDecode:
         # Split count by the number of sets with blocks to share (index 0..max_sets), on the device.
         by_sets = [1] * (self.max_sets + 1)
         if self.kernel_plans:
-            by_sets = [shared_splits or min(self.shared_plan.rule_splits(max(n, 1), max_blocks), SHARED_MAX_SPLITS)
+            by_sets = [shared_splits or min(self.shared_plan.rule_splits(max(n, 1), max_blocks), SHARED_MAX_SPLITS
+                                            if n < SHARED_MANY_SETS else SHARED_MANY_SETS_SPLITS)
                        for n in range(self.max_sets + 1)]  # fmt: skip
         self.splits_by_sets = torch.tensor(by_sets, dtype=torch.int32, device=device)
 
@@ -372,6 +393,7 @@ class SharedPrefixDecode:
                 raise ValueError(f"a shared pass for forms {self.forms} needs the index maps")
             conforming = conforming_blocks(block_table, k_index, v_index, self.forms)
         sets = self.sets_for(block_table.shape[0])
+        kw.setdefault("lone_min_blocks", LONE_MIN_BLOCKS)
         step = step_tables(block_table, seq_lens, self.block_size, self.fold, sets, conforming=conforming, **kw)
         if sets and self.kernel_plans:
             cap = self.shared_plan.call_splits(sets, block_table.shape[1])

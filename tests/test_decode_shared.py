@@ -53,7 +53,8 @@ class PrefixGroups:
 
 def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_size: int, fold: int,
                          min_shared_blocks: int = 1, min_own_blocks: int = 0,
-                         conforming: torch.Tensor | None = None) -> PrefixGroups:  # fmt: skip
+                         conforming: torch.Tensor | None = None,
+                         lone_min_blocks: int | None = None) -> PrefixGroups:  # fmt: skip
     """The oracle of :func:`step_tables`: the same grouping by a host loop over ``block_table [bs, W]``.
 
     Requests with the same first entry form a group; its common blocks are the leading columns equal
@@ -62,7 +63,9 @@ def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_s
     request's question and generated tokens would be). The shared pass takes the common columns that
     ``conforming`` (``[bs, W]`` bool, a function of the block) marks, all without it. Groups of one, or
     with fewer than ``min_shared_blocks`` (at least 1) such columns, stay out; larger groups are cut into
-    column sets of ``fold`` members, in batch order."""
+    column sets of ``fold`` members, in batch order. With ``lone_min_blocks``, a request alone on its
+    first entry with at least that many such columns is a set of one, after every group's sets, if
+    there is a group."""
     table = block_table.cpu()
     if fold < 2:  # the GQA group fills the kernel's columns: nothing to fold
         return PrefixGroups([], [])
@@ -70,20 +73,29 @@ def find_shared_prefixes(block_table: torch.Tensor, seq_lens: list[int], block_s
     for r in range(table.shape[0]):
         if seq_lens[r] // block_size - min_own_blocks >= max(min_shared_blocks, 1):  # long enough to share
             by_first.setdefault(int(table[r, 0]), []).append(r)
-    sets, taken = [], []
-    for members in by_first.values():
-        if len(members) < 2:
-            continue
+    def shared_columns(members: list[int]) -> list[int]:
         rows = table[members]
         limit = min(seq_lens[r] // block_size for r in members) - min_own_blocks
         common = 0
         while common < limit and bool((rows[:, common] == rows[0, common]).all()):
             common += 1
-        columns = [c for c in range(common) if conforming is None or bool(conforming[members[0], c])]
+        return [c for c in range(common) if conforming is None or bool(conforming[members[0], c])]
+
+    sets, taken, lone = [], [], []
+    for members in by_first.values():
+        columns = shared_columns(members)
+        if len(members) < 2:
+            if lone_min_blocks is not None and len(columns) >= max(lone_min_blocks, min_shared_blocks, 1):
+                lone.append((members, columns))
+            continue
         if len(columns) < max(min_shared_blocks, 1):
             continue
         for start in range(0, len(members), fold):  # a remainder of one is a set too
             sets.append(members[start : start + fold])
+            taken.append(columns)
+    if sets:
+        for members, columns in sorted(lone):
+            sets.append(members)
             taken.append(columns)
     return PrefixGroups(sets, taken)
 
@@ -288,7 +300,7 @@ def test_a_restricted_shared_pass_leaves_the_dense_sink_to_the_own_pass():
 def _oracle_tables(groups: PrefixGroups, bs: int, fold: int, max_sets: int) -> dict:
     members = [[-1] * fold for _ in range(max_sets)]
     shared, pick, taken = [0] * max_sets, [-1] * bs, [[] for _ in range(bs)]
-    for i, (group, columns) in enumerate(zip(groups.sets, groups.taken)):
+    for i, (group, columns) in enumerate(list(zip(groups.sets, groups.taken))[:max_sets]):  # the rest: own pass
         members[i][: len(group)] = group
         shared[i] = len(columns)
         for position, r in enumerate(group):
@@ -300,11 +312,14 @@ def _oracle_tables(groups: PrefixGroups, bs: int, fold: int, max_sets: int) -> d
 @pytest.mark.parametrize("fold", [1, 2, 4, 16])
 @pytest.mark.parametrize("min_own_blocks", [0, 1])
 @pytest.mark.parametrize("conform", [False, True])
-def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks, conform):
+@pytest.mark.parametrize("lone_min_blocks", [None, 2])
+def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks, conform, lone_min_blocks):
     """CPU: the GPU-side grouping equals the host loop on the case above and on random batches (shared
     runs of random length, padding requests of length 0, first entries shared by unrelated rows);
     ``conform``: with a mask of the blocks the shared pass takes (a function of the block, as the
-    forms of a block are: here its parity, and every block of the case but the cache pages)."""
+    forms of a block are: here its parity, and every block of the case but the cache pages);
+    ``lone_min_blocks``: lone requests with that many blocks to take are sets of one; sets past
+    ``max_sets`` fall back to the own pass."""
     case = _case(32, 8, torch.float32, "cpu")
     batches = [(case["block_table"], case["seq_lens_list"])]
     rng = random.Random(fold * 10 + min_own_blocks + 100 * conform)
@@ -325,12 +340,11 @@ def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks, conform):
         mask = None
         if conform:
             mask = table < 0 if table is case["block_table"] else table % 2 == 0
-        groups = find_shared_prefixes(table, lens, B, fold, min_own_blocks=min_own_blocks, conforming=mask)
-        if len(groups.sets) > max_sets:
-            continue
+        groups = find_shared_prefixes(table, lens, B, fold, min_own_blocks=min_own_blocks, conforming=mask,
+                                      lone_min_blocks=lone_min_blocks)  # fmt: skip
         want = _oracle_tables(groups, bs, fold, max_sets)
         step = step_tables(table, torch.tensor(lens, dtype=torch.int32), B, fold, max_sets,
-                           min_own_blocks=min_own_blocks, conforming=mask)  # fmt: skip
+                           min_own_blocks=min_own_blocks, conforming=mask, lone_min_blocks=lone_min_blocks)  # fmt: skip
         assert step.members.tolist() == want["members"], (table, lens)
         assert step.shared_lens.tolist() == [b * B for b in want["shared"]]
         assert step.pick.tolist() == want["pick"]
@@ -338,7 +352,7 @@ def test_step_tables_group_as_the_host_oracle(fold, min_own_blocks, conform):
         for r, columns in enumerate(want["taken"]):
             own = [table[r, c].item() for c in range(width) if c not in columns]
             assert step.own_table[r, : len(own)].tolist() == own
-        for i, (group, columns) in enumerate(zip(groups.sets, groups.taken)):
+        for i, (group, columns) in enumerate(list(zip(groups.sets, groups.taken))[:max_sets]):
             assert step.shared_table[i, : len(columns)].tolist() == [table[group[0], c].item() for c in columns]
 
 
@@ -449,6 +463,45 @@ def test_a_dense_window_inside_the_shared_prefix_matches_reference_with_the_orac
     assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
 
 
+def _lone_run(device, dtype, head_dim, plans=None):
+    """The case with lone requests made sets of one (``lone_min_blocks=1``): its groups' three sets
+    first, then request 4's (2 full blocks); request 8's set would be the fifth of 4 rows, so request 8
+    stays in the own pass. Returns the output and the reference."""
+    case = _case(32, 8, dtype, device, head_dim=head_dim)
+    bs = case["q"].shape[0]
+    plan = SharedPrefixDecode(bs, 32, 8, head_dim, B, case["max_blocks"], dtype, device, plans=plans)
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
+    step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
+    assert step.members[:, 0].tolist() == [0, 7, 1, 4] and step.pick[8].item() == -1
+    assert step.shared_lens[3].item() == 2 * B
+    out = plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
+    return out, _reference(case)[0]
+
+
+def test_lone_requests_as_sets_of_one_match_reference_with_the_oracle_as_kernel():
+    out, ref = _lone_run("cpu", torch.float32, 64, plans=(ReferencePlan(), ReferencePlan()))
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_a_lone_request_joins_only_a_batch_with_a_group():
+    """A batch of requests each alone on its prefix keeps the per-request path (no sets): a set of one
+    only pays off beside a shared pass that runs anyway."""
+    table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=torch.int32)
+    lens = torch.tensor([3 * B] * 3, dtype=torch.int32)
+    assert (step_tables(table, lens, B, 4, max_sets=2, lone_min_blocks=1).members < 0).all()
+    table[1] = table[0]
+    step = step_tables(table, lens, B, 4, max_sets=2, lone_min_blocks=1)
+    assert step.members.tolist() == [[0, 1, -1, -1], [2, -1, -1, -1]] and step.own_lens.tolist() == [0, 0, 0]
+    step = step_tables(table, lens, B, 4, max_sets=2, lone_min_blocks=4)  # too short to join
+    assert step.members[1].tolist() == [-1] * 4 and step.own_lens.tolist() == [0, 0, 3 * B]
+
+
+@pytest.mark.gpu
+def test_lone_requests_as_sets_of_one_match_reference_on_the_gpu():
+    out, ref = _lone_run("cuda", torch.float16, 128)
+    assert float((out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
+
+
 @pytest.mark.gpu
 def test_a_dense_window_inside_the_shared_prefix_matches_reference_on_the_gpu():
     """A prefix cached in chunks keeps a dense window after each chunk: with one inside source 0's
@@ -500,20 +553,23 @@ def test_split_limits_follow_the_sets_with_blocks_to_share():
 
 def test_the_shared_pass_plans_splits_for_the_sets_a_step_has(monkeypatch):
     """CPU (kernels stubbed): the shared pass's grid holds SHARED_MAX_SPLITS splits per set row and its
-    table of split counts by live sets is the per-request rule's at that many rows (capped): at the
-    regime-1 server's shape on 132 SMs, 16 splits for up to 4 sets, 11 at 6, 8 at 8 (measured on an
-    H200: 4 sets 106.9 us at 16 splits against 140.3 at 8; 6 sets 148.3 at 8 against 187.5 at 16)."""
+    table of split counts by live sets is the per-request rule's at that many rows (capped at 16, and at
+    8 from 5 sets): at the regime-1 server's shape on 132 SMs, 16 splits for up to 4 sets, 8 from 5
+    (measured on an H200: 4 sets 106.9 us at 16 splits against 140.3 at 8; 6 sets 148.3 at 8 against
+    187.5 at 16; the rule alone would give 11 at 6)."""
     from types import SimpleNamespace
 
     from sglang_hs.kernels import decode
-    from sglang_hs.kernels.decode_shared import SHARED_MAX_SPLITS
+    from sglang_hs.kernels.decode_shared import SHARED_MANY_SETS_SPLITS, SHARED_MAX_SPLITS
 
     monkeypatch.setattr(decode, "build_decode_kernel", lambda *a, **kw: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     plan = SharedPrefixDecode(32, 32, 8, 128, B, 529, torch.bfloat16, "cpu", forms=("sparse", "sparse"))
     by_sets = plan.splits_by_sets.tolist()
     assert len(by_sets) == plan.max_sets + 1 == 17 and by_sets[1:5] == [SHARED_MAX_SPLITS] * 4
-    assert by_sets[5:9] == [13, 11, 9, 8] and by_sets[0] == SHARED_MAX_SPLITS  # (no set: never launched)
+    assert by_sets[5:9] == [SHARED_MANY_SETS_SPLITS] * 4 and max(by_sets[5:]) == SHARED_MANY_SETS_SPLITS
+    assert by_sets[0] == SHARED_MAX_SPLITS  # (no set: never launched)
+    assert plan.shared_plan.rule_splits(6, 529) == 11  # what the cap overrides
     assert plan.shared_plan.call_splits(8, 529) == SHARED_MAX_SPLITS  # 16 requests: 8 set rows
     assert plan.shared_plan.part_capacity <= 512 and plan.shared_plan.call_splits(16, 529) == 16
     with pytest.raises(ValueError, match="split_limit"):
