@@ -200,13 +200,18 @@ def dense_kv(case, paged, r):
     return k, v
 
 
-def share_prefixes(case, paged, bs, seed=0):
+def share_prefixes(case, paged, bs, seed=0, prefix_of: list[int] | None = None):
     """Expand a case of G requests to ``bs`` requests where request ``r`` reads the KV of request
-    ``r % G`` (G shared prefixes, arrivals interleaved, as in a shared-prefix serving batch), with its
-    own query. Both kernels read the same blocks for requests of one group (ours through the block
-    table, FlashInfer through its page indices), so both can reuse them from L2."""
+    ``r % G`` (G shared prefixes, arrivals interleaved, as in a shared-prefix serving batch), or of
+    ``prefix_of[r]`` (uneven groups), with its own query. Both kernels read the same blocks for
+    requests of one group (ours through the block table, FlashInfer through its page indices), so both
+    can reuse them from L2."""
     groups = case["block_table"].shape[0]
     idx = torch.arange(bs, device=case["block_table"].device) % groups
+    if prefix_of is not None:
+        if len(prefix_of) != bs or not all(0 <= g < groups for g in prefix_of):
+            raise ValueError(f"prefix_of needs {bs} entries in [0, {groups})")
+        idx = torch.tensor(prefix_of, device=idx.device)
     shared = dict(case)
     shared["block_table"] = case["block_table"][idx].contiguous()
     shared["seq_lens"] = case["seq_lens"][idx].contiguous()

@@ -311,6 +311,9 @@ class SharedPrefixDecode:
     every form, :meth:`plan_step` keeps the other blocks (a dense sink and window) to the own pass.
     Calls of fewer than :data:`MIN_SHARED_BATCH` requests form no sets and run a third plan, the
     per-request kernel (no split floor), over the whole batch.
+    ``overlap``: the own pass runs on a side stream (joined before the merge, and captured with the
+    step by a CUDA graph), so its CTAs fill the SMs the shared pass leaves idle in its last wave
+    instead of starting after it (GPU plans only).
     ``plans`` (tests): a ``(shared, own[, per_request])`` tuple of objects with ``HieraSparseDecode.run``'s
     signature (``return_lse`` included) to use instead of building the kernels (the per-request one
     defaults to the own one); the merge then runs in PyTorch."""
@@ -318,7 +321,7 @@ class SharedPrefixDecode:
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None,
                  shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS,
-                 columns: int = FOLD_COLUMNS):  # fmt: skip
+                 columns: int = FOLD_COLUMNS, overlap: bool = True):  # fmt: skip
         self.q_heads, self.kv_heads, self.head_dim, self.block_size = q_heads, kv_heads, head_dim, block_size
         self.group = q_heads // kv_heads
         self.fold = fold_of(q_heads, kv_heads, columns)
@@ -342,6 +345,7 @@ class SharedPrefixDecode:
                                        device))  # fmt: skip
             if torch.device(device).type == "cuda":  # off the GPU (tests) the merge runs in PyTorch
                 self.merge_kernel = _merge_kernel_factory()
+        self.own_stream = torch.cuda.Stream(device) if overlap and self.merge_kernel is not None else None
         self.shared_plan, self.own_plan = plans[:2]
         self.per_request_plan = plans[2] if len(plans) > 2 else self.own_plan
         # Split count by the number of sets with blocks to share (index 0..max_sets), on the device.
@@ -421,10 +425,19 @@ class SharedPrefixDecode:
         sets = self.sets_for(q.shape[0])  # the rows that can hold a set: a static shape per batch size
         if sets == 0:  # no sets: the own tables are the whole tables
             return self.per_request_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale)
-        out_s, lse_s = self.shared_plan.run(self.fold_queries(q, step.members[:sets]), *kv, step.shared_table[:sets],
-                                            step.shared_lens[:sets], sm_scale, return_lse=True,
-                                            split_limit=step.shared_splits[:sets])  # fmt: skip
-        out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, return_lse=True)
+        folded = self.fold_queries(q, step.members[:sets])
+        if self.own_stream is not None:  # the own pass beside the shared pass; its output allocated here
+            main, out_o = torch.cuda.current_stream(), torch.empty_like(q)
+            self.own_stream.wait_stream(main)
+            with torch.cuda.stream(self.own_stream):
+                out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, out=out_o,
+                                                 return_lse=True)  # fmt: skip
+        out_s, lse_s = self.shared_plan.run(folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], sm_scale,
+                                            return_lse=True, split_limit=step.shared_splits[:sets])  # fmt: skip
+        if self.own_stream is not None:
+            main.wait_stream(self.own_stream)
+        else:
+            out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, return_lse=True)
         if self.merge_kernel is None:
             pick = step.pick.long()
             rows = pick.clamp(min=0)

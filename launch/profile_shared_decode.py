@@ -1,6 +1,6 @@
 """Where the time of one layer of shared-prefix decode goes: the whole call and each of its parts.
 
-    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --chunked | --columns]
+    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --chunked | --columns | --overlap]
 
 16 requests over 6 shared prefixes of 32K, S_K = S_V = 1, Llama-3.1-8B decode shape (32/8 heads,
 d 128), each request keeping its last block to its own pass, natural pool order. Times are CUDA-graph
@@ -13,7 +13,9 @@ requests over 1 and over 6 prefixes (a server's batch is small while long prompt
 shared pass also at 4, 8, 16 and 32 splits;
 ``--chunked``: 8, 16 and 32 requests whose prefixes keep a dense window after every 8K chunk, as a
 prefix cached by chunked prefill does; ``--columns``: the shared pass 16, 32 or 64 query columns wide
-(4, 8 or 16 requests a column set), 16 and 32 requests over 1 to 6 chunked prefixes.
+(4, 8 or 16 requests a column set), 16 and 32 requests over 1 to 6 chunked prefixes; ``--overlap``:
+uneven groups with requests alone on their prefix (16 and 32 requests), the own pass after the shared
+pass or beside it on a side stream, lone requests as column sets or in the own pass.
 ``docs/results.md`` quotes them all.
 """
 
@@ -24,7 +26,8 @@ import torch
 
 from sglang_hs.kernels.cases import flashinfer_decode, make_case, paged_dense, run_args, share_prefixes
 from sglang_hs.kernels.decode import STAGES, HieraSparseDecode
-from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode, shared_kernel_spec
+from sglang_hs.kernels.decode_shared import (LONE_MIN_BLOCKS, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode,
+                                             shared_kernel_spec)
 from sglang_hs.kernels.timing import time_graphs
 
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
@@ -183,6 +186,47 @@ def _server_columns(mixes, columns_options=(16, 32, 64), splits_options=(8, 16, 
         yield f"{prefixes} prefixes, {bs} requests ({'; '.join(notes)})", fns
 
 
+def _server_overlap(group_sizes):
+    """Per batch of uneven groups (sizes of the groups on successive prefixes, interleaved in arrival
+    order; a size of 1 is a request alone on its prefix, as a group's first or last request is in a
+    server): FlashInfer fa2, the per-request kernel, and shared-prefix decode with the own pass after
+    the shared pass or beside it on a side stream (``overlap``), each with lone requests as column
+    sets of one (``LONE_MIN_BLOCKS``) or in the own pass; server shape with chunk windows, plans
+    built for 32 requests."""
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
+    plans = {overlap: SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS,
+                                         overlap=overlap) for overlap in (False, True)}  # fmt: skip
+    base = _server_case(max(len(sizes) for sizes in group_sizes))
+    paged = paged_dense(base)
+    for sizes in group_sizes:
+        left = list(sizes)
+        prefix_of = []
+        while any(left):  # arrivals interleaved: one request of each prefix with requests left, in turn
+            for g, n in enumerate(left):
+                if n:
+                    prefix_of.append(g)
+                    left[g] -= 1
+        bs = len(prefix_of)
+        case, case_paged = share_prefixes(base, paged, bs, seed=5, prefix_of=prefix_of)
+        q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
+        _add_chunk_windows(bt)
+        kv, out = (kc, vc, pools, ki, vi), torch.empty_like(q)
+        fns = {"FlashInfer fa2": flashinfer_decode(case, case_paged, workspace, "fa2"),
+               "per-request kernel": lambda q=q, kv=kv, bt=bt, sl=sl, out=out: per_request.run(q, *kv, bt, sl, scale,
+                                                                                             out=out)}  # fmt: skip
+        notes = []
+        for lone in (LONE_MIN_BLOCKS, None):
+            for overlap, plan in plans.items():
+                step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1, lone_min_blocks=lone)
+                if overlap:
+                    sets = int((step.shared_lens > 0).sum())
+                    notes.append(f"lone {'as sets' if lone else 'in the own pass'}: {sets} sets")
+                name = f"lone {'as sets' if lone else 'in own pass'}, own pass {'beside' if overlap else 'after'}"
+                fns[name] = lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale)
+        yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group()
@@ -191,15 +235,20 @@ def main(argv=None):
     mode.add_argument("--chunked", action="store_true", help="prefixes cached in 8K chunks, server shape")
     mode.add_argument("--columns", action="store_true",
                       help="the shared pass at 16, 32 and 64 query columns a CTA, 16-32 requests over 1-6 prefixes")
+    mode.add_argument("--overlap", action="store_true",
+                      help="uneven groups with lone requests: the own pass after or beside the shared pass")
     args = ap.parse_args(argv)
-    if args.batches or args.chunked or args.columns:
+    if args.batches or args.chunked or args.columns or args.overlap:
         # Lazily: each batch's functions close over that batch's tensors, which the next one rebinds.
         if args.batches:
             runs = itertools.chain(*(_server_batches((1, 2, 4, 8, 16), prefixes, False) for prefixes in (1, 6)))
         elif args.chunked:
             runs = _server_batches((8, 16, 32), PREFIXES, True)
-        else:
+        elif args.columns:
             runs = _server_columns(((1, 16), (2, 16), (3, 16), (6, 16), (3, 32), (6, 32)))
+        else:
+            runs = _server_overlap(((6, 5, 5), (7, 6, 2, 1), (8, 7, 1), (5, 5, 4, 1, 1), (3, 3, 3, 3, 2, 2),
+                                    (12, 11, 8, 1)))  # fmt: skip
         for label, fns in runs:
             print(label, flush=True)
             for name, us in zip(fns, time_graphs(list(fns.values()), 20)):

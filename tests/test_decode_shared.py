@@ -503,6 +503,39 @@ def test_lone_requests_as_sets_of_one_match_reference_on_the_gpu():
 
 
 @pytest.mark.gpu
+def test_the_own_pass_beside_the_shared_pass_matches_eager_and_in_a_cuda_graph():
+    """``overlap``: the own pass on a side stream gives the output of the two passes in turn, bit for
+    bit, eagerly and replayed from a CUDA graph (the side stream joins the capture), with lone
+    requests as column sets; and it equals the reference."""
+    case = _case(32, 8, torch.float16, "cuda", head_dim=128)
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
+    outs = []
+    for overlap in (False, True):
+        plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.float16, "cuda",
+                                  overlap=overlap)  # fmt: skip
+        assert (plan.own_stream is not None) == overlap
+        step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
+        run = lambda: plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)  # noqa: E731
+        eager = run().clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = run()
+        replayed.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager)
+        outs.append(eager)
+    assert torch.equal(outs[0], outs[1])
+    ref, _ = _reference(case)
+    assert float((outs[1].float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
+
+
+@pytest.mark.gpu
 def test_a_dense_window_inside_the_shared_prefix_matches_reference_on_the_gpu():
     """A prefix cached in chunks keeps a dense window after each chunk: with one inside source 0's
     compressed run, the restricted shared pass takes the compressed blocks on both sides of it and the
