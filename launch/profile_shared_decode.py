@@ -148,6 +148,20 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
         yield f"{prefixes} prefixes, {bs} requests ({grouped} in column sets, shared blocks {shared_blocks})", fns
 
 
+def _server_mix(base: dict, paged: dict, bs: int, per_request: HieraSparseDecode, workspace: torch.Tensor,
+                prefix_of: list[int] | None = None):
+    """One batch of ``bs`` requests over ``base``'s prefixes (``share_prefixes``) with chunk windows:
+    its run arguments ``(q, kv, bt, sl, ki, vi, scale)`` and the dense baselines timed beside it
+    (FlashInfer fa2, the per-request kernel)."""
+    case, case_paged = share_prefixes(base, paged, bs, seed=5, prefix_of=prefix_of)
+    q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
+    _add_chunk_windows(bt)
+    kv, out = (kc, vc, pools, ki, vi), torch.empty_like(q)
+    fns = {"FlashInfer fa2": flashinfer_decode(case, case_paged, workspace, "fa2"),
+           "per-request kernel": lambda: per_request.run(q, *kv, bt, sl, scale, out=out)}
+    return (q, kv, bt, sl, ki, vi, scale), fns
+
+
 def _server_columns(mixes, columns_options=(16, 32, 64), splits_options=(8, 16, 32)):
     """Per (prefixes, requests) mix: FlashInfer fa2, the per-request kernel, and for each shared-pass
     width (query columns a CTA: ``columns // G`` requests a column set) the whole call at the plan's
@@ -159,13 +173,7 @@ def _server_columns(mixes, columns_options=(16, 32, 64), splits_options=(8, 16, 
              for c in columns_options}  # fmt: skip
     for prefixes, bs in mixes:
         base = _server_case(prefixes)
-        case, case_paged = share_prefixes(base, paged_dense(base), bs, seed=5)
-        q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
-        _add_chunk_windows(bt)
-        kv, out = (kc, vc, pools, ki, vi), torch.empty_like(q)
-        fns = {"FlashInfer fa2": flashinfer_decode(case, case_paged, workspace, "fa2"),
-               "per-request kernel": lambda q=q, kv=kv, bt=bt, sl=sl, out=out: per_request.run(q, *kv, bt, sl, scale,
-                                                                                             out=out)}  # fmt: skip
+        (q, kv, bt, sl, ki, vi, scale), fns = _server_mix(base, paged_dense(base), bs, per_request, workspace)
         notes = []
         for columns, plan in plans.items():
             step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
@@ -208,13 +216,7 @@ def _server_overlap(group_sizes):
                     prefix_of.append(g)
                     left[g] -= 1
         bs = len(prefix_of)
-        case, case_paged = share_prefixes(base, paged, bs, seed=5, prefix_of=prefix_of)
-        q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
-        _add_chunk_windows(bt)
-        kv, out = (kc, vc, pools, ki, vi), torch.empty_like(q)
-        fns = {"FlashInfer fa2": flashinfer_decode(case, case_paged, workspace, "fa2"),
-               "per-request kernel": lambda q=q, kv=kv, bt=bt, sl=sl, out=out: per_request.run(q, *kv, bt, sl, scale,
-                                                                                             out=out)}  # fmt: skip
+        (q, kv, bt, sl, ki, vi, scale), fns = _server_mix(base, paged, bs, per_request, workspace, prefix_of)
         notes = []
         for lone in (LONE_MIN_BLOCKS, None):
             for overlap, plan in plans.items():
