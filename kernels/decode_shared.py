@@ -63,12 +63,13 @@ SHARED_MANY_SETS = 5
 (below, the cost model's count, at most :data:`SHARED_MAX_SPLITS`). The cost model counts only CTA
 waves and wanted 11 at 6 sets; the fused merge's work grows with the splits, and on an H200 6 sets took
 173.8 us at 8 splits against 229.9 at 16 (3 prefixes, 16 requests), 12 sets 326.5 against 345.8 and 9
-sets the same at both (session 41, ``bench_decode_shared_columns_h200.log``)."""
+sets the same at both (session 41, ``bench_decode_shared_columns_s41_h200.log``)."""
 SHARED_MANY_SETS_SPLITS = 8
 LONE_MIN_BLOCKS = 64
 """A request alone on its prefix joins the shared pass as a set of one from this many blocks to share
-(4K tokens at 64-token blocks; :func:`step_tables`' ``lone_min_blocks``): a shorter one costs the own
-pass less than it would add to the shared pass."""
+(4K tokens at 64-token blocks; :func:`step_tables`' ``lone_min_blocks``). A set of one costs a set row
+whatever it holds, so short requests stay in the own pass; the threshold itself is not measured (the
+regime-1 requests it was made for hold about 500 blocks)."""
 SHARED_MAX_PARTS = 512
 """The shared pass's scratch, in (set, split) partials: a server's plan for 256 requests has 128 set
 rows, which at :data:`SHARED_MAX_SPLITS` would take 134 MB of fp32 partials; such a call gets fewer
