@@ -647,8 +647,8 @@ def test_the_own_pass_plans_splits_for_the_requests_no_set_took():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("argv", [[], ["--server-shape"], ["--batches"], ["--chunked"], ["--columns"]],
-                         ids=["bench-shape", "server-shape", "batches", "chunked", "columns"])
+@pytest.mark.parametrize("argv", [[], ["--server-shape"], ["--batches"], ["--chunked"], ["--columns"], ["--overlap"]],
+                         ids=["bench-shape", "server-shape", "batches", "chunked", "columns", "overlap"])
 def test_profile_script_runs(argv, capsys):
     """``launch/profile_shared_decode.py`` (the breakdown quoted in docs/results.md) runs and times every
     part it names."""
