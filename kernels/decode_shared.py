@@ -312,6 +312,8 @@ class SharedPrefixDecode:
     every form, :meth:`plan_step` keeps the other blocks (a dense sink and window) to the own pass.
     Calls of fewer than :data:`MIN_SHARED_BATCH` requests form no sets and run a third plan, the
     per-request kernel (no split floor), over the whole batch.
+    ``shared_kernel``: ``"decode"`` (the decode kernel, ``columns`` wide) or ``"extend"`` (an experiment:
+    the extend kernel's n64 tile, 64 columns a set, :mod:`.shared_pass_extend`; split count fixed).
     ``overlap``: the own pass runs on a side stream (joined before the merge, and captured with the
     step by a CUDA graph), so its CTAs fill the SMs the shared pass leaves idle in its last wave
     instead of starting after it (GPU plans only).
@@ -322,23 +324,38 @@ class SharedPrefixDecode:
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None,
                  shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS,
-                 columns: int = FOLD_COLUMNS, overlap: bool = True):  # fmt: skip
+                 columns: int = FOLD_COLUMNS, overlap: bool = True, shared_kernel: str = "decode"):  # fmt: skip
+        if shared_kernel not in ("decode", "extend"):
+            raise ValueError(f"shared_kernel must be 'decode' or 'extend', got {shared_kernel!r}")
+        if shared_kernel == "extend":
+            from sglang_hs.kernels.shared_pass_extend import EXTEND_COLUMNS
+
+            columns = EXTEND_COLUMNS
         self.q_heads, self.kv_heads, self.head_dim, self.block_size = q_heads, kv_heads, head_dim, block_size
         self.group = q_heads // kv_heads
         self.fold = fold_of(q_heads, kv_heads, columns)
         self.max_sets = max_sets or max(1, batch_size // 2)
         self.forms = tuple(forms)
         self.merge_kernel = None
-        self.kernel_plans = plans is None  # else stand-ins (tests): their split counts are not chosen
+        # Split counts chosen on the GPU per step (the decode kernel's shared pass); else stand-ins (tests)
+        # or the extend kernel's fixed count.
+        self.dynamic_splits = plans is None and shared_kernel == "decode"
         if plans is None:
             from sglang_hs.kernels.decode import STAGES, HieraSparseDecode, min_splits
 
             shared_heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, STAGES, self.forms,
                                                            columns)  # fmt: skip
-            plans = (HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
-                                       device, num_splits=shared_splits or max(SHARED_MAX_SPLITS, min_splits(
-                                           max_blocks, capacity)), split_capacity=capacity, forms=self.forms,
-                                       dynamic_splits=True, max_parts=SHARED_MAX_PARTS),
+            if shared_kernel == "extend":
+                from sglang_hs.kernels.shared_pass_extend import EXTEND_SHARED_SPLITS, ExtendSharedPass
+
+                shared = ExtendSharedPass(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks,
+                                          dtype, device, num_splits=shared_splits or EXTEND_SHARED_SPLITS)  # fmt: skip
+            else:
+                shared = HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks,
+                                           dtype, device, num_splits=shared_splits or max(SHARED_MAX_SPLITS, min_splits(
+                                               max_blocks, capacity)), split_capacity=capacity, forms=self.forms,
+                                           dynamic_splits=True, max_parts=SHARED_MAX_PARTS)  # fmt: skip
+            plans = (shared,
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device,
                                        plan_batch=self.own_pass_long_requests,
                                        min_split_blocks=OWN_MIN_SPLIT_BLOCKS),
@@ -351,7 +368,7 @@ class SharedPrefixDecode:
         self.per_request_plan = plans[2] if len(plans) > 2 else self.own_plan
         # Split count by the number of sets with blocks to share (index 0..max_sets), on the device.
         by_sets = [1] * (self.max_sets + 1)
-        if self.kernel_plans:
+        if self.dynamic_splits:
             by_sets = [shared_splits or min(self.shared_plan.rule_splits(max(n, 1), max_blocks), SHARED_MAX_SPLITS
                                             if n < SHARED_MANY_SETS else SHARED_MANY_SETS_SPLITS)
                        for n in range(self.max_sets + 1)]  # fmt: skip
@@ -400,7 +417,7 @@ class SharedPrefixDecode:
         sets = self.sets_for(block_table.shape[0])
         kw.setdefault("lone_min_blocks", LONE_MIN_BLOCKS)
         step = step_tables(block_table, seq_lens, self.block_size, self.fold, sets, conforming=conforming, **kw)
-        if sets and self.kernel_plans:
+        if sets and self.dynamic_splits:
             cap = self.shared_plan.call_splits(sets, block_table.shape[1])
             step.shared_splits = split_limits(step.shared_lens, self.splits_by_sets, cap)
         return step

@@ -186,7 +186,7 @@ class HieraSparseExtend:
                  num_splits: int | None = None):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         group = q_heads // kv_heads
-        if group not in (1, 2, 4, 8, 16):
+        if group not in (1, 2, 4, 8, 16, 32, 64):  # 32 and 64: shared-prefix decode's folded column sets
             raise ValueError(f"GQA group {group} is not supported")
         if tile != "auto" and tile not in TILES:
             raise ValueError(f"tile must be 'auto' or one of {sorted(TILES)}")
@@ -234,6 +234,17 @@ class HieraSparseExtend:
         per_cta = smem_bytes(tile, self.head_dim, self.block_size, stages, k_sparse) + 1024
         ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 2048 // TILES[tile][1]))
         return choose_num_splits(tiles, self.kv_heads, blocks, self._sms, ctas_per_sm)
+
+    def reserve(self, total: int, batch: int, splits: int, tile: str) -> None:
+        """Size the scratch now for calls of up to ``total`` tokens over ``batch`` requests at ``splits``
+        splits on ``tile``, so that it never moves under a CUDA graph captured later."""
+        hq, d = self.q_heads, self.head_dim
+        self._lse = self._grow(self._lse, max(total, 1) * hq)
+        self._cnt = self._grow(self._cnt, tile_count(total, batch, TILES[tile][0] // self.group) * self.kv_heads,
+                               zero=True)  # fmt: skip
+        if splits > 1:
+            self._op = self._grow(self._op, total * hq * splits * d)
+            self._lp = self._grow(self._lp, total * hq * splits)
 
     @staticmethod
     def _grow(buf: torch.Tensor, n: int, zero: bool = False) -> torch.Tensor:

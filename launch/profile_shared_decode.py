@@ -15,7 +15,8 @@ shared pass also at 4, 8, 16 and 32 splits;
 prefix cached by chunked prefill does; ``--columns``: the shared pass 16, 32 or 64 query columns wide
 (4, 8 or 16 requests a column set), 16 and 32 requests over 1 to 6 chunked prefixes; ``--overlap``:
 uneven groups with requests alone on their prefix (16 and 32 requests), the own pass after the shared
-pass or beside it on a side stream, lone requests as column sets or in the own pass.
+pass or beside it on a side stream, lone requests as column sets or in the own pass, and the shared
+pass on the extend kernel (64 columns a set) instead of the decode kernel.
 ``docs/results.md`` quotes them all.
 """
 
@@ -198,13 +199,14 @@ def _server_overlap(group_sizes):
     """Per batch of uneven groups (sizes of the groups on successive prefixes, interleaved in arrival
     order; a size of 1 is a request alone on its prefix, as a group's first or last request is in a
     server): FlashInfer fa2, the per-request kernel, and shared-prefix decode with the own pass after
-    the shared pass or beside it on a side stream (``overlap``), each with lone requests as column
-    sets of one (``LONE_MIN_BLOCKS``) or in the own pass; server shape with chunk windows, plans
-    built for 32 requests."""
+    the shared pass or beside it on a side stream (``overlap``), and with the shared pass on the extend
+    kernel (own pass beside), each with lone requests as column sets of one (``LONE_MIN_BLOCKS``) or in
+    the own pass; server shape with chunk windows, plans built for 32 requests."""
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
-    plans = {overlap: SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS,
-                                         overlap=overlap) for overlap in (False, True)}  # fmt: skip
+    plans = {(kernel, overlap): SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
+                                                   forms=FORMS, overlap=overlap, shared_kernel=kernel)
+             for kernel, overlap in (("decode", False), ("decode", True), ("extend", True))}  # fmt: skip
     base = _server_case(max(len(sizes) for sizes in group_sizes))
     paged = paged_dense(base)
     for sizes in group_sizes:
@@ -219,12 +221,13 @@ def _server_overlap(group_sizes):
         (q, kv, bt, sl, ki, vi, scale), fns = _server_mix(base, paged, bs, per_request, workspace, prefix_of)
         notes = []
         for lone in (LONE_MIN_BLOCKS, None):
-            for overlap, plan in plans.items():
+            for (kernel, overlap), plan in plans.items():
                 step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1, lone_min_blocks=lone)
                 if overlap:
                     sets = int((step.shared_lens > 0).sum())
-                    notes.append(f"lone {'as sets' if lone else 'in the own pass'}: {sets} sets")
-                name = f"lone {'as sets' if lone else 'in own pass'}, own pass {'beside' if overlap else 'after'}"
+                    notes.append(f"{kernel}, lone {'as sets' if lone else 'in the own pass'}: {sets} sets")
+                name = (f"{kernel} shared pass, lone {'as sets' if lone else 'in own pass'}, "
+                        f"own pass {'beside' if overlap else 'after'}")
                 fns[name] = lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale)
         yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
 

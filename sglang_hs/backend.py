@@ -101,7 +101,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.q_heads = model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
         self.max_blocks = -(-self.req_to_token.shape[1] // self.config.block_size)
         self.use_decode_kernel = runtime.uses_kernel("decode")
-        self.shared_prefix_decode = self.use_decode_kernel and self.config.shared_prefix_decode == "on"
+        self.shared_prefix_decode = self.use_decode_kernel and self.config.shared_prefix_decode != "off"
         self.shared_forms = self._shared_pass_forms() if self.shared_prefix_decode else None
         self.selection = BlockSelection.from_config(self.config, self.store.num_layers)
         if self.selection is not None:  # compressed blocks kept / offered by the anchors, for the log line
@@ -130,6 +130,11 @@ class HieraSparseAttnBackend(AttentionBackend):
             runtime.store_budget_bytes / 2**30,
             self.config.to_json(),
         )
+
+    @property
+    def shared_pass_kernel(self) -> str:
+        """The shared pass's kernel: ``extend`` (an experiment: the extend kernel's 64-column tile) or ``decode``."""
+        return "extend" if self.config.shared_prefix_decode == "extend" else "decode"
 
     def __getattr__(self, name: str):
         # Runner code reads backend-specific state (for example a delegate's CUDA-graph buffers);
@@ -257,7 +262,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         shape = (batch_size, self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size,
                  self.max_blocks, kv_pool.dtype, kv_pool.device)  # fmt: skip
         if self.shared_prefix_decode:
-            return SharedPrefixDecode(*shape, forms=self.shared_forms)
+            return SharedPrefixDecode(*shape, forms=self.shared_forms, shared_kernel=self.shared_pass_kernel)
         return HieraSparseDecode(*shape, block_lse=self.selection is not None)
 
     def _prepare_kernels(self, runtime: HieraSparseRuntime) -> int:
@@ -280,6 +285,7 @@ class HieraSparseAttnBackend(AttentionBackend):
             decode=runtime.uses_kernel("decode"),
             extend_k_sparse=(self.store.capacity.k_sparse > 0,) if runtime.uses_kernel("extend") else (),
             compress=compress, loss_operands=tuple(loss), shared_decode_forms=self.shared_forms,
+            shared_pass_kernel=self.shared_pass_kernel,
         )  # fmt: skip
         return prepare_kernels(jobs, logger.info) if jobs else 0
 

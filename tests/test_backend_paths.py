@@ -218,7 +218,7 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
     pool.__dict__.update(head_num=HKV, head_dim=D, dtype=torch.float16, device=torch.device("cpu"))
     config = HieraSparseConfig(shared_prefix_decode=shared_prefix_decode, **settings)
     backend.__dict__.update(use_decode_kernel=True, q_heads=HQ, max_blocks=8, _decode_plan_obj=None, _graph_step=None,
-                            _counts_from_capture=False, config=config, shared_prefix_decode=shared_prefix_decode == "on",
+                            _counts_from_capture=False, config=config, shared_prefix_decode=shared_prefix_decode != "off",
                             selection=BlockSelection.from_config(config, 2),
                             runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=torch.zeros(2, dtype=torch.int64)))  # fmt: skip
     backend.shared_forms = backend._shared_pass_forms() if backend.shared_prefix_decode else None
@@ -282,6 +282,22 @@ def test_a_replays_tables_are_filled_inside_the_graph(monkeypatch):
     assert backend.runtime.shared_decode_counts.tolist() == [0, 0]
     backend.init_forward_metadata_in_graph(batch)
     assert backend.runtime.shared_decode_counts.tolist() == [16, 16]
+
+
+def test_shared_prefix_decode_extend_puts_the_shared_pass_on_the_extend_kernel(monkeypatch):
+    """CPU: ``--hierasparse-shared-prefix-decode extend`` builds the shared-prefix plan with the extend
+    kernel's shared pass (64 // G requests a set, its scratch sized for the plan's set rows) and the
+    decode kernel's own pass; step tables come out as with ``on``."""
+    from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
+
+    backend = decode_backend(monkeypatch, {}, shared_prefix_decode="extend", sv_prefill=0.0, sv_decode=0.0)
+    assert backend.shared_pass_kernel == "extend"
+    backend.init_cuda_graph_state(16, 16)
+    plan = backend._decode_plan_obj
+    assert isinstance(plan.shared_plan, ExtendSharedPass) and plan.fold == 64 // (HQ // HKV)
+    assert plan.shared_plan.extend.q_heads == HKV * plan.fold * (HQ // HKV) and plan.shared_plan.batch_size == 8
+    graph_step(backend, decode_batch(16))
+    assert bool((backend.forward_metadata.decode_step.pick >= 0).all())
 
 
 def test_every_decode_batch_size_shares_one_plan_and_one_kernel(monkeypatch):

@@ -27,6 +27,7 @@ from sglang_hs.config import ENV_VAR, HieraSparseConfig, HieraSparseConfigError
         ({"kernels": ""}, "--hierasparse-kernels"),
         ({"shared_prefix_decode": "yes"}, "--hierasparse-shared-prefix-decode"),
         ({"shared_prefix_decode": "on", "kernels": "extend,compress"}, "--hierasparse-shared-prefix-decode"),
+        ({"shared_prefix_decode": "extend", "kernels": "extend,compress"}, "--hierasparse-shared-prefix-decode"),
     ],
 )
 def test_bad_setting_names_flag_and_allowed_values(values, flag):
@@ -34,6 +35,11 @@ def test_bad_setting_names_flag_and_allowed_values(values, flag):
         HieraSparseConfig.from_mapping(values)
     message = str(info.value)
     assert flag in message and "allowed:" in message and "\n" not in message
+
+
+def test_shared_prefix_decode_values():
+    for value in ("off", "on", "extend"):
+        assert HieraSparseConfig.from_mapping({"shared_prefix_decode": value}).shared_prefix_decode == value
 
 
 def test_kernel_selection():

@@ -502,6 +502,55 @@ def test_lone_requests_as_sets_of_one_match_reference_on_the_gpu():
     assert float((out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
 
 
+def _replayed(run) -> torch.Tensor:
+    """``run()``'s output replayed from a CUDA graph that captured it (after a warm-up off the capture,
+    as ``torch.cuda.graph`` asks; the output is zeroed before the replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = run()
+    replayed.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return replayed
+
+
+def test_an_extend_shared_pass_folds_64_columns_with_the_oracle_as_kernel():
+    """``shared_kernel="extend"`` folds 64 // G requests a set (16 at G = 4): the case's group of 5 is
+    one set; the output still equals the reference. An unknown kernel name is refused."""
+    case = _case(32, 8, torch.float32, "cpu")
+    plan = SharedPrefixDecode(case["q"].shape[0], 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
+                              plans=(ReferencePlan(), ReferencePlan()), shared_kernel="extend")  # fmt: skip
+    assert plan.fold == 16 and not plan.dynamic_splits
+    step = plan.plan_step(*cases.run_args(case)[6:8], case["k_index"], case["v_index"])
+    assert step.members[0, :5].tolist() == [0, 2, 3, 5, 7] and step.members[1, :2].tolist() == [1, 6]
+    assert torch.allclose(_run(plan, case), _reference(case)[0], atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="shared_kernel"):
+        SharedPrefixDecode(4, 32, 8, 64, B, 8, torch.float32, "cpu", plans=(None, None), shared_kernel="fa3")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sk", [1.0, 0.0])
+def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk):
+    """The extend kernel as the shared pass (G = 64 folded heads, one query token a set, fixed splits),
+    with the own pass beside it: the output equals the reference, and a CUDA graph's replay equals
+    the eager call (its scratch is sized before the capture)."""
+    case = _case(32, 8, torch.bfloat16, "cuda", head_dim=128, sk=sk)
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
+    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda",
+                              shared_kernel="extend")  # fmt: skip
+    step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
+    run = lambda: plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)  # noqa: E731
+    eager = run().clone()
+    ref, _ = _reference(case)
+    assert float((eager.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 1e-2
+    assert torch.equal(_replayed(run), eager)
+
+
 @pytest.mark.gpu
 def test_the_own_pass_beside_the_shared_pass_matches_eager_and_in_a_cuda_graph():
     """``overlap``: the own pass on a side stream gives the output of the two passes in turn, bit for
@@ -517,18 +566,7 @@ def test_the_own_pass_beside_the_shared_pass_matches_eager_and_in_a_cuda_graph()
         step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
         run = lambda: plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)  # noqa: E731
         eager = run().clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = run()
-        replayed.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, eager)
+        assert torch.equal(_replayed(run), eager)
         outs.append(eager)
     assert torch.equal(outs[0], outs[1])
     ref, _ = _reference(case)

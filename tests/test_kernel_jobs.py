@@ -43,6 +43,12 @@ def test_model_jobs_do_not_depend_on_batch_or_context():
         "decode", (32, 2, 64, 64, "float16", 2, 512, every, 1, True))  # fmt: skip
     sparse = J.model_jobs(32, 8, 128, "float16", shared_decode_forms=("sparse", "sparse"))[2]
     assert sparse == ("decode", (128, 8, 128, 64, "float16", 2, 512, ("sparse", "sparse"), 1, True))
+    # With the shared pass on the extend kernel: its n64 tile over 16 folded requests (512 heads of 8 KV
+    # heads) for the store's K form, instead of the 16-column decode kernel.
+    ext = J.model_jobs(32, 8, 128, "bfloat16", extend_k_sparse=(True,), shared_decode_forms=("sparse", "sparse"),
+                       shared_pass_kernel="extend")  # fmt: skip
+    assert ext[2] == ("extend", (512, 8, 128, 64, "bfloat16", "n64", 2, True))
+    assert [kind for kind, _ in ext].count("decode") == 2
 
 
 def test_job_arguments_are_the_builders_cache_keys(monkeypatch):

@@ -1,0 +1,58 @@
+"""Shared-prefix decode's shared pass on the extend kernel (an experiment; ``profile_shared_decode
+--overlap`` times it beside the decode-kernel pass).
+
+The decode kernel's shared pass folds ``16 // G`` requests of a prefix group into its 16 query
+columns, so a prefix read by 16 requests of a batch is stepped through four times, and its block step
+(three CTA barriers, the column max through shared memory) is the cost: 207 us a layer in session 41's
+regime-1 trace against FlashInfer's 271. The extend kernel's n64 tile has 64 columns and the faster
+schedule (asynchronous GEMMs under the softmax, the lazy softmax offset). Here a column set of
+``64 // G`` requests is one extend "request" of one query token whose ``Hkv * fold * G`` query heads
+are the folded queries (:meth:`~sglang_hs.kernels.decode_shared.SharedPrefixDecode.fold_queries`
+layout: the extend kernel maps column ``c`` of KV head ``h`` to query head ``h * fold * G + c``), over
+the set's shared blocks: a token at the last position of ``seq_len`` keys sees all of them, so no
+mask applies. An empty set reads one block of its (zero) table row; its output is never merged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_hs.format import BlockPools
+
+EXTEND_COLUMNS = 64
+"""The n64 tile's query columns: ``64 // G`` requests a column set (16 at G = 4)."""
+EXTEND_SHARED_SPLITS = 16
+"""Splits per (set, KV head), fixed: the extend kernel reads no split count from the GPU, and the
+host does not know how many of a step's set rows are live."""
+
+
+class ExtendSharedPass:
+    """The shared pass with ``HieraSparseDecode.run``'s signature, on the extend kernel's n64 tile.
+
+    ``max_sets`` set rows of ``heads = Hkv * fold * G`` folded query heads; the scratch for all of them
+    at ``num_splits`` is allocated here, before any CUDA graph captures the plan."""
+
+    def __init__(self, max_sets: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
+                 dtype: torch.dtype, device, num_splits: int = EXTEND_SHARED_SPLITS):  # fmt: skip
+        from sglang_hs.kernels.extend import HieraSparseExtend
+
+        self.extend = HieraSparseExtend(heads, kv_heads, head_dim, block_size, max_blocks, dtype, device, tile="n64",
+                                        num_splits=num_splits)  # fmt: skip
+        self.extend.reserve(max_sets, max_sets, num_splits, "n64")
+        self.indptr = torch.arange(max_sets + 1, dtype=torch.int32, device=device)  # one query token a set
+        self.batch_size = max_sets
+        self.captured = False
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pools: BlockPools,
+            k_index: torch.Tensor, v_index: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+            sm_scale: float, out: torch.Tensor | None = None, return_lse: bool = False,
+            split_limit: torch.Tensor | None = None):  # fmt: skip
+        """``q [sets, heads, D]`` (folded), ``block_table [sets, W]`` (shared blocks), ``seq_lens [sets]``
+        (shared tokens, 0 for an empty set); ``split_limit`` is ignored (the split count is fixed)."""
+        sets = q.shape[0]
+        if sets > self.batch_size:
+            raise ValueError(f"{sets} set rows > the plan's {self.batch_size}")
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self.captured = True
+        return self.extend.run(q, self.indptr[: sets + 1], k_cache, v_cache, pools, k_index, v_index, block_table,
+                               seq_lens.clamp(min=1), sm_scale, out=out, return_lse=return_lse)  # fmt: skip
