@@ -349,7 +349,8 @@ class SharedPrefixDecode:
                 from sglang_hs.kernels.shared_pass_extend import EXTEND_SHARED_SPLITS, ExtendSharedPass
 
                 shared = ExtendSharedPass(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks,
-                                          dtype, device, num_splits=shared_splits or EXTEND_SHARED_SPLITS)  # fmt: skip
+                                          dtype, device, num_splits=shared_splits or EXTEND_SHARED_SPLITS,
+                                          forms=self.forms)  # fmt: skip
             else:
                 shared = HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks,
                                            dtype, device, num_splits=shared_splits or max(SHARED_MAX_SPLITS, min_splits(

@@ -69,7 +69,9 @@ Design (and why)
   order, whichever CTA merges.
 * **Specialisation**: ``k_sparse=False`` drops the 2:4 K buffers (9 KB a stage at d 128) when the
   call's K values pool is empty (S_K = 0, the recommended setting), so that more CTAs fit an SM. The
-  backend decides nothing: ``run`` picks the kernel from the pool shapes.
+  backend decides nothing: ``run`` picks the kernel from the pool shapes. ``forms`` (a plan's, fixed)
+  goes further: stages, loads and GEMMs of those block forms only, for callers that give the kernel
+  blocks of one form per operand (shared-prefix decode's shared pass, ``shared_pass_extend.py``).
 * **The new tokens are cache pages like the window's**, so they are read in the same launch and the
   same block loop (no second kernel, no LSE merge); only the blocks on a tile's diagonal are masked.
 * **Fast math** (``tl.enable_fast_math``): ``exp2f`` is one ``MUFU.EX2``.
@@ -92,7 +94,7 @@ import torch
 
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import (
-    PASS_CONFIGS, SMEM_PER_SM, PoolArgs, check_plan_shape, compile_cached, precompile_main, split_count,
+    ANY_FORMS, PASS_CONFIGS, SMEM_PER_SM, PoolArgs, check_plan_shape, compile_cached, precompile_main, split_count,
 )
 from sglang_hs.kernels.extend_common import TILES, resolve_chunk
 
@@ -107,19 +109,26 @@ def default_stages(tile: str) -> int:
     return STAGES[tile][0]
 
 
-def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, k_sparse: bool = True) -> int:
-    """Shared memory of one CTA (bytes), an upper bound of the kernel's buffers."""
+def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, k_sparse: bool = True,
+               forms: tuple[str, str] = ANY_FORMS) -> int:
+    """Shared memory of one CTA (bytes), an upper bound of the kernel's buffers (``forms``: the block
+    forms its stages hold, as :class:`~sglang_hs.kernels.extend_common.ExtendParts` takes them)."""
     n, threads = TILES[tile]
     elems = block_size * head_dim
-    k_stage = elems * 2 + ((elems + elems // 8) if k_sparse else 0)  # dense tile [+ 2:4 values + metadata]
-    v_stage = elems * 2 + elems + elems // 8
+
+    def stage_bytes(form: str) -> int:  # dense tile and / or 2:4 values + metadata
+        return (elems * 2 if form in ("any", "dense") else 0) + (elems + elems // 8 if form in ("any", "sparse") else 0)
+
+    k_stage = stage_bytes(forms[0] if k_sparse else "dense")
+    v_stage = stage_bytes(forms[1])
     maps = 3 * 2 * resolve_chunk(tile) * 4
     other = n * head_dim * 2 + block_size * n * 2 + maps + 3 * n * 4 + threads * 4 + 1024  # Q, P, maps, stats
     return stages * (k_stage + v_stage) + other
 
 
 def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64,
-                           dtype: str = "float16", tile: str = "n128", stages: int = 2, k_sparse: bool = True):
+                           dtype: str = "float16", tile: str = "n128", stages: int = 2, k_sparse: bool = True,
+                           forms: tuple[str, str] = ANY_FORMS):  # fmt: skip
     """The TileLang ``prim_func`` of one configuration (every batch dimension is dynamic)."""
     if stages not in STAGES[tile]:
         raise ValueError(f"tile {tile!r} builds with stages in {STAGES[tile]}, got {stages}")
@@ -127,14 +136,16 @@ def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         from sglang_hs.kernels.extend_overlap import build_prim_func
     else:
         from sglang_hs.kernels.extend_producer import build_prim_func
-    return build_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, stages, k_sparse)
+    return build_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, stages, k_sparse, tuple(forms))
 
 
 @functools.lru_cache(maxsize=None)
 def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
-                        k_sparse=True, target=None):
-    """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU."""
+                        k_sparse=True, forms=ANY_FORMS, target=None):
+    """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU.
+    Its cache key (and job) lists ``forms`` only when it is not every form."""
     args = (q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse)
+    args += (tuple(forms),) if tuple(forms) != ANY_FORMS else ()
     return compile_cached("extend", args, lambda: build_extend_prim_func(*args), EXTEND_PASS_CONFIGS, target)
 
 
@@ -175,7 +186,9 @@ class HieraSparseExtend:
     (default per tile, ``STAGES``). ``num_splits``: force a split count (else chosen per call from the
     shapes). ``max_blocks`` is only advisory (block tables of any width are accepted). Kernels are
     compiled, or loaded from TileLang's disk cache, on first use of a configuration (tile, stages,
-    whether the call has 2:4 K rows).
+    whether the call has 2:4 K rows). ``forms``: the block forms its kernels hold
+    (:class:`~sglang_hs.kernels.extend_common.ExtendParts`; every form by default); a plan for fewer
+    must only be given blocks of those forms.
 
     One plan can serve every layer and every batch of a model: scratch and split tickets are reused
     call after call on one stream (never two calls of one plan concurrently).
@@ -183,7 +196,7 @@ class HieraSparseExtend:
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, tile: str = "auto", stages: int | None = None,
-                 num_splits: int | None = None):
+                 num_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         group = q_heads // kv_heads
         if group not in (1, 2, 4, 8, 16, 32, 64):  # 32 and 64: shared-prefix decode's folded column sets
@@ -196,7 +209,7 @@ class HieraSparseExtend:
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
         self.block_size, self.max_blocks, self.group = block_size, max_blocks, group
         self.dtype, self.device = dtype, torch.device(device)
-        self.tile, self.stages, self.num_splits = tile, stages, num_splits
+        self.tile, self.stages, self.num_splits, self.forms = tile, stages, num_splits, tuple(forms)
         self._dt = "float16" if dtype == torch.float16 else "bfloat16"
         self._sms = None
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -223,7 +236,7 @@ class HieraSparseExtend:
         """``(kernel, stages)`` of a call's configuration."""
         stages = self.stages or default_stages(tile)
         k = build_extend_kernel(self.q_heads, self.kv_heads, self.head_dim, self.block_size, self._dt, tile, stages,
-                                k_sparse)
+                                k_sparse, self.forms)
         return k, stages
 
     def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int) -> int:
@@ -231,7 +244,7 @@ class HieraSparseExtend:
             return max(1, int(self.num_splits))
         if self._sms is None:
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        per_cta = smem_bytes(tile, self.head_dim, self.block_size, stages, k_sparse) + 1024
+        per_cta = smem_bytes(tile, self.head_dim, self.block_size, stages, k_sparse, self.forms) + 1024
         ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 2048 // TILES[tile][1]))
         return choose_num_splits(tiles, self.kv_heads, blocks, self._sms, ctas_per_sm)
 

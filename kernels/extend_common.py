@@ -17,7 +17,7 @@ Importing this module needs neither TileLang nor a GPU; constructing :class:`Ext
 
 from typing import NamedTuple
 
-from sglang_hs.kernels.common import LN2, LOG2E, KvSources, Stage, tma_loads
+from sglang_hs.kernels.common import ANY_FORMS, KV_FORMS, LN2, LOG2E, KvSources, Stage, tma_loads
 
 # name -> (N query columns per CTA, threads of the consumer warpgroups).
 TILES = {"n64": (64, 128), "n128": (128, 256)}
@@ -104,10 +104,14 @@ class ExtendParts:
 
     ``producer``: the CTA has a producer warpgroup after the consumers (threads ``[threads,
     threads + 128)``), which issues the loads; otherwise warp 0 of the consumers issues them.
+    ``forms`` = ``(k_form, v_form)`` (:data:`~sglang_hs.kernels.common.KV_FORMS`): the block forms the
+    stages hold (``k_sparse=False`` makes K dense); a kernel for fewer forms must only be given blocks
+    of those forms (shared-prefix decode's shared pass on the extend kernel), and its smaller stages
+    fit more CTAs an SM.
     """
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, tile: str,
-                 stages: int, k_sparse: bool, producer: bool):
+                 stages: int, k_sparse: bool, producer: bool, forms: tuple[str, str] = ANY_FORMS):
         import tilelang.language as T
 
         self.T = T
@@ -123,6 +127,8 @@ class ExtendParts:
         assert threads % N == 0 and 32 % TPC == 0
         self.q_heads, self.kv_heads, self.B, self.D, self.N, self.G = q_heads, kv_heads, B, D, N, G
         self.threads, self.stages, self.k_sparse, self.dtype, self.producer = threads, stages, k_sparse, dtype, producer
+        assert forms[0] in KV_FORMS and forms[1] in KV_FORMS and (k_sparse or forms[0] != "sparse")
+        self.k_form, self.v_form = ("dense" if not k_sparse else forms[0]), forms[1]
         self.TQ = N // G  # query tokens per tile
         self.HALF, self.RB = HALF, RB
         self.accum = "float32"
@@ -144,15 +150,19 @@ class ExtendParts:
     def alloc_stages(self) -> list[Stage]:
         """The stage ring (plain Python: called inside the kernel)."""
         T, B, D = self.T, self.B, self.D
+
+        def shared(form, kind, shape, dt):  # a buffer of a form the stage holds, else None
+            return T.alloc_shared(shape, dt) if form in ("any", kind) else None
+
         out = []
         for _ in range(self.stages):
             out.append(Stage(
-                T.alloc_shared([B, D], self.dtype),
-                T.alloc_shared([B, D // 2], self.dtype) if self.k_sparse else None,
-                T.alloc_shared([self.e_rows, 16], "int16") if self.k_sparse else None,
-                T.alloc_shared([B, D], self.dtype),
-                T.alloc_shared([D, B // 2], self.dtype),
-                T.alloc_shared([self.e_rows, 16], "int16"),
+                shared(self.k_form, "dense", [B, D], self.dtype),
+                shared(self.k_form, "sparse", [B, D // 2], self.dtype),
+                shared(self.k_form, "sparse", [self.e_rows, 16], "int16"),
+                shared(self.v_form, "dense", [B, D], self.dtype),
+                shared(self.v_form, "sparse", [D, B // 2], self.dtype),
+                shared(self.v_form, "sparse", [self.e_rows, 16], "int16"),
                 # One arrival per issue (full) and one per consumer warp (empty), not one per thread.
                 T.alloc_barrier(1),
                 T.alloc_barrier(self.threads // 32),
@@ -163,7 +173,7 @@ class ExtendParts:
         T = self.T
         B, D, N, G = self.B, self.D, self.N, self.G
         HALF, RB, TPC, RPT, SHUF = self.HALF, self.RB, self.TPC, self.RPT, self.SHUF
-        threads, stages, k_sparse, dtype, producer = self.threads, self.stages, self.k_sparse, self.dtype, self.producer
+        threads, stages, dtype, producer = self.threads, self.stages, self.dtype, self.producer
         accum, NEG, CLAMP, LAZY, CHAINS = self.accum, self.NEG, self.CLAMP, self.LAZY, self.LANE_CHAINS
         POL = T.GemmWarpPolicy.Square  # each warpgroup owns 64 columns of both S^T and O^T
 
@@ -185,7 +195,8 @@ class ExtendParts:
                         ring.k_row[slot] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
                         ring.v_row[slot] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
 
-        load_k, load_v = tma_loads(T, B, "any" if k_sparse else "dense")
+        k_form, v_form = self.k_form, self.v_form
+        load_k, load_v = tma_loads(T, B, k_form, v_form)
 
         @T.macro
         def load(i, num_blocks, h, ring, stage, src):
@@ -221,20 +232,28 @@ class ExtendParts:
 
         @T.macro
         def gemm_s(mode, Q_s, stage, sT):
-            # S^T = K·Q^T for one block, dense or 2:4 by the block's K mode; issued without a wait.
-            if k_sparse:
-                if (mode & 3) == 2:
-                    T.wgmma_gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
-                                    clear_accum=True, policy=POL)
-                else:
-                    T.wgmma_gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+            # S^T = K·Q^T for one block, dense or 2:4 by the block's K mode (or the one K form the stages
+            # hold); issued without a wait.
+            if k_form == "sparse":
+                T.wgmma_gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
+                                clear_accum=True, policy=POL)
+            elif k_form == "dense":
+                T.wgmma_gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+            elif (mode & 3) == 2:
+                T.wgmma_gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
+                                clear_accum=True, policy=POL)
             else:
                 T.wgmma_gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
 
         @T.macro
         def gemm_o(v_mode, P_s, stage, oT, dense, sparse):
-            # O^T += V^T·P^T for one block, dense or 2:4 by the block's V mode.
-            if v_mode == 2:
+            # O^T += V^T·P^T for one block, dense or 2:4 by the block's V mode (or the one V form the
+            # stages hold).
+            if v_form == "sparse":
+                sparse(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT, policy=POL)
+            elif v_form == "dense":
+                dense(stage.v_dense, P_s, oT, transpose_A=True, policy=POL)
+            elif v_mode == 2:
                 sparse(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT, policy=POL)
             else:
                 dense(stage.v_dense, P_s, oT, transpose_A=True, policy=POL)

@@ -106,7 +106,8 @@ class ProducerSchedule:
 
 
 def build_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, stages: int,
-                    k_sparse: bool):
+                    k_sparse: bool, forms: tuple[str, str] = ("any", "any")):
     """The TileLang ``prim_func`` of the n128 tile (arguments: :meth:`ExtendParts.prim_func`)."""
-    parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, "n128", stages, k_sparse, producer=True)
+    parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, "n128", stages, k_sparse, producer=True,
+                         forms=forms)
     return parts.prim_func(ProducerSchedule(parts))

@@ -64,8 +64,9 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
                 from sglang_hs.kernels.shared_pass_extend import EXTEND_COLUMNS
 
                 heads = kv_heads * fold_of(q_heads, kv_heads, EXTEND_COLUMNS) * (q_heads // kv_heads)
+                extra = (tuple(forms),) if tuple(forms) != ("any", "any") else ()  # build_extend_kernel's key
                 jobs += [("extend", (heads, kv_heads, head_dim, BLOCK_SIZE, dtype, "n64", _extend_stages("n64"),
-                                     k_sparse)) for k_sparse in extend_k_sparse]  # fmt: skip
+                                     k_sparse, *extra)) for k_sparse in extend_k_sparse]  # fmt: skip
             else:
                 heads, kv, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, BLOCK_SIZE, DECODE_STAGES, forms)
                 jobs.append(("decode", decode_kernel_args(heads, kv, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,

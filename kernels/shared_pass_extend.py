@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from sglang_hs.format import BlockPools
+from sglang_hs.kernels.common import ANY_FORMS
 
 EXTEND_COLUMNS = 64
 """The n64 tile's query columns: ``64 // G`` requests a column set (16 at G = 4)."""
@@ -30,14 +31,17 @@ class ExtendSharedPass:
     """The shared pass with ``HieraSparseDecode.run``'s signature, on the extend kernel's n64 tile.
 
     ``max_sets`` set rows of ``heads = Hkv * fold * G`` folded query heads; the scratch for all of them
-    at ``num_splits`` is allocated here, before any CUDA graph captures the plan."""
+    at ``num_splits`` is allocated here, before any CUDA graph captures the plan. ``forms``: the block
+    forms of the shared blocks (the plan's; 2:4 K and V only at S_K = S_V = 1: 65 KB of shared memory a
+    CTA instead of 131, so two CTAs an SM instead of one; its 234 registers a thread allow no third)."""
 
     def __init__(self, max_sets: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                 dtype: torch.dtype, device, num_splits: int = EXTEND_SHARED_SPLITS):  # fmt: skip
+                 dtype: torch.dtype, device, num_splits: int = EXTEND_SHARED_SPLITS,
+                 forms: tuple[str, str] = ANY_FORMS):  # fmt: skip
         from sglang_hs.kernels.extend import HieraSparseExtend
 
         self.extend = HieraSparseExtend(heads, kv_heads, head_dim, block_size, max_blocks, dtype, device, tile="n64",
-                                        num_splits=num_splits)  # fmt: skip
+                                        num_splits=num_splits, forms=forms)  # fmt: skip
         self.extend.reserve(max_sets, max_sets, num_splits, "n64")
         self.indptr = torch.arange(max_sets + 1, dtype=torch.int32, device=device)  # one query token a set
         self.batch_size = max_sets

@@ -534,15 +534,18 @@ def test_an_extend_shared_pass_folds_64_columns_with_the_oracle_as_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sk", [1.0, 0.0])
-def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk):
+@pytest.mark.parametrize("sk, restricted", [(1.0, False), (1.0, True), (0.0, True)])
+def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk, restricted):
     """The extend kernel as the shared pass (G = 64 folded heads, one query token a set, fixed splits),
-    with the own pass beside it: the output equals the reference, and a CUDA graph's replay equals
-    the eager call (its scratch is sized before the capture)."""
+    with the own pass beside it, its stages holding every form or only the case's compressed forms
+    (2:4 K and V; dense K and 2:4 V): the output equals the reference, and a CUDA graph's replay
+    equals the eager call (its scratch is sized before the capture)."""
     case = _case(32, 8, torch.bfloat16, "cuda", head_dim=128, sk=sk)
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
-    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda",
+    forms = compressed_forms((sk,), (1.0,)) if restricted else ANY_FORMS
+    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda", forms=forms,
                               shared_kernel="extend")  # fmt: skip
+    assert plan.shared_plan.extend.forms == forms
     step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
     run = lambda: plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)  # noqa: E731
     eager = run().clone()
