@@ -533,6 +533,38 @@ def test_an_extend_shared_pass_folds_64_columns_with_the_oracle_as_kernel():
         SharedPrefixDecode(4, 32, 8, 64, B, 8, torch.float32, "cpu", plans=(None, None), shared_kernel="fa3")
 
 
+class ReferenceExtend:
+    """Stands in for ``HieraSparseExtend`` (same ``run`` signature) with the oracle: causal attention of
+    each request's queries at the last positions of its ``seq_lens`` tokens."""
+
+    def run(self, q, qo_indptr, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale, out=None,
+            return_lse=False):  # fmt: skip
+        o, lse = R.paged_attention(q, qo_indptr.tolist(), k_cache, v_cache, pools, k_index, v_index, block_table,
+                                   seq_lens.tolist(), sm_scale)  # fmt: skip
+        return (o, lse) if return_lse else o
+
+
+def test_the_extend_shared_pass_maps_a_set_to_one_query_token_over_its_shared_blocks():
+    """CPU: ``ExtendSharedPass`` hands the extend kernel one query token a set, at the last position of
+    the set's shared tokens (so every shared key is visible), and empty sets one block; with the
+    extend oracle in place of the kernel, shared-prefix decode equals the reference."""
+    from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
+
+    case = _case(32, 8, torch.float32, "cpu")
+    bs = case["q"].shape[0]
+    shared = ExtendSharedPass(bs // 2, 8 * 16 * 4, 8, 64, B, case["max_blocks"], torch.float16, "cpu")
+    assert shared.extend.group == 64 and shared.extend.tile == "n64" and shared.indptr.tolist() == list(range(bs // 2 + 1))
+    shared.extend = ReferenceExtend()
+    plan = SharedPrefixDecode(bs, 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
+                              plans=(shared, ReferencePlan()), shared_kernel="extend")  # fmt: skip
+    q, k_cache, v_cache, pools, k_index, v_index, table, lens, sm_scale = cases.run_args(case)
+    for lone, empty_rows in ((None, 2), (1, 0)):  # lone requests in the own pass (two empty set rows), or sets
+        step = plan.plan_step(table, lens, k_index, v_index, lone_min_blocks=lone)
+        assert int((step.shared_lens == 0).sum()) == empty_rows
+        out = plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
+        assert torch.allclose(out, _reference(case)[0], atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sk, restricted", [(1.0, False), (1.0, True), (0.0, True)])
 def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk, restricted):
