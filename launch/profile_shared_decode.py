@@ -29,6 +29,7 @@ from sglang_hs.kernels.cases import flashinfer_decode, make_case, paged_dense, r
 from sglang_hs.kernels.decode import STAGES, HieraSparseDecode
 from sglang_hs.kernels.decode_shared import (LONE_MIN_BLOCKS, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode,
                                              shared_kernel_spec)
+from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
 from sglang_hs.kernels.timing import time_graphs
 
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
@@ -207,6 +208,8 @@ def _server_overlap(group_sizes):
     plans = {(kernel, overlap): SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
                                                    forms=FORMS, overlap=overlap, shared_kernel=kernel)
              for kernel, overlap in (("decode", False), ("decode", True), ("extend", True))}  # fmt: skip
+    extend_passes = {splits: ExtendSharedPass(16, 8 * 16 * 4, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
+                                              num_splits=splits, forms=FORMS) for splits in (8, 16, 32)}  # fmt: skip
     base = _server_case(max(len(sizes) for sizes in group_sizes))
     paged = paged_dense(base)
     for sizes in group_sizes:
@@ -229,6 +232,19 @@ def _server_overlap(group_sizes):
                 name = (f"{kernel} shared pass, lone {'as sets' if lone else 'in own pass'}, "
                         f"own pass {'beside' if overlap else 'after'}")
                 fns[name] = lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale)
+                sets = plan.sets_for(bs)
+                if kernel == "decode" and not overlap and lone:  # the decode kernel's pass alone
+                    folded = plan.fold_queries(q, step.members[:sets])
+                    fns[f"decode shared pass alone, lone as sets ({int(step.shared_splits[0])} splits)"] = (
+                        lambda plan=plan, folded=folded, step=step, sets=sets, kv=kv: plan.shared_plan.run(
+                            folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True,
+                            split_limit=step.shared_splits[:sets]))
+                if kernel == "extend" and lone:  # the extend pass alone at other split counts
+                    folded = plan.fold_queries(q, step.members[:sets])
+                    for splits, shared in extend_passes.items():
+                        fns[f"extend shared pass alone, lone as sets ({splits} splits)"] = (
+                            lambda shared=shared, folded=folded, step=step, sets=sets, kv=kv: shared.run(
+                                folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True))
         yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
 
 
