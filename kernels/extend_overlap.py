@@ -20,6 +20,7 @@ and it is free when the step ends; one stage item of loads is in flight while a 
 
 from __future__ import annotations
 
+from sglang_hs.kernels.common import ANY_FORMS
 from sglang_hs.kernels.extend_common import ExtendParts
 
 
@@ -113,7 +114,7 @@ class OverlapSchedule:
 
 
 def build_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, stages: int,
-                    k_sparse: bool, forms: tuple[str, str] = ("any", "any")):
+                    k_sparse: bool, forms: tuple[str, str] = ANY_FORMS):
     """The TileLang ``prim_func`` of the n64 tile (arguments: :meth:`ExtendParts.prim_func`)."""
     parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, "n64", stages, k_sparse, producer=False,
                          forms=forms)

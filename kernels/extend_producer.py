@@ -20,6 +20,7 @@ warpgroup's block-step phases, 10 + wg its turn to issue, 12 + wg its softmax vo
 
 from __future__ import annotations
 
+from sglang_hs.kernels.common import ANY_FORMS
 from sglang_hs.kernels.extend_common import ExtendParts
 
 PRODUCER_THREADS = 128
@@ -106,7 +107,7 @@ class ProducerSchedule:
 
 
 def build_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, stages: int,
-                    k_sparse: bool, forms: tuple[str, str] = ("any", "any")):
+                    k_sparse: bool, forms: tuple[str, str] = ANY_FORMS):
     """The TileLang ``prim_func`` of the n128 tile (arguments: :meth:`ExtendParts.prim_func`)."""
     parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, "n128", stages, k_sparse, producer=True,
                          forms=forms)
