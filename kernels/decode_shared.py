@@ -348,9 +348,10 @@ class SharedPrefixDecode:
             if shared_kernel == "extend":
                 from sglang_hs.kernels.shared_pass_extend import EXTEND_SHARED_SPLITS, ExtendSharedPass
 
+                # The scratch holds every set row's splits: at most SHARED_MAX_PARTS (set, split) partials.
+                splits = shared_splits or max(1, min(EXTEND_SHARED_SPLITS, SHARED_MAX_PARTS // self.max_sets))
                 shared = ExtendSharedPass(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks,
-                                          dtype, device, num_splits=shared_splits or EXTEND_SHARED_SPLITS,
-                                          forms=self.forms)  # fmt: skip
+                                          dtype, device, num_splits=splits, forms=self.forms)  # fmt: skip
             else:
                 shared = HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks,
                                            dtype, device, num_splits=shared_splits or max(SHARED_MAX_SPLITS, min_splits(

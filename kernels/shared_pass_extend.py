@@ -24,7 +24,8 @@ EXTEND_COLUMNS = 64
 """The n64 tile's query columns: ``64 // G`` requests a column set (16 at G = 4)."""
 EXTEND_SHARED_SPLITS = 16
 """Splits per (set, KV head), fixed: the extend kernel reads no split count from the GPU, and the
-host does not know how many of a step's set rows are live."""
+host does not know how many of a step's set rows are live. A plan of many set rows gets fewer
+(``SharedPrefixDecode`` keeps the scratch within ``SHARED_MAX_PARTS`` partials)."""
 
 
 class ExtendSharedPass:

@@ -298,6 +298,10 @@ def test_shared_prefix_decode_extend_puts_the_shared_pass_on_the_extend_kernel(m
     assert plan.shared_plan.extend.q_heads == HKV * plan.fold * (HQ // HKV) and plan.shared_plan.batch_size == 8
     graph_step(backend, decode_batch(16))
     assert bool((backend.forward_metadata.decode_step.pick >= 0).all())
+    assert plan.shared_plan.extend.num_splits == 16  # 8 set rows x 16 splits: within SHARED_MAX_PARTS
+    backend = decode_backend(monkeypatch, {}, shared_prefix_decode="extend", sv_prefill=0.0, sv_decode=0.0)
+    backend.init_cuda_graph_state(256, 256)  # 128 set rows: 4 splits keep the scratch at 512 partials
+    assert backend._decode_plan_obj.shared_plan.extend.num_splits == 4
 
 
 def test_every_decode_batch_size_shares_one_plan_and_one_kernel(monkeypatch):
