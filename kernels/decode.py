@@ -571,7 +571,7 @@ class HieraSparseDecode:
             return self.forced_splits
         if self.plan_batch is not None:
             batch = self.plan_batch(batch)
-        return HieraSparseDecode.rule_splits(self, batch, width)
+        return self.rule_splits(batch, width)
 
     def rule_splits(self, batch: int, width: int) -> int:
         """:func:`plan_num_splits` for this plan's kernel at ``batch`` requests, neither forced nor

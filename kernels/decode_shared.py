@@ -248,7 +248,7 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
         shared_lens=(shared_blocks * block_size).to(torch.int32),
         own_table=_pack(block_table, ~take),
         own_lens=(lens - take.sum(1) * block_size).to(torch.int32),
-        pick=torch.where(eligible, set_id * fold + slot, -1).to(torch.int32),
+        pick=torch.where(eligible, flat, -1).to(torch.int32),
         shared_splits=torch.ones(max_sets, dtype=torch.int32, device=device),
     )
 

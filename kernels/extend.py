@@ -139,13 +139,19 @@ def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     return build_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, stages, k_sparse, tuple(forms))
 
 
+def extend_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
+                       k_sparse=True, forms=ANY_FORMS) -> tuple:  # fmt: skip
+    """The arguments that key an extend kernel in TileLang's cache (and a compile job): ``forms`` only
+    when it is not every form (so the every-form kernels keep their keys)."""
+    args = (q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse)
+    return args + ((tuple(forms),) if tuple(forms) != ANY_FORMS else ())
+
+
 @functools.lru_cache(maxsize=None)
 def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
                         k_sparse=True, forms=ANY_FORMS, target=None):
-    """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU.
-    Its cache key (and job) lists ``forms`` only when it is not every form."""
-    args = (q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse)
-    args += (tuple(forms),) if tuple(forms) != ANY_FORMS else ()
+    """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU."""
+    args = extend_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, forms)
     return compile_cached("extend", args, lambda: build_extend_prim_func(*args), EXTEND_PASS_CONFIGS, target)
 
 

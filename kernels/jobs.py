@@ -50,6 +50,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
     from sglang_hs.kernels.decode import STAGES as DECODE_STAGES
     from sglang_hs.kernels.decode import decode_kernel_args
     from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, fold_of, shared_kernel_spec
+    from sglang_hs.kernels.extend import extend_kernel_args
     from sglang_hs.kernels.extend_common import TILES
 
     jobs: list[Job] = []
@@ -63,15 +64,17 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
             if shared_pass_kernel == "extend":
                 from sglang_hs.kernels.shared_pass_extend import EXTEND_COLUMNS
 
-                heads = kv_heads * fold_of(q_heads, kv_heads, EXTEND_COLUMNS) * (q_heads // kv_heads)
-                extra = (tuple(forms),) if tuple(forms) != ("any", "any") else ()  # build_extend_kernel's key
-                jobs += [("extend", (heads, kv_heads, head_dim, BLOCK_SIZE, dtype, "n64", _extend_stages("n64"),
-                                     k_sparse, *extra)) for k_sparse in extend_k_sparse]  # fmt: skip
+                heads = shared_kernel_spec(q_heads, kv_heads, head_dim, BLOCK_SIZE, DECODE_STAGES, forms,
+                                           EXTEND_COLUMNS)[0]  # fmt: skip
+                jobs += [("extend", extend_kernel_args(heads, kv_heads, head_dim, BLOCK_SIZE, dtype, "n64",
+                                                       _extend_stages("n64"), k_sparse, forms))
+                         for k_sparse in extend_k_sparse]  # fmt: skip
             else:
                 heads, kv, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, BLOCK_SIZE, DECODE_STAGES, forms)
                 jobs.append(("decode", decode_kernel_args(heads, kv, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
                                                           capacity, forms, dynamic_splits=True)))  # fmt: skip
-        jobs += [("extend", (q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, tile, _extend_stages(tile), k_sparse))
+        jobs += [("extend", extend_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, tile,
+                                               _extend_stages(tile), k_sparse))
                  for tile in TILES for k_sparse in extend_k_sparse]  # fmt: skip
     if compress:
         jobs.append(("pack", (kv_heads, head_dim, BLOCK_SIZE)))

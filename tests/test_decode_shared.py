@@ -697,26 +697,26 @@ def test_small_calls_match_reference_on_the_gpu():
     assert float((out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
 
 
-def test_the_own_pass_plans_splits_for_the_requests_no_set_took():
-    """The own pass's split count is the rule's for ceil(bs / fold) requests, not for bs: most requests
-    read a short tail there, and the few that no column set took (a group's remainder of one, a
-    prefix with one running request) would otherwise walk their whole prefix in 2 splits at 16
-    requests of 32K, longer than the shared pass itself (measured in regime 1, docs/results.md)."""
+def test_the_own_pass_plans_splits_for_the_requests_no_set_took(monkeypatch):
+    """CPU (kernels stubbed): the own pass's split count is the rule's for ceil(bs / fold) requests, not
+    for bs: most requests read a short tail there, and the few that no column set took (a group's
+    remainder of one, a prefix with one running request) would otherwise walk their whole prefix in 2
+    splits at 16 requests of 32K, longer than the shared pass itself (measured in regime 1,
+    docs/results.md). The per-request plan (calls too small for sets) plans for every request."""
     from types import SimpleNamespace
 
-    from sglang_hs.kernels.decode import STAGES, HieraSparseDecode, plan_num_splits
+    from sglang_hs.kernels import decode
+    from sglang_hs.kernels.decode import STAGES, plan_num_splits
 
-    plan = SharedPrefixDecode(32, 32, 8, 128, B, 529, torch.float16, "cpu", plans=(None, None))
+    monkeypatch.setattr(decode, "build_decode_kernel", lambda *a, **kw: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    plan = SharedPrefixDecode(32, 32, 8, 128, B, 529, torch.float16, "cpu")
     assert plan.fold == 4 and [plan.own_pass_long_requests(bs) for bs in (1, 4, 5, 16, 32)] == [1, 1, 2, 4, 8]
-    shape = dict(q_heads=32, kv_heads=8, head_dim=128, block_size=B, stages=STAGES, num_sms=132, split_capacity=512,
-                 forms=ANY_FORMS)
-    own = SimpleNamespace(forced_splits=None, plan_batch=plan.own_pass_long_requests, **shape)
-    per_request = SimpleNamespace(forced_splits=None, plan_batch=None, **shape)
 
     def rule(batch):
         return plan_num_splits(batch, 32, 8, 128, B, 529, STAGES, 132, 512)
 
-    assert HieraSparseDecode.splits(own, 16, 529) == rule(4) > HieraSparseDecode.splits(per_request, 16, 529) == rule(16)
+    assert plan.own_plan.splits(16, 529) == rule(4) > plan.per_request_plan.splits(16, 529) == rule(16)
 
 
 @pytest.mark.gpu
