@@ -337,9 +337,8 @@ class SharedPrefixDecode:
         self.max_sets = max_sets or max(1, batch_size // 2)
         self.forms = tuple(forms)
         self.merge_kernel = None
-        # Split counts chosen on the GPU per step (the decode kernel's shared pass); else stand-ins (tests)
-        # or the extend kernel's fixed count.
-        self.dynamic_splits = plans is None and shared_kernel == "decode"
+        # Split counts chosen on the GPU per step (else stand-ins: tests).
+        self.dynamic_splits = plans is None
         if plans is None:
             from sglang_hs.kernels.decode import STAGES, HieraSparseDecode, min_splits
 
@@ -370,7 +369,10 @@ class SharedPrefixDecode:
         self.per_request_plan = plans[2] if len(plans) > 2 else self.own_plan
         # Split count by the number of sets with blocks to share (index 0..max_sets), on the device.
         by_sets = [1] * (self.max_sets + 1)
-        if self.dynamic_splits:
+        if self.dynamic_splits and shared_kernel == "extend":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            by_sets = [shared_splits or self.shared_plan.rule_splits(max(n, 1), sms) for n in range(self.max_sets + 1)]
+        elif self.dynamic_splits:
             by_sets = [shared_splits or min(self.shared_plan.rule_splits(max(n, 1), max_blocks), SHARED_MAX_SPLITS
                                             if n < SHARED_MANY_SETS else SHARED_MANY_SETS_SPLITS)
                        for n in range(self.max_sets + 1)]  # fmt: skip

@@ -128,30 +128,36 @@ def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, 
 
 def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64,
                            dtype: str = "float16", tile: str = "n128", stages: int = 2, k_sparse: bool = True,
-                           forms: tuple[str, str] = ANY_FORMS):  # fmt: skip
-    """The TileLang ``prim_func`` of one configuration (every batch dimension is dynamic)."""
+                           forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False):  # fmt: skip
+    """The TileLang ``prim_func`` of one configuration (every batch dimension is dynamic).
+    ``dynamic_splits``: request ``r`` uses ``qo_indptr[bs + 1 + r]`` (at most the grid's) splits and the
+    CTAs of the others exit at once; tile ids go in ascending order (shared-prefix decode's shared pass:
+    its live column sets come first, and how many there are is known only on the GPU)."""
     if stages not in STAGES[tile]:
         raise ValueError(f"tile {tile!r} builds with stages in {STAGES[tile]}, got {stages}")
     if tile == "n64":
         from sglang_hs.kernels.extend_overlap import build_prim_func
     else:
         from sglang_hs.kernels.extend_producer import build_prim_func
-    return build_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, stages, k_sparse, tuple(forms))
+    return build_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, stages, k_sparse, tuple(forms), dynamic_splits)
 
 
 def extend_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
-                       k_sparse=True, forms=ANY_FORMS) -> tuple:  # fmt: skip
-    """The arguments that key an extend kernel in TileLang's cache (and a compile job): ``forms`` only
-    when it is not every form (so the every-form kernels keep their keys)."""
+                       k_sparse=True, forms=ANY_FORMS, dynamic_splits=False) -> tuple:  # fmt: skip
+    """The arguments that key an extend kernel in TileLang's cache (and a compile job): ``forms`` and
+    ``dynamic_splits`` up to the last that is not its default (so the other kernels keep their keys)."""
     args = (q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse)
+    if dynamic_splits:
+        return args + (tuple(forms), True)
     return args + ((tuple(forms),) if tuple(forms) != ANY_FORMS else ())
 
 
 @functools.lru_cache(maxsize=None)
 def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
-                        k_sparse=True, forms=ANY_FORMS, target=None):
+                        k_sparse=True, forms=ANY_FORMS, dynamic_splits=False, target=None):
     """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU."""
-    args = extend_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, forms)
+    args = extend_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, forms,
+                              dynamic_splits)  # fmt: skip
     return compile_cached("extend", args, lambda: build_extend_prim_func(*args), EXTEND_PASS_CONFIGS, target)
 
 
@@ -194,7 +200,9 @@ class HieraSparseExtend:
     compiled, or loaded from TileLang's disk cache, on first use of a configuration (tile, stages,
     whether the call has 2:4 K rows). ``forms``: the block forms its kernels hold
     (:class:`~sglang_hs.kernels.extend_common.ExtendParts`; every form by default); a plan for fewer
-    must only be given blocks of those forms.
+    must only be given blocks of those forms. ``dynamic_splits`` (with ``num_splits``, the grid's):
+    every call passes ``split_limit``, each request's split count, read on the GPU
+    (:func:`build_extend_prim_func`).
 
     One plan can serve every layer and every batch of a model: scratch and split tickets are reused
     call after call on one stream (never two calls of one plan concurrently).
@@ -202,8 +210,10 @@ class HieraSparseExtend:
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, tile: str = "auto", stages: int | None = None,
-                 num_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS):
+                 num_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
+        if dynamic_splits and num_splits is None:
+            raise ValueError("dynamic splits need num_splits, the grid's split count")
         group = q_heads // kv_heads
         if group not in (1, 2, 4, 8, 16, 32, 64):  # 32 and 64: shared-prefix decode's folded column sets
             raise ValueError(f"GQA group {group} is not supported")
@@ -216,6 +226,7 @@ class HieraSparseExtend:
         self.block_size, self.max_blocks, self.group = block_size, max_blocks, group
         self.dtype, self.device = dtype, torch.device(device)
         self.tile, self.stages, self.num_splits, self.forms = tile, stages, num_splits, tuple(forms)
+        self.dynamic_splits = dynamic_splits
         self._dt = "float16" if dtype == torch.float16 else "bfloat16"
         self._sms = None
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -242,7 +253,7 @@ class HieraSparseExtend:
         """``(kernel, stages)`` of a call's configuration."""
         stages = self.stages or default_stages(tile)
         k = build_extend_kernel(self.q_heads, self.kv_heads, self.head_dim, self.block_size, self._dt, tile, stages,
-                                k_sparse, self.forms)
+                                k_sparse, self.forms, self.dynamic_splits)
         return k, stages
 
     def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int) -> int:
@@ -275,7 +286,8 @@ class HieraSparseExtend:
     # ------------------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, qo_indptr: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             pools: BlockPools, k_index: torch.Tensor, v_index: torch.Tensor, block_table: torch.Tensor,
-            seq_lens: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None, return_lse: bool = False):
+            seq_lens: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None, return_lse: bool = False,
+            split_limit: torch.Tensor | None = None):  # fmt: skip
         """Extend attention of one layer. No host synchronisation: only tensor shapes are read on the host.
 
         Shapes (``B`` = ``block_size``, ``D`` = ``head_dim``, ``Hq``/``Hkv`` query/KV heads, all on the
@@ -295,6 +307,8 @@ class HieraSparseExtend:
           ``< 0`` virtual block ``-e - 1``); columns past a request's blocks are never read.
         * ``seq_lens``: ``[bs]`` int32, tokens of each request including its new ones.
         * ``out``: ``[total, Hq, D]``, written if given (any strides).
+        * ``split_limit``: ``[bs]`` int32, each request's splits (at most the plan's ``num_splits``; 0: the
+          request is skipped and its rows of ``out`` are not written). Only with ``dynamic_splits``.
 
         Returns ``out [total, Hq, D]``, and with ``return_lse`` also the natural-log LSE ``[total, Hq]``
         fp32 (a plan-owned buffer, overwritten by the next call).
@@ -324,6 +338,10 @@ class HieraSparseExtend:
             lp = self._lp[:total * hq * s].view(total, hq, s)
         else:
             op, lp = self._op_dummy, self._lp_dummy
+        if self.dynamic_splits:  # the kernel reads request r's limit at qo_indptr[bs + 1 + r]
+            if split_limit is None or split_limit.shape[0] != bs:
+                raise ValueError("a plan with dynamic splits needs split_limit [bs]")
+            qo_indptr = torch.cat([qo_indptr[: bs + 1], split_limit.to(torch.int32)])
         kernel(
             q, k_cache, v_cache, *self.pools(pools, k_index, v_index),
             qo_indptr, block_table, seq_lens, float(sm_scale),

@@ -55,6 +55,7 @@ class TileVars(NamedTuple):
     first_block: object  # the split's first block
     num_blocks: object  # blocks of the split
     scale_log2: object  # sm_scale * log2(e)
+    live_splits: object  # the request's splits (the grid's, or its split limit with dynamic splits)
 
 
 class IndexRing(NamedTuple):
@@ -111,7 +112,8 @@ class ExtendParts:
     """
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, tile: str,
-                 stages: int, k_sparse: bool, producer: bool, forms: tuple[str, str] = ANY_FORMS):
+                 stages: int, k_sparse: bool, producer: bool, forms: tuple[str, str] = ANY_FORMS,
+                 dynamic_splits: bool = False):
         import tilelang.language as T
 
         self.T = T
@@ -129,6 +131,7 @@ class ExtendParts:
         self.threads, self.stages, self.k_sparse, self.dtype, self.producer = threads, stages, k_sparse, dtype, producer
         assert forms[0] in KV_FORMS and forms[1] in KV_FORMS and (k_sparse or forms[0] != "sparse")
         self.k_form, self.v_form = ("dense" if not k_sparse else forms[0]), forms[1]
+        self.dynamic_splits = dynamic_splits
         self.TQ = N // G  # query tokens per tile
         self.HALF, self.RB = HALF, RB
         self.accum = "float32"
@@ -400,10 +403,10 @@ class ExtendParts:
                 if tid // G < tile.tile_tokens:
                     row = q_row(tile, tid)
                     merge_stat[0] = NEG
-                    for s2 in T.serial(self.num_splits):
+                    for s2 in T.serial(tile.live_splits):
                         merge_stat[0] = T.max(merge_stat[0], outputs.lse_part[row, q_head(tile, tid), s2])
                     merge_stat[1] = 0.0
-                    for s2 in T.serial(self.num_splits):
+                    for s2 in T.serial(tile.live_splits):
                         if outputs.lse_part[row, q_head(tile, tid), s2] != NEG:
                             merge_stat[1] = merge_stat[1] + T.exp2(
                                 outputs.lse_part[row, q_head(tile, tid), s2] - merge_stat[0])
@@ -412,7 +415,7 @@ class ExtendParts:
                     outputs.lse[row, q_head(tile, tid)] = T.if_then_else(
                         merge_stat[1] > 0, (T.log2(merge_stat[1]) + merge_stat[0]) * LN2, NEG)
             T.fill(oT, 0)
-            for s2 in T.serial(self.num_splits):
+            for s2 in T.serial(tile.live_splits):
                 # The split's weight per column (0 for an empty split), then its partial O for every
                 # element: unconditional loads (an empty split's rows hold stale values, which the select
                 # drops).
@@ -469,7 +472,7 @@ class ExtendParts:
                     ticket_sh[0] = T.atomic_add(outputs.tickets[tile.tile_id, tile.h], 1, memory_order="acq_rel",
                                                 return_prev=True)
                 consumer_sync()
-                if ticket_sh[0] == self.num_splits - 1:
+                if ticket_sh[0] == tile.live_splits - 1:
                     merge_splits(tile, oT, move_sh, outputs)
                     for d, c in T.Parallel(D, N):
                         if c // G < tile.tile_tokens:
@@ -510,6 +513,12 @@ class ExtendParts:
         indptr_len, batch, max_blocks = self.indptr_len, self.batch, self.max_blocks
         part_rows, num_splits, num_tiles = self.part_rows, self.num_splits, self.num_tiles
         parts = self
+        dynamic = self.dynamic_splits
+
+        # Plain Python helpers (not parsed by TileLang): without dynamic splits they emit exactly the
+        # expressions of a kernel without them.
+        def live_splits(qo_indptr, batch, request):  # the request's splits: the grid's, or its limit
+            return T.min(qo_indptr[batch + 1 + request], num_splits) if dynamic else num_splits
 
         @T.prim_func
         def main(
@@ -537,8 +546,9 @@ class ExtendParts:
             with T.Kernel(num_tiles, kv_heads, num_splits, threads=threads + schedule.extra_threads) as (bx, h, split):
                 T.import_source(WARPGROUP_ANY_SRC)
                 # Tile ids in descending order: a request's later tiles see more blocks (causal), so in a
-                # long prefill the longest CTAs start first instead of forming the last wave.
-                tile_id = num_tiles - 1 - bx
+                # long prefill the longest CTAs start first instead of forming the last wave. With dynamic
+                # splits (one-token requests of equal length, live ones first) in ascending order.
+                tile_id = bx if dynamic else num_tiles - 1 - bx
                 Q_s = T.alloc_shared([N, D], dtype)
                 P_s = T.alloc_shared([B, N], dtype)  # S^T (for the column max), then P^T (GEMM2's B)
                 ring_mode = T.alloc_shared([RB], "int32")
@@ -587,6 +597,12 @@ class ExtendParts:
                         if first_token <= tile_id and tile_id < first_token + T.ceildiv(new_tokens, TQ):
                             request_sh[0] = req
                 T.sync_threads()
+                if dynamic:  # a split past its request's limit exits as a tile id in a gap does
+                    if tid == 0:
+                        if request_sh[0] >= 0:
+                            if split >= qo_indptr[batch + 1 + request_sh[0]]:
+                                request_sh[0] = -1
+                    T.sync_threads()
                 request = request_sh[0]
                 if request >= 0:
                     first_row = qo_indptr[request]
@@ -596,7 +612,7 @@ class ExtendParts:
                     last_pos = seq_lens[request] - new_tokens + first_token + tile_tokens - 1
                     first_masked = (last_pos - tile_tokens + 2) // B  # blocks from here reach past the first query
                     visible = last_pos // B + 1  # blocks the tile sees
-                    per_split = T.ceildiv(visible, num_splits)
+                    per_split = T.ceildiv(visible, live_splits(qo_indptr, batch, request))
                     first_block = split * per_split
                     num_blocks = T.max(T.min(per_split, visible - first_block), 0)
                     scale_log2 = sm_scale * LOG2E
@@ -614,7 +630,8 @@ class ExtendParts:
                     T.sync_threads()
 
                     tile = TileVars(tile_id, request, h, split, first_row, first_token, tile_tokens, last_pos,
-                                    first_masked, first_block, num_blocks, scale_log2)
+                                    first_masked, first_block, num_blocks, scale_log2,
+                                    live_splits(qo_indptr, batch, request))
                     sm = Softmax(sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max, pending_mode)
                     src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
                     outputs = Outputs(column_sh, weight_sh, ticket_sh, row_sum, merge_stat, out, lse, o_part, lse_part,

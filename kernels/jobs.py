@@ -67,7 +67,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
                 heads = shared_kernel_spec(q_heads, kv_heads, head_dim, BLOCK_SIZE, DECODE_STAGES, forms,
                                            EXTEND_COLUMNS)[0]  # fmt: skip
                 jobs += [("extend", extend_kernel_args(heads, kv_heads, head_dim, BLOCK_SIZE, dtype, "n64",
-                                                       _extend_stages("n64"), k_sparse, forms))
+                                                       _extend_stages("n64"), k_sparse, forms, dynamic_splits=True))
                          for k_sparse in extend_k_sparse]  # fmt: skip
             else:
                 heads, kv, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, BLOCK_SIZE, DECODE_STAGES, forms)

@@ -18,14 +18,27 @@ from __future__ import annotations
 import torch
 
 from sglang_hs.format import BlockPools
-from sglang_hs.kernels.common import ANY_FORMS
+from sglang_hs.kernels.common import ANY_FORMS, SMEM_PER_SM
+
+
+N64_REGISTER_CTAS = 2
+"""CTAs of the n64 tile an SM's registers hold: ptxas gives it 234 registers a thread at d 128 (128
+threads), so shared memory that would fit a third CTA (2:4 K and V only) does not decide."""
+
+
+def ctas_per_sm_n64(head_dim: int, block_size: int, forms: tuple[str, str]) -> int:
+    """CTAs of the extend kernel's n64 tile an SM holds: by shared memory, at most :data:`N64_REGISTER_CTAS`."""
+    from sglang_hs.kernels.extend import smem_bytes
+
+    per_cta = smem_bytes("n64", head_dim, block_size, 2, forms[0] != "dense", forms) + 1024
+    return max(1, min(SMEM_PER_SM // per_cta, N64_REGISTER_CTAS))
 
 EXTEND_COLUMNS = 64
 """The n64 tile's query columns: ``64 // G`` requests a column set (16 at G = 4)."""
 EXTEND_SHARED_SPLITS = 16
-"""Splits per (set, KV head), fixed: the extend kernel reads no split count from the GPU, and the
-host does not know how many of a step's set rows are live. A plan of many set rows gets fewer
-(``SharedPrefixDecode`` keeps the scratch within ``SHARED_MAX_PARTS`` partials)."""
+"""The grid's splits per (set row, KV head): each step's live sets use :meth:`ExtendSharedPass.rule_splits`
+of them, read on the GPU (the host does not know how many of a step's set rows are live); a plan of
+many set rows gets fewer (``SharedPrefixDecode`` keeps the scratch within ``SHARED_MAX_PARTS`` partials)."""
 
 
 class ExtendSharedPass:
@@ -42,8 +55,10 @@ class ExtendSharedPass:
         from sglang_hs.kernels.extend import HieraSparseExtend
 
         self.extend = HieraSparseExtend(heads, kv_heads, head_dim, block_size, max_blocks, dtype, device, tile="n64",
-                                        num_splits=num_splits, forms=forms)  # fmt: skip
+                                        num_splits=num_splits, forms=forms, dynamic_splits=True)  # fmt: skip
         self.extend.reserve(max_sets, max_sets, num_splits, "n64")
+        self.num_splits, self.kv_heads = num_splits, kv_heads
+        self.ctas_per_sm = ctas_per_sm_n64(head_dim, block_size, forms)
         self.indptr = torch.arange(max_sets + 1, dtype=torch.int32, device=device)  # one query token a set
         self.batch_size = max_sets
         self.captured = False
@@ -53,11 +68,25 @@ class ExtendSharedPass:
             sm_scale: float, out: torch.Tensor | None = None, return_lse: bool = False,
             split_limit: torch.Tensor | None = None):  # fmt: skip
         """``q [sets, heads, D]`` (folded), ``block_table [sets, W]`` (shared blocks), ``seq_lens [sets]``
-        (shared tokens, 0 for an empty set); ``split_limit`` is ignored (the split count is fixed)."""
+        (shared tokens, 0 for an empty set); ``split_limit [sets]``: each set's splits (at most the
+        plan's ``num_splits``; all of them if None)."""
         sets = q.shape[0]
         if sets > self.batch_size:
             raise ValueError(f"{sets} set rows > the plan's {self.batch_size}")
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             self.captured = True
+        if split_limit is None:
+            split_limit = torch.full((sets,), self.num_splits, dtype=torch.int32, device=q.device)
+        # An empty set (limit 0) is skipped; its rows of out are never merged.
+        split_limit = torch.where(seq_lens > 0, split_limit, 0)
         return self.extend.run(q, self.indptr[: sets + 1], k_cache, v_cache, pools, k_index, v_index, block_table,
-                               seq_lens.clamp(min=1), sm_scale, out=out, return_lse=return_lse)  # fmt: skip
+                               seq_lens, sm_scale, out=out, return_lse=return_lse, split_limit=split_limit)  # fmt: skip
+
+    def call_splits(self, sets: int, width: int) -> int:
+        """The grid's splits (every call's; each set uses at most that many)."""
+        return self.num_splits
+
+    def rule_splits(self, sets: int, num_sms: int) -> int:
+        """Splits per live set at ``sets`` live sets: the most that keep every CTA in one wave (the pass
+        is bound by each SM's block steps, so a second wave only adds a tail), at most the grid's."""
+        return max(1, min(self.num_splits, num_sms * self.ctas_per_sm // max(1, sets * self.kv_heads)))

@@ -35,11 +35,13 @@ from sglang_hs.kernels.timing import time_graphs
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
 
 
-def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int, capacity: int):
-    """The shared pass alone with every set at ``splits`` splits (a plan of its own, same kernel)."""
+def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int, capacity: int,
+                    stages: int = STAGES):  # fmt: skip
+    """The shared pass alone with every set at ``splits`` splits (a plan of its own; the same kernel at
+    the default ``stages``)."""
     sets, heads = folded.shape[0], folded.shape[1]
     plan = HieraSparseDecode(sets, heads, 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
-                             split_capacity=capacity, forms=FORMS, dynamic_splits=True)  # fmt: skip
+                             stages=stages, split_capacity=capacity, forms=FORMS, dynamic_splits=True)  # fmt: skip
     limit = torch.full((sets,), splits, dtype=torch.int32, device="cuda")
     return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True, split_limit=limit)
 
@@ -75,6 +77,8 @@ def benchmark_shape() -> dict:
     return fns
 
 
+UNEVEN_GROUPS = ((6, 5, 5), (7, 6, 2, 1), (8, 7, 1), (5, 5, 4, 1, 1), (3, 3, 3, 3, 2, 2), (12, 11, 8, 1))
+"""``--overlap`` and ``--stages``: sizes of the groups of one batch (1: a request alone on its prefix)."""
 SERVER_WIDTH = 529  # the regime-1 server's block table: (32768 + 1024) / 64 + 1
 
 
@@ -150,17 +154,17 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
         yield f"{prefixes} prefixes, {bs} requests ({grouped} in column sets, shared blocks {shared_blocks})", fns
 
 
-def _server_mix(base: dict, paged: dict, bs: int, per_request: HieraSparseDecode, workspace: torch.Tensor,
-                prefix_of: list[int] | None = None):
+def _server_mix(base: dict, paged: dict, bs: int, per_request: HieraSparseDecode, workspace: torch.Tensor | None,
+                prefix_of: list[int] | None = None):  # fmt: skip
     """One batch of ``bs`` requests over ``base``'s prefixes (``share_prefixes``) with chunk windows:
     its run arguments ``(q, kv, bt, sl, ki, vi, scale)`` and the dense baselines timed beside it
-    (FlashInfer fa2, the per-request kernel)."""
+    (FlashInfer fa2, unless ``workspace`` is None, and the per-request kernel)."""
     case, case_paged = share_prefixes(base, paged, bs, seed=5, prefix_of=prefix_of)
     q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
     _add_chunk_windows(bt)
     kv, out = (kc, vc, pools, ki, vi), torch.empty_like(q)
-    fns = {"FlashInfer fa2": flashinfer_decode(case, case_paged, workspace, "fa2"),
-           "per-request kernel": lambda: per_request.run(q, *kv, bt, sl, scale, out=out)}
+    fns = {} if workspace is None else {"FlashInfer fa2": flashinfer_decode(case, case_paged, workspace, "fa2")}
+    fns["per-request kernel"] = lambda: per_request.run(q, *kv, bt, sl, scale, out=out)
     return (q, kv, bt, sl, ki, vi, scale), fns
 
 
@@ -196,6 +200,79 @@ def _server_columns(mixes, columns_options=(16, 32, 64), splits_options=(8, 16, 
         yield f"{prefixes} prefixes, {bs} requests ({'; '.join(notes)})", fns
 
 
+def _arrivals(group_sizes) -> list[int]:
+    """The prefix of each request of a batch of groups of these sizes, interleaved in arrival order: one
+    request of each prefix with requests left, in turn."""
+    left, prefix_of = list(group_sizes), []
+    while any(left):
+        for g, n in enumerate(left):
+            if n:
+                prefix_of.append(g)
+                left[g] -= 1
+    return prefix_of
+
+
+def _server_stages(group_sizes, stage_options=(2, 3, 4), splits_options=(6, 8, 11, 16)):
+    """Per batch of uneven groups (as ``--overlap``; lone requests as sets): the decode kernel's shared
+    pass alone with ``stages`` shared-memory stages (blocks a CTA has in flight: ``stages - 1``; 4, 3
+    and 2 CTAs an SM at S_K = S_V = 1) at several split counts, and the whole call at the plan's split
+    count; server shape with chunk windows, plans built for 32 requests. No FlashInfer (needs only
+    TileLang on the device)."""
+    per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
+    plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
+    base = _server_case(max(len(sizes) for sizes in group_sizes))
+    paged = paged_dense(base)
+    for sizes in group_sizes:
+        prefix_of = _arrivals(sizes)
+        bs = len(prefix_of)
+        (q, kv, bt, sl, ki, vi, scale), fns = _server_mix(base, paged, bs, per_request, None, prefix_of)
+        step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
+        sets = plan.sets_for(bs)
+        live = int((step.shared_lens[:sets] > 0).sum())
+        fns[f"shared-prefix decode ({int(step.shared_splits[0])} splits)"] = lambda step=step, q=q, kv=kv: plan.run(
+            q, *kv, step, scale)
+        folded = plan.fold_queries(q, step.members[:sets])
+        table, lens = step.shared_table[:sets], step.shared_lens[:sets]
+        for stages in stage_options:
+            capacity = shared_kernel_spec(32, 8, 128, 64, stages, FORMS)[2]
+            for splits in splits_options:
+                fns[f"shared pass, {stages} stages, {splits} splits"] = _shared_pass_at(
+                    splits, folded, kv, table, lens, scale, SERVER_WIDTH, capacity, stages)
+        yield f"groups {'/'.join(map(str, sizes))}, {bs} requests, {live} sets", fns
+
+
+def _server_extend_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
+    """Per batch of uneven groups (as ``--overlap``): the whole call with the decode kernel's shared
+    pass (the default), and with the extend kernel's at its rule's split count (None) or every set at a
+    fixed one, lone requests as sets or in the own pass (own pass beside); server shape with chunk
+    windows, plans built for 32 requests. No FlashInfer (needs only TileLang on the device)."""
+    per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
+    decode = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
+    extend = {splits: SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS,
+                                         shared_kernel="extend", shared_splits=splits)
+              for splits in splits_options}  # fmt: skip
+    base = _server_case(max(len(sizes) for sizes in group_sizes))
+    paged = paged_dense(base)
+    for sizes in group_sizes:
+        prefix_of = _arrivals(sizes)
+        bs = len(prefix_of)
+        (q, kv, bt, sl, ki, vi, scale), fns = _server_mix(base, paged, bs, per_request, None, prefix_of)
+        step = decode.plan_step(bt, sl, ki, vi, min_own_blocks=1)
+        fns[f"decode shared pass, lone as sets ({int(step.shared_splits[0])} splits)"] = (
+            lambda step=step, q=q, kv=kv: decode.run(q, *kv, step, scale))
+        notes = []
+        for lone in (LONE_MIN_BLOCKS, None):
+            for splits, plan in extend.items():
+                step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1, lone_min_blocks=lone)
+                if splits is None:
+                    notes.append(f"lone {'as sets' if lone else 'in the own pass'}: "
+                                 f"{int((step.shared_lens > 0).sum())} extend sets at {int(step.shared_splits[0])} splits")
+                fns[f"extend shared pass, lone {'as sets' if lone else 'in own pass'}, "
+                    f"{'rule' if splits is None else splits} splits"] = (
+                    lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
+        yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
+
+
 def _server_overlap(group_sizes):
     """Per batch of uneven groups (sizes of the groups on successive prefixes, interleaved in arrival
     order; a size of 1 is a request alone on its prefix, as a group's first or last request is in a
@@ -213,13 +290,7 @@ def _server_overlap(group_sizes):
     base = _server_case(max(len(sizes) for sizes in group_sizes))
     paged = paged_dense(base)
     for sizes in group_sizes:
-        left = list(sizes)
-        prefix_of = []
-        while any(left):  # arrivals interleaved: one request of each prefix with requests left, in turn
-            for g, n in enumerate(left):
-                if n:
-                    prefix_of.append(g)
-                    left[g] -= 1
+        prefix_of = _arrivals(sizes)
         bs = len(prefix_of)
         (q, kv, bt, sl, ki, vi, scale), fns = _server_mix(base, paged, bs, per_request, workspace, prefix_of)
         notes = []
@@ -258,8 +329,12 @@ def main(argv=None):
                       help="the shared pass at 16, 32 and 64 query columns a CTA, 16-32 requests over 1-6 prefixes")
     mode.add_argument("--overlap", action="store_true",
                       help="uneven groups with lone requests: the own pass after or beside the shared pass")
+    mode.add_argument("--extend-splits", action="store_true",
+                      help="uneven groups: the extend kernel's shared pass at 4 to 11 splits")
+    mode.add_argument("--stages", action="store_true",
+                      help="uneven groups: the shared pass at 2, 3 and 4 stages and several split counts")
     args = ap.parse_args(argv)
-    if args.batches or args.chunked or args.columns or args.overlap:
+    if args.batches or args.chunked or args.columns or args.overlap or args.stages or args.extend_splits:
         # Lazily: each batch's functions close over that batch's tensors, which the next one rebinds.
         if args.batches:
             runs = itertools.chain(*(_server_batches((1, 2, 4, 8, 16), prefixes, False) for prefixes in (1, 6)))
@@ -267,9 +342,12 @@ def main(argv=None):
             runs = _server_batches((8, 16, 32), PREFIXES, True)
         elif args.columns:
             runs = _server_columns(((1, 16), (2, 16), (3, 16), (6, 16), (3, 32), (6, 32)))
+        elif args.overlap:
+            runs = _server_overlap(UNEVEN_GROUPS)
+        elif args.stages:
+            runs = _server_stages(UNEVEN_GROUPS)
         else:
-            runs = _server_overlap(((6, 5, 5), (7, 6, 2, 1), (8, 7, 1), (5, 5, 4, 1, 1), (3, 3, 3, 3, 2, 2),
-                                    (12, 11, 8, 1)))  # fmt: skip
+            runs = _server_extend_splits(UNEVEN_GROUPS)
         for label, fns in runs:
             print(label, flush=True)
             for name, us in zip(fns, time_graphs(list(fns.values()), 20)):

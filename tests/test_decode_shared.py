@@ -535,19 +535,28 @@ def test_an_extend_shared_pass_folds_64_columns_with_the_oracle_as_kernel():
 
 class ReferenceExtend:
     """Stands in for ``HieraSparseExtend`` (same ``run`` signature) with the oracle: causal attention of
-    each request's queries at the last positions of its ``seq_lens`` tokens."""
+    each request's queries at the last positions of its ``seq_lens`` tokens; a request whose
+    ``split_limit`` is 0 is skipped, as the kernel skips it: its rows are NaN (never to be merged)."""
 
     def run(self, q, qo_indptr, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale, out=None,
-            return_lse=False):  # fmt: skip
+            return_lse=False, split_limit=None):  # fmt: skip
+        skipped = (split_limit == 0).tolist()
+        self.skipped = skipped
+        lens = [max(n, 1) for n in seq_lens.tolist()]  # the oracle's queries need a position
         o, lse = R.paged_attention(q, qo_indptr.tolist(), k_cache, v_cache, pools, k_index, v_index, block_table,
-                                   seq_lens.tolist(), sm_scale)  # fmt: skip
+                                   lens, sm_scale)  # fmt: skip
+        starts = qo_indptr.tolist()
+        for r, skip in enumerate(skipped):
+            if skip:
+                o[starts[r] : starts[r + 1]] = float("nan")
+                lse[starts[r] : starts[r + 1]] = float("nan")
         return (o, lse) if return_lse else o
 
 
 def test_the_extend_shared_pass_maps_a_set_to_one_query_token_over_its_shared_blocks():
     """CPU: ``ExtendSharedPass`` hands the extend kernel one query token a set, at the last position of
-    the set's shared tokens (so every shared key is visible), and empty sets one block; with the
-    extend oracle in place of the kernel, shared-prefix decode equals the reference."""
+    the set's shared tokens (so every shared key is visible), and skips empty sets (split limit 0);
+    with the extend oracle in place of the kernel, shared-prefix decode equals the reference."""
     from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
 
     case = _case(32, 8, torch.float32, "cpu")
@@ -562,6 +571,7 @@ def test_the_extend_shared_pass_maps_a_set_to_one_query_token_over_its_shared_bl
         step = plan.plan_step(table, lens, k_index, v_index, lone_min_blocks=lone)
         assert int((step.shared_lens == 0).sum()) == empty_rows
         out = plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
+        assert sum(shared.extend.skipped) == empty_rows
         assert torch.allclose(out, _reference(case)[0], atol=2e-5, rtol=1e-4)
 
 

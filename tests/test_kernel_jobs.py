@@ -47,7 +47,7 @@ def test_model_jobs_do_not_depend_on_batch_or_context():
     # heads) for the store's K form, instead of the 16-column decode kernel.
     ext = J.model_jobs(32, 8, 128, "bfloat16", extend_k_sparse=(True,), shared_decode_forms=("sparse", "sparse"),
                        shared_pass_kernel="extend")  # fmt: skip
-    assert ext[2] == ("extend", (512, 8, 128, 64, "bfloat16", "n64", 2, True, ("sparse", "sparse")))
+    assert ext[2] == ("extend", (512, 8, 128, 64, "bfloat16", "n64", 2, True, ("sparse", "sparse"), True))
     assert [kind for kind, _ in ext].count("decode") == 2
 
 
