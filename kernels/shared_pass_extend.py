@@ -35,10 +35,15 @@ def ctas_per_sm_n64(head_dim: int, block_size: int, forms: tuple[str, str]) -> i
 
 EXTEND_COLUMNS = 64
 """The n64 tile's query columns: ``64 // G`` requests a column set (16 at G = 4)."""
-EXTEND_SHARED_SPLITS = 16
-"""The grid's splits per (set row, KV head): each step's live sets use :meth:`ExtendSharedPass.rule_splits`
-of them, read on the GPU (the host does not know how many of a step's set rows are live); a plan of
-many set rows gets fewer (``SharedPrefixDecode`` keeps the scratch within ``SHARED_MAX_PARTS`` partials)."""
+EXTEND_SHARED_SPLITS = 8
+"""The grid's splits per (set row, KV head), and the most a set uses: each step's live sets use
+:meth:`ExtendSharedPass.rule_splits` of them, read on the GPU (the host does not know how many of a
+step's set rows are live); a plan of many set rows gets fewer (``SharedPrefixDecode`` keeps the scratch
+within ``SHARED_MAX_PARTS`` partials). On an H100, whole calls at the server's shape (16 requests,
+uneven groups, own pass beside): 3 sets took 176.4 us at 8 splits, 194.3 at 11 (one full wave of
+two CTAs an SM) and 256.5 at 16; 2 sets 201.0 at 8 and 197.8 at 11; 4 sets 199.1 at 8 and 196.6 at 6
+(``profile_shared_decode --extend-splits``, ``docs/results.md``): a wave left part empty is the own
+pass's room beside it."""
 
 
 class ExtendSharedPass:
