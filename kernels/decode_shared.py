@@ -156,8 +156,11 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
     top = torch.maximum(lse_a, lse_b).clamp(min=torch.finfo(torch.float32).min)  # both -inf: weights 0
     wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)
     total = (wa + wb).clamp(min=torch.finfo(torch.float32).tiny)
-    out = out_a.float() * (wa / total)[..., None] + out_b.float() * (wb / total)[..., None]
-    return out.to(out_a.dtype)
+
+    def weighted(out, w):  # a side of weight 0 is never read (a skipped set's rows are not written)
+        return torch.where(w[..., None] > 0, out.float() * (w / total)[..., None], 0.0)
+
+    return (weighted(out_a, wa) + weighted(out_b, wb)).to(out_a.dtype)
 
 
 @dataclass
@@ -288,7 +291,8 @@ def _merge_kernel_factory():
         col = (j // G) * FOLD * G + (p0 % FOLD) * G + j % G  # the folded query head of (request, head)
         row = (p0 // FOLD) * HQ * FOLD + col
         l_sh = tl.where(valid, tl.load(sh_lse + row), float("-inf"))
-        o_sh = tl.load(sh_out + row * D + d).to(tl.float32)
+        # Only a request in a set reads the shared pass: a skipped (empty) set's rows are never written.
+        o_sh = tl.load(sh_out + row * D + d, mask=valid & (d < D), other=0.0).to(tl.float32)
         top = tl.maximum(l_own, l_sh)
         top = tl.where(top == float("-inf"), 0.0, top)
         w_own = tl.exp(l_own - top)

@@ -113,20 +113,42 @@ def _reference(case):
                              case["seq_lens_list"], case["sm_scale"])  # fmt: skip
 
 
-def _run(plan, case):
+def _run(plan, case, sets: bool = True):
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
     step = plan.plan_step(block_table, seq_lens, k_index, v_index)
-    assert (step.members[:, 0] >= 0).any()  # the batch has column sets
+    assert bool((step.members[:, 0] >= 0).any()) == sets  # whether the batch has column sets
     return plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
 
 
+def _distinct_case(q_heads: int = 32, kv_heads: int = 8):
+    """10 requests, each on a prefix of its own (a batch large enough for the shared pass, with no set)."""
+    return cases.make_case([300 + 37 * i for i in range(10)], q_heads, kv_heads, 64, 1.0, 1.0, torch.float32, "cpu",
+                           seed=4)  # fmt: skip
+
+
+def test_a_batch_without_sets_never_reads_the_skipped_shared_rows():
+    """CPU: a call of 10 distinct requests runs the shared pass over 5 empty set rows, which a kernel
+    skips (their output rows are never written: NaN here); the merge must not read them."""
+    case = _distinct_case()
+    plan = SharedPrefixDecode(10, 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
+                              plans=(ReferencePlan(float("nan")), ReferencePlan()))  # fmt: skip
+    assert plan.sets_for(10) == 5
+    out = _run(plan, case, sets=False)
+    assert torch.allclose(out, _reference(case)[0], atol=2e-5, rtol=1e-4)
+
+
 class ReferencePlan:
-    """Stands in for ``HieraSparseDecode`` (same ``run`` signature) with the oracle, per request."""
+    """Stands in for ``HieraSparseDecode`` (same ``run`` signature) with the oracle, per request.
+    ``empty``: the output of a request with no tokens (NaN stands for rows a kernel skips and never
+    writes, as the shared pass skips an empty set)."""
+
+    def __init__(self, empty: float = 0.0):
+        self.empty = empty
 
     def run(self, q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale, out=None,
             return_lse=False, split_limit=None):  # fmt: skip
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], -torch.inf)
+        out = torch.full_like(q, self.empty)
+        lse = torch.full(q.shape[:2], -torch.inf if self.empty == 0 else self.empty)
         for r, length in enumerate(seq_lens.tolist()):
             if length > 0:
                 o, l = R.paged_attention(q[r : r + 1], [0, 1], k_cache, v_cache, pools, k_index, v_index,
@@ -234,6 +256,7 @@ def test_small_calls_run_the_per_request_kernel(bs):
 
     class Recording(ReferencePlan):
         def __init__(self, name):
+            super().__init__()
             self.name = name
 
         def run(self, q, *args, **kw):
@@ -412,12 +435,15 @@ from sglang_hs.kernels.decode_shared import SharedPrefixDecode, _merge_kernel_fa
 for hq, hkv in [(32, 8), (8, 2)]:
     case = t._case(hq, hkv, torch.float32, "cpu", sk=0.5, sv=1.0)
     plan = SharedPrefixDecode(case["q"].shape[0], hq, hkv, 64, 64, case["max_blocks"], torch.float32, "cpu",
-                              plans=(t.ReferencePlan(), t.ReferencePlan()))
+                              plans=(t.ReferencePlan(float("nan")), t.ReferencePlan()))
     by_torch = t._run(plan, case)
     plan.merge_kernel = _merge_kernel_factory()
     by_triton = t._run(plan, case)
     ref, _ = t._reference(case)
     assert torch.allclose(by_triton, by_torch, atol=1e-6) and torch.allclose(by_triton, ref, atol=2e-5), hq
+    distinct = t._distinct_case(hq, hkv)  # no set: every shared row skipped (NaN), none read
+    by_triton = t._run(plan, distinct, sets=False)
+    assert torch.allclose(by_triton, t._reference(distinct)[0], atol=2e-5)
 print("ok")
 """.format(tests=os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
