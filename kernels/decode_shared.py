@@ -8,15 +8,18 @@ request's blocks on its own, so a prefix shared by ``m`` requests is read, and s
 times; FlashInfer then serves the repeats from L2 and wins (``docs/results.md``). Here the batch is
 split in two passes over disjoint KV, merged by log-sum-exp:
 
-* **Shared pass.** The requests of a prefix group are folded into the query-head axis: the decode
-  kernel serves the ``G = Hq / Hkv`` query heads of one KV head as the GEMM's N columns (padded to 8,
-  or 16), so ``fold = 16 // G`` requests' queries fit one CTA. A *column set* of up to ``fold``
-  members is one request of a decode kernel compiled for ``Hkv * fold * G`` query heads, with the
-  group's shared blocks as its block table: each shared block is loaded and stepped once per set, not
-  once per request. Under settings that give every compressed block one form per operand
-  (:func:`compressed_forms`) the shared pass takes only the shared blocks of that form and the
-  kernel's stages hold just that form (smaller stages, more CTAs an SM); dense sinks and windows (one
-  after every chunk of a prefix cached through chunked prefill) then go to the own pass.
+* **Shared pass** (:mod:`.shared_pass_extend`). The requests of a prefix group are folded into the
+  query-head axis of the extend kernel's n64 tile, whose 64 query columns a CTA serve ``fold = 64 // G``
+  requests' ``G = Hq / Hkv`` query heads of one KV head: a *column set* of up to ``fold`` members is
+  one extend "request" of one query token with ``Hkv * fold * G`` query heads, at the last position of
+  the group's shared blocks (so every shared key is visible and no mask applies). Each shared block
+  is loaded and stepped once per set, not once per request. Under settings that give every
+  compressed block one form per operand (:func:`compressed_forms`) the shared pass takes only the
+  shared blocks of that form and the kernel's stages hold just that form (smaller stages, two CTAs
+  an SM); dense sinks and windows (one after every chunk of a prefix cached through chunked
+  prefill) then go to the own pass. (Until session 42 the shared pass ran on the decode kernel, 16
+  columns a CTA: a prefix read by 16 requests was stepped through four times, and at the server's
+  shape the whole call took 1.09-1.29x longer than on the extend kernel; ``docs/kernels.md``.)
 * **Own pass.** Every request then attends to the blocks its set's shared pass did not take (its
   question, its generated tokens, dense sinks and windows) with the model's own decode kernel, built
   with a floor of blocks a split (its requests mostly read a short tail). A request alone on a long
@@ -25,10 +28,10 @@ split in two passes over disjoint KV, merged by log-sum-exp:
 * **Merge.** ``out = (e^(lse_s) o_s + e^(lse_o) o_o) / (e^(lse_s) + e^(lse_o))`` per query head (an
   empty pass has LSE ``-inf`` and weight 0).
 
-Each set's split count is chosen on the GPU too (:func:`split_limits`): the per-request rule at the
-number of sets that have blocks to share (at most :data:`SHARED_MANY_SETS_SPLITS` from
-:data:`SHARED_MANY_SETS` sets), read by the decode kernel per set (``dynamic_splits``), so a
-captured graph's fixed grid (:data:`SHARED_MAX_SPLITS` per set row) serves steps of few and of many sets.
+Each set's split count is chosen on the GPU too (:func:`split_limits`): the shared pass's rule
+(:meth:`.shared_pass_extend.ExtendSharedPass.rule_splits`) at the number of sets that have blocks to
+share, read by the kernel per set (``dynamic_splits``; an empty set gets 0 and is skipped), so a
+captured graph's fixed grid serves steps of few and of many sets.
 
 Grouping runs on the GPU once per decode step (:func:`step_tables`): requests whose first block
 entries are equal share a radix-tree path; the shared part is the run of leading block-table columns
@@ -52,19 +55,6 @@ OWN_MIN_SPLIT_BLOCKS = 4
 """The own pass's floor of blocks a split (``HieraSparseDecode(min_split_blocks=...)``): its requests
 mostly read a short tail (a dense sink and window, the question, generated tokens), which a split
 count planned for long requests would spread one block a CTA; measured in ``docs/results.md``."""
-SHARED_MAX_SPLITS = 16
-"""The most splits a column set's shared pass uses. A set's split count is chosen on the GPU from the
-sets the step really has (:func:`split_limits`; the host plans for ``bs // 2`` rows, most of them empty):
-16 columns at 16 requests on an H200 took 106.9 us at 16 splits and 140.3 at 8 with 4 sets, 187.5 at 16
-and 148.3 at 8 with 6, and 32 splits were slower than 16 at every count measured (the fused merge of
-16 folded heads over every split; ``bench_decode_shared_columns_h200.log``)."""
-SHARED_MANY_SETS = 5
-"""From this many sets with blocks to share, a set gets at most :data:`SHARED_MANY_SETS_SPLITS` splits
-(below, the cost model's count, at most :data:`SHARED_MAX_SPLITS`). The cost model counts only CTA
-waves and wanted 11 at 6 sets; the fused merge's work grows with the splits, and on an H200 6 sets took
-173.8 us at 8 splits against 229.9 at 16 (3 prefixes, 16 requests), 12 sets 326.5 against 345.8 and 9
-sets the same at both (session 41, ``bench_decode_shared_columns_s41_h200.log``)."""
-SHARED_MANY_SETS_SPLITS = 8
 LONE_MIN_BLOCKS = 64
 """A request alone on its prefix joins the shared pass as a set of one from this many blocks to share
 (4K tokens at 64-token blocks; :func:`step_tables`' ``lone_min_blocks``). A set of one costs a set row
@@ -72,44 +62,34 @@ whatever it holds, so short requests stay in the own pass; the threshold itself 
 regime-1 requests it was made for hold about 500 blocks)."""
 SHARED_MAX_PARTS = 512
 """The shared pass's scratch, in (set, split) partials: a server's plan for 256 requests has 128 set
-rows, which at :data:`SHARED_MAX_SPLITS` would take 134 MB of fp32 partials; such a call gets fewer
-splits (a batch that large has many sets)."""
+rows, which at 8 splits would take 134 MB of fp32 partials at Llama-8B's 512 folded heads; such a
+call gets fewer splits (a batch that large has many sets)."""
 MIN_SHARED_BATCH = 8
 """Calls of fewer requests run the per-request kernel: the shared pass costs 90-150 us whatever it
 shares, and below 8 requests it lost to the per-request kernel at the regime-1 server's shape on an
 H200 even when every request shared one prefix (2 requests: 161 against 60 us, 4: 116 against 104; 8:
 120 against 195; ``bench_decode_shared_batches_h200.log``)."""
 
-FOLD_COLUMNS = 16
-"""The shared pass's N (query heads of one KV head, padded): a column set holds ``FOLD_COLUMNS // G``
-requests. The decode kernel takes up to :data:`sglang_hs.kernels.decode.MAX_COLUMNS`."""
+def fold_of(q_heads: int, kv_heads: int) -> int:
+    """Requests per column set for a model's GQA group (1 when the group fills the tile's columns)."""
+    from sglang_hs.kernels.shared_pass_extend import SHARED_COLUMNS
+
+    return max(1, SHARED_COLUMNS // (q_heads // kv_heads))
 
 
-def fold_of(q_heads: int, kv_heads: int, columns: int = FOLD_COLUMNS) -> int:
-    """Requests per column set for a model's GQA group (1 when the group fills the N columns)."""
-    return max(1, columns // (q_heads // kv_heads))
+def shared_heads(q_heads: int, kv_heads: int) -> int:
+    """Query heads of the shared pass's extend kernel: ``Hkv * fold * G`` (one KV head's CTA serves
+    ``fold`` requests' ``G`` heads)."""
+    return kv_heads * fold_of(q_heads, kv_heads) * (q_heads // kv_heads)
 
 
 GPU_SHAPES = ((32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (8, 2, 64, "float16"))
 """The model shapes (q_heads, kv_heads, head_dim, dtype) of the GPU tests; their own-pass kernels are
-:data:`sglang_hs.kernels.decode.PRECOMPILE` entries, their shared-pass kernels (``Hkv * 16`` query
-heads, one per :data:`GPU_FORMS` entry) and own-pass kernels (the model's shape with a split floor)
-are compiled by ``python -m sglang_hs.kernels.decode_shared [--jobs N]``."""
+:data:`sglang_hs.kernels.decode.PRECOMPILE` entries, their shared-pass kernels (one per
+:data:`GPU_FORMS` entry) and own-pass kernels (the model's shape with a split floor) are compiled by
+``python -m sglang_hs.kernels.decode_shared [--jobs N]``."""
 GPU_FORMS = (ANY_FORMS, ("sparse", "sparse"), ("dense", "sparse"))
 """The shared-pass forms the GPU tests build for every shape of :data:`GPU_SHAPES`."""
-WIDE_COLUMNS = (32, 64)
-"""Shared-pass widths beyond :data:`FOLD_COLUMNS` that the GPU tests build (Llama-8B's shape, fp16,
-forms 2:4/2:4 and any/any) and ``profile_shared_decode --columns`` times (bf16, 2:4/2:4)."""
-
-
-def shared_kernel_spec(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
-                       forms: tuple[str, str] = ANY_FORMS, columns: int = FOLD_COLUMNS) -> tuple[int, int, int]:  # fmt: skip
-    """(query heads, KV heads, split capacity) of the shared pass's decode kernel for a model shape:
-    ``Hkv * fold * G`` query heads, and index maps small enough for the most CTAs an SM."""
-    from sglang_hs.kernels.decode import fitting_split_capacity
-
-    shared_heads = kv_heads * fold_of(q_heads, kv_heads, columns) * (q_heads // kv_heads)
-    return shared_heads, kv_heads, fitting_split_capacity(shared_heads, kv_heads, head_dim, block_size, stages, forms)
 
 
 def compressed_forms(sk: tuple[float, ...], sv: tuple[float, ...], k_head_map: bool = False) -> tuple[str, str]:
@@ -304,63 +284,45 @@ def _merge_kernel_factory():
 
 
 class SharedPrefixDecode:
-    """Plan + run of shared-prefix decode (module docstring): two :class:`.decode.HieraSparseDecode`
-    plans, the *shared* one for ``Hkv * fold * G`` query heads over ``max_sets`` column sets and the
-    *own* one of the model's shape over ``batch_size`` requests, the query fold, and one fused
-    gather-and-merge kernel (Triton) per layer.
+    """Plan + run of shared-prefix decode (module docstring): the *shared* pass
+    (:class:`.shared_pass_extend.ExtendSharedPass`, ``Hkv * fold * G`` query heads over ``max_sets``
+    column sets), two :class:`.decode.HieraSparseDecode` plans of the model's shape over ``batch_size``
+    requests (the *own* pass, with a split floor, and the per-request kernel), the query fold, and one
+    fused gather-and-merge kernel (Triton) per layer.
 
-    ``shared_splits`` forces the shared pass's split count (else each step's sets use the per-request
-    rule, :func:`sglang_hs.kernels.decode.plan_num_splits`, at the number of sets that have blocks to
-    share, at most :data:`SHARED_MAX_SPLITS`: chosen on the GPU, :func:`split_limits`).
+    ``shared_splits`` forces every set's split count (else each step's sets use the shared pass's rule
+    at the number of sets that have blocks to share, chosen on the GPU: :func:`split_limits`).
     ``forms`` (:func:`compressed_forms`): the block forms of the shared pass's kernel; with fewer than
     every form, :meth:`plan_step` keeps the other blocks (a dense sink and window) to the own pass.
-    Calls of fewer than :data:`MIN_SHARED_BATCH` requests form no sets and run a third plan, the
-    per-request kernel (no split floor), over the whole batch.
-    ``shared_kernel``: ``"decode"`` (the decode kernel, ``columns`` wide) or ``"extend"`` (an experiment:
-    the extend kernel's n64 tile, 64 columns a set, :mod:`.shared_pass_extend`; split count fixed).
+    Calls of fewer than :data:`MIN_SHARED_BATCH` requests form no sets and run the per-request kernel
+    over the whole batch.
     ``overlap``: the own pass runs on a side stream (joined before the merge, and captured with the
-    step by a CUDA graph), so its CTAs fill the SMs the shared pass leaves idle in its last wave
-    instead of starting after it (GPU plans only).
+    step by a CUDA graph), so its CTAs fill the SMs the shared pass leaves idle instead of starting
+    after it (GPU plans only; 243.5 against 253.5 us a layer at 16 requests over 5 prefixes on an
+    H200, ``bench_decode_shared_overlap_s42_h200.log``).
     ``plans`` (tests): a ``(shared, own[, per_request])`` tuple of objects with ``HieraSparseDecode.run``'s
-    signature (``return_lse`` included) to use instead of building the kernels (the per-request one
-    defaults to the own one); the merge then runs in PyTorch."""
+    signature (``return_lse`` and ``split_limit`` included) to use instead of building the kernels (the
+    per-request one defaults to the own one); the merge then runs in PyTorch."""
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None,
-                 shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS,
-                 columns: int = FOLD_COLUMNS, overlap: bool = True, shared_kernel: str = "decode"):  # fmt: skip
-        if shared_kernel not in ("decode", "extend"):
-            raise ValueError(f"shared_kernel must be 'decode' or 'extend', got {shared_kernel!r}")
-        if shared_kernel == "extend":
-            from sglang_hs.kernels.shared_pass_extend import EXTEND_COLUMNS
-
-            columns = EXTEND_COLUMNS
+                 shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, overlap: bool = True):  # fmt: skip
         self.q_heads, self.kv_heads, self.head_dim, self.block_size = q_heads, kv_heads, head_dim, block_size
         self.group = q_heads // kv_heads
-        self.fold = fold_of(q_heads, kv_heads, columns)
+        self.fold = fold_of(q_heads, kv_heads)
         self.max_sets = max_sets or max(1, batch_size // 2)
         self.forms = tuple(forms)
         self.merge_kernel = None
         # Split counts chosen on the GPU per step (else stand-ins: tests).
         self.dynamic_splits = plans is None
         if plans is None:
-            from sglang_hs.kernels.decode import STAGES, HieraSparseDecode, min_splits
+            from sglang_hs.kernels.decode import HieraSparseDecode
+            from sglang_hs.kernels.shared_pass_extend import SHARED_SPLITS, ExtendSharedPass
 
-            shared_heads, _, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, block_size, STAGES, self.forms,
-                                                           columns)  # fmt: skip
-            if shared_kernel == "extend":
-                from sglang_hs.kernels.shared_pass_extend import EXTEND_SHARED_SPLITS, ExtendSharedPass
-
-                # The scratch holds every set row's splits: at most SHARED_MAX_PARTS (set, split) partials.
-                splits = shared_splits or max(1, min(EXTEND_SHARED_SPLITS, SHARED_MAX_PARTS // self.max_sets))
-                shared = ExtendSharedPass(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks,
-                                          dtype, device, num_splits=splits, forms=self.forms)  # fmt: skip
-            else:
-                shared = HieraSparseDecode(self.max_sets, shared_heads, kv_heads, head_dim, block_size, max_blocks,
-                                           dtype, device, num_splits=shared_splits or max(SHARED_MAX_SPLITS, min_splits(
-                                               max_blocks, capacity)), split_capacity=capacity, forms=self.forms,
-                                           dynamic_splits=True, max_parts=SHARED_MAX_PARTS)  # fmt: skip
-            plans = (shared,
+            # The scratch holds every set row's splits: at most SHARED_MAX_PARTS (set, split) partials.
+            splits = shared_splits or max(1, min(SHARED_SPLITS, SHARED_MAX_PARTS // self.max_sets))
+            plans = (ExtendSharedPass(self.max_sets, shared_heads(q_heads, kv_heads), kv_heads, head_dim, block_size,
+                                      max_blocks, dtype, device, num_splits=splits, forms=self.forms),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device,
                                        plan_batch=self.own_pass_long_requests,
                                        min_split_blocks=OWN_MIN_SPLIT_BLOCKS),
@@ -373,13 +335,9 @@ class SharedPrefixDecode:
         self.per_request_plan = plans[2] if len(plans) > 2 else self.own_plan
         # Split count by the number of sets with blocks to share (index 0..max_sets), on the device.
         by_sets = [1] * (self.max_sets + 1)
-        if self.dynamic_splits and shared_kernel == "extend":
+        if self.dynamic_splits:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             by_sets = [shared_splits or self.shared_plan.rule_splits(max(n, 1), sms) for n in range(self.max_sets + 1)]
-        elif self.dynamic_splits:
-            by_sets = [shared_splits or min(self.shared_plan.rule_splits(max(n, 1), max_blocks), SHARED_MAX_SPLITS
-                                            if n < SHARED_MANY_SETS else SHARED_MANY_SETS_SPLITS)
-                       for n in range(self.max_sets + 1)]  # fmt: skip
         self.splits_by_sets = torch.tensor(by_sets, dtype=torch.int32, device=device)
 
     def own_pass_long_requests(self, bs: int) -> int:
@@ -479,24 +437,21 @@ class SharedPrefixDecode:
 
 def _precompile_one(cfg):
     from sglang_hs.kernels.decode import STAGES, build_decode_kernel
+    from sglang_hs.kernels.extend import build_extend_kernel
 
-    hq, hkv, d, dt, forms, columns = cfg
+    hq, hkv, d, dt, forms = cfg
     if forms is None:  # the own pass's kernel
         build_decode_kernel(hq, hkv, d, 64, dt, STAGES, min_split_blocks=OWN_MIN_SPLIT_BLOCKS)
-        return cfg
-    heads, kv_heads, capacity = shared_kernel_spec(hq, hkv, d, 64, STAGES, forms, columns)
-    build_decode_kernel(heads, kv_heads, d, 64, dt, STAGES, split_capacity=capacity, forms=forms, dynamic_splits=True)
+    else:  # the shared pass's, with and (but for 2:4 K blocks) without 2:4 K rows, as run() picks by the pools
+        for k_sparse in {"sparse": (True,), "dense": (False,), "any": (True, False)}[forms[0]]:
+            build_extend_kernel(shared_heads(hq, hkv), hkv, d, 64, dt, "n64", 2, k_sparse, forms, True)
     return cfg
 
 
 def _precompile_configs() -> list[tuple]:
-    """The kernels of the GPU tests and of ``profile_shared_decode``: (shape..., forms, columns)."""
-    llama = (32, 8, 128)
-    configs = [(*shape, forms, FOLD_COLUMNS) for shape in GPU_SHAPES for forms in (*GPU_FORMS, None)]
-    configs += [(*llama, "float16", forms, c) for c in WIDE_COLUMNS for forms in (("sparse", "sparse"), ANY_FORMS)]
-    configs += [(*llama, "bfloat16", forms, c) for c in (FOLD_COLUMNS, *WIDE_COLUMNS) for forms in
-                (("sparse", "sparse"),)] + [(*llama, "bfloat16", None, FOLD_COLUMNS)]  # fmt: skip
-    return configs
+    """The kernels of the GPU tests and of ``profile_shared_decode``: (shape..., forms or None for the own pass)."""
+    configs = [(*shape, forms) for shape in GPU_SHAPES for forms in (*GPU_FORMS, None)]
+    return configs + [(32, 8, 128, "bfloat16", forms) for forms in (("sparse", "sparse"), None)]
 
 
 if __name__ == "__main__":

@@ -38,18 +38,18 @@ LOCK_NAME = "hierasparse-compile.lock"
 def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode: bool = True,
                extend_k_sparse: tuple[bool, ...] = (False, True), compress: bool = True,
                loss_operands: tuple[str, ...] = ("k", "v"),
-               shared_decode_forms: tuple[str, str] | None = None,
-               shared_pass_kernel: str = "decode") -> list[Job]:  # fmt: skip
+               shared_decode_forms: tuple[str, str] | None = None) -> list[Job]:  # fmt: skip
     """The kernels of one model shape (per tensor-parallel rank): the decode kernel (``decode``) and,
     with ``shared_decode_forms`` (the block forms of its shared pass, ``decode_shared.compressed_forms``),
-    the shared-prefix decode's own-pass (a split floor) and 16-column ones (with ``shared_pass_kernel``
-    ``"extend"``: the extend kernel's n64 tile over 64 folded columns instead), the extend tiles, each with and
+    the shared-prefix decode's own-pass kernel (a split floor) and shared-pass kernels (the extend
+    kernel's n64 tile over 64 folded columns, for those forms; with and without 2:4 K rows when
+    ``extend_k_sparse`` is empty), the extend tiles, each with and
     without 2:4 K rows as ``extend_k_sparse`` lists (empty: none), the pack kernel (``compress``) and
     the loss kernels of ``loss_operands``. A GQA group the attention kernels do not take gets the
     compressor's kernels only."""
     from sglang_hs.kernels.decode import STAGES as DECODE_STAGES
     from sglang_hs.kernels.decode import decode_kernel_args
-    from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, fold_of, shared_kernel_spec
+    from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, fold_of, shared_heads
     from sglang_hs.kernels.extend import extend_kernel_args
     from sglang_hs.kernels.extend_common import TILES
 
@@ -60,19 +60,10 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
         if decode and shared_decode_forms and fold_of(q_heads, kv_heads) >= 2:
             jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
                                                       min_split_blocks=OWN_MIN_SPLIT_BLOCKS)))  # fmt: skip
-            forms = shared_decode_forms
-            if shared_pass_kernel == "extend":
-                from sglang_hs.kernels.shared_pass_extend import EXTEND_COLUMNS
-
-                heads = shared_kernel_spec(q_heads, kv_heads, head_dim, BLOCK_SIZE, DECODE_STAGES, forms,
-                                           EXTEND_COLUMNS)[0]  # fmt: skip
-                jobs += [("extend", extend_kernel_args(heads, kv_heads, head_dim, BLOCK_SIZE, dtype, "n64",
-                                                       _extend_stages("n64"), k_sparse, forms, dynamic_splits=True))
-                         for k_sparse in extend_k_sparse]  # fmt: skip
-            else:
-                heads, kv, capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, BLOCK_SIZE, DECODE_STAGES, forms)
-                jobs.append(("decode", decode_kernel_args(heads, kv, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
-                                                          capacity, forms, dynamic_splits=True)))  # fmt: skip
+            jobs += [("extend", extend_kernel_args(shared_heads(q_heads, kv_heads), kv_heads, head_dim, BLOCK_SIZE, dtype,
+                                                   "n64", _extend_stages("n64"), k_sparse, shared_decode_forms,
+                                                   dynamic_splits=True))
+                     for k_sparse in extend_k_sparse or (True, False)]  # fmt: skip
         jobs += [("extend", extend_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, tile,
                                                _extend_stages(tile), k_sparse))
                  for tile in TILES for k_sparse in extend_k_sparse]  # fmt: skip

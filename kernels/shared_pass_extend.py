@@ -1,16 +1,18 @@
-"""Shared-prefix decode's shared pass on the extend kernel (an experiment; ``profile_shared_decode
---overlap`` times it beside the decode-kernel pass).
+"""Shared-prefix decode's shared pass (:mod:`.decode_shared`) on the extend kernel's n64 tile.
 
-The decode kernel's shared pass folds ``16 // G`` requests of a prefix group into its 16 query
-columns, so a prefix read by 16 requests of a batch is stepped through four times, and its block step
-(three CTA barriers, the column max through shared memory) is the cost: 207 us a layer in session 41's
-regime-1 trace against FlashInfer's 271. The extend kernel's n64 tile has 64 columns and the faster
-schedule (asynchronous GEMMs under the softmax, the lazy softmax offset). Here a column set of
-``64 // G`` requests is one extend "request" of one query token whose ``Hkv * fold * G`` query heads
-are the folded queries (:meth:`~sglang_hs.kernels.decode_shared.SharedPrefixDecode.fold_queries`
-layout: the extend kernel maps column ``c`` of KV head ``h`` to query head ``h * fold * G + c``), over
-the set's shared blocks: a token at the last position of ``seq_len`` keys sees all of them, so no
-mask applies. An empty set reads one block of its (zero) table row; its output is never merged.
+The n64 tile has 64 query columns a CTA and the extend kernel's schedule (asynchronous GEMMs under
+the softmax, the lazy softmax offset). A column set of ``64 // G`` requests is one extend "request" of
+one query token whose ``Hkv * fold * G`` query heads are the folded queries
+(:meth:`~sglang_hs.kernels.decode_shared.SharedPrefixDecode.fold_queries` layout: the extend kernel
+maps column ``c`` of KV head ``h`` to query head ``h * fold * G + c``), over the set's shared blocks:
+a token at the last position of ``seq_len`` keys sees all of them, so no mask applies. Each set's
+split count is read on the GPU (the kernel's ``dynamic_splits``); an empty set gets 0, its CTAs exit
+at once and its output rows are never written (nor merged).
+
+It replaced a shared pass on the decode kernel (16 columns a CTA, so a prefix read by 16 requests
+was stepped through four times, with three CTA barriers a block step): at the regime-1 server's
+shape on an H100 the whole call took 189.7-246.0 us a layer against 239.6-287.2 over six batches of
+uneven groups (``bench_decode_shared_extend_s42_h100.log``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import torch
 
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import ANY_FORMS, SMEM_PER_SM
-
 
 N64_REGISTER_CTAS = 2
 """CTAs of the n64 tile an SM's registers hold: ptxas gives it 234 registers a thread at d 128 (128
@@ -33,16 +34,17 @@ def ctas_per_sm_n64(head_dim: int, block_size: int, forms: tuple[str, str]) -> i
     per_cta = smem_bytes("n64", head_dim, block_size, 2, forms[0] != "dense", forms) + 1024
     return max(1, min(SMEM_PER_SM // per_cta, N64_REGISTER_CTAS))
 
-EXTEND_COLUMNS = 64
+
+SHARED_COLUMNS = 64
 """The n64 tile's query columns: ``64 // G`` requests a column set (16 at G = 4)."""
-EXTEND_SHARED_SPLITS = 8
+SHARED_SPLITS = 8
 """The grid's splits per (set row, KV head), and the most a set uses: each step's live sets use
 :meth:`ExtendSharedPass.rule_splits` of them, read on the GPU (the host does not know how many of a
 step's set rows are live); a plan of many set rows gets fewer (``SharedPrefixDecode`` keeps the scratch
 within ``SHARED_MAX_PARTS`` partials). On an H100, whole calls at the server's shape (16 requests,
 uneven groups, own pass beside): 3 sets took 176.4 us at 8 splits, 194.3 at 11 (one full wave of
 two CTAs an SM) and 256.5 at 16; 2 sets 201.0 at 8 and 197.8 at 11; 4 sets 199.1 at 8 and 196.6 at 6
-(``profile_shared_decode --extend-splits``, ``docs/results.md``): a wave left part empty is the own
+(``profile_shared_decode --splits``, ``bench_decode_shared_extend_s42_h100.log``): a wave left part empty is the own
 pass's room beside it."""
 
 
@@ -55,7 +57,7 @@ class ExtendSharedPass:
     CTA instead of 131, so two CTAs an SM instead of one; its 234 registers a thread allow no third)."""
 
     def __init__(self, max_sets: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                 dtype: torch.dtype, device, num_splits: int = EXTEND_SHARED_SPLITS,
+                 dtype: torch.dtype, device, num_splits: int = SHARED_SPLITS,
                  forms: tuple[str, str] = ANY_FORMS):  # fmt: skip
         from sglang_hs.kernels.extend import HieraSparseExtend
 

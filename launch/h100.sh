@@ -39,7 +39,7 @@
 # (e.g. magnitude:sk=0,sv=1,mode=kascade). HICACHE=1 runs
 # the tiny step with --enable-hierarchical-cache and the shared prompt pushed out of the GPU between its
 # two chat rounds (_hicache). SHARED=1 gives the tiny and prefix steps' hierasparse servers
-# --hierasparse-shared-prefix-decode on (_shared; SHARED=extend: extend, _sharedext), DECODE_MODE=kascade|psa (with DECODE_TOPK) a decode mode. PORT (30000) lets steps run side by side, one GPU
+# --hierasparse-shared-prefix-decode on (_shared), DECODE_MODE=kascade|psa (with DECODE_TOPK) a decode mode. PORT (30000) lets steps run side by side, one GPU
 # each (CUDA_VISIBLE_DEVICES).
 # TP=N runs the tiny and prefix steps with --tp-size N (the tiny step then writes
 # server_check_s0_kernels_tp2_GPU.json; GPU is h100 or h200). The prefix step also takes MEM (--mem-fraction-static, 0.85),
@@ -72,7 +72,6 @@ ctxlen=$(( context > 15360 ? context + 1024 : 16384 ))
 PREFIX_ARGS=(--server-arg=--context-length=$ctxlen --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64
              --server-arg=--hierasparse-dense-backend=${HS_DENSE:-triton} --tp-size=${TP:-1})
 [ "${SHARED:-0}" = 1 ] && PREFIX_ARGS+=(--server-arg=--hierasparse-shared-prefix-decode=on)
-[ "${SHARED:-0}" = extend ] && PREFIX_ARGS+=(--server-arg=--hierasparse-shared-prefix-decode=extend)
 [ "${PREFILL_GRAPHS:-0}" = 1 ] && PREFIX_ARGS+=(--server-arg=--cuda-graph-backend-prefill=breakable)
 tp_tag=""
 [ "${TP:-1}" = 1 ] || tp_tag="_tp${TP}"
@@ -100,7 +99,7 @@ case "$step" in
     timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --out "$out" | tail -4
     # 16 requests over 6 shared prefixes: the per-request kernel and the shared-prefix decode
     timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --layouts natural --batch 16 --groups 6 \
-        --shared-splits "${SPLITS:-8,16,24,48}" --out "$out/shared" | tail -4
+        --shared-splits "${SPLITS:-2,4,8,16}" --out "$out/shared" | tail -4
     ;;
   modes)
     # Decode modes (kascade, psa) beside full decode and FlashInfer, batch 8 at 32K and 128K
@@ -145,9 +144,6 @@ case "$step" in
     if [ "${SHARED:-0}" = 1 ]; then  # decode batches grouped by shared prefix (--hierasparse-shared-prefix-decode)
       check_args+=(--hs-arg=--hierasparse-shared-prefix-decode=on)
       tp_tag="${tp_tag}_shared"
-    elif [ "${SHARED:-0}" = extend ]; then  # the same with the shared pass on the extend kernel
-      check_args+=(--hs-arg=--hierasparse-shared-prefix-decode=extend)
-      tp_tag="${tp_tag}_sharedext"
     fi
     if [ "${PREFILL_GRAPHS:-0}" = 1 ]; then  # SGLang's breakable prefill CUDA graphs (attention between segments)
       check_args+=(--hs-arg=--cuda-graph-backend-prefill=breakable)

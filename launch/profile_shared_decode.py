@@ -1,6 +1,6 @@
 """Where the time of one layer of shared-prefix decode goes: the whole call and each of its parts.
 
-    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --chunked | --columns | --overlap]
+    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --chunked | --splits]
 
 16 requests over 6 shared prefixes of 32K, S_K = S_V = 1, Llama-3.1-8B decode shape (32/8 heads,
 d 128), each request keeping its last block to its own pass, natural pool order. Times are CUDA-graph
@@ -10,14 +10,11 @@ at other split counts. ``--server-shape``: the regime-1 server's shape instead (
 blocks wide, plans built for 256 requests as for SGLang's largest captured batch and for 16), beside
 FlashInfer fa2 and the per-request kernel. At the server's shape, ``--batches``: batches of 1 to 16
 requests over 1 and over 6 prefixes (a server's batch is small while long prompts prefill), with the
-shared pass also at 4, 8, 16 and 32 splits;
-``--chunked``: 8, 16 and 32 requests whose prefixes keep a dense window after every 8K chunk, as a
-prefix cached by chunked prefill does; ``--columns``: the shared pass 16, 32 or 64 query columns wide
-(4, 8 or 16 requests a column set), 16 and 32 requests over 1 to 6 chunked prefixes; ``--overlap``:
-uneven groups with requests alone on their prefix (16 and 32 requests), the own pass after the shared
-pass or beside it on a side stream, lone requests as column sets or in the own pass, and the shared
-pass on the extend kernel (64 columns a set) instead of the decode kernel.
-``docs/results.md`` quotes them all.
+shared pass also at 2, 4, 8 and 16 splits; ``--chunked``: 8, 16 and 32 requests whose prefixes keep
+a dense window after every 8K chunk, as a prefix cached by chunked prefill does; ``--splits``: uneven
+groups with requests alone on their prefix (16 and 32 requests), the whole call at the plan's split
+counts and with every set at a fixed count, lone requests as column sets or in the own pass, and the
+own pass after the shared pass instead of beside it. ``docs/results.md`` quotes them.
 """
 
 import argparse
@@ -26,24 +23,20 @@ import itertools
 import torch
 
 from sglang_hs.kernels.cases import flashinfer_decode, make_case, paged_dense, run_args, share_prefixes
-from sglang_hs.kernels.decode import STAGES, HieraSparseDecode
-from sglang_hs.kernels.decode_shared import (LONE_MIN_BLOCKS, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode,
-                                             shared_kernel_spec)
+from sglang_hs.kernels.decode import HieraSparseDecode
+from sglang_hs.kernels.decode_shared import LONE_MIN_BLOCKS, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode, shared_heads
 from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
 from sglang_hs.kernels.timing import time_graphs
 
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
 
 
-def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int, capacity: int,
-                    stages: int = STAGES):  # fmt: skip
-    """The shared pass alone with every set at ``splits`` splits (a plan of its own; the same kernel at
-    the default ``stages``)."""
-    sets, heads = folded.shape[0], folded.shape[1]
-    plan = HieraSparseDecode(sets, heads, 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
-                             stages=stages, split_capacity=capacity, forms=FORMS, dynamic_splits=True)  # fmt: skip
-    limit = torch.full((sets,), splits, dtype=torch.int32, device="cuda")
-    return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True, split_limit=limit)
+def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int):
+    """The shared pass alone with every set at ``splits`` splits (a plan of its own, the same kernel)."""
+    sets = folded.shape[0]
+    plan = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
+                            forms=FORMS)  # fmt: skip
+    return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True)
 
 
 def _case(dtype: torch.dtype, max_blocks: int | None, seed: int):
@@ -71,14 +64,15 @@ def benchmark_shape() -> dict:
         "query fold": lambda: plan.fold_queries(q, step.members[:sets]),
         "step tables": lambda: plan.plan_step(bt, sl, ki, vi, min_own_blocks=1),
     }  # fmt: skip
-    for splits in (5, 6, 7, 9, 10):
+    for splits in (2, 4, 8, 16):
         fns[f"shared pass ({splits} splits)"] = _shared_pass_at(splits, folded, kv, table, lens, scale,
-                                                                case["max_blocks"], plan.shared_plan.split_capacity)
+                                                                case["max_blocks"])
     return fns
 
 
 UNEVEN_GROUPS = ((6, 5, 5), (7, 6, 2, 1), (8, 7, 1), (5, 5, 4, 1, 1), (3, 3, 3, 3, 2, 2), (12, 11, 8, 1))
-"""``--overlap`` and ``--stages``: sizes of the groups of one batch (1: a request alone on its prefix)."""
+"""``--splits``: sizes of the groups of one batch (1: a request alone on its prefix), interleaved in
+arrival order (:func:`_arrivals`)."""
 SERVER_WIDTH = 529  # the regime-1 server's block table: (32768 + 1024) / 64 + 1
 
 
@@ -122,7 +116,6 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
     floor = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
                               min_split_blocks=OWN_MIN_SPLIT_BLOCKS)  # fmt: skip
     plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
-    capacity = shared_kernel_spec(32, 8, 128, 64, STAGES, FORMS)[2]
     base = _server_case(prefixes)
     paged = paged_dense(base)
     for bs in batches:
@@ -146,9 +139,9 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
                                              split_limit=step.shared_splits[:sets]))
             # The split count trades the walk (blocks a CTA steps through) against the fused merge (the
             # last CTA of a set and KV head loops over every split for each of its folded heads).
-            for splits in (4, 8, 16, 32):
+            for splits in (2, 4, 8, 16):
                 fns[f"shared pass ({splits} splits)"] = _shared_pass_at(splits, folded, kv, table, lens, scale,
-                                                                        SERVER_WIDTH, capacity)
+                                                                        SERVER_WIDTH)
         grouped = int((step.pick[:bs] >= 0).sum())
         shared_blocks = (step.shared_lens[:sets] // 64).tolist()
         yield f"{prefixes} prefixes, {bs} requests ({grouped} in column sets, shared blocks {shared_blocks})", fns
@@ -168,38 +161,6 @@ def _server_mix(base: dict, paged: dict, bs: int, per_request: HieraSparseDecode
     return (q, kv, bt, sl, ki, vi, scale), fns
 
 
-def _server_columns(mixes, columns_options=(16, 32, 64), splits_options=(8, 16, 32)):
-    """Per (prefixes, requests) mix: FlashInfer fa2, the per-request kernel, and for each shared-pass
-    width (query columns a CTA: ``columns // G`` requests a column set) the whole call at the plan's
-    split count and the shared pass alone at other split counts; server shape with chunk windows
-    (:func:`_add_chunk_windows`), plans built for 32 requests."""
-    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
-    plans = {c: SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS, columns=c)
-             for c in columns_options}  # fmt: skip
-    for prefixes, bs in mixes:
-        base = _server_case(prefixes)
-        (q, kv, bt, sl, ki, vi, scale), fns = _server_mix(base, paged_dense(base), bs, per_request, workspace)
-        notes = []
-        for columns, plan in plans.items():
-            step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
-            sets = plan.sets_for(bs)
-            grouped = int((step.pick[:bs] >= 0).sum())
-            real_sets = int((step.shared_lens[:sets] > 0).sum())
-            notes.append(f"{columns} columns: {real_sets} sets, {grouped} grouped")
-            fns[f"{columns} columns: shared-prefix decode ({int(step.shared_splits[0]) if sets else 0} splits)"] = (
-                lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
-            if not sets:
-                continue
-            folded = plan.fold_queries(q, step.members[:sets])
-            table, lens = step.shared_table[:sets], step.shared_lens[:sets]
-            capacity = shared_kernel_spec(32, 8, 128, 64, STAGES, FORMS, columns)[2]
-            for splits in splits_options:
-                fns[f"{columns} columns: shared pass ({splits} splits)"] = _shared_pass_at(
-                    splits, folded, kv, table, lens, scale, SERVER_WIDTH, capacity)
-        yield f"{prefixes} prefixes, {bs} requests ({'; '.join(notes)})", fns
-
-
 def _arrivals(group_sizes) -> list[int]:
     """The prefix of each request of a batch of groups of these sizes, interleaved in arrival order: one
     request of each prefix with requests left, in turn."""
@@ -212,81 +173,17 @@ def _arrivals(group_sizes) -> list[int]:
     return prefix_of
 
 
-def _server_stages(group_sizes, stage_options=(2, 3, 4), splits_options=(6, 8, 11, 16)):
-    """Per batch of uneven groups (as ``--overlap``; lone requests as sets): the decode kernel's shared
-    pass alone with ``stages`` shared-memory stages (blocks a CTA has in flight: ``stages - 1``; 4, 3
-    and 2 CTAs an SM at S_K = S_V = 1) at several split counts, and the whole call at the plan's split
-    count; server shape with chunk windows, plans built for 32 requests. No FlashInfer (needs only
-    TileLang on the device)."""
-    per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
-    plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
-    base = _server_case(max(len(sizes) for sizes in group_sizes))
-    paged = paged_dense(base)
-    for sizes in group_sizes:
-        prefix_of = _arrivals(sizes)
-        bs = len(prefix_of)
-        (q, kv, bt, sl, ki, vi, scale), fns = _server_mix(base, paged, bs, per_request, None, prefix_of)
-        step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
-        sets = plan.sets_for(bs)
-        live = int((step.shared_lens[:sets] > 0).sum())
-        fns[f"shared-prefix decode ({int(step.shared_splits[0])} splits)"] = lambda step=step, q=q, kv=kv: plan.run(
-            q, *kv, step, scale)
-        folded = plan.fold_queries(q, step.members[:sets])
-        table, lens = step.shared_table[:sets], step.shared_lens[:sets]
-        for stages in stage_options:
-            capacity = shared_kernel_spec(32, 8, 128, 64, stages, FORMS)[2]
-            for splits in splits_options:
-                fns[f"shared pass, {stages} stages, {splits} splits"] = _shared_pass_at(
-                    splits, folded, kv, table, lens, scale, SERVER_WIDTH, capacity, stages)
-        yield f"groups {'/'.join(map(str, sizes))}, {bs} requests, {live} sets", fns
-
-
-def _server_extend_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
-    """Per batch of uneven groups (as ``--overlap``): the whole call with the decode kernel's shared
-    pass (the default), and with the extend kernel's at its rule's split count (None) or every set at a
-    fixed one, lone requests as sets or in the own pass (own pass beside); server shape with chunk
-    windows, plans built for 32 requests. No FlashInfer (needs only TileLang on the device)."""
-    per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
-    decode = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
-    extend = {splits: SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS,
-                                         shared_kernel="extend", shared_splits=splits)
-              for splits in splits_options}  # fmt: skip
-    base = _server_case(max(len(sizes) for sizes in group_sizes))
-    paged = paged_dense(base)
-    for sizes in group_sizes:
-        prefix_of = _arrivals(sizes)
-        bs = len(prefix_of)
-        (q, kv, bt, sl, ki, vi, scale), fns = _server_mix(base, paged, bs, per_request, None, prefix_of)
-        step = decode.plan_step(bt, sl, ki, vi, min_own_blocks=1)
-        fns[f"decode shared pass, lone as sets ({int(step.shared_splits[0])} splits)"] = (
-            lambda step=step, q=q, kv=kv: decode.run(q, *kv, step, scale))
-        notes = []
-        for lone in (LONE_MIN_BLOCKS, None):
-            for splits, plan in extend.items():
-                step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1, lone_min_blocks=lone)
-                if splits is None:
-                    notes.append(f"lone {'as sets' if lone else 'in the own pass'}: "
-                                 f"{int((step.shared_lens > 0).sum())} extend sets at {int(step.shared_splits[0])} splits")
-                fns[f"extend shared pass, lone {'as sets' if lone else 'in own pass'}, "
-                    f"{'rule' if splits is None else splits} splits"] = (
-                    lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
-        yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
-
-
-def _server_overlap(group_sizes):
-    """Per batch of uneven groups (sizes of the groups on successive prefixes, interleaved in arrival
-    order; a size of 1 is a request alone on its prefix, as a group's first or last request is in a
-    server): FlashInfer fa2, the per-request kernel, and shared-prefix decode with the own pass after
-    the shared pass or beside it on a side stream (``overlap``), and with the shared pass on the extend
-    kernel (own pass beside), each with lone requests as column sets of one (``LONE_MIN_BLOCKS``) or in
-    the own pass; server shape with chunk windows, plans built for 32 requests."""
+def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
+    """Per batch of uneven groups: the whole call at the plan's split counts (None) or with every set
+    at a fixed count, lone requests as sets or in the own pass, and at the plan's counts with the own
+    pass after the shared pass (not beside it); server shape with chunk windows, plans built for 32
+    requests, beside FlashInfer fa2 and the per-request kernel."""
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
-    plans = {(kernel, overlap): SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
-                                                   forms=FORMS, overlap=overlap, shared_kernel=kernel)
-             for kernel, overlap in (("decode", False), ("decode", True), ("extend", True))}  # fmt: skip
-    extend_passes = {splits: ExtendSharedPass(16, 8 * 16 * 4, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
-                                              num_splits=splits, forms=FORMS) for splits in (8, 16, 32)}  # fmt: skip
+    plans = {splits: SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS,
+                                        shared_splits=splits)
+             for splits in splits_options}  # fmt: skip
+    after = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS, overlap=False)
     base = _server_case(max(len(sizes) for sizes in group_sizes))
     paged = paged_dense(base)
     for sizes in group_sizes:
@@ -295,27 +192,16 @@ def _server_overlap(group_sizes):
         (q, kv, bt, sl, ki, vi, scale), fns = _server_mix(base, paged, bs, per_request, workspace, prefix_of)
         notes = []
         for lone in (LONE_MIN_BLOCKS, None):
-            for (kernel, overlap), plan in plans.items():
+            where = "as sets" if lone else "in own pass"
+            for splits, plan in plans.items():
                 step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1, lone_min_blocks=lone)
-                if overlap:
-                    sets = int((step.shared_lens > 0).sum())
-                    notes.append(f"{kernel}, lone {'as sets' if lone else 'in the own pass'}: {sets} sets")
-                name = (f"{kernel} shared pass, lone {'as sets' if lone else 'in own pass'}, "
-                        f"own pass {'beside' if overlap else 'after'}")
-                fns[name] = lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale)
-                sets = plan.sets_for(bs)
-                if kernel == "decode" and not overlap and lone:  # the decode kernel's pass alone
-                    folded = plan.fold_queries(q, step.members[:sets])
-                    fns[f"decode shared pass alone, lone as sets ({int(step.shared_splits[0])} splits)"] = (
-                        lambda plan=plan, folded=folded, step=step, sets=sets, kv=kv: plan.shared_plan.run(
-                            folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True,
-                            split_limit=step.shared_splits[:sets]))
-                if kernel == "extend" and lone:  # the extend pass alone at other split counts
-                    folded = plan.fold_queries(q, step.members[:sets])
-                    for splits, shared in extend_passes.items():
-                        fns[f"extend shared pass alone, lone as sets ({splits} splits)"] = (
-                            lambda shared=shared, folded=folded, step=step, sets=sets, kv=kv: shared.run(
-                                folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True))
+                if splits is None:
+                    notes.append(f"lone {where}: {int((step.shared_lens > 0).sum())} sets at "
+                                 f"{int(step.shared_splits[0])} splits")
+                fns[f"lone {where}, {'plan' if splits is None else splits} splits"] = (
+                    lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
+        step = after.plan_step(bt, sl, ki, vi, min_own_blocks=1)
+        fns["lone as sets, plan splits, own pass after"] = lambda step=step, q=q, kv=kv: after.run(q, *kv, step, scale)
         yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
 
 
@@ -325,29 +211,17 @@ def main(argv=None):
     mode.add_argument("--server-shape", action="store_true", help="the regime-1 server's shape (see the docstring)")
     mode.add_argument("--batches", action="store_true", help="1 to 16 requests over 1 and 6 prefixes, server shape")
     mode.add_argument("--chunked", action="store_true", help="prefixes cached in 8K chunks, server shape")
-    mode.add_argument("--columns", action="store_true",
-                      help="the shared pass at 16, 32 and 64 query columns a CTA, 16-32 requests over 1-6 prefixes")
-    mode.add_argument("--overlap", action="store_true",
-                      help="uneven groups with lone requests: the own pass after or beside the shared pass")
-    mode.add_argument("--extend-splits", action="store_true",
-                      help="uneven groups: the extend kernel's shared pass at 4 to 11 splits")
-    mode.add_argument("--stages", action="store_true",
-                      help="uneven groups: the shared pass at 2, 3 and 4 stages and several split counts")
+    mode.add_argument("--splits", action="store_true",
+                      help="uneven groups with lone requests: the shared pass at the plan's and at fixed split counts")
     args = ap.parse_args(argv)
-    if args.batches or args.chunked or args.columns or args.overlap or args.stages or args.extend_splits:
+    if args.batches or args.chunked or args.splits:
         # Lazily: each batch's functions close over that batch's tensors, which the next one rebinds.
         if args.batches:
             runs = itertools.chain(*(_server_batches((1, 2, 4, 8, 16), prefixes, False) for prefixes in (1, 6)))
         elif args.chunked:
             runs = _server_batches((8, 16, 32), PREFIXES, True)
-        elif args.columns:
-            runs = _server_columns(((1, 16), (2, 16), (3, 16), (6, 16), (3, 32), (6, 32)))
-        elif args.overlap:
-            runs = _server_overlap(UNEVEN_GROUPS)
-        elif args.stages:
-            runs = _server_stages(UNEVEN_GROUPS)
         else:
-            runs = _server_extend_splits(UNEVEN_GROUPS)
+            runs = _server_splits(UNEVEN_GROUPS)
         for label, fns in runs:
             print(label, flush=True)
             for name, us in zip(fns, time_graphs(list(fns.values()), 20)):

@@ -131,11 +131,6 @@ class HieraSparseAttnBackend(AttentionBackend):
             self.config.to_json(),
         )
 
-    @property
-    def shared_pass_kernel(self) -> str:
-        """The shared pass's kernel: ``extend`` (an experiment: the extend kernel's 64-column tile) or ``decode``."""
-        return "extend" if self.config.shared_prefix_decode == "extend" else "decode"
-
     def __getattr__(self, name: str):
         # Runner code reads backend-specific state (for example a delegate's CUDA-graph buffers);
         # everything this class does not define belongs to the dense delegate.
@@ -262,7 +257,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         shape = (batch_size, self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size,
                  self.max_blocks, kv_pool.dtype, kv_pool.device)  # fmt: skip
         if self.shared_prefix_decode:
-            return SharedPrefixDecode(*shape, forms=self.shared_forms, shared_kernel=self.shared_pass_kernel)
+            return SharedPrefixDecode(*shape, forms=self.shared_forms)
         return HieraSparseDecode(*shape, block_lse=self.selection is not None)
 
     def _prepare_kernels(self, runtime: HieraSparseRuntime) -> int:
@@ -285,7 +280,6 @@ class HieraSparseAttnBackend(AttentionBackend):
             decode=runtime.uses_kernel("decode"),
             extend_k_sparse=(self.store.capacity.k_sparse > 0,) if runtime.uses_kernel("extend") else (),
             compress=compress, loss_operands=tuple(loss), shared_decode_forms=self.shared_forms,
-            shared_pass_kernel=self.shared_pass_kernel,
         )  # fmt: skip
         return prepare_kernels(jobs, logger.info) if jobs else 0
 

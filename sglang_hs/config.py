@@ -141,13 +141,13 @@ class HieraSparseConfig:
             self.k_head_map,
             "a file written by python -m sglang_hs.launch.calibrate_heads",
         )
-        _require(self.shared_prefix_decode in ("off", "on", "extend"), cli_flag("shared_prefix_decode"),
-                 self.shared_prefix_decode, "'off', 'on' or 'extend'")  # fmt: skip
+        _require(self.shared_prefix_decode in ("off", "on"), cli_flag("shared_prefix_decode"),
+                 self.shared_prefix_decode, "'off' or 'on'")  # fmt: skip
         from sglang_hs.decode_modes import MODES
 
         _require(self.decode_mode in MODES, cli_flag("decode_mode"), self.decode_mode, f"one of {list(MODES)}")
         _require(self.decode_mode == "full" or self.shared_prefix_decode == "off", cli_flag("decode_mode"),
-                 self.decode_mode, "'full' with --hierasparse-shared-prefix-decode on or extend")  # fmt: skip
+                 self.decode_mode, "'full' with --hierasparse-shared-prefix-decode on")  # fmt: skip
         self._check_anchors(None)  # the syntax now; the model's layer count in validate_model
         _require(self.decode_topk >= 1, cli_flag("decode_topk"), self.decode_topk, "an integer >= 1")
         _require(0.0 < self.decode_tau <= 1.0, cli_flag("decode_tau"), self.decode_tau, "a fraction in (0, 1]")

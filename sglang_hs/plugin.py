@@ -125,8 +125,7 @@ _FLAG_HELP = {
     "kernels": "TileLang kernels to use (decode,extend,compress); 'none' runs the PyTorch paths.",
     "k_channel_order": "K channel order file (python -m sglang_hs.launch.calibrate_channels); 2:4 K loses less with it.",
     "k_head_map": "K head map file (python -m sglang_hs.launch.calibrate_heads): K stays dense on the heads that retrieve.",
-    "shared_prefix_decode": "'on': requests of a decode batch that share a prefix read it once per group "
-                            "('extend': the same on the extend kernel, an experiment).",
+    "shared_prefix_decode": "'on': requests of a decode batch that share a prefix read it once per group.",
     "decode_mode": "'kascade' or 'psa': between anchor layers decode reads only the compressed blocks an anchor chose.",
     "decode_anchors": "Decode modes' anchor layers, a comma list from 0 (default: every 4th layer).",
     "decode_topk": "Decode modes: compressed blocks read between anchors (kascade), or at most (psa).",

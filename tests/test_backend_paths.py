@@ -194,6 +194,23 @@ class RecordingDecodeKernel:
             block_lse.fill_(0.0).view(q.shape[0], q.shape[1], -1)[:, :, 2] = 5.0
 
 
+class RecordingExtendKernel:
+    """Stands in for the compiled extend kernel (the shared pass's): records each launch's set rows and
+    split limits (read after ``qo_indptr``'s offsets), writes ones."""
+
+    def __init__(self):
+        self.batches = []
+        self.limits = []
+
+    def __call__(self, q, *args):
+        qo_indptr, seq_lens, out, lse = args[-9], args[-7], args[-3], args[-2]
+        bs = seq_lens.shape[0]
+        self.batches.append(bs)
+        self.limits.append(qo_indptr[bs + 1 :].clone())
+        out.fill_(1.0)
+        lse.fill_(0.0)
+
+
 def graph_step(backend, forward_batch) -> None:
     """What SGLang's decode graph runner does for a capture or a replay: the metadata outside the graph,
     then the recorded in-graph part (replayed with the graph)."""
@@ -204,14 +221,18 @@ def graph_step(backend, forward_batch) -> None:
 def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", **settings):
     from sglang_hs.config import HieraSparseConfig
     from sglang_hs.decode_modes import BlockSelection
-    from sglang_hs.kernels import decode
+    from sglang_hs.kernels import decode, extend
 
     def record(*args, split_capacity=decode.SPLIT_CAPACITY, forms=decode.ANY_FORMS, min_split_blocks=1,
                dynamic_splits=False):  # fmt: skip
         key = decode.decode_kernel_args(*args, split_capacity, forms, min_split_blocks, dynamic_splits)  # the cache key
         return built.setdefault(key, RecordingDecodeKernel())
 
+    def record_extend(*args):
+        return built.setdefault(extend.extend_kernel_args(*args), RecordingExtendKernel())
+
     monkeypatch.setattr(decode, "build_decode_kernel", record)
+    monkeypatch.setattr(extend, "build_extend_kernel", record_extend)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     backend = make_backend(None, layers=2)
     pool = backend.token_to_kv_pool
@@ -284,26 +305,6 @@ def test_a_replays_tables_are_filled_inside_the_graph(monkeypatch):
     assert backend.runtime.shared_decode_counts.tolist() == [16, 16]
 
 
-def test_shared_prefix_decode_extend_puts_the_shared_pass_on_the_extend_kernel(monkeypatch):
-    """CPU: ``--hierasparse-shared-prefix-decode extend`` builds the shared-prefix plan with the extend
-    kernel's shared pass (64 // G requests a set, its scratch sized for the plan's set rows) and the
-    decode kernel's own pass; step tables come out as with ``on``."""
-    from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
-
-    backend = decode_backend(monkeypatch, {}, shared_prefix_decode="extend", sv_prefill=0.0, sv_decode=0.0)
-    assert backend.shared_pass_kernel == "extend"
-    backend.init_cuda_graph_state(16, 16)
-    plan = backend._decode_plan_obj
-    assert isinstance(plan.shared_plan, ExtendSharedPass) and plan.fold == 64 // (HQ // HKV)
-    assert plan.shared_plan.extend.q_heads == HKV * plan.fold * (HQ // HKV) and plan.shared_plan.batch_size == 8
-    graph_step(backend, decode_batch(16))
-    assert bool((backend.forward_metadata.decode_step.pick >= 0).all())
-    assert plan.shared_plan.extend.num_splits == 16  # 8 set rows x 16 splits: within SHARED_MAX_PARTS
-    backend = decode_backend(monkeypatch, {}, shared_prefix_decode="extend", sv_prefill=0.0, sv_decode=0.0)
-    backend.init_cuda_graph_state(256, 256)  # 128 set rows: 4 splits keep the scratch at 512 partials
-    assert backend._decode_plan_obj.shared_plan.extend.num_splits == 4
-
-
 def test_every_decode_batch_size_shares_one_plan_and_one_kernel(monkeypatch):
     """CPU, with a recording kernel: the CUDA-graph state builds one plan for the largest captured batch;
     every captured batch size (SGLang's 36 defaults) and an eager batch beyond them run on it, views of
@@ -331,10 +332,11 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     """CPU, with recording kernels: with --hierasparse-shared-prefix-decode on, the decode plan is the
     shared-prefix one; every captured batch size's step tables are views of buffers allocated once (the
     addresses a graph captured), requests sharing a row are grouped, and a layer launches the shared
-    pass (over column sets) and the own pass (over requests) with the two shapes' kernels. The store's
-    compressed blocks are dense (S = 0), so the shared pass's kernel holds dense blocks only and takes
-    every block of the rows."""
-    from sglang_hs.kernels.decode_shared import SharedPrefixDecode, fold_of, shared_kernel_spec
+    pass (over column sets, on the extend kernel: 64 // G requests a set) and the own pass (over
+    requests, on the decode kernel). The store's compressed blocks are dense (S = 0), so the shared
+    pass's kernel holds dense blocks only and takes every block of the rows."""
+    from sglang_hs.kernels.decode_shared import SharedPrefixDecode, fold_of, shared_heads
+    from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
 
     built = {}
     backend = decode_backend(monkeypatch, built, shared_prefix_decode="on", sv_prefill=0.0, sv_decode=0.0)
@@ -342,6 +344,9 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     backend.init_cuda_graph_state(16, 16)
     plan = backend._decode_plan_obj
     assert isinstance(plan, SharedPrefixDecode) and plan.batch_size == 16
+    assert isinstance(plan.shared_plan, ExtendSharedPass) and plan.fold == 64 // (HQ // HKV)
+    assert plan.shared_plan.extend.q_heads == shared_heads(HQ, HKV) == HKV * plan.fold * (HQ // HKV)
+    assert plan.shared_plan.batch_size == plan.max_sets == 8 and plan.shared_plan.num_splits == 8
     addresses = None
     for bs in (4, 8, 16):
         graph_step(backend, decode_batch(bs))
@@ -360,16 +365,17 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     out = backend.forward_decode(torch.zeros(16, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(16),
                                  save_kv_cache=False)  # fmt: skip
     assert out.shape == (16, HQ * D) and bool((out == 1).all())
-    shared_heads, _, _ = shared_kernel_spec(HQ, HKV, D, 64, 2)
-    assert sorted(key[0] for key in built) == sorted([HQ, HQ, shared_heads])  # own pass, per-request, shared pass
-    shared_key = next(key for key in built if key[0] == shared_heads)
-    assert shared_key[7:] == (("dense", "dense"), 1, True)  # forms, no split floor, dynamic splits
+    heads = shared_heads(HQ, HKV)
+    assert sorted(key[0] for key in built) == sorted([HQ, HQ, heads])  # own pass, per-request, shared pass
+    shared_key = next(key for key in built if key[0] == heads)
+    assert shared_key[5:] == ("n64", 2, False, ("dense", "dense"), True)  # tile, stages, no 2:4 K, forms, dynamic
     shared_kernel = built[shared_key]
     assert shared_kernel.batches == [plan.max_sets]
     # Its split count per set, chosen on the device from the sets that have blocks to share.
     step = backend.forward_metadata.decode_step
     real = int((step.shared_lens > 0).sum())
-    assert 0 < real and shared_kernel.limits[0].tolist() == [int(plan.splits_by_sets[real])] * plan.max_sets
+    want = [int(plan.splits_by_sets[real]) if n > 0 else 0 for n in step.shared_lens.tolist()]  # empty sets: skipped
+    assert 0 < real and shared_kernel.limits[0].tolist() == want
     # A server captures graphs up to a larger batch than it runs: the plan holds max_bs // 2 set rows,
     # a step of 16 requests hands the shared pass 8.
     built.clear()
@@ -379,7 +385,10 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     backend.forward_decode(torch.zeros(16, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(16),
                            save_kv_cache=False)  # fmt: skip
     assert backend._decode_plan_obj.max_sets == 32
-    assert built[next(key for key in built if key[0] == shared_heads)].batches == [8]
+    assert built[next(key for key in built if key[0] == heads)].batches == [8]
+    backend = decode_backend(monkeypatch, {}, shared_prefix_decode="on", sv_prefill=0.0, sv_decode=0.0)
+    backend.init_cuda_graph_state(256, 256)  # 128 set rows: 4 splits keep the scratch at 512 partials
+    assert backend._decode_plan_obj.shared_plan.num_splits == 4
 
 
 def test_start_up_compiles_the_kernels_the_settings_use(monkeypatch):

@@ -20,7 +20,7 @@ from sglang_hs import reference as R
 from sglang_hs.kernels import cases
 from sglang_hs.kernels.common import ANY_FORMS
 from sglang_hs.kernels.decode_shared import (
-    GPU_FORMS, GPU_SHAPES, MIN_SHARED_BATCH, WIDE_COLUMNS, SharedPrefixDecode, compressed_forms, conforming_blocks, fold_of,
+    GPU_FORMS, GPU_SHAPES, MIN_SHARED_BATCH, SharedPrefixDecode, compressed_forms, conforming_blocks, fold_of,
     merge_states, step_tables,
 )
 
@@ -159,8 +159,8 @@ class ReferencePlan:
 
 def test_grouping_finds_sets_and_leaves_lone_requests_out():
     case = _case(32, 8, torch.float32, "cpu")
-    fold = fold_of(32, 8)
-    assert fold == 4
+    assert fold_of(32, 8) == 16 and fold_of(16, 2) == 8 and fold_of(64, 1) == 1  # 64 columns a set
+    fold = 4
     groups = find_shared_prefixes(case["block_table"], case["seq_lens_list"], B, fold)
     # Source 0's group: requests 0, 2, 3, 5, 7 -> a set of 4 and a set of its remainder (7); requests 4
     # and 8, alone on their tables, stay out.
@@ -195,14 +195,14 @@ def test_merge_states_is_attention_over_the_union():
 
 
 def test_fold_and_unfold_are_inverse():
-    plan = SharedPrefixDecode(6, 8, 2, 16, B, 4, torch.float32, "cpu", plans=(None, None))
-    assert plan.fold == 4
-    q = torch.randn(6, 8, 16)
+    plan = SharedPrefixDecode(6, 32, 2, 16, B, 4, torch.float32, "cpu", plans=(None, None))
+    assert plan.fold == 4  # G = 16: 4 requests fill the 64 columns
+    q = torch.randn(6, 32, 16)
     members = torch.tensor([[0, 3, 5, -1], [1, 2, -1, -1]])
     folded = plan.fold_queries(q, members)
-    assert folded.shape == (2, 2 * 4 * 4, 16)
-    # KV head 1 of set 0 holds request 3's query heads 4..7 as its second group of columns.
-    assert torch.equal(folded[0, 16 + 4 : 16 + 8], q[3, 4:8])
+    assert folded.shape == (2, 2 * 4 * 16, 16)
+    # KV head 1 of set 0 holds request 3's query heads 16..31 as its second group of columns.
+    assert torch.equal(folded[0, 64 + 16 : 64 + 32], q[3, 16:32])
     back = plan.unfold(folded)
     assert torch.equal(back[1], q[3]) and torch.equal(back[4], q[1]) and torch.equal(back[5], q[2])
 
@@ -310,10 +310,10 @@ def test_a_restricted_shared_pass_leaves_the_dense_sink_to_the_own_pass():
     plan = SharedPrefixDecode(table.shape[0], 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
                               plans=(None, None), forms=("sparse", "sparse"))  # fmt: skip
     step = plan.plan_step(table, case["seq_lens"], k_index, v_index)
-    # Source 0: a sink page, 15 compressed blocks, 4 window pages; its group shares 18 blocks, of which
-    # the 15 compressed ones go to the shared pass (a set of 4, then its remainder's set). Source 1 (12
-    # blocks + 10 tokens): 8 of its 10.
-    assert step.shared_lens.tolist()[:3] == [15 * B, 15 * B, 8 * B]
+    # Source 0: a sink page, 15 compressed blocks, 4 window pages; its group (one set of 5) shares 18
+    # blocks, of which the 15 compressed ones go to the shared pass. Source 1 (12 blocks + 10 tokens): 8
+    # of its 10.
+    assert step.shared_lens.tolist()[:2] == [15 * B, 8 * B]
     assert step.shared_table[0, :15].tolist() == table[0, 1:16].tolist()
     assert step.own_table[0, :5].tolist() == [table[0, 0].item(), *table[0, 16:20].tolist()]
     with pytest.raises(ValueError, match="index maps"):
@@ -410,17 +410,12 @@ def test_sets_beyond_max_sets_fall_back_to_the_own_pass():
     assert step.own_lens.tolist() == [0, 0, 2 * B, 2 * B]
 
 
-def test_the_shared_pass_kernel_keeps_two_ctas_per_sm():
-    """CPU: the 16-column kernel of a d-128 model gets index maps small enough for two CTAs an SM; for
-    the forms of S_K = S_V = 1 (2:4 K and V only) four fit, for S_K = 0, S_V = 1 three."""
-    from sglang_hs.kernels.decode import SMEM_PER_SM, ctas_per_sm, fitting_split_capacity, smem_bytes
+def test_the_shared_pass_fits_two_ctas_per_sm_for_the_compressed_forms():
+    """CPU: the shared pass's n64 tile at d 128 fits two CTAs an SM when its stages hold one form per
+    operand (2:4 K and V, or dense K and 2:4 V), and one with every form (131 KB)."""
+    from sglang_hs.kernels.shared_pass_extend import ctas_per_sm_n64
 
-    assert fitting_split_capacity(32, 8, 128, 64, 2) == 512  # the model's own kernel is unchanged
-    capacity = fitting_split_capacity(128, 8, 128, 64, 2)
-    assert capacity < 512 and 2 * (smem_bytes(128, 64, 2, 16, capacity) + 1024) <= SMEM_PER_SM
-    for forms, ctas in ((("sparse", "sparse"), 4), (("dense", "sparse"), 3), (ANY_FORMS, 2)):
-        capacity = fitting_split_capacity(128, 8, 128, 64, 2, forms)
-        assert ctas_per_sm(128, 8, 128, 64, 2, capacity, forms) == ctas, forms
+    assert [ctas_per_sm_n64(128, B, forms) for forms in (("sparse", "sparse"), ("dense", "sparse"), ANY_FORMS)] == [2, 2, 1]
 
 
 def test_fused_merge_kernel_in_tritons_interpreter():
@@ -455,19 +450,15 @@ print("ok")
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, dtype", [(hq, hkv, d, getattr(torch, dt)) for hq, hkv, d, dt in GPU_SHAPES],
                          ids=lambda v: str(v).split(".")[-1])  # fmt: skip
-@pytest.mark.parametrize("splits", ["plan", "fewest"])
+@pytest.mark.parametrize("splits", ["plan", "one"])
 @pytest.mark.parametrize("forms", GPU_FORMS, ids=lambda f: "-".join(f))
 def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype, splits, forms):
-    """The shared pass at the plan's split count and at the fewest its capacity allows, for every form
-    the tests build (a restricted kernel on a case whose compressed blocks are of its forms)."""
-    from sglang_hs.kernels.decode import STAGES, min_splits
-    from sglang_hs.kernels.decode_shared import shared_kernel_spec
-
+    """The shared pass at the plan's split counts and at one split a set, for every form the tests
+    build (a restricted kernel on a case whose compressed blocks are of its forms)."""
     sk = 0.0 if forms[0] == "dense" else 1.0
     case = _case(q_heads, kv_heads, dtype, "cuda", head_dim=head_dim, sk=sk)
     bs = case["q"].shape[0]
-    capacity = shared_kernel_spec(q_heads, kv_heads, head_dim, B, STAGES, forms)[2]
-    forced = min_splits(case["max_blocks"], capacity) if splits == "fewest" else None
+    forced = 1 if splits == "one" else None
     plan = SharedPrefixDecode(bs, q_heads, kv_heads, head_dim, B, case["max_blocks"], dtype, "cuda",
                               shared_splits=forced, forms=forms)  # fmt: skip
     out = _run(plan, case)
@@ -490,16 +481,16 @@ def test_a_dense_window_inside_the_shared_prefix_matches_reference_with_the_orac
 
 
 def _lone_run(device, dtype, head_dim, plans=None):
-    """The case with lone requests made sets of one (``lone_min_blocks=1``): its groups' three sets
-    first, then request 4's (2 full blocks); request 8's set would be the fifth of 4 rows, so request 8
-    stays in the own pass. Returns the output and the reference."""
+    """The case with lone requests made sets of one (``lone_min_blocks=1``): its groups' two sets
+    first (16 requests a set), then request 4's (2 full blocks) and request 8's (1). Returns the
+    output and the reference."""
     case = _case(32, 8, dtype, device, head_dim=head_dim)
     bs = case["q"].shape[0]
     plan = SharedPrefixDecode(bs, 32, 8, head_dim, B, case["max_blocks"], dtype, device, plans=plans)
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
     step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
-    assert step.members[:, 0].tolist() == [0, 7, 1, 4] and step.pick[8].item() == -1
-    assert step.shared_lens[3].item() == 2 * B
+    assert step.members[:, 0].tolist() == [0, 1, 4, 8] and step.pick[8].item() == 3 * plan.fold
+    assert step.shared_lens[2:].tolist() == [2 * B, B]
     out = plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
     return out, _reference(case)[0]
 
@@ -545,18 +536,16 @@ def _replayed(run) -> torch.Tensor:
     return replayed
 
 
-def test_an_extend_shared_pass_folds_64_columns_with_the_oracle_as_kernel():
-    """``shared_kernel="extend"`` folds 64 // G requests a set (16 at G = 4): the case's group of 5 is
-    one set; the output still equals the reference. An unknown kernel name is refused."""
+def test_a_column_set_folds_64_columns_with_the_oracle_as_kernel():
+    """The shared pass folds 64 // G requests a set (16 at G = 4): the case's group of 5 is one set;
+    the output equals the reference."""
     case = _case(32, 8, torch.float32, "cpu")
     plan = SharedPrefixDecode(case["q"].shape[0], 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
-                              plans=(ReferencePlan(), ReferencePlan()), shared_kernel="extend")  # fmt: skip
+                              plans=(ReferencePlan(), ReferencePlan()))  # fmt: skip
     assert plan.fold == 16 and not plan.dynamic_splits
     step = plan.plan_step(*cases.run_args(case)[6:8], case["k_index"], case["v_index"])
     assert step.members[0, :5].tolist() == [0, 2, 3, 5, 7] and step.members[1, :2].tolist() == [1, 6]
     assert torch.allclose(_run(plan, case), _reference(case)[0], atol=2e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="shared_kernel"):
-        SharedPrefixDecode(4, 32, 8, 64, B, 8, torch.float32, "cpu", plans=(None, None), shared_kernel="fa3")
 
 
 class ReferenceExtend:
@@ -591,7 +580,7 @@ def test_the_extend_shared_pass_maps_a_set_to_one_query_token_over_its_shared_bl
     assert shared.extend.group == 64 and shared.extend.tile == "n64" and shared.indptr.tolist() == list(range(bs // 2 + 1))
     shared.extend = ReferenceExtend()
     plan = SharedPrefixDecode(bs, 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
-                              plans=(shared, ReferencePlan()), shared_kernel="extend")  # fmt: skip
+                              plans=(shared, ReferencePlan()))  # fmt: skip
     q, k_cache, v_cache, pools, k_index, v_index, table, lens, sm_scale = cases.run_args(case)
     for lone, empty_rows in ((None, 2), (1, 0)):  # lone requests in the own pass (two empty set rows), or sets
         step = plan.plan_step(table, lens, k_index, v_index, lone_min_blocks=lone)
@@ -611,8 +600,7 @@ def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk, r
     case = _case(32, 8, torch.bfloat16, "cuda", head_dim=128, sk=sk)
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
     forms = compressed_forms((sk,), (1.0,)) if restricted else ANY_FORMS
-    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda", forms=forms,
-                              shared_kernel="extend")  # fmt: skip
+    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda", forms=forms)
     assert plan.shared_plan.extend.forms == forms
     step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
     run = lambda: plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)  # noqa: E731
@@ -662,24 +650,6 @@ def test_a_dense_window_inside_the_shared_prefix_matches_reference_on_the_gpu():
     assert float((out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("columns", WIDE_COLUMNS)
-@pytest.mark.parametrize("forms", [("sparse", "sparse"), ANY_FORMS], ids=lambda f: "-".join(f))
-def test_wide_column_sets_match_reference_on_the_gpu(columns, forms):
-    """A shared pass 32 or 64 query columns wide (8 or 16 requests a column set at G = 4): the case's
-    group of 5 fills one set partly, its group of 2 another; the output equals the reference."""
-    sk = 1.0 if forms == ("sparse", "sparse") else 0.5
-    case = _case(32, 8, torch.float16, "cuda", head_dim=128, sk=sk)
-    plan = SharedPrefixDecode(case["q"].shape[0], 32, 8, 128, B, case["max_blocks"], torch.float16, "cuda",
-                              forms=forms, columns=columns)  # fmt: skip
-    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
-    step = plan.plan_step(block_table, seq_lens, k_index, v_index)
-    assert sorted(int((step.members[s] >= 0).sum()) for s in range(step.members.shape[0]) if step.members[s, 0] >= 0) == [2, 5]
-    out = plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)
-    ref, _ = _reference(case)
-    assert float((out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
-
-
 def test_split_limits_follow_the_sets_with_blocks_to_share():
     """CPU: every set of a step gets the split count of the number of sets that have blocks to share
     (a gather on the device), at most the launch's grid."""
@@ -694,29 +664,21 @@ def test_split_limits_follow_the_sets_with_blocks_to_share():
 
 
 def test_the_shared_pass_plans_splits_for_the_sets_a_step_has(monkeypatch):
-    """CPU (kernels stubbed): the shared pass's grid holds SHARED_MAX_SPLITS splits per set row and its
-    table of split counts by live sets is the per-request rule's at that many rows (capped at 16, and at
-    8 from 5 sets): at the regime-1 server's shape on 132 SMs, 16 splits for up to 4 sets, 8 from 5
-    (measured on an H200: 4 sets 106.9 us at 16 splits against 140.3 at 8; 6 sets 148.3 at 8 against
-    187.5 at 16; the rule alone would give 11 at 6)."""
+    """CPU (kernels stubbed): the shared pass's grid holds 8 splits per set row and its table of split
+    counts by live sets keeps them in one wave of two CTAs an SM, at most 8: at the regime-1 server's
+    shape on 132 SMs, 8 splits for up to 4 sets, 6 at 5, 5 at 6, 2 at 16 (measured on an H100: 3 sets
+    176.4 us at 8 splits against 194.3 at 11 and 256.5 at 16)."""
     from types import SimpleNamespace
 
     from sglang_hs.kernels import decode
-    from sglang_hs.kernels.decode_shared import SHARED_MANY_SETS_SPLITS, SHARED_MAX_SPLITS
 
     monkeypatch.setattr(decode, "build_decode_kernel", lambda *a, **kw: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     plan = SharedPrefixDecode(32, 32, 8, 128, B, 529, torch.bfloat16, "cpu", forms=("sparse", "sparse"))
     by_sets = plan.splits_by_sets.tolist()
-    assert len(by_sets) == plan.max_sets + 1 == 17 and by_sets[1:5] == [SHARED_MAX_SPLITS] * 4
-    assert by_sets[5:9] == [SHARED_MANY_SETS_SPLITS] * 4 and max(by_sets[5:]) == SHARED_MANY_SETS_SPLITS
-    assert by_sets[0] == SHARED_MAX_SPLITS  # (no set: never launched)
-    assert plan.shared_plan.rule_splits(6, 529) == 11  # what the cap overrides
-    assert plan.shared_plan.call_splits(8, 529) == SHARED_MAX_SPLITS  # 16 requests: 8 set rows
-    assert plan.shared_plan.part_capacity <= 512 and plan.shared_plan.call_splits(16, 529) == 16
-    with pytest.raises(ValueError, match="split_limit"):
-        plan.shared_plan.run(torch.zeros(1, 128, 128), *([None] * 5), torch.zeros(1, 9, dtype=torch.int32),
-                             torch.zeros(1, dtype=torch.int32), 0.1)  # fmt: skip
+    assert len(by_sets) == plan.max_sets + 1 == 17 and by_sets[:5] == [8] * 5  # (0 sets: never launched)
+    assert by_sets[5:7] == [6, 5] and by_sets[16] == 2
+    assert plan.shared_plan.num_splits == plan.shared_plan.call_splits(8, 529) == 8
 
 
 @pytest.mark.gpu
@@ -747,17 +709,17 @@ def test_the_own_pass_plans_splits_for_the_requests_no_set_took(monkeypatch):
     monkeypatch.setattr(decode, "build_decode_kernel", lambda *a, **kw: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     plan = SharedPrefixDecode(32, 32, 8, 128, B, 529, torch.float16, "cpu")
-    assert plan.fold == 4 and [plan.own_pass_long_requests(bs) for bs in (1, 4, 5, 16, 32)] == [1, 1, 2, 4, 8]
+    assert plan.fold == 16 and [plan.own_pass_long_requests(bs) for bs in (1, 16, 17, 32)] == [1, 1, 2, 2]
 
     def rule(batch):
         return plan_num_splits(batch, 32, 8, 128, B, 529, STAGES, 132, 512)
 
-    assert plan.own_plan.splits(16, 529) == rule(4) > plan.per_request_plan.splits(16, 529) == rule(16)
+    assert plan.own_plan.splits(32, 529) == rule(2) > plan.per_request_plan.splits(32, 529) == rule(32)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("argv", [[], ["--server-shape"], ["--batches"], ["--chunked"], ["--columns"], ["--overlap"]],
-                         ids=["bench-shape", "server-shape", "batches", "chunked", "columns", "overlap"])
+@pytest.mark.parametrize("argv", [[], ["--server-shape"], ["--batches"], ["--chunked"], ["--splits"]],
+                         ids=["bench-shape", "server-shape", "batches", "chunked", "splits"])
 def test_profile_script_runs(argv, capsys):
     """``launch/profile_shared_decode.py`` (the breakdown quoted in docs/results.md) runs and times every
     part it names."""

@@ -31,24 +31,21 @@ def test_model_jobs_do_not_depend_on_batch_or_context():
     assert [kind for kind, _ in server] == ["decode", "extend", "extend", "pack"]
     assert {args[5] for kind, args in server if kind == "extend"} == {"n64", "n128"}
     assert [kind for kind, _ in J.model_jobs(9, 3, 64, "float16")] == ["pack", "loss", "loss"]  # GQA 3
-    # Shared-prefix decode adds the own pass's kernel (a split floor of 4 blocks) and the 16-column one with
-    # split counts read from the GPU (at d 128 with index maps of 64 blocks; for 2:4 K and V only,
-    # smaller stages and index maps of 512).
+    # Shared-prefix decode adds the own pass's kernel (a split floor of 4 blocks) and the shared pass's: the
+    # extend kernel's n64 tile over 64 // G folded requests (512 heads of 8 KV heads at G = 4, 128 of 2 at
+    # G = 8), for the store's forms, split counts read from the GPU, for the store's K (both without the
+    # extend kernel's own K setting).
     every = ("any", "any")
     shared = J.model_jobs(32, 8, 128, "float16", shared_decode_forms=every)
-    assert shared[:3] == [("decode", (32, 8, 128, 64, "float16", 2)),
+    assert shared[:4] == [("decode", (32, 8, 128, 64, "float16", 2)),
                           ("decode", (32, 8, 128, 64, "float16", 2, 512, every, 4)),
-                          ("decode", (128, 8, 128, 64, "float16", 2, 64, every, 1, True))]  # fmt: skip
+                          ("extend", (512, 8, 128, 64, "float16", "n64", 2, False, every, True)),
+                          ("extend", (512, 8, 128, 64, "float16", "n64", 2, True, every, True))]  # fmt: skip
     assert J.model_jobs(16, 2, 64, "float16", shared_decode_forms=every)[2] == (
-        "decode", (32, 2, 64, 64, "float16", 2, 512, every, 1, True))  # fmt: skip
-    sparse = J.model_jobs(32, 8, 128, "float16", shared_decode_forms=("sparse", "sparse"))[2]
-    assert sparse == ("decode", (128, 8, 128, 64, "float16", 2, 512, ("sparse", "sparse"), 1, True))
-    # With the shared pass on the extend kernel: its n64 tile over 16 folded requests (512 heads of 8 KV
-    # heads) for the store's K form, instead of the 16-column decode kernel.
-    ext = J.model_jobs(32, 8, 128, "bfloat16", extend_k_sparse=(True,), shared_decode_forms=("sparse", "sparse"),
-                       shared_pass_kernel="extend")  # fmt: skip
+        "extend", (128, 2, 64, 64, "float16", "n64", 2, False, every, True))  # fmt: skip
+    ext = J.model_jobs(32, 8, 128, "bfloat16", extend_k_sparse=(True,), shared_decode_forms=("sparse", "sparse"))
     assert ext[2] == ("extend", (512, 8, 128, 64, "bfloat16", "n64", 2, True, ("sparse", "sparse"), True))
-    assert [kind for kind, _ in ext].count("decode") == 2
+    assert [kind for kind, _ in ext].count("decode") == 2 and ext[3][1][5:7] == ("n64", 2) and len(ext[3][1]) == 8
 
 
 def test_job_arguments_are_the_builders_cache_keys(monkeypatch):
