@@ -16,8 +16,7 @@ Design (and why)
   shapes with ``T.gemm`` (``wgmma``), sparse blocks ``T.gemm_sp`` (``wgmma.sp``); the accumulators are
   shared, so both paths fold into one online softmax.
 * **GQA as the GEMM N dim.** One CTA (one warpgroup) serves the ``G = Hq/Hkv`` query heads of one KV
-  head, so every KV byte is read once. N is padded to 8 for G in {1, 2, 4, 8} (16 up to G = 16; 32
-  and 64 for the shared-prefix decode's folded requests):
+  head, so every KV byte is read once. N is padded to 8 for G in {1, 2, 4, 8} (16 up to G = 16):
   ``m64n8`` is a legal wgmma shape and avoids TileLang's N = 24/40 bug (issue #2603) and wasted
   accumulator registers.
 * **Split-KV.** Grid ``(num_splits, Hkv, bs)``: each CTA walks a contiguous range of its request's
@@ -45,9 +44,7 @@ Design (and why)
   K and V (50 KB at D = 128); only one form per operand is filled per block. Aliasing them does not
   survive TileLang 0.1.11's layout inference (buffers that share storage get one layout, and unequal
   sizes are rejected). Two stages with two CTAs per SM: one CTA's block step is a serial chain
-  (issue, wait, wgmma, softmax, wgmma), and a second resident CTA hides it. A kernel compiled for
-  fewer forms (``forms``: the shared-prefix decode's shared pass, which reads only compressed blocks)
-  allocates only those buffers, and three or four CTAs fit an SM.
+  (issue, wait, wgmma, softmax, wgmma), and a second resident CTA hides it.
 * **Lane softmax.** ``S^T`` is staged in shared memory and each query head (column) belongs to
   ``128 / N`` consecutive lanes, so the block max is a few shuffles, the row sums stay per lane until
   the end, and a block step has 3 CTA barriers.
@@ -80,7 +77,7 @@ import torch
 
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import (
-    ANY_FORMS, KV_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
+    ANY_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
     compile_cached, precompile_main, split_count, tma_loads,
 )
 
@@ -93,32 +90,28 @@ CTAs take 128-133 blocks)."""
 MAX_SPLITS = 128
 
 
-MAX_COLUMNS = 64
-"""The widest N (query heads of one KV head, padded) the kernel takes: a model's GQA group is at most 16,
-the shared-prefix decode's shared pass folds several requests' groups into one CTA (up to 64 columns)."""
+MAX_COLUMNS = 16
+"""The widest N (query heads of one KV head, padded) the kernel takes: a model's GQA group is at most 16."""
 
 
 def _n_pad(group: int) -> int:
-    """N of the block GEMMs: the group padded to 8, 16, 32 or 64 (legal wgmma N, 128 / N lanes a column)."""
+    """N of the block GEMMs: the group padded to 8 or 16 (legal wgmma N, 128 / N lanes a column)."""
     if group > MAX_COLUMNS:
         raise ValueError(f"{group} query heads per KV head > {MAX_COLUMNS} is not supported")
-    return next(n for n in (8, 16, 32, 64) if group <= n)
+    return next(n for n in (8, 16) if group <= n)
 
 
-def stage_bytes(head_dim: int, block_size: int, forms: tuple[str, str] = ANY_FORMS) -> int:
-    """One stage's K and V buffers (bytes) for the ``(k_form, v_form)`` it holds
-    (:data:`sglang_hs.kernels.common.KV_FORMS`): a dense tile, 2:4 values + int16 metadata, or both."""
+def stage_bytes(head_dim: int, block_size: int) -> int:
+    """One stage's K and V buffers (bytes): a dense tile and 2:4 values + int16 metadata of each."""
     elems = block_size * head_dim
-    dense, sparse = elems * 2, elems + elems // 8
-    return sum({"any": dense + sparse, "dense": dense, "sparse": sparse}[form] for form in forms)
+    return 2 * (elems * 2 + elems + elems // 8)
 
 
-def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int = SPLIT_CAPACITY,
-               forms: tuple[str, str] = ANY_FORMS) -> int:  # fmt: skip
+def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int = SPLIT_CAPACITY) -> int:
     """Shared memory of one CTA (bytes), an upper bound of the buffers of :func:`build_decode_prim_func`
     (its index maps hold ``blocks_per_split`` entries: the kernel's :data:`SPLIT_CAPACITY`)."""
     n = _n_pad(group)
-    stage = stage_bytes(head_dim, block_size, forms)
+    stage = stage_bytes(head_dim, block_size)
     other = n * head_dim * 2 + block_size * n * 6 + 3 * blocks_per_split * 4 + 4 * 512  # Q, P, S^T, maps
     return stages * stage + other
 
@@ -129,33 +122,15 @@ def min_splits(max_blocks: int, capacity: int = SPLIT_CAPACITY) -> int:
     return max(1, -(-max_blocks // capacity))
 
 
-def fitting_split_capacity(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
-                           forms: tuple[str, str] = ANY_FORMS) -> int:  # fmt: skip
-    """The largest split capacity (512 down to 64 blocks) at which the most CTAs of the shape share an
-    SM. At 16 query heads per KV head and d 128 the wider N costs 5 KB of shared memory, which a
-    capacity of 64 (smaller index maps, more splits) gives back, keeping two CTAs; every other tested
-    shape keeps 512."""
-    capacities = (SPLIT_CAPACITY, 256, 128, 64)
-    fits = {c: ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, c, forms) for c in capacities}
-    return max((fits[c], c) for c in capacities)[1]
-
-
 def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64, dtype: str = "float16",
                            stages: int = STAGES, split_capacity: int = SPLIT_CAPACITY,
-                           forms: tuple[str, str] = ANY_FORMS, min_split_blocks: int = 1,
-                           dynamic_splits: bool = False):  # fmt: skip
+                           min_split_blocks: int = 1):  # fmt: skip
     """The TileLang ``prim_func`` of one model shape. The batch size, the block table's width and the
     split count are dynamic (bound from the arguments' shapes), so one kernel serves every plan.
-    ``forms`` = ``(k_form, v_form)`` (:data:`sglang_hs.kernels.common.KV_FORMS`): the block forms the
-    stages hold; a kernel for fewer forms must only be given blocks of those forms (the shared-prefix
-    decode's shared pass, :mod:`.decode_shared`), and fits more CTAs an SM. ``min_split_blocks`` > 1
-    gives every split of a request at least that many blocks and lets the splits past its blocks exit
-    at once (the merge takes only the splits with blocks): a plan for long requests then costs a short
-    one a CTA per few blocks, not one per split (the shared-prefix decode's own pass, whose requests
-    are mostly a short tail). ``dynamic_splits``: each request uses only its ``split_limit`` (``<= S``)
-    splits, read from the GPU, and the CTAs of the others exit at once: a captured graph's launch has
-    a fixed grid, but the shared pass's best split count depends on how many column sets the step
-    really has, which only the GPU knows.
+    ``min_split_blocks`` > 1 gives every split of a request at least that many blocks and lets the
+    splits past its blocks exit at once (the merge takes only the splits with blocks): a plan for long
+    requests then costs a short one a CTA per few blocks, not one per split (the shared-prefix decode's
+    own pass, whose requests are mostly a short tail).
 
     Arguments, in order (``S`` = the split count, bound from ``o_part``'s shape; it must be at least
     ``min_splits(max_blocks)``): ``q [bs, Hq, D]``, ``k_cache, v_cache [slots, Hkv, D]``, the six pools
@@ -167,8 +142,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     natural log), ``tickets [bs, Hkv]`` (int32 split tickets, zero between calls), ``want_block_lse``
     (int32: non-zero also writes each block's own LSE), ``block_lse [bs*Hq, W]`` (fp32, natural log:
     row ``r*Hq + head``, column = the block's place in the request's table; a ``[1, 1]`` stand-in when
-    not wanted) and ``split_limit [bs]`` (int32, read only with ``dynamic_splits``: each request's split
-    count, ``min_splits(max_blocks) <= limit <= S``). Every tensor is contiguous.
+    not wanted). Every tensor is contiguous.
     """
     import tilelang.language as T
 
@@ -187,17 +161,12 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     (num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual, batch, max_blocks,
      S, lse_rows, lse_cols) = T.dynamic("num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, "
                                        "num_virtual, batch, max_blocks, num_splits, lse_rows, lse_cols")
-    k_form, v_form = forms
-    assert k_form in KV_FORMS and v_form in KV_FORMS
-    load_k, load_v = tma_loads(T, B, k_form, v_form)
+    load_k, load_v = tma_loads(T, B, *ANY_FORMS)
 
-    def alloc_stages():
-        def shared(form, kind, shape, dt):  # a buffer of a form the stage holds, else None
-            return T.alloc_shared(shape, dt) if form in ("any", kind) else None
-
-        return [Stage(shared(k_form, "dense", [B, D], dtype), shared(k_form, "sparse", [B, D // 2], dtype),
-                      shared(k_form, "sparse", [e_rows, 16], "int16"), shared(v_form, "dense", [B, D], dtype),
-                      shared(v_form, "sparse", [D, B // 2], dtype), shared(v_form, "sparse", [e_rows, 16], "int16"),
+    def alloc_stages():  # every form of K and V: a block table mixes cache pages, dense and 2:4 rows
+        return [Stage(T.alloc_shared([B, D], dtype), T.alloc_shared([B, D // 2], dtype),
+                      T.alloc_shared([e_rows, 16], "int16"), T.alloc_shared([B, D], dtype),
+                      T.alloc_shared([D, B // 2], dtype), T.alloc_shared([e_rows, 16], "int16"),
                       T.alloc_barrier(threads), None) for _ in range(stages)]
 
     @T.macro
@@ -215,12 +184,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row):
         # Block j: S^T = K·Q^T, the lane softmax (TPC consecutive lanes own a column), O^T += V^T·P^T.
         mode = maps[0][j]
-        if k_form == "sparse":
-            T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
-                      clear_accum=True)
-        elif k_form == "dense":
-            T.gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True)
-        elif (mode & 3) == 2:
+        if (mode & 3) == 2:
             T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                       clear_accum=True)
         else:
@@ -262,11 +226,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         T.sync_threads()
         for d, g in T.Parallel(D, NH):
             oT[d, g] *= rescale_sh[g]
-        if v_form == "sparse":
-            T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
-        elif v_form == "dense":
-            T.gemm(stage.v_dense, P_s, oT, transpose_A=True)
-        elif (mode >> 2) == 2:
+        if (mode >> 2) == 2:
             T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
         else:
             T.gemm(stage.v_dense, P_s, oT, transpose_A=True)
@@ -297,11 +257,11 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             step(it * stages + s, it & 1, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st[s],
                  st[(s + stages - 1) % stages], src, *frags)
 
-    # Plain Python helpers: with min_split_blocks = 1 and static splits (every plain decode) they emit
-    # exactly the split arithmetic of a kernel without the floor (no guard, every split in the merge).
-    every_split_live = min_split_blocks == 1 and not dynamic_splits
+    # Plain Python helpers: with min_split_blocks = 1 (every plain decode) they emit exactly the split
+    # arithmetic of a kernel without the floor (no guard, every split in the merge).
+    every_split_live = min_split_blocks == 1
 
-    def blocks_per_split(seq_blocks, limit):  # limit: S, or the request's split_limit (dynamic_splits)
+    def blocks_per_split(seq_blocks, limit):  # limit: S
         per_split = T.ceildiv(seq_blocks, limit)
         return per_split if every_split_live else T.max(per_split, max(min_split_blocks, 1))
 
@@ -334,7 +294,6 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         tickets: T.Tensor([batch, kv_heads], "int32"),
         want_block_lse: T.int32,
         block_lse: T.Tensor([lse_rows, lse_cols], accum),
-        split_limit: T.Tensor([batch], "int32"),
     ):
         with T.Kernel(S, kv_heads, batch, threads=threads) as (split, h, request):
             Q_s = T.alloc_shared([NH, D], dtype)
@@ -359,9 +318,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             # generated code stays that of a static split count but for the (loop-invariant) division.
             seq_len = seq_lens[request]
             seq_blocks = T.ceildiv(seq_len, B)
-            # A dynamic limit is kept within [the fewest splits the maps hold, S]: outside it blocks would be lost.
-            limit = T.max(T.min(split_limit[request], S), T.ceildiv(max_blocks, bps)) if dynamic_splits else S
-            per_split = blocks_per_split(seq_blocks, limit)
+            per_split = blocks_per_split(seq_blocks, S)
             first_block = split * per_split
             # The plan keeps S >= ceil(max_blocks / bps), so per_split <= bps; the bound only guards the maps.
             num_blocks = T.max(T.min(T.min(per_split, bps), seq_blocks - first_block), 0)
@@ -450,34 +407,23 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
 
 def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
-                       split_capacity=SPLIT_CAPACITY, forms=ANY_FORMS, min_split_blocks=1,
-                       dynamic_splits=False) -> tuple:  # fmt: skip
+                       split_capacity=SPLIT_CAPACITY, min_split_blocks=1) -> tuple:  # fmt: skip
     """The arguments that key a decode kernel in TileLang's cache (and a compile job): the shape, then
-    the split capacity, the forms, the split floor and dynamic splits up to the last that is not its
-    default (so the default kernels keep their keys)."""
-    extra = (split_capacity, tuple(forms), min_split_blocks, dynamic_splits)
-    defaults = (SPLIT_CAPACITY, ANY_FORMS, 1, False)
+    the split capacity and the split floor up to the last that is not its default (so the default
+    kernels keep their keys)."""
+    extra = (split_capacity, min_split_blocks)
+    defaults = (SPLIT_CAPACITY, 1)
     kept = max((i + 1 for i in range(len(extra)) if extra[i] != defaults[i]), default=0)
     return (q_heads, kv_heads, head_dim, block_size, dtype, stages) + extra[:kept]
 
 
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
-                        split_capacity=SPLIT_CAPACITY, forms=ANY_FORMS, min_split_blocks=1, dynamic_splits=False,
-                        target=None):  # fmt: skip
+                        split_capacity=SPLIT_CAPACITY, min_split_blocks=1, target=None):  # fmt: skip
     """Compile (or load from TileLang's cache) the kernel of one model shape. Needs TileLang, not a GPU."""
-    args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, forms,
-                              min_split_blocks, dynamic_splits)  # fmt: skip
+    args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, min_split_blocks)
     return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target,
-                          name=decode_kernel_name(forms, min_split_blocks))
-
-
-def decode_kernel_name(forms: tuple[str, str] = ANY_FORMS, min_split_blocks: int = 1) -> str:
-    """The CUDA kernel's name, as traces show it: ``hs_decode``, with ``_floor`` for a split floor (the
-    shared-prefix decode's own pass) and the forms' initials for fewer forms (its shared pass, e.g.
-    ``hs_decode_ss`` for 2:4 K and V)."""
-    name = "hs_decode" + ("_floor" if min_split_blocks > 1 else "")
-    return name if tuple(forms) == ANY_FORMS else f"{name}_{forms[0][0]}{forms[1][0]}"
+                          name="hs_decode" + ("_floor" if min_split_blocks > 1 else ""))
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
@@ -492,22 +438,21 @@ def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
 
 @functools.lru_cache(maxsize=4096)
 def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                    stages: int, num_sms: int, split_capacity: int = SPLIT_CAPACITY,
-                    forms: tuple[str, str] = ANY_FORMS) -> int:
+                    stages: int, num_sms: int, split_capacity: int = SPLIT_CAPACITY) -> int:
     """The split count of a call with ``batch`` requests and a block table ``max_blocks`` wide on a GPU
     of ``num_sms`` SMs (host arithmetic on shapes only: no device value is read).
 
     A CTA's shared memory does not depend on the call (its index maps hold :data:`SPLIT_CAPACITY`
     blocks), so the CTAs per SM are fixed by the model shape: two at d 128 for the GQA groups the
     server takes. At a 32K context (512-529 blocks) and 8 requests of 8 KV heads that is 4 splits."""
-    ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity, forms)
+    ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity)
     return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas, capacity=split_capacity)
 
 
 def ctas_per_sm(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
-                split_capacity: int = SPLIT_CAPACITY, forms: tuple[str, str] = ANY_FORMS) -> int:
+                split_capacity: int = SPLIT_CAPACITY) -> int:
     """CTAs of the model shape's kernel that fit an SM (shared memory; fixed by the shape, not the call)."""
-    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity, forms) + 1024
+    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity) + 1024
     return max(1, min(SMEM_PER_SM // per_cta, 8))
 
 
@@ -523,40 +468,31 @@ class HieraSparseDecode:
     ``num_sms`` SMs: this GPU's by default); ``plan_batch`` maps a call's request count to the count
     the rule plans for (a batch where only some requests are long wants the splits of that many).
     ``block_lse``: also keep scratch for :meth:`run`'s per-block LSE (the decode modes' anchor layers).
-    ``forms``: the ``(k_form, v_form)`` the kernel's stages hold (:func:`build_decode_prim_func`); a plan
-    for fewer than every form must only be given blocks of those forms. ``min_split_blocks``: the
-    kernel's floor of blocks a split (:func:`build_decode_prim_func`). ``dynamic_splits``: the kernel
-    that reads each request's split count from the GPU (:meth:`run`'s ``split_limit``; the call's
-    split count is then the grid's, the most any request may use). ``max_parts``: at most this many
-    (request, split) partials of scratch (a call's split count is cut to fit). One call at a time per
-    plan.
+    ``min_split_blocks``: the kernel's floor of blocks a split (:func:`build_decode_prim_func`). One
+    call at a time per plan.
     """
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None, stages: int = STAGES,
                  num_sms: int | None = None, split_capacity: int = SPLIT_CAPACITY,
                  plan_batch: Callable[[int], int] | None = None, block_lse: bool = False,
-                 forms: tuple[str, str] = ANY_FORMS, min_split_blocks: int = 1, dynamic_splits: bool = False,
-                 max_parts: int | None = None):
+                 min_split_blocks: int = 1):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
         self.dtype, self.device, self.stages = dtype, torch.device(device), stages
         self.split_capacity = split_capacity
-        self.forms = tuple(forms)
         if num_splits is not None and num_splits < min_splits(max_blocks, split_capacity):
             raise ValueError(f"num_splits={num_splits} < {min_splits(max_blocks, split_capacity)}: a split walks at "
                              f"most {split_capacity} of the {max_blocks} blocks")
         self.forced_splits = num_splits
         self.plan_batch = plan_batch
-        self.dynamic_splits, self.max_parts = dynamic_splits, max_parts
-        if num_sms is None and (num_splits is None or dynamic_splits):  # a dynamic plan's callers ask rule_splits
+        if num_sms is None and num_splits is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = num_sms
         dt = "float16" if dtype == torch.float16 else "bfloat16"
         self.kernel = build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
-                                          split_capacity=split_capacity, forms=self.forms,
-                                          min_split_blocks=min_split_blocks, dynamic_splits=dynamic_splits)
+                                          split_capacity=split_capacity, min_split_blocks=min_split_blocks)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
         self.with_block_lse = block_lse
@@ -577,7 +513,7 @@ class HieraSparseDecode:
         """:func:`plan_num_splits` for this plan's kernel at ``batch`` requests, neither forced nor
         mapped by ``plan_batch`` (what a call of that many live requests would want)."""
         return plan_num_splits(batch, self.q_heads, self.kv_heads, self.head_dim, self.block_size, width,
-                               self.stages, self.num_sms, self.split_capacity, self.forms)
+                               self.stages, self.num_sms, self.split_capacity)
 
     def call_splits(self, batch: int, width: int) -> int:
         """The split count a launch of ``batch`` requests (at most ``batch_size``) uses: the planned one,
@@ -588,8 +524,6 @@ class HieraSparseDecode:
         """Scratch for up to ``batch_size`` requests at the split counts their calls choose."""
         self.batch_size = batch_size
         parts = max(bs * self.splits(bs, self.max_blocks) for bs in range(1, batch_size + 1))
-        if self.max_parts is not None:
-            parts = max(min(parts, self.max_parts), batch_size * min_splits(self.max_blocks, self.split_capacity))
         hq, d = self.q_heads, self.head_dim
         f32 = dict(dtype=torch.float32, device=self.device)
         self.part_capacity = parts  # (request, split) pairs
@@ -604,7 +538,7 @@ class HieraSparseDecode:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pools: BlockPools,
             k_index: torch.Tensor, v_index: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
             sm_scale: float, out: torch.Tensor | None = None, return_lse: bool = False,
-            return_block_lse: bool = False, split_limit: torch.Tensor | None = None):
+            return_block_lse: bool = False):
         """Decode attention of one layer; one kernel launch per ``batch_size`` requests, no host
         synchronisation.
 
@@ -624,8 +558,6 @@ class HieraSparseDecode:
           are never read.
         * ``seq_lens``: ``[bs]`` int32, tokens of each request (0: a padded request, output 0, LSE -inf).
         * ``out``: ``[bs, Hq, D]``, contiguous, written if given.
-        * ``split_limit``: ``[bs]`` int32, each request's split count (a plan with ``dynamic_splits``
-          only, which needs it): at least ``min_splits(W)``, at most :meth:`call_splits` (more is cut).
 
         Returns ``out [bs, Hq, D]``, and with ``return_lse`` also the natural-log LSE ``[bs, Hq]`` fp32
         (a plan-owned buffer up to ``batch_size`` requests, overwritten by the next call); with
@@ -635,8 +567,6 @@ class HieraSparseDecode:
         bs, width = q.shape[0], block_table.shape[1]
         if width > self.max_blocks:
             raise ValueError(f"block table {width} wide > the plan's max_blocks {self.max_blocks}")
-        if self.dynamic_splits != (split_limit is not None):
-            raise ValueError("split_limit is given exactly to a plan built with dynamic_splits=True")
         if out is None:
             out = torch.empty_like(q)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -655,14 +585,13 @@ class HieraSparseDecode:
         kv = (k_cache, v_cache, *self.pools(pools, k_index, v_index))
         for start in range(0, bs, self.batch_size):
             stop = min(bs, start + self.batch_size)
-            limit = seq_lens[start:stop] if split_limit is None else split_limit[start:stop]  # (a stand-in: not read)
             self._launch(q[start:stop], kv, block_table[start:stop], seq_lens[start:stop], float(sm_scale),
-                         out[start:stop], lse[start:stop], block_lse, limit)
+                         out[start:stop], lse[start:stop], block_lse)
         result = (out,) + ((lse[:bs],) if return_lse else ()) + ((block_lse,) if return_block_lse else ())
         return result if len(result) > 1 else out
 
     def _launch(self, q, kv: tuple, block_table, seq_lens, sm_scale: float, out, lse,
-                block_lse: torch.Tensor | None, split_limit: torch.Tensor) -> None:
+                block_lse: torch.Tensor | None) -> None:
         """One launch for at most ``batch_size`` requests, on views of the plan's scratch."""
         n, hq, d = q.shape[0], self.q_heads, self.head_dim
         width = block_table.shape[1]
@@ -674,7 +603,7 @@ class HieraSparseDecode:
         lse_part = self.lse_part[:n * hq * s].view(n, hq, s)
         lse_out = self._no_block_lse if block_lse is None else block_lse.view(n * hq, width)
         self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, out, lse[:n], self.counter[:n],
-                    int(block_lse is not None), lse_out, split_limit)
+                    int(block_lse is not None), lse_out)
 
 
 # The kernels the GPU tests build, as (q_heads, kv_heads, head_dim, dtype); every batch size, block-table
@@ -687,12 +616,10 @@ PRECOMPILE = [
 
 
 def _precompile_one(cfg):
-    hq, hkv, d, dt, *dynamic = cfg
-    build_decode_kernel(hq, hkv, d, 64, dt, STAGES, dynamic_splits=bool(dynamic))
+    hq, hkv, d, dt = cfg
+    build_decode_kernel(hq, hkv, d, 64, dt, STAGES)
     return cfg
 
 
 if __name__ == "__main__":
-    # ... and the Llama shape's dynamic-splits kernel (test_dynamic_split_limits_match_reference)
-    precompile_main("compile the decode kernels of the GPU tests", _precompile_one,
-                    PRECOMPILE + [(32, 8, 128, "float16", "dynamic")])
+    precompile_main("compile the decode kernels of the GPU tests", _precompile_one, PRECOMPILE)

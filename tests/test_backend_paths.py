@@ -180,14 +180,11 @@ class RecordingDecodeKernel:
     def __init__(self):
         self.batches = []
         self.tables = []  # per launch: (wants the per-block LSE, block table, seq_lens)
-        self.limits = []  # per launch: split_limit (read by a dynamic_splits kernel only)
 
     def __call__(self, q, *args):
-        out, lse, want_block_lse, block_lse, split_limit = args[-6], args[-5], args[-3], args[-2], args[-1]
-        assert split_limit.shape == (q.shape[0],) and split_limit.dtype == torch.int32
+        out, lse, want_block_lse, block_lse = args[-5], args[-4], args[-2], args[-1]
         self.batches.append(q.shape[0])
         self.tables.append((want_block_lse, args[10].clone(), args[11].clone()))
-        self.limits.append(split_limit.clone())
         out.fill_(1.0)
         lse.fill_(0.0)
         if want_block_lse:  # the third block of every request gets the most attention
@@ -223,9 +220,8 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
     from sglang_hs.decode_modes import BlockSelection
     from sglang_hs.kernels import decode, extend
 
-    def record(*args, split_capacity=decode.SPLIT_CAPACITY, forms=decode.ANY_FORMS, min_split_blocks=1,
-               dynamic_splits=False):  # fmt: skip
-        key = decode.decode_kernel_args(*args, split_capacity, forms, min_split_blocks, dynamic_splits)  # the cache key
+    def record(*args, split_capacity=decode.SPLIT_CAPACITY, min_split_blocks=1):
+        key = decode.decode_kernel_args(*args, split_capacity, min_split_blocks)  # the cache key
         return built.setdefault(key, RecordingDecodeKernel())
 
     def record_extend(*args):

@@ -38,7 +38,7 @@ def test_model_jobs_do_not_depend_on_batch_or_context():
     every = ("any", "any")
     shared = J.model_jobs(32, 8, 128, "float16", shared_decode_forms=every)
     assert shared[:4] == [("decode", (32, 8, 128, 64, "float16", 2)),
-                          ("decode", (32, 8, 128, 64, "float16", 2, 512, every, 4)),
+                          ("decode", (32, 8, 128, 64, "float16", 2, 512, 4)),
                           ("extend", (512, 8, 128, 64, "float16", "n64", 2, False, every, True)),
                           ("extend", (512, 8, 128, 64, "float16", "n64", 2, True, every, True))]  # fmt: skip
     assert J.model_jobs(16, 2, 64, "float16", shared_decode_forms=every)[2] == (
