@@ -128,36 +128,41 @@ def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, 
 
 def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64,
                            dtype: str = "float16", tile: str = "n128", stages: int = 2, k_sparse: bool = True,
-                           forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False):  # fmt: skip
+                           forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False,
+                           min_ctas_per_sm: int = 0):  # fmt: skip
     """The TileLang ``prim_func`` of one configuration (every batch dimension is dynamic).
     ``dynamic_splits``: request ``r`` uses ``qo_indptr[bs + 1 + r]`` (at most the grid's) splits and the
     CTAs of the others exit at once; tile ids go in ascending order (shared-prefix decode's shared pass:
-    its live column sets come first, and how many there are is known only on the GPU)."""
+    its live column sets come first, and how many there are is known only on the GPU).
+    ``min_ctas_per_sm`` > 0: the registers are capped so that that many CTAs fit an SM (an experiment
+    for the shared pass: the n64 tile takes 246 registers a thread, two CTAs; at three ptxas spills)."""
     if stages not in STAGES[tile]:
         raise ValueError(f"tile {tile!r} builds with stages in {STAGES[tile]}, got {stages}")
     if tile == "n64":
         from sglang_hs.kernels.extend_overlap import build_prim_func
     else:
         from sglang_hs.kernels.extend_producer import build_prim_func
-    return build_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, stages, k_sparse, tuple(forms), dynamic_splits)
+    return build_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, stages, k_sparse, tuple(forms), dynamic_splits,
+                           min_ctas_per_sm)
 
 
 def extend_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
-                       k_sparse=True, forms=ANY_FORMS, dynamic_splits=False) -> tuple:  # fmt: skip
-    """The arguments that key an extend kernel in TileLang's cache (and a compile job): ``forms`` and
-    ``dynamic_splits`` up to the last that is not its default (so the other kernels keep their keys)."""
-    args = (q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse)
-    if dynamic_splits:
-        return args + (tuple(forms), True)
-    return args + ((tuple(forms),) if tuple(forms) != ANY_FORMS else ())
+                       k_sparse=True, forms=ANY_FORMS, dynamic_splits=False, min_ctas_per_sm=0) -> tuple:  # fmt: skip
+    """The arguments that key an extend kernel in TileLang's cache (and a compile job): ``forms``,
+    ``dynamic_splits`` and ``min_ctas_per_sm`` up to the last that is not its default (so the other
+    kernels keep their keys)."""
+    extra = (tuple(forms), dynamic_splits, min_ctas_per_sm)
+    defaults = (ANY_FORMS, False, 0)
+    kept = max((i + 1 for i in range(len(extra)) if extra[i] != defaults[i]), default=0)
+    return (q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse) + extra[:kept]
 
 
 @functools.lru_cache(maxsize=None)
 def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
-                        k_sparse=True, forms=ANY_FORMS, dynamic_splits=False, target=None):
+                        k_sparse=True, forms=ANY_FORMS, dynamic_splits=False, min_ctas_per_sm=0, target=None):
     """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU."""
     args = extend_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, forms,
-                              dynamic_splits)  # fmt: skip
+                              dynamic_splits, min_ctas_per_sm)  # fmt: skip
     return compile_cached("extend", args, lambda: build_extend_prim_func(*args), EXTEND_PASS_CONFIGS, target)
 
 
@@ -210,7 +215,8 @@ class HieraSparseExtend:
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, tile: str = "auto", stages: int | None = None,
-                 num_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False):
+                 num_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False,
+                 min_ctas_per_sm: int = 0):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         if dynamic_splits and num_splits is None:
             raise ValueError("dynamic splits need num_splits, the grid's split count")
@@ -226,7 +232,7 @@ class HieraSparseExtend:
         self.block_size, self.max_blocks, self.group = block_size, max_blocks, group
         self.dtype, self.device = dtype, torch.device(device)
         self.tile, self.stages, self.num_splits, self.forms = tile, stages, num_splits, tuple(forms)
-        self.dynamic_splits = dynamic_splits
+        self.dynamic_splits, self.min_ctas_per_sm = dynamic_splits, min_ctas_per_sm
         self._dt = "float16" if dtype == torch.float16 else "bfloat16"
         self._sms = None
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -253,7 +259,7 @@ class HieraSparseExtend:
         """``(kernel, stages)`` of a call's configuration."""
         stages = self.stages or default_stages(tile)
         k = build_extend_kernel(self.q_heads, self.kv_heads, self.head_dim, self.block_size, self._dt, tile, stages,
-                                k_sparse, self.forms, self.dynamic_splits)
+                                k_sparse, self.forms, self.dynamic_splits, self.min_ctas_per_sm)
         return k, stages
 
     def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int) -> int:

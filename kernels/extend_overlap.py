@@ -114,8 +114,10 @@ class OverlapSchedule:
 
 
 def build_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, stages: int,
-                    k_sparse: bool, forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False):
+                    k_sparse: bool, forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False,
+                    min_ctas_per_sm: int = 0):
     """The TileLang ``prim_func`` of the n64 tile (arguments: :meth:`ExtendParts.prim_func`)."""
     parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, "n64", stages, k_sparse, producer=False,
-                         forms=forms, dynamic_splits=dynamic_splits)
+                         forms=forms, dynamic_splits=dynamic_splits,
+                         min_ctas_per_sm=min_ctas_per_sm)
     return parts.prim_func(OverlapSchedule(parts))

@@ -13,8 +13,9 @@ requests over 1 and over 6 prefixes (a server's batch is small while long prompt
 shared pass also at 2, 4, 8 and 16 splits; ``--chunked``: 8, 16 and 32 requests whose prefixes keep
 a dense window after every 8K chunk, as a prefix cached by chunked prefill does; ``--splits``: uneven
 groups with requests alone on their prefix (16 and 32 requests), the whole call at the plan's split
-counts and with every set at a fixed count, lone requests as column sets or in the own pass, and the
-own pass after the shared pass instead of beside it. ``docs/results.md`` quotes them.
+counts and with every set at a fixed count, lone requests as column sets or in the own pass, the
+own pass after the shared pass instead of beside it, and the shared pass alone at two CTAs an SM
+and at three (its registers capped). ``docs/results.md`` quotes them.
 """
 
 import argparse
@@ -31,11 +32,12 @@ from sglang_hs.kernels.timing import time_graphs
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
 
 
-def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int):
-    """The shared pass alone with every set at ``splits`` splits (a plan of its own, the same kernel)."""
+def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int, min_ctas_per_sm: int = 0):
+    """The shared pass alone with every live set at ``splits`` splits (a plan of its own; the same
+    kernel, or one with its registers capped for ``min_ctas_per_sm`` CTAs an SM)."""
     sets = folded.shape[0]
     plan = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
-                            forms=FORMS)  # fmt: skip
+                            forms=FORMS, min_ctas_per_sm=min_ctas_per_sm)  # fmt: skip
     return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True)
 
 
@@ -202,6 +204,14 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
                     lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
         step = after.plan_step(bt, sl, ki, vi, min_own_blocks=1)
         fns["lone as sets, plan splits, own pass after"] = lambda step=step, q=q, kv=kv: after.run(q, *kv, step, scale)
+        # The shared pass alone at two and (registers capped, with spills) three CTAs an SM.
+        sets = after.sets_for(bs)
+        folded = after.fold_queries(q, step.members[:sets])
+        for ctas in (2, 3):
+            for splits in (8, 11, 16):
+                fns[f"shared pass alone, {ctas} CTAs an SM, {splits} splits"] = _shared_pass_at(
+                    splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale, SERVER_WIDTH,
+                    0 if ctas == 2 else ctas)
         yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
 
 
