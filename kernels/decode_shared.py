@@ -59,7 +59,8 @@ LONE_MIN_BLOCKS = 64
 """A request alone on its prefix joins the shared pass as a set of one from this many blocks to share
 (4K tokens at 64-token blocks; :func:`step_tables`' ``lone_min_blocks``). A set of one costs a set row
 whatever it holds, so short requests stay in the own pass; the threshold itself is not measured (the
-regime-1 requests it was made for hold about 500 blocks)."""
+regime-1 requests it was made for hold about 500 blocks). With the extend kernel's pass a set of one
+beat the own pass in all four batches with lone requests (H100, session 42: 192-227 against 216-279 us)."""
 SHARED_MAX_PARTS = 512
 """The shared pass's scratch, in (set, split) partials: a server's plan for 256 requests has 128 set
 rows, which at 8 splits would take 134 MB of fp32 partials at Llama-8B's 512 folded heads; such a
@@ -68,7 +69,8 @@ MIN_SHARED_BATCH = 8
 """Calls of fewer requests run the per-request kernel: the shared pass costs 90-150 us whatever it
 shares, and below 8 requests it lost to the per-request kernel at the regime-1 server's shape on an
 H200 even when every request shared one prefix (2 requests: 161 against 60 us, 4: 116 against 104; 8:
-120 against 195; ``bench_decode_shared_batches_h200.log``)."""
+120 against 195; ``bench_decode_shared_batches_h200.log``). Measured with session 41's decode-kernel
+shared pass; ``profile_shared_decode --batches`` times the extend kernel's."""
 
 def fold_of(q_heads: int, kv_heads: int) -> int:
     """Requests per column set for a model's GQA group (1 when the group fills the tile's columns)."""
