@@ -21,7 +21,7 @@ from sglang_hs.kernels import cases
 from sglang_hs.kernels.common import ANY_FORMS
 from sglang_hs.kernels.decode_shared import (
     GPU_FORMS, GPU_SHAPES, MIN_SHARED_BATCH, SharedPrefixDecode, compressed_forms, conforming_blocks, fold_of,
-    merge_states, step_tables,
+    merge_states, shared_heads, step_tables,
 )
 
 B = 64
@@ -608,6 +608,31 @@ def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk, r
     ref, _ = _reference(case)
     assert float((eager.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 1e-2
     assert torch.equal(_replayed(run), eager)
+
+
+@pytest.mark.gpu
+def test_the_shared_pass_with_three_ctas_an_sm_matches_the_default():
+    """The experiment of ``profile_shared_decode --splits``: the shared pass's kernel with its registers
+    capped for three CTAs an SM (ptxas spills) gives the default kernel's output over the case's sets."""
+    from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
+
+    case = _case(32, 8, torch.bfloat16, "cuda", head_dim=128)
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
+    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda",
+                              forms=("sparse", "sparse"))  # fmt: skip
+    step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
+    sets = plan.sets_for(q.shape[0])
+    folded = plan.fold_queries(q, step.members[:sets])
+    args = (folded, k_cache, v_cache, pools, k_index, v_index, step.shared_table[:sets], step.shared_lens[:sets], sm_scale)
+    outs = []
+    for ctas in (0, 3):
+        shared = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda",
+                                  forms=("sparse", "sparse"), min_ctas_per_sm=ctas)  # fmt: skip
+        assert shared.ctas_per_sm == (ctas or 2)
+        out, lse = shared.run(*args, return_lse=True)
+        live = step.shared_lens[:sets] > 0
+        outs.append((out[live].float(), lse[live]))
+    assert torch.allclose(outs[0][0], outs[1][0], atol=2e-2, rtol=1e-2) and torch.allclose(outs[0][1], outs[1][1], atol=1e-3)
 
 
 @pytest.mark.gpu

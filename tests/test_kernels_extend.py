@@ -141,6 +141,30 @@ def test_matches_reference(variant):
 
 
 @pytest.mark.gpu
+def test_dynamic_split_limits_match_reference():
+    """``dynamic_splits`` (the shared-prefix decode's kernel, here over the ragged extend batch): each
+    request uses its own split count, read on the GPU (1, the grid's, some between, more than the grid:
+    clamped); a request whose limit is 0 is skipped and its rows stay as they were; the tickets reset."""
+    case, (ref_out, ref_lse) = _small_case(32, 8, 128, torch.float16, 1.0, 1.0)
+    plan = _plan(case, tile="n64", num_splits=8, dynamic_splits=True)
+    for limits in ([1, 8, 3, 99, 5, 2], [0, 8, 0, 4, 1, 0]):
+        out = torch.full_like(case["q"], float("nan"))
+        limit = torch.tensor(limits, dtype=torch.int32, device="cuda")
+        got, lse = plan.run(*cases.extend_run_args(case), out=out, return_lse=True, split_limit=limit)
+        torch.cuda.synchronize()
+        for r, n in enumerate(limits):
+            rows = _rows(case, r)
+            if n == 0:
+                assert torch.isnan(got[rows]).all(), f"request {r} (limit 0) was written"
+                continue
+            assert cases.rel_err(got[rows], ref_out[rows].to(got.device)) < 3e-3, f"limits {limits}, request {r}"
+            assert (lse[rows] - ref_lse[rows].to(lse.device)).abs().max().item() < 2e-2
+        assert not plan._cnt.any()
+    with pytest.raises(ValueError, match="split_limit"):
+        plan.run(*cases.extend_run_args(case))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", sorted(TILES))
 def test_dense_equals_dense_attention_and_flashinfer(tile):
     """S_K = S_V = 0 (cache pages + dense pool rows): dense attention and FlashInfer to fp16 rounding."""
