@@ -181,7 +181,7 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     so its compressed blocks come in runs with dense blocks between them: all of those runs are shared.
     Members are cut, in batch order, into column sets of ``fold``; a group's remainder of one is a set
     too (left to the own pass, it read its whole prefix there, after the shared pass: session 40's
-    ``--columns`` timing, 3 prefixes, 16 requests). A request alone on its prefix becomes a set of
+    ``--columns`` timing of commit 860b2b4, 3 prefixes, 16 requests). A request alone on its prefix becomes a set of
     its own, numbered after every group's sets, when it has at least ``lone_min_blocks`` blocks to
     take and the batch has a group (the shared pass runs anyway; in the own pass its whole prefix is
     the one long read the pass waits for: 140 us of a layer's 306 in session 41's regime-1 trace); with
