@@ -204,9 +204,16 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
                     lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
         step = after.plan_step(bt, sl, ki, vi, min_own_blocks=1)
         fns["lone as sets, plan splits, own pass after"] = lambda step=step, q=q, kv=kv: after.run(q, *kv, step, scale)
-        # The shared pass alone at two and (registers capped, with spills) three CTAs an SM.
+        # The parts: the own pass alone, the query fold, the shared pass alone at the plan's split counts
+        # and at fixed counts, at two and (registers capped, with spills) three CTAs an SM.
         sets = after.sets_for(bs)
         folded = after.fold_queries(q, step.members[:sets])
+        fns["own pass alone"] = lambda step=step, q=q, kv=kv: after.own_plan.run(q, *kv, step.own_table, step.own_lens,
+                                                                                scale, return_lse=True)  # fmt: skip
+        fns["query fold"] = lambda step=step, q=q: after.fold_queries(q, step.members[:sets])
+        fns["shared pass alone, plan splits"] = lambda step=step, folded=folded, kv=kv: after.shared_plan.run(
+            folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True,
+            split_limit=step.shared_splits[:sets])
         for ctas in (2, 3):
             for splits in (8, 11, 16):
                 fns[f"shared pass alone, {ctas} CTAs an SM, {splits} splits"] = _shared_pass_at(
