@@ -210,8 +210,8 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
         folded = after.fold_queries(q, step.members[:sets])
         fns["own pass alone"] = lambda step=step, q=q, kv=kv: after.own_plan.run(q, *kv, step.own_table, step.own_lens,
                                                                                 scale, return_lse=True)  # fmt: skip
-        fns["query fold"] = lambda step=step, q=q: after.fold_queries(q, step.members[:sets])
-        fns["shared pass alone, plan splits"] = lambda step=step, folded=folded, kv=kv: after.shared_plan.run(
+        fns["query fold"] = lambda step=step, q=q, sets=sets: after.fold_queries(q, step.members[:sets])
+        fns["shared pass alone, plan splits"] = lambda step=step, folded=folded, kv=kv, sets=sets: after.shared_plan.run(
             folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True,
             split_limit=step.shared_splits[:sets])
         for ctas in (2, 3):
