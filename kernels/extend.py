@@ -138,12 +138,15 @@ def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     for the shared pass: the n64 tile takes 246 registers a thread, two CTAs; at three ptxas spills)."""
     if stages not in STAGES[tile]:
         raise ValueError(f"tile {tile!r} builds with stages in {STAGES[tile]}, got {stages}")
+    from sglang_hs.kernels.extend_common import ExtendParts
+
     if tile == "n64":
-        from sglang_hs.kernels.extend_overlap import build_prim_func
+        from sglang_hs.kernels.extend_overlap import OverlapSchedule as Schedule
     else:
-        from sglang_hs.kernels.extend_producer import build_prim_func
-    return build_prim_func(q_heads, kv_heads, head_dim, block_size, dtype, stages, k_sparse, tuple(forms), dynamic_splits,
-                           min_ctas_per_sm)
+        from sglang_hs.kernels.extend_producer import ProducerSchedule as Schedule
+    parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, producer=tile == "n128",
+                        forms=tuple(forms), dynamic_splits=dynamic_splits, min_ctas_per_sm=min_ctas_per_sm)
+    return parts.prim_func(Schedule(parts))
 
 
 def extend_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,

@@ -20,7 +20,6 @@ and it is free when the step ends; one stage item of loads is in flight while a 
 
 from __future__ import annotations
 
-from sglang_hs.kernels.common import ANY_FORMS
 from sglang_hs.kernels.extend_common import ExtendParts
 
 
@@ -112,12 +111,3 @@ class OverlapSchedule:
         """The issuing warp's copy of the next stage item's index entries (K mode, K row, V mode, V row)."""
         self.entries = parts.T.alloc_local([4], "int32")
 
-
-def build_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, stages: int,
-                    k_sparse: bool, forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False,
-                    min_ctas_per_sm: int = 0):
-    """The TileLang ``prim_func`` of the n64 tile (arguments: :meth:`ExtendParts.prim_func`)."""
-    parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, "n64", stages, k_sparse, producer=False,
-                         forms=forms, dynamic_splits=dynamic_splits,
-                         min_ctas_per_sm=min_ctas_per_sm)
-    return parts.prim_func(OverlapSchedule(parts))

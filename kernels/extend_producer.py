@@ -20,7 +20,6 @@ warpgroup's block-step phases, 10 + wg its turn to issue, 12 + wg its softmax vo
 
 from __future__ import annotations
 
-from sglang_hs.kernels.common import ANY_FORMS
 from sglang_hs.kernels.extend_common import ExtendParts
 
 PRODUCER_THREADS = 128
@@ -105,12 +104,3 @@ class ProducerSchedule:
     def alloc_state(parts: ExtendParts):
         """Nothing besides the shared state."""
 
-
-def build_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, stages: int,
-                    k_sparse: bool, forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False,
-                    min_ctas_per_sm: int = 0):
-    """The TileLang ``prim_func`` of the n128 tile (arguments: :meth:`ExtendParts.prim_func`)."""
-    parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, "n128", stages, k_sparse, producer=True,
-                         forms=forms, dynamic_splits=dynamic_splits,
-                         min_ctas_per_sm=min_ctas_per_sm)
-    return parts.prim_func(ProducerSchedule(parts))
