@@ -141,8 +141,11 @@ case "$step" in
       tp_tag="${tp_tag}_korder"
     fi
     mem=0.3
-    if [ "${SHARED:-0}" = 1 ]; then  # decode batches grouped by shared prefix (--hierasparse-shared-prefix-decode)
-      check_args+=(--hs-arg=--hierasparse-shared-prefix-decode=on)
+    graph_bs=4
+    if [ "${SHARED:-0}" = 1 ]; then  # decode batches grouped by shared prefix (--hierasparse-shared-prefix-decode):
+      # 12 chats at once, so that decode batches reach the 8 requests column sets need
+      check_args+=(--hs-arg=--hierasparse-shared-prefix-decode=on --hs-arg=--decode-log-interval=4 --concurrent 12)
+      graph_bs=16
       tp_tag="${tp_tag}_shared"
     fi
     if [ "${PREFILL_GRAPHS:-0}" = 1 ]; then  # SGLang's breakable prefill CUDA graphs (attention between segments)
@@ -159,7 +162,7 @@ case "$step" in
       tp_tag="${tp_tag}_hicache"
     fi
     python3 -m sglang_hs.launch.server_check --model-path $tiny --baseline triton --common-arg=--tp-size=${TP:-1} "${check_args[@]}" \
-        --common-arg=--mem-fraction-static=$mem --common-arg=--cuda-graph-max-bs=4 --port "${PORT:-30000}" \
+        --common-arg=--mem-fraction-static=$mem --common-arg=--cuda-graph-max-bs=$graph_bs --port "${PORT:-30000}" \
         --common-arg=--sampling-backend=pytorch --common-arg=--grammar-backend=none \
         --hs-arg=--hierasparse-dense-backend=triton --hs-arg=--hierasparse-sk-prefill=0 \
         --hs-arg=--hierasparse-sv-prefill=0 --hs-arg=--hierasparse-sk-decode=0 --hs-arg=--hierasparse-sv-decode=0 \

@@ -5,7 +5,9 @@
 
 Each server gets OpenAI chat completions (a long shared system prompt and distinct questions, each
 sent twice so the second round hits the radix cache), two plain ``/generate`` prompts, and one
-SGLang frontend-language program (``sgl.function`` + ``run_batch`` over a shared prefix). All
+SGLang frontend-language program (``sgl.function`` + ``run_batch`` over a shared prefix), and with
+``--concurrent N`` N chat requests over the shared prompt at once (decode batches large enough for
+``--hierasparse-shared-prefix-decode on``'s column sets, given ``--cuda-graph-max-bs`` >= N). All
 sampling is greedy and ignores EOS, so every answer has ``--max-tokens`` tokens. With
 ``--evict-between-rounds X`` distinct filler prompts of X times the server's KV capacity
 (``max_total_num_tokens``) pass between the two chat rounds, so the second round finds the shared
@@ -59,8 +61,24 @@ def push_out_of_gpu(server: SGLangServer, times_capacity: float, prompt_words: i
     return sent
 
 
+def concurrent_chats(server: SGLangServer, system_prompt: str, max_tokens: int, n: int) -> dict[str, str]:
+    """``n`` greedy chat answers over ``system_prompt``, sent at once (question ``i`` is a variant of
+    ``QUESTIONS[i % 4]``), keyed ``concurrent/i``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(i: int) -> str:
+        question = f"{QUESTIONS[i % len(QUESTIONS)]} (variant {i})"
+        answer = server.post("/v1/chat/completions", {
+            "model": "default", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]})  # fmt: skip
+        return answer["choices"][0]["message"]["content"]
+
+    with ThreadPoolExecutor(n) as pool:
+        return {f"concurrent/{i}": text for i, text in enumerate(pool.map(ask, range(n)))}
+
+
 def run_workload(server: SGLangServer, system_prompt: str, max_tokens: int, evict_between_rounds: float = 0.0,
-                 prompt_words: int = 600) -> dict[str, str]:  # fmt: skip
+                 prompt_words: int = 600, concurrent: int = 0) -> dict[str, str]:  # fmt: skip
     """Every greedy output of the workload, keyed by a stable name."""
     import sglang as sgl
 
@@ -97,6 +115,8 @@ def run_workload(server: SGLangServer, system_prompt: str, max_tokens: int, evic
     states = answer_with_context.run_batch([{"question": q} for q in QUESTIONS], num_threads=len(QUESTIONS))
     for i, state in enumerate(states):
         outputs[f"frontend/{i}"] = state["answer"]
+    if concurrent:
+        outputs.update(concurrent_chats(server, system_prompt, max_tokens, concurrent))
     server.post("/flush_cache")
     time.sleep(2)  # let the scheduler go idle: its memory check runs then
     answer = server.post("/generate", {"text": "After the flush,", "sampling_params": {"max_new_tokens": 4}})
@@ -119,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-prefix", default="/tmp/server_check")
     parser.add_argument("--evict-between-rounds", type=float, default=0.0, metavar="X",
                         help="between the chat rounds, prefill filler prompts of X times the KV capacity")
+    parser.add_argument("--concurrent", type=int, default=0, metavar="N",
+                        help="then N chat requests over the shared prompt at once (shared-prefix decode's batches)")
     args = parser.parse_args(argv)
 
     system_prompt = shared_prompt(args.prompt_words)
@@ -136,11 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         log_path = f"{args.log_prefix}_{name}.log"
         with SGLangServer(args.model_path, backend_args + args.common_arg, args.port, log_path) as server:
             results[name] = run_workload(server, system_prompt, args.max_tokens, args.evict_between_rounds,
-                                         args.prompt_words)  # fmt: skip
+                                         args.prompt_words, args.concurrent)  # fmt: skip
             if name == "hierasparse":
                 log = server.log_text().splitlines()
                 results["hierasparse_log_lines"] = [line for line in log if "hierasparse" in line.lower()][-10:]
                 results["status_lines"] = [line for line in log if "#hs compressed token" in line][-10:]
+                # With shared-prefix decode: the share of decoded requests read through column sets.
+                results["shared_decode_lines"] = [line for line in log if "hs shared-decode grouped" in line][-3:]
                 results["problems"] = [line for line in log if "leak" in line.lower() or "Traceback" in line]
                 # One line per rank at the flush: its compressed blocks, all owned by its tree.
                 results["store_reset_lines"] = [line for line in log if "hierasparse: cache reset" in line][-8:]
@@ -155,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "outputs": len(baseline) - 1,
         "mismatches": mismatches,
         "status_lines": results["status_lines"][-3:],
+        "shared_decode_lines": results.get("shared_decode_lines", []),
         "problems": results["problems"],
         "store_reset_lines": results["store_reset_lines"],
         "host_reset_lines": results["host_reset_lines"],

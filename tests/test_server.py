@@ -70,3 +70,26 @@ def test_leak_reports_count_sglang_and_store_ownership_lines(tmp_path):
         "token_to_kv_pool_allocator memory leak detected! available_size=1\n"
     )
     assert server.leak_reports() == 2
+
+
+def test_server_check_sends_its_concurrent_chats_at_once():
+    """``server_check --concurrent N``: N distinct questions over the shared prompt, all in flight together
+    (a server's decode batch must reach shared-prefix decode's 8 requests), keyed ``concurrent/i``."""
+    import threading
+
+    from sglang_hs.launch.server_check import concurrent_chats
+
+    class FakeServer:
+        def __init__(self, n):
+            self.barrier, self.questions = threading.Barrier(n, timeout=10), []
+
+        def post(self, path, body):
+            assert path == "/v1/chat/completions" and body["temperature"] == 0 and body["ignore_eos"]
+            self.questions.append(body["messages"][1]["content"])
+            self.barrier.wait()  # breaks (and fails the test) unless all n requests are in flight at once
+            return {"choices": [{"message": {"content": "answer to " + body["messages"][1]["content"]}}]}
+
+    server = FakeServer(12)
+    out = concurrent_chats(server, "system prompt", 8, 12)
+    assert list(out) == [f"concurrent/{i}" for i in range(12)] and len(set(server.questions)) == 12
+    assert out["concurrent/5"].endswith("(variant 5)")
