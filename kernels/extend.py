@@ -99,8 +99,10 @@ from sglang_hs.kernels.common import (
 from sglang_hs.kernels.extend_common import TILES, resolve_chunk
 
 # Stage counts each tile builds, its default first. The n64 schedule refills the stage that item
-# j - 1 held, so it needs exactly two; the n128 producer refills any stage its consumers released.
-STAGES = {"n64": (2,), "n128": (2, 3)}
+# j - 1 held with item j + stages - 1 (3: two items of loads in flight, for shared-prefix decode's
+# shared pass, an experiment; every form fits one CTA at d 128, 2:4 K and V two); the n128 producer
+# refills any stage its consumers released.
+STAGES = {"n64": (2, 3), "n128": (2, 3)}
 # Fast math: exp2f becomes one MUFU.EX2.
 EXTEND_PASS_CONFIGS = {**PASS_CONFIGS, "tl.enable_fast_math": True}
 
@@ -381,6 +383,8 @@ PRECOMPILE = [
     (8, 2, 64, "float16", "n64", 2, False), (16, 2, 128, "float16", "n64", 2, False),
     (4, 4, 64, "float16", "n64", 2, True), (16, 2, 128, "bfloat16", "n64", 2, True),
     (8, 4, 128, "float16", "n64", 2, True),
+    # n64 with 3 stages (the shared-prefix decode's experiment), with and without 2:4 K rows.
+    (32, 8, 128, "float16", "n64", 3, True), (32, 8, 128, "float16", "n64", 3, False),
 ]
 
 

@@ -14,8 +14,10 @@ A CTA's block loop, step j (the frame around it, the GEMMs and the softmax are i
 * every ``resolve_chunk`` steps the CTA resolves the next pass of block-table entries into the
   index ring between two CTA barriers.
 
-Two stages: a stage holds K of block j and V of block j - 1, so both GEMMs of a step read one stage
-and it is free when the step ends; one stage item of loads is in flight while a step computes.
+A stage holds K of block j and V of block j - 1, so both GEMMs of a step read one stage and it is
+free when the step ends: step j refills the stage item j - 1 held, with item j + stages - 1. With
+two stages (prefill's) one stage item of loads is in flight while a step computes; three
+(``STAGES``: shared-prefix decode's shared pass, an experiment) keep two in flight.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class OverlapSchedule:
     def __init__(self, parts: ExtendParts):
         T = parts.T
         HALF, RB, stages = parts.HALF, parts.RB, parts.stages
-        assert stages == 2, "the overlap schedule refills the stage of item j - 1: two stages"
+        assert stages >= 2
         AHEAD = stages - 1  # step j issues stage item j + AHEAD
 
         @T.macro

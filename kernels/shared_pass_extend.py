@@ -28,11 +28,12 @@ threads; the shared pass's kernel), so shared memory that would fit a third CTA 
 does not decide."""
 
 
-def ctas_per_sm_n64(head_dim: int, block_size: int, forms: tuple[str, str], register_ctas: int = N64_REGISTER_CTAS) -> int:
+def ctas_per_sm_n64(head_dim: int, block_size: int, forms: tuple[str, str], register_ctas: int = N64_REGISTER_CTAS,
+                    stages: int = 2) -> int:  # fmt: skip
     """CTAs of the extend kernel's n64 tile an SM holds: by shared memory, at most ``register_ctas``."""
     from sglang_hs.kernels.extend import smem_bytes
 
-    per_cta = smem_bytes("n64", head_dim, block_size, 2, forms[0] != "dense", forms) + 1024
+    per_cta = smem_bytes("n64", head_dim, block_size, stages, forms[0] != "dense", forms) + 1024
     return max(1, min(SMEM_PER_SM // per_cta, register_ctas))
 
 
@@ -56,20 +57,22 @@ class ExtendSharedPass:
     at ``num_splits`` is allocated here, before any CUDA graph captures the plan. ``forms``: the block
     forms of the shared blocks (the plan's; 2:4 K and V only at S_K = S_V = 1: 65 KB of shared memory a
     CTA instead of 131, so two CTAs an SM instead of one; its 246 registers a thread allow no third).
-    ``min_ctas_per_sm`` (an experiment, ``profile_shared_decode --splits``): a kernel whose registers are
-    capped for that many CTAs an SM (3 at d 128: 168 registers, with spills)."""
+    Two experiments (``profile_shared_decode --splits``) for a pass that looks bound by its loads in
+    flight: ``stages=3`` keeps two stage items in flight a CTA instead of one (84 KB at 2:4 K and V,
+    still two CTAs an SM, 244 registers), ``min_ctas_per_sm=3`` caps the registers for a third CTA an
+    SM (168 registers, with spills)."""
 
     def __init__(self, max_sets: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, num_splits: int = SHARED_SPLITS,
-                 forms: tuple[str, str] = ANY_FORMS, min_ctas_per_sm: int = 0):  # fmt: skip
+                 forms: tuple[str, str] = ANY_FORMS, stages: int = 2, min_ctas_per_sm: int = 0):  # fmt: skip
         from sglang_hs.kernels.extend import HieraSparseExtend
 
         self.extend = HieraSparseExtend(heads, kv_heads, head_dim, block_size, max_blocks, dtype, device, tile="n64",
-                                        num_splits=num_splits, forms=forms, dynamic_splits=True,
+                                        stages=stages, num_splits=num_splits, forms=forms, dynamic_splits=True,
                                         min_ctas_per_sm=min_ctas_per_sm)  # fmt: skip
         self.extend.reserve(max_sets, max_sets, num_splits, "n64")
         self.num_splits, self.kv_heads = num_splits, kv_heads
-        self.ctas_per_sm = ctas_per_sm_n64(head_dim, block_size, forms, min_ctas_per_sm or N64_REGISTER_CTAS)
+        self.ctas_per_sm = ctas_per_sm_n64(head_dim, block_size, forms, min_ctas_per_sm or N64_REGISTER_CTAS, stages)
         self.indptr = torch.arange(max_sets + 1, dtype=torch.int32, device=device)  # one query token a set
         self.batch_size = max_sets
         self.captured = False

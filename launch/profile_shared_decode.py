@@ -14,8 +14,8 @@ shared pass also at 2, 4, 8 and 16 splits; ``--chunked``: 8, 16 and 32 requests 
 a dense window after every 8K chunk, as a prefix cached by chunked prefill does; ``--splits``: uneven
 groups with requests alone on their prefix (16 and 32 requests), the whole call at the plan's split
 counts and with every set at a fixed count, lone requests as column sets or in the own pass, the
-own pass after the shared pass instead of beside it, and the shared pass alone at two CTAs an SM
-and at three (its registers capped). ``docs/results.md`` quotes them.
+own pass after the shared pass instead of beside it, and the shared pass alone as shipped, with 3
+stages and with its registers capped for three CTAs an SM. ``docs/results.md`` quotes them.
 """
 
 import argparse
@@ -32,12 +32,13 @@ from sglang_hs.kernels.timing import time_graphs
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
 
 
-def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int, min_ctas_per_sm: int = 0):
+def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int, stages: int = 2,
+                    min_ctas_per_sm: int = 0):  # fmt: skip
     """The shared pass alone with every live set at ``splits`` splits (a plan of its own; the same
-    kernel, or one with its registers capped for ``min_ctas_per_sm`` CTAs an SM)."""
+    kernel, or one with ``stages`` stages or its registers capped for ``min_ctas_per_sm`` CTAs an SM)."""
     sets = folded.shape[0]
     plan = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
-                            forms=FORMS, min_ctas_per_sm=min_ctas_per_sm)  # fmt: skip
+                            forms=FORMS, stages=stages, min_ctas_per_sm=min_ctas_per_sm)  # fmt: skip
     return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True)
 
 
@@ -205,7 +206,8 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
         step = after.plan_step(bt, sl, ki, vi, min_own_blocks=1)
         fns["lone as sets, plan splits, own pass after"] = lambda step=step, q=q, kv=kv: after.run(q, *kv, step, scale)
         # The parts: the own pass alone, the query fold, the shared pass alone at the plan's split counts
-        # and at fixed counts, at two and (registers capped, with spills) three CTAs an SM.
+        # and at fixed counts: as shipped, with 3 stages (two items of loads in flight a CTA), and with
+        # its registers capped for three CTAs an SM (spills).
         sets = after.sets_for(bs)
         folded = after.fold_queries(q, step.members[:sets])
         fns["own pass alone"] = lambda step=step, q=q, kv=kv: after.own_plan.run(q, *kv, step.own_table, step.own_lens,
@@ -214,11 +216,12 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
         fns["shared pass alone, plan splits"] = lambda step=step, folded=folded, kv=kv, sets=sets: after.shared_plan.run(
             folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True,
             split_limit=step.shared_splits[:sets])
-        for ctas in (2, 3):
+        for stages, ctas in ((2, 0), (3, 0), (2, 3)):
+            variant = f"{stages} stages" + (f", registers for {ctas} CTAs an SM" if ctas else "")
             for splits in (8, 11, 16):
-                fns[f"shared pass alone, {ctas} CTAs an SM, {splits} splits"] = _shared_pass_at(
+                fns[f"shared pass alone, {variant}, {splits} splits"] = _shared_pass_at(
                     splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale, SERVER_WIDTH,
-                    0 if ctas == 2 else ctas)
+                    stages, ctas)
         yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
 
 

@@ -611,9 +611,10 @@ def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk, r
 
 
 @pytest.mark.gpu
-def test_the_shared_pass_with_three_ctas_an_sm_matches_the_default():
-    """The experiment of ``profile_shared_decode --splits``: the shared pass's kernel with its registers
-    capped for three CTAs an SM (ptxas spills) gives the default kernel's output over the case's sets."""
+def test_the_shared_pass_experiments_match_the_default():
+    """The experiments of ``profile_shared_decode --splits``: the shared pass's kernel with 3 stages, and
+    with its registers capped for three CTAs an SM (ptxas spills), give the default kernel's output
+    over the case's sets."""
     from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
 
     case = _case(32, 8, torch.bfloat16, "cuda", head_dim=128)
@@ -625,14 +626,15 @@ def test_the_shared_pass_with_three_ctas_an_sm_matches_the_default():
     folded = plan.fold_queries(q, step.members[:sets])
     args = (folded, k_cache, v_cache, pools, k_index, v_index, step.shared_table[:sets], step.shared_lens[:sets], sm_scale)
     outs = []
-    for ctas in (0, 3):
+    for stages, ctas in ((2, 0), (3, 0), (2, 3)):
         shared = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda",
-                                  forms=("sparse", "sparse"), min_ctas_per_sm=ctas)  # fmt: skip
+                                  forms=("sparse", "sparse"), stages=stages, min_ctas_per_sm=ctas)  # fmt: skip
         assert shared.ctas_per_sm == (ctas or 2)
         out, lse = shared.run(*args, return_lse=True)
         live = step.shared_lens[:sets] > 0
         outs.append((out[live].float(), lse[live]))
-    assert torch.allclose(outs[0][0], outs[1][0], atol=2e-2, rtol=1e-2) and torch.allclose(outs[0][1], outs[1][1], atol=1e-3)
+    for out, lse in outs[1:]:
+        assert torch.allclose(out, outs[0][0], atol=2e-2, rtol=1e-2) and torch.allclose(lse, outs[0][1], atol=1e-3)
 
 
 @pytest.mark.gpu
