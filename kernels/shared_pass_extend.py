@@ -46,8 +46,8 @@ step's set rows are live); a plan of many set rows gets fewer (``SharedPrefixDec
 within ``SHARED_MAX_PARTS`` partials). On an H100, whole calls at the server's shape (16 requests,
 uneven groups, own pass beside): 3 sets took 176.4 us at 8 splits, 194.3 at 11 (one full wave of
 two CTAs an SM) and 256.5 at 16; 2 sets 201.0 at 8 and 197.8 at 11; 4 sets 199.1 at 8 and 196.6 at 6
-(``profile_shared_decode --splits``, ``bench_decode_shared_extend_s42_h100.log``): a wave left part empty is the own
-pass's room beside it."""
+(``bench_decode_shared_extend_s42_h100.log``; now ``profile_shared_decode --splits``): a wave left
+part empty is the own pass's room beside it."""
 
 
 class ExtendSharedPass:
