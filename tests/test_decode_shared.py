@@ -412,10 +412,14 @@ def test_sets_beyond_max_sets_fall_back_to_the_own_pass():
 
 def test_the_shared_pass_fits_two_ctas_per_sm_for_the_compressed_forms():
     """CPU: the shared pass's n64 tile at d 128 fits two CTAs an SM when its stages hold one form per
-    operand (2:4 K and V, or dense K and 2:4 V), and one with every form (131 KB)."""
+    operand (2:4 K and V, or dense K and 2:4 V), and one with every form (131 KB). The experiments: at
+    3 stages 2:4 K and V still fit two (84 KB); registers capped for three let shared memory fit three
+    (66 KB) but not with every form."""
     from sglang_hs.kernels.shared_pass_extend import ctas_per_sm_n64
 
     assert [ctas_per_sm_n64(128, B, forms) for forms in (("sparse", "sparse"), ("dense", "sparse"), ANY_FORMS)] == [2, 2, 1]
+    assert ctas_per_sm_n64(128, B, ("sparse", "sparse"), stages=3) == 2
+    assert ctas_per_sm_n64(128, B, ("sparse", "sparse"), 3) == 3 and ctas_per_sm_n64(128, B, ANY_FORMS, 3) == 1
 
 
 def test_fused_merge_kernel_in_tritons_interpreter():
