@@ -1,6 +1,6 @@
 """Where the time of one layer of shared-prefix decode goes: the whole call and each of its parts.
 
-    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --chunked | --splits]
+    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --chunked | --splits | --ncu]
 
 16 requests over 6 shared prefixes of 32K, S_K = S_V = 1, Llama-3.1-8B decode shape (32/8 heads,
 d 128), each request keeping its last block to its own pass, natural pool order. Times are CUDA-graph
@@ -15,7 +15,8 @@ a dense window after every 8K chunk, as a prefix cached by chunked prefill does;
 groups with requests alone on their prefix (16 and 32 requests), the whole call at the plan's split
 counts and with every set at a fixed count, lone requests as column sets or in the own pass, the
 own pass after the shared pass instead of beside it, and the shared pass alone as shipped, with 3
-stages and with its registers capped for three CTAs an SM. ``docs/results.md`` quotes them.
+stages and with its registers capped for three CTAs an SM; ``--ncu``: eager launches of those three
+for Nsight Compute (``ncu -k regex:hs_extend --section WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
 """
 
 import argparse
@@ -225,6 +226,34 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
         yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
 
 
+def ncu_launches(group_sizes=(6, 5, 5), splits: int = 8) -> dict:
+    """Eager launches for Nsight Compute: the shared pass alone over one batch of uneven groups (3 sets
+    at 8 splits, server shape), as shipped, with 3 stages and with its registers capped for three CTAs
+    an SM, three launches each, in that order (``ncu -k regex:hs_extend``: read the third of each).
+    Returns the launches' times (us, CUDA events) by name."""
+    base = _server_case(len(group_sizes))
+    prefix_of = _arrivals(group_sizes)
+    per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
+    (q, kv, bt, sl, ki, vi, scale), _ = _server_mix(base, paged_dense(base), len(prefix_of), per_request, None,
+                                                    prefix_of)  # fmt: skip
+    plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
+    step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
+    sets = plan.sets_for(len(prefix_of))
+    folded = plan.fold_queries(q, step.members[:sets])
+    times = {}
+    for stages, ctas in ((2, 0), (3, 0), (2, 3)):
+        run = _shared_pass_at(splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale,
+                              SERVER_WIDTH, stages, ctas)  # fmt: skip
+        for i in range(3):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            stop.record()
+            torch.cuda.synchronize()
+            times[f"{stages} stages, registers for {ctas or 2} CTAs an SM, launch {i + 1}"] = start.elapsed_time(stop) * 1e3
+    return times
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group()
@@ -233,7 +262,12 @@ def main(argv=None):
     mode.add_argument("--chunked", action="store_true", help="prefixes cached in 8K chunks, server shape")
     mode.add_argument("--splits", action="store_true",
                       help="uneven groups with lone requests: the shared pass at the plan's and at fixed split counts")
+    mode.add_argument("--ncu", action="store_true", help="eager launches of the shared pass's variants for Nsight Compute")
     args = ap.parse_args(argv)
+    if args.ncu:
+        for name, us in ncu_launches().items():
+            print(f"{name}: {us:.1f} us", flush=True)
+        return
     if args.batches or args.chunked or args.splits:
         # Lazily: each batch's functions close over that batch's tensors, which the next one rebinds.
         if args.batches:

@@ -749,8 +749,8 @@ def test_the_own_pass_plans_splits_for_the_requests_no_set_took(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("argv", [[], ["--server-shape"], ["--batches"], ["--chunked"], ["--splits"]],
-                         ids=["bench-shape", "server-shape", "batches", "chunked", "splits"])
+@pytest.mark.parametrize("argv", [[], ["--server-shape"], ["--batches"], ["--chunked"], ["--splits"], ["--ncu"]],
+                         ids=["bench-shape", "server-shape", "batches", "chunked", "splits", "ncu"])
 def test_profile_script_runs(argv, capsys):
     """``launch/profile_shared_decode.py`` (the breakdown quoted in docs/results.md) runs and times every
     part it names."""
