@@ -42,8 +42,8 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
     """The kernels of one model shape (per tensor-parallel rank): the decode kernel (``decode``) and,
     with ``shared_decode_forms`` (the block forms of its shared pass, ``decode_shared.compressed_forms``),
     the shared-prefix decode's own-pass kernel (a split floor) and shared-pass kernels (the extend
-    kernel's n64 tile over 64 folded columns, for those forms; with and without 2:4 K rows when
-    ``extend_k_sparse`` is empty), the extend tiles, each with and
+    kernel's n64 tile over 64 folded columns, for those forms: with 2:4 K rows for 2:4 K blocks,
+    without for dense K, else as ``extend_k_sparse`` lists, both when it is empty), the extend tiles, each with and
     without 2:4 K rows as ``extend_k_sparse`` lists (empty: none), the pack kernel (``compress``) and
     the loss kernels of ``loss_operands``. A GQA group the attention kernels do not take gets the
     compressor's kernels only."""
@@ -60,10 +60,13 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
         if decode and shared_decode_forms and fold_of(q_heads, kv_heads) >= 2:
             jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
                                                       min_split_blocks=OWN_MIN_SPLIT_BLOCKS)))  # fmt: skip
+            # The store's K values pool decides the kernel: present with 2:4 K blocks, absent with dense K.
+            k_sparse_options = {"sparse": (True,), "dense": (False,)}.get(shared_decode_forms[0],
+                                                                          extend_k_sparse or (False, True))
             jobs += [("extend", extend_kernel_args(shared_heads(q_heads, kv_heads), kv_heads, head_dim, BLOCK_SIZE, dtype,
                                                    "n64", _extend_stages("n64"), k_sparse, shared_decode_forms,
                                                    dynamic_splits=True))
-                     for k_sparse in extend_k_sparse or (True, False)]  # fmt: skip
+                     for k_sparse in k_sparse_options]  # fmt: skip
         jobs += [("extend", extend_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, tile,
                                                _extend_stages(tile), k_sparse))
                  for tile in TILES for k_sparse in extend_k_sparse]  # fmt: skip

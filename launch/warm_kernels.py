@@ -45,11 +45,22 @@ def model_shape(model_path: str, tp_size: int) -> dict:
     }
 
 
+SHARED_DECODE_FORMS = (("dense", "sparse"), ("sparse", "sparse"), ("any", "any"))
+"""The shared-prefix decode forms warmed: those of S_V = 1 (the default), of S_K = S_V = 1, and of
+every fractional setting (``decode_shared.compressed_forms``); a store whose blocks all have another
+pair of forms (e.g. S_V = 0) compiles its shared pass at start-up."""
+
+
 def kernel_jobs(shape: dict) -> list[Job]:
     """Every kernel a server of this shape may use, whatever its settings: the decode kernel, the extend
-    tiles with and without 2:4 K rows, the pack kernel and both loss kernels. A model whose GQA group
-    the attention kernels do not take serves with the compressor alone."""
-    return model_jobs(shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["dtype"])
+    tiles with and without 2:4 K rows, the pack kernel and both loss kernels, and shared-prefix decode's
+    own-pass and shared-pass kernels for :data:`SHARED_DECODE_FORMS`. A model whose GQA group the
+    attention kernels do not take serves with the compressor alone."""
+    args = (shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["dtype"])
+    jobs = model_jobs(*args)
+    for forms in SHARED_DECODE_FORMS:
+        jobs += [job for job in model_jobs(*args, shared_decode_forms=forms) if job not in jobs]
+    return jobs
 
 
 def main(argv: list[str] | None = None) -> int:
