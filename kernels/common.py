@@ -63,6 +63,13 @@ its forms."""
 ANY_FORMS = ("any", "any")
 
 
+def stage_form_bytes(form: str, block_size: int, head_dim: int) -> int:
+    """Shared memory (bytes) that one operand's block takes in a pipeline stage holding ``form``
+    (:data:`KV_FORMS`): a 16-bit dense tile, 2:4 values + int16 metadata, or both."""
+    elems = block_size * head_dim
+    return (elems * 2 if form in ("any", "dense") else 0) + (elems + elems // 8 if form in ("any", "sparse") else 0)
+
+
 def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any"):
     """The TileLang macros ``load_k(mode, k_row, h, stage, src)`` and ``load_v(mode, v_row, h, stage,
     src)``: the TMA loads of a block's K (mode ``& 3``) or V (mode ``>> 2``) of KV head ``h`` into a

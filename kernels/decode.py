@@ -78,7 +78,7 @@ import torch
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import (
     ANY_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
-    compile_cached, precompile_main, split_count, tma_loads,
+    compile_cached, precompile_main, split_count, stage_form_bytes, tma_loads,
 )
 
 STAGES = 2
@@ -101,17 +101,11 @@ def _n_pad(group: int) -> int:
     return next(n for n in (8, 16) if group <= n)
 
 
-def stage_bytes(head_dim: int, block_size: int) -> int:
-    """One stage's K and V buffers (bytes): a dense tile and 2:4 values + int16 metadata of each."""
-    elems = block_size * head_dim
-    return 2 * (elems * 2 + elems + elems // 8)
-
-
 def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int = SPLIT_CAPACITY) -> int:
     """Shared memory of one CTA (bytes), an upper bound of the buffers of :func:`build_decode_prim_func`
     (its index maps hold ``blocks_per_split`` entries: the kernel's :data:`SPLIT_CAPACITY`)."""
     n = _n_pad(group)
-    stage = stage_bytes(head_dim, block_size)
+    stage = 2 * stage_form_bytes("any", block_size, head_dim)  # K and V, every form
     other = n * head_dim * 2 + block_size * n * 6 + 3 * blocks_per_split * 4 + 4 * 512  # Q, P, S^T, maps
     return stages * stage + other
 

@@ -85,6 +85,12 @@ def shared_heads(q_heads: int, kv_heads: int) -> int:
     return kv_heads * fold_of(q_heads, kv_heads) * (q_heads // kv_heads)
 
 
+def shared_pass_k_sparse(k_form: str, every_form: tuple[bool, ...] = (False, True)) -> tuple[bool, ...]:
+    """Whether the shared pass's extend kernel has 2:4 K rows (``run`` picks it by the store's K values
+    pool): with 2:4 K blocks yes, with dense K no, with every form the options ``every_form`` lists."""
+    return {"sparse": (True,), "dense": (False,)}.get(k_form, every_form)
+
+
 GPU_SHAPES = ((32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (8, 2, 64, "float16"))
 """The model shapes (q_heads, kv_heads, head_dim, dtype) of the GPU tests; their own-pass kernels are
 :data:`sglang_hs.kernels.decode.PRECOMPILE` entries, their shared-pass kernels (one per
@@ -386,8 +392,7 @@ class SharedPrefixDecode:
         kw.setdefault("lone_min_blocks", LONE_MIN_BLOCKS)
         step = step_tables(block_table, seq_lens, self.block_size, self.fold, sets, conforming=conforming, **kw)
         if sets and self.dynamic_splits:
-            cap = self.shared_plan.call_splits(sets, block_table.shape[1])
-            step.shared_splits = split_limits(step.shared_lens, self.splits_by_sets, cap)
+            step.shared_splits = split_limits(step.shared_lens, self.splits_by_sets, self.shared_plan.num_splits)
         return step
 
     def fold_queries(self, q: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
@@ -445,7 +450,7 @@ def _precompile_one(cfg):
     if forms is None:  # the own pass's kernel
         build_decode_kernel(hq, hkv, d, 64, dt, STAGES, min_split_blocks=OWN_MIN_SPLIT_BLOCKS)
     else:  # the shared pass's, with and (but for 2:4 K blocks) without 2:4 K rows, as run() picks by the pools
-        for k_sparse in {"sparse": (True,), "dense": (False,), "any": (True, False)}[forms[0]]:
+        for k_sparse in shared_pass_k_sparse(forms[0]):
             build_extend_kernel(shared_heads(hq, hkv), hkv, d, 64, dt, "n64", 2, k_sparse, forms, True)
     return cfg
 

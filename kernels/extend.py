@@ -95,6 +95,7 @@ import torch
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import (
     ANY_FORMS, PASS_CONFIGS, SMEM_PER_SM, PoolArgs, check_plan_shape, compile_cached, precompile_main, split_count,
+    stage_form_bytes,
 )
 from sglang_hs.kernels.extend_common import TILES, resolve_chunk
 
@@ -116,13 +117,8 @@ def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, 
     """Shared memory of one CTA (bytes), an upper bound of the kernel's buffers (``forms``: the block
     forms its stages hold, as :class:`~sglang_hs.kernels.extend_common.ExtendParts` takes them)."""
     n, threads = TILES[tile]
-    elems = block_size * head_dim
-
-    def stage_bytes(form: str) -> int:  # dense tile and / or 2:4 values + metadata
-        return (elems * 2 if form in ("any", "dense") else 0) + (elems + elems // 8 if form in ("any", "sparse") else 0)
-
-    k_stage = stage_bytes(forms[0] if k_sparse else "dense")
-    v_stage = stage_bytes(forms[1])
+    k_stage = stage_form_bytes(forms[0] if k_sparse else "dense", block_size, head_dim)
+    v_stage = stage_form_bytes(forms[1], block_size, head_dim)
     maps = 3 * 2 * resolve_chunk(tile) * 4
     other = n * head_dim * 2 + block_size * n * 2 + maps + 3 * n * 4 + threads * 4 + 1024  # Q, P, maps, stats
     return stages * (k_stage + v_stage) + other
@@ -168,7 +164,9 @@ def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float
     """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU."""
     args = extend_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, forms,
                               dynamic_splits, min_ctas_per_sm)  # fmt: skip
-    return compile_cached("extend", args, lambda: build_extend_prim_func(*args), EXTEND_PASS_CONFIGS, target)
+    # Traces tell the shared-prefix decode's shared pass (the dynamic-splits variant) from prefill.
+    return compile_cached("extend", args, lambda: build_extend_prim_func(*args), EXTEND_PASS_CONFIGS, target,
+                          name="hs_extend_shared" if dynamic_splits else None)
 
 
 def tile_count(total_tokens: int, batch: int, tokens_per_tile: int) -> int:

@@ -49,7 +49,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
     compressor's kernels only."""
     from sglang_hs.kernels.decode import STAGES as DECODE_STAGES
     from sglang_hs.kernels.decode import decode_kernel_args
-    from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, fold_of, shared_heads
+    from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, fold_of, shared_heads, shared_pass_k_sparse
     from sglang_hs.kernels.extend import extend_kernel_args
     from sglang_hs.kernels.extend_common import TILES
 
@@ -60,9 +60,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
         if decode and shared_decode_forms and fold_of(q_heads, kv_heads) >= 2:
             jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
                                                       min_split_blocks=OWN_MIN_SPLIT_BLOCKS)))  # fmt: skip
-            # The store's K values pool decides the kernel: present with 2:4 K blocks, absent with dense K.
-            k_sparse_options = {"sparse": (True,), "dense": (False,)}.get(shared_decode_forms[0],
-                                                                          extend_k_sparse or (False, True))
+            k_sparse_options = shared_pass_k_sparse(shared_decode_forms[0], extend_k_sparse or (False, True))
             jobs += [("extend", extend_kernel_args(shared_heads(q_heads, kv_heads), kv_heads, head_dim, BLOCK_SIZE, dtype,
                                                    "n64", _extend_stages("n64"), k_sparse, shared_decode_forms,
                                                    dynamic_splits=True))

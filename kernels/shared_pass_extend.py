@@ -96,10 +96,6 @@ class ExtendSharedPass:
         return self.extend.run(q, self.indptr[: sets + 1], k_cache, v_cache, pools, k_index, v_index, block_table,
                                seq_lens, sm_scale, out=out, return_lse=return_lse, split_limit=split_limit)  # fmt: skip
 
-    def call_splits(self, sets: int, width: int) -> int:
-        """The grid's splits (every call's; each set uses at most that many)."""
-        return self.num_splits
-
     def rule_splits(self, sets: int, num_sms: int) -> int:
         """Splits per live set at ``sets`` live sets: the most that keep every CTA in one wave (the pass
         is bound by each SM's block steps, so a second wave only adds a tail), at most the grid's."""

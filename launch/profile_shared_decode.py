@@ -16,7 +16,7 @@ groups with requests alone on their prefix (16 and 32 requests), the whole call 
 counts and with every set at a fixed count, lone requests as column sets or in the own pass, the
 own pass after the shared pass instead of beside it, and the shared pass alone as shipped, with 3
 stages and with its registers capped for three CTAs an SM; ``--ncu``: eager launches of those three
-for Nsight Compute (``ncu -k regex:hs_extend --section WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
+for Nsight Compute (``ncu -k regex:hs_extend_shared --section WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
 """
 
 import argparse
@@ -229,7 +229,7 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
 def ncu_launches(group_sizes=(6, 5, 5), splits: int = 8) -> dict:
     """Eager launches for Nsight Compute: the shared pass alone over one batch of uneven groups (3 sets
     at 8 splits, server shape), as shipped, with 3 stages and with its registers capped for three CTAs
-    an SM, three launches each, in that order (``ncu -k regex:hs_extend``: read the third of each).
+    an SM, three launches each, in that order (``ncu -k regex:hs_extend_shared``: read the third of each).
     Returns the launches' times (us, CUDA events) by name."""
     base = _server_case(len(group_sizes))
     prefix_of = _arrivals(group_sizes)

@@ -101,7 +101,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.q_heads = model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
         self.max_blocks = -(-self.req_to_token.shape[1] // self.config.block_size)
         self.use_decode_kernel = runtime.uses_kernel("decode")
-        self.shared_prefix_decode = self.use_decode_kernel and self.config.shared_prefix_decode != "off"
+        self.shared_prefix_decode = self.use_decode_kernel and self.config.shared_prefix_decode == "on"
         self.shared_forms = self._shared_pass_forms() if self.shared_prefix_decode else None
         self.selection = BlockSelection.from_config(self.config, self.store.num_layers)
         if self.selection is not None:  # compressed blocks kept / offered by the anchors, for the log line
