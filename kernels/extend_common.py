@@ -113,7 +113,7 @@ class ExtendParts:
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, tile: str,
                  stages: int, k_sparse: bool, producer: bool, forms: tuple[str, str] = ANY_FORMS,
-                 dynamic_splits: bool = False, min_ctas_per_sm: int = 0):
+                 dynamic_splits: bool = False):
         import tilelang.language as T
 
         self.T = T
@@ -132,7 +132,6 @@ class ExtendParts:
         assert forms[0] in KV_FORMS and forms[1] in KV_FORMS and (k_sparse or forms[0] != "sparse")
         self.k_form, self.v_form = ("dense" if not k_sparse else forms[0]), forms[1]
         self.dynamic_splits = dynamic_splits
-        self.min_ctas_per_sm = min_ctas_per_sm  # > 0: __launch_bounds__' second argument (caps the registers)
         self.TQ = N // G  # query tokens per tile
         self.HALF, self.RB = HALF, RB
         self.accum = "float32"
@@ -515,7 +514,6 @@ class ExtendParts:
         part_rows, num_splits, num_tiles = self.part_rows, self.num_splits, self.num_tiles
         parts = self
         dynamic = self.dynamic_splits
-        min_ctas = self.min_ctas_per_sm
 
         # Plain Python helpers (not parsed by TileLang): without dynamic splits they emit exactly the
         # expressions of a kernel without them.
@@ -547,8 +545,6 @@ class ExtendParts:
         ):
             with T.Kernel(num_tiles, kv_heads, num_splits, threads=threads + schedule.extra_threads) as (bx, h, split):
                 T.import_source(WARPGROUP_ANY_SRC)
-                if min_ctas:  # registers capped for that many CTAs an SM (ptxas may spill)
-                    T.annotate_min_blocks_per_sm(min_ctas)
                 # Tile ids in descending order: a request's later tiles see more blocks (causal), so in a
                 # long prefill the longest CTAs start first instead of forming the last wave. With dynamic
                 # splits (one-token requests of equal length, live ones first) in ascending order.

@@ -15,9 +15,9 @@ A CTA's block loop, step j (the frame around it, the GEMMs and the softmax are i
   index ring between two CTA barriers.
 
 A stage holds K of block j and V of block j - 1, so both GEMMs of a step read one stage and it is
-free when the step ends: step j refills the stage item j - 1 held, with item j + stages - 1. With
-two stages (prefill's) one stage item of loads is in flight while a step computes; three
-(``STAGES``: shared-prefix decode's shared pass, an experiment) keep two in flight.
+free when the step ends: step j refills the stage item j - 1 held, with item j + stages - 1: one
+stage item of loads is in flight while a step computes (a third stage, two in flight, did not speed
+up shared-prefix decode's shared pass, which is bound by its block steps: ``docs/kernels.md``).
 """
 
 from __future__ import annotations

@@ -28,13 +28,13 @@ threads; the shared pass's kernel), so shared memory that would fit a third CTA 
 does not decide."""
 
 
-def ctas_per_sm_n64(head_dim: int, block_size: int, forms: tuple[str, str], register_ctas: int = N64_REGISTER_CTAS,
-                    stages: int = 2) -> int:  # fmt: skip
-    """CTAs of the extend kernel's n64 tile an SM holds: by shared memory, at most ``register_ctas``."""
-    from sglang_hs.kernels.extend import smem_bytes
+def ctas_per_sm_n64(head_dim: int, block_size: int, forms: tuple[str, str]) -> int:
+    """CTAs of the extend kernel's n64 tile an SM holds: by shared memory, at most
+    :data:`N64_REGISTER_CTAS`."""
+    from sglang_hs.kernels.extend import default_stages, smem_bytes
 
-    per_cta = smem_bytes("n64", head_dim, block_size, stages, forms[0] != "dense", forms) + 1024
-    return max(1, min(SMEM_PER_SM // per_cta, register_ctas))
+    per_cta = smem_bytes("n64", head_dim, block_size, default_stages("n64"), forms[0] != "dense", forms) + 1024
+    return max(1, min(SMEM_PER_SM // per_cta, N64_REGISTER_CTAS))
 
 
 SHARED_COLUMNS = 64
@@ -56,23 +56,20 @@ class ExtendSharedPass:
     ``max_sets`` set rows of ``heads = Hkv * fold * G`` folded query heads; the scratch for all of them
     at ``num_splits`` is allocated here, before any CUDA graph captures the plan. ``forms``: the block
     forms of the shared blocks (the plan's; 2:4 K and V only at S_K = S_V = 1: 65 KB of shared memory a
-    CTA instead of 131, so two CTAs an SM instead of one; its 246 registers a thread allow no third).
-    Two experiments (``profile_shared_decode --splits``) for a pass that looks bound by its loads in
-    flight: ``stages=3`` keeps two stage items in flight a CTA instead of one (84 KB at 2:4 K and V,
-    still two CTAs an SM, 244 registers), ``min_ctas_per_sm=3`` caps the registers for a third CTA an
-    SM (168 registers, with spills)."""
+    CTA instead of 131, so two CTAs an SM instead of one; its 246 registers a thread allow no third:
+    capping them for three spilled and was slower, and a third stage was no faster,
+    ``docs/kernels.md``)."""
 
     def __init__(self, max_sets: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, num_splits: int = SHARED_SPLITS,
-                 forms: tuple[str, str] = ANY_FORMS, stages: int = 2, min_ctas_per_sm: int = 0):  # fmt: skip
+                 forms: tuple[str, str] = ANY_FORMS):  # fmt: skip
         from sglang_hs.kernels.extend import HieraSparseExtend
 
         self.extend = HieraSparseExtend(heads, kv_heads, head_dim, block_size, max_blocks, dtype, device, tile="n64",
-                                        stages=stages, num_splits=num_splits, forms=forms, dynamic_splits=True,
-                                        min_ctas_per_sm=min_ctas_per_sm)  # fmt: skip
+                                        num_splits=num_splits, forms=forms, dynamic_splits=True)  # fmt: skip
         self.extend.reserve(max_sets, max_sets, num_splits, "n64")
         self.num_splits, self.kv_heads = num_splits, kv_heads
-        self.ctas_per_sm = ctas_per_sm_n64(head_dim, block_size, forms, min_ctas_per_sm or N64_REGISTER_CTAS, stages)
+        self.ctas_per_sm = ctas_per_sm_n64(head_dim, block_size, forms)
         self.indptr = torch.arange(max_sets + 1, dtype=torch.int32, device=device)  # one query token a set
         self.batch_size = max_sets
         self.captured = False

@@ -14,9 +14,9 @@ shared pass also at 2, 4, 8 and 16 splits; ``--chunked``: 8, 16 and 32 requests 
 a dense window after every 8K chunk, as a prefix cached by chunked prefill does; ``--splits``: uneven
 groups with requests alone on their prefix (16 and 32 requests), the whole call at the plan's split
 counts and with every set at a fixed count, lone requests as column sets or in the own pass, the
-own pass after the shared pass instead of beside it, and the shared pass alone as shipped, with 3
-stages and with its registers capped for three CTAs an SM; ``--ncu``: eager launches of those three
-for Nsight Compute (``ncu -k regex:hs_extend_shared --section WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
+own pass after the shared pass instead of beside it, and the shared pass alone at fixed split
+counts; ``--ncu``: eager launches of the shared pass for Nsight Compute (``ncu -k
+regex:hs_extend_shared --section WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
 """
 
 import argparse
@@ -33,13 +33,11 @@ from sglang_hs.kernels.timing import time_graphs
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
 
 
-def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int, stages: int = 2,
-                    min_ctas_per_sm: int = 0):  # fmt: skip
-    """The shared pass alone with every live set at ``splits`` splits (a plan of its own; the same
-    kernel, or one with ``stages`` stages or its registers capped for ``min_ctas_per_sm`` CTAs an SM)."""
+def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int):
+    """The shared pass alone with every live set at ``splits`` splits (a plan of its own, the same kernel)."""
     sets = folded.shape[0]
     plan = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
-                            forms=FORMS, stages=stages, min_ctas_per_sm=min_ctas_per_sm)  # fmt: skip
+                            forms=FORMS)  # fmt: skip
     return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True)
 
 
@@ -207,8 +205,7 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
         step = after.plan_step(bt, sl, ki, vi, min_own_blocks=1)
         fns["lone as sets, plan splits, own pass after"] = lambda step=step, q=q, kv=kv: after.run(q, *kv, step, scale)
         # The parts: the own pass alone, the query fold, the shared pass alone at the plan's split counts
-        # and at fixed counts: as shipped, with 3 stages (two items of loads in flight a CTA), and with
-        # its registers capped for three CTAs an SM (spills).
+        # and at fixed counts.
         sets = after.sets_for(bs)
         folded = after.fold_queries(q, step.members[:sets])
         fns["own pass alone"] = lambda step=step, q=q, kv=kv: after.own_plan.run(q, *kv, step.own_table, step.own_lens,
@@ -217,19 +214,15 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
         fns["shared pass alone, plan splits"] = lambda step=step, folded=folded, kv=kv, sets=sets: after.shared_plan.run(
             folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True,
             split_limit=step.shared_splits[:sets])
-        for stages, ctas in ((2, 0), (3, 0), (2, 3)):
-            variant = f"{stages} stages" + (f", registers for {ctas} CTAs an SM" if ctas else "")
-            for splits in (8, 11, 16):
-                fns[f"shared pass alone, {variant}, {splits} splits"] = _shared_pass_at(
-                    splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale, SERVER_WIDTH,
-                    stages, ctas)
+        for splits in (8, 11, 16):
+            fns[f"shared pass alone, {splits} splits"] = _shared_pass_at(
+                splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale, SERVER_WIDTH)
         yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
 
 
 def ncu_launches(group_sizes=(6, 5, 5), splits: int = 8) -> dict:
     """Eager launches for Nsight Compute: the shared pass alone over one batch of uneven groups (3 sets
-    at 8 splits, server shape), as shipped, with 3 stages and with its registers capped for three CTAs
-    an SM, three launches each, in that order (``ncu -k regex:hs_extend_shared``: read the third of each).
+    at 8 splits, server shape), five launches (``ncu -k regex:hs_extend_shared``: read the last, warm).
     Returns the launches' times (us, CUDA events) by name."""
     base = _server_case(len(group_sizes))
     prefix_of = _arrivals(group_sizes)
@@ -241,16 +234,14 @@ def ncu_launches(group_sizes=(6, 5, 5), splits: int = 8) -> dict:
     sets = plan.sets_for(len(prefix_of))
     folded = plan.fold_queries(q, step.members[:sets])
     times = {}
-    for stages, ctas in ((2, 0), (3, 0), (2, 3)):
-        run = _shared_pass_at(splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale,
-                              SERVER_WIDTH, stages, ctas)  # fmt: skip
-        for i in range(3):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            stop.record()
-            torch.cuda.synchronize()
-            times[f"{stages} stages, registers for {ctas or 2} CTAs an SM, launch {i + 1}"] = start.elapsed_time(stop) * 1e3
+    run = _shared_pass_at(splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale, SERVER_WIDTH)
+    for i in range(5):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        stop.record()
+        torch.cuda.synchronize()
+        times[f"shared pass, launch {i + 1}"] = start.elapsed_time(stop) * 1e3
     return times
 
 
@@ -262,7 +253,7 @@ def main(argv=None):
     mode.add_argument("--chunked", action="store_true", help="prefixes cached in 8K chunks, server shape")
     mode.add_argument("--splits", action="store_true",
                       help="uneven groups with lone requests: the shared pass at the plan's and at fixed split counts")
-    mode.add_argument("--ncu", action="store_true", help="eager launches of the shared pass's variants for Nsight Compute")
+    mode.add_argument("--ncu", action="store_true", help="eager launches of the shared pass for Nsight Compute")
     args = ap.parse_args(argv)
     if args.ncu:
         for name, us in ncu_launches().items():

@@ -14,8 +14,15 @@ sampling is greedy and ignores EOS, so every answer has ``--max-tokens`` tokens.
 prompt evicted from the GPU: with ``--enable-hierarchical-cache`` it is loaded back from the host
 tier (the ``loaded=`` count of the tree-state lines), otherwise prefilled again. Afterwards the
 cache is flushed and one more request is served, so SGLang's idle memory check (which stops the
-server on any leaked slot) has run. The script exits non-zero when any output differs, unless
-``--allow-mismatch`` (used to show that the comparison can see a sparsity setting's effect).
+server on any leaked slot) has run.
+
+Every answer also returns its two most likely tokens a step, so a difference can be explained: at the
+first step where the two servers' greedy choices differ, it is a *near tie* when each server ranks
+the other's choice second, within ``--tie-gap`` nats of its first (two attention kernels round fp16
+differently, and a batch's composition changes split counts, so a near tie can go either way; after it
+the texts part). The script exits non-zero on any other difference (or one whose logprobs are
+missing), unless ``--allow-mismatch`` (used to show that the comparison can see a sparsity setting's
+effect); near ties are listed with their gaps.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ import sys
 import time
 
 from sglang_hs.launch.server import SGLangServer
+
+TOP = 2  # logprobs returned a step: the choice and the runner-up
+Steps = list[list[tuple[str, float]]]  # per generated token: (token, logprob), most likely first
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -61,67 +71,101 @@ def push_out_of_gpu(server: SGLangServer, times_capacity: float, prompt_words: i
     return sent
 
 
-def concurrent_chats(server: SGLangServer, system_prompt: str, max_tokens: int, n: int) -> dict[str, str]:
+def chat_steps(answer: dict) -> Steps | None:
+    """The top tokens of each step of an OpenAI chat answer asked with ``top_logprobs``."""
+    content = (answer["choices"][0].get("logprobs") or {}).get("content")
+    if not content:
+        return None
+    return [[(t["token"], float(t["logprob"])) for t in step.get("top_logprobs", [])[:TOP]] for step in content]
+
+
+def meta_steps(meta: dict) -> Steps | None:
+    """The top tokens of each step from a ``/generate`` answer's ``meta_info`` (``top_logprobs_num``):
+    entries ``[logprob, token id, text]``, keyed by token id."""
+    steps = meta.get("output_top_logprobs")
+    if not steps:
+        return None
+    return [[(str(entry[1]), float(entry[0])) for entry in (step or [])[:TOP]] for step in steps]
+
+
+def chat(server: SGLangServer, system_prompt: str, question: str, max_tokens: int) -> tuple[str, Steps | None]:
+    answer = server.post("/v1/chat/completions", {
+        "model": "default", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": True,
+        "top_logprobs": TOP,
+        "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]})  # fmt: skip
+    return answer["choices"][0]["message"]["content"], chat_steps(answer)
+
+
+def concurrent_chats(server: SGLangServer, system_prompt: str, max_tokens: int, n: int,
+                     steps: dict[str, Steps | None] | None = None) -> dict[str, str]:  # fmt: skip
     """``n`` greedy chat answers over ``system_prompt``, sent at once (question ``i`` is a variant of
-    ``QUESTIONS[i % 4]``), keyed ``concurrent/i``."""
+    ``QUESTIONS[i % 4]``), keyed ``concurrent/i`` (their top tokens a step into ``steps``)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def ask(i: int) -> str:
-        question = f"{QUESTIONS[i % len(QUESTIONS)]} (variant {i})"
-        answer = server.post("/v1/chat/completions", {
-            "model": "default", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]})  # fmt: skip
-        return answer["choices"][0]["message"]["content"]
+    def ask(i: int) -> tuple[str, Steps | None]:
+        return chat(server, system_prompt, f"{QUESTIONS[i % len(QUESTIONS)]} (variant {i})", max_tokens)
 
     with ThreadPoolExecutor(n) as pool:
-        return {f"concurrent/{i}": text for i, text in enumerate(pool.map(ask, range(n)))}
+        answers = list(pool.map(ask, range(n)))
+    if steps is not None:
+        steps.update({f"concurrent/{i}": top for i, (_, top) in enumerate(answers)})
+    return {f"concurrent/{i}": text for i, (text, _) in enumerate(answers)}
 
 
 def run_workload(server: SGLangServer, system_prompt: str, max_tokens: int, evict_between_rounds: float = 0.0,
-                 prompt_words: int = 600, concurrent: int = 0) -> dict[str, str]:  # fmt: skip
-    """Every greedy output of the workload, keyed by a stable name."""
+                 prompt_words: int = 600, concurrent: int = 0,
+                 steps: dict[str, Steps | None] | None = None) -> dict[str, str]:  # fmt: skip
+    """Every greedy output of the workload, keyed by a stable name (and, into ``steps``, each one's
+    top tokens a step, None where the server returned none)."""
     import sglang as sgl
 
+    steps = {} if steps is None else steps
     outputs: dict[str, str] = {}
     for round_ in range(2):
         if round_ == 1 and evict_between_rounds > 0:
             sent = push_out_of_gpu(server, evict_between_rounds, prompt_words)
             print(f"[check] {sent} filler prompts between the rounds", flush=True)
         for i, question in enumerate(QUESTIONS):
-            answer = server.post(
-                "/v1/chat/completions",
-                {
-                    "model": "default",
-                    "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-            )
-            outputs[f"chat/{round_}/{i}"] = answer["choices"][0]["message"]["content"]
+            key = f"chat/{round_}/{i}"
+            outputs[key], steps[key] = chat(server, system_prompt, question, max_tokens)
     for i, text in enumerate(["The capital of France is", system_prompt[:400] + " In summary,"]):
-        answer = server.post(
-            "/generate",
-            {"text": text, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}},
-        )
-        outputs[f"generate/{i}"] = answer["text"]
+        answer = server.post("/generate", {
+            "text": text, "return_logprob": True, "top_logprobs_num": TOP,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})  # fmt: skip
+        outputs[f"generate/{i}"], steps[f"generate/{i}"] = answer["text"], meta_steps(answer["meta_info"])
 
     @sgl.function
     def answer_with_context(s, question):
         s += system_prompt + "Q: " + question + "\nA:"
-        s += sgl.gen("answer", max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        s += sgl.gen("answer", max_tokens=max_tokens, temperature=0, ignore_eos=True, return_logprob=True,
+                     top_logprobs_num=TOP)  # fmt: skip
 
     sgl.set_default_backend(sgl.RuntimeEndpoint(server.base_url))
     states = answer_with_context.run_batch([{"question": q} for q in QUESTIONS], num_threads=len(QUESTIONS))
     for i, state in enumerate(states):
         outputs[f"frontend/{i}"] = state["answer"]
+        steps[f"frontend/{i}"] = meta_steps(state.get_meta_info("answer") or {})
     if concurrent:
-        outputs.update(concurrent_chats(server, system_prompt, max_tokens, concurrent))
+        outputs.update(concurrent_chats(server, system_prompt, max_tokens, concurrent, steps))
     server.post("/flush_cache")
     time.sleep(2)  # let the scheduler go idle: its memory check runs then
     answer = server.post("/generate", {"text": "After the flush,", "sampling_params": {"max_new_tokens": 4}})
     outputs["after_flush"] = answer["text"]
     return outputs
+
+
+def explain(baseline: Steps | None, ours: Steps | None, tie_gap: float) -> dict:
+    """Where two greedy answers part: the first step whose choices differ, both servers' top tokens
+    there, and whether it is a near tie (each ranks the other's choice second, within ``tie_gap``)."""
+    if not baseline or not ours:
+        return {"near_tie": False, "why": "no logprobs"}
+    for step, (a, b) in enumerate(zip(baseline, ours)):
+        if a and b and a[0][0] != b[0][0]:
+            gaps = [round(top[0][1] - top[1][1], 5) if len(top) > 1 else None for top in (a, b)]
+            swapped = len(a) > 1 and len(b) > 1 and a[1][0] == b[0][0] and b[1][0] == a[0][0]
+            near = swapped and all(g is not None and g <= tie_gap for g in gaps)
+            return {"near_tie": near, "step": step, "baseline_top": a, "ours_top": b, "gaps": gaps}
+    return {"near_tie": False, "why": "the texts differ but no step's choice does"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="between the chat rounds, prefill filler prompts of X times the KV capacity")
     parser.add_argument("--concurrent", type=int, default=0, metavar="N",
                         help="then N chat requests over the shared prompt at once (shared-prefix decode's batches)")
+    parser.add_argument("--tie-gap", type=float, default=0.05, metavar="NATS",
+                        help="a difference is a near tie when both servers' top two are this close, swapped")
     args = parser.parse_args(argv)
 
     system_prompt = shared_prompt(args.prompt_words)
@@ -148,17 +194,20 @@ def main(argv: list[str] | None = None) -> int:
         args.baseline: ["--attention-backend", args.baseline, "--page-size", "64"],
         "hierasparse": ["--attention-backend", "hierasparse", *args.hs_arg],
     }
-    results = {}
+    results, steps = {}, {}
     if args.baseline_from:
         with open(args.baseline_from) as f:
-            results[args.baseline] = json.load(f)["results"][args.baseline]
+            earlier = json.load(f)["results"]
+        results[args.baseline] = earlier[args.baseline]
+        steps[args.baseline] = earlier.get("top_tokens", {}).get(args.baseline, {})
         del runs[args.baseline]
     for name, backend_args in runs.items():
         print(f"[check] === {name} ===", flush=True)
         log_path = f"{args.log_prefix}_{name}.log"
         with SGLangServer(args.model_path, backend_args + args.common_arg, args.port, log_path) as server:
+            steps[name] = {}
             results[name] = run_workload(server, system_prompt, args.max_tokens, args.evict_between_rounds,
-                                         args.prompt_words, args.concurrent)  # fmt: skip
+                                         args.prompt_words, args.concurrent, steps[name])  # fmt: skip
             if name == "hierasparse":
                 log = server.log_text().splitlines()
                 results["hierasparse_log_lines"] = [line for line in log if "hierasparse" in line.lower()][-10:]
@@ -173,11 +222,17 @@ def main(argv: list[str] | None = None) -> int:
                 results.update(server.rank_states())
     baseline, ours = results[args.baseline], results["hierasparse"]
     mismatches = sorted(key for key in baseline if baseline[key] != ours.get(key) and key != "after_flush")
+    why = {key: explain(steps[args.baseline].get(key), steps["hierasparse"].get(key), args.tie_gap) for key in mismatches}
+    unexplained = [key for key in mismatches if not why[key]["near_tie"]]
+    results["top_tokens"] = steps
     summary = {
         "baseline": args.baseline,
         "hs_args": args.hs_arg,
         "outputs": len(baseline) - 1,
         "mismatches": mismatches,
+        "near_ties": {key: why[key] for key in mismatches if why[key]["near_tie"]},
+        "tie_gap": args.tie_gap,
+        "unexplained_mismatches": {key: why[key] for key in unexplained},
         "status_lines": results["status_lines"][-3:],
         "shared_decode_lines": results.get("shared_decode_lines", []),
         "problems": results["problems"],
@@ -191,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=2))
     for key in list(baseline)[:3]:
         print(f"[check] {key}: {baseline[key]!r}")
-    return 1 if results["problems"] or (mismatches and not args.allow_mismatch) else 0
+    return 1 if results["problems"] or (unexplained and not args.allow_mismatch) else 0
 
 
 if __name__ == "__main__":

@@ -93,3 +93,20 @@ def test_server_check_sends_its_concurrent_chats_at_once():
     out = concurrent_chats(server, "system prompt", 8, 12)
     assert list(out) == [f"concurrent/{i}" for i in range(12)] and len(set(server.questions)) == 12
     assert out["concurrent/5"].endswith("(variant 5)")
+
+
+def test_server_check_explains_a_difference_as_a_near_tie_only_when_both_servers_nearly_tie():
+    """``server_check``: two greedy answers that part where each server ranks the other's choice second,
+    within the tie gap, are a near tie; a swap with a wide gap, a different runner-up, or an answer
+    without logprobs is not."""
+    from sglang_hs.launch.server_check import explain
+
+    same = [("a", -0.1), ("b", -2.0)]
+    base = [same, [("x", -0.70), ("y", -0.72)]]
+    assert explain(base, [same, [("y", -0.69), ("x", -0.70)]], 0.05) == {
+        "near_tie": True, "step": 1, "baseline_top": base[1], "ours_top": [("y", -0.69), ("x", -0.70)],
+        "gaps": [0.02, 0.01]}
+    assert not explain(base, [same, [("y", -0.1), ("x", -0.9)]], 0.05)["near_tie"]  # ours is sure: 0.8 nats
+    assert not explain(base, [same, [("y", -0.69), ("z", -0.70)]], 0.05)["near_tie"]  # not the baseline's choice
+    assert explain(base, None, 0.05) == {"near_tie": False, "why": "no logprobs"}
+    assert not explain(base, base, 0.05)["near_tie"]  # texts differ elsewhere: not explained
