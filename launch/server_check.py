@@ -35,8 +35,8 @@ import time
 
 from sglang_hs.launch.server import SGLangServer
 
-TOP = 2  # logprobs returned a step: the choice and the runner-up
-Steps = list[list[tuple[str, float]]]  # per generated token: (token, logprob), most likely first
+TOP = 2  # most likely tokens returned a step
+Steps = list[tuple[str, list[tuple[str, float]]]]  # per generated token: the choice, and the top (token, logprob)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -72,20 +72,22 @@ def push_out_of_gpu(server: SGLangServer, times_capacity: float, prompt_words: i
 
 
 def chat_steps(answer: dict) -> Steps | None:
-    """The top tokens of each step of an OpenAI chat answer asked with ``top_logprobs``."""
+    """Each step's choice and top tokens from an OpenAI chat answer asked with ``top_logprobs``."""
     content = (answer["choices"][0].get("logprobs") or {}).get("content")
     if not content:
         return None
-    return [[(t["token"], float(t["logprob"])) for t in step.get("top_logprobs", [])[:TOP]] for step in content]
+    return [(step["token"], [(t["token"], float(t["logprob"])) for t in step.get("top_logprobs", [])[:TOP]])
+            for step in content]  # fmt: skip
 
 
 def meta_steps(meta: dict) -> Steps | None:
-    """The top tokens of each step from a ``/generate`` answer's ``meta_info`` (``top_logprobs_num``):
-    entries ``[logprob, token id, text]``, keyed by token id."""
-    steps = meta.get("output_top_logprobs")
-    if not steps:
+    """Each step's choice and top tokens from a ``/generate`` answer's ``meta_info`` (``return_logprob``,
+    ``top_logprobs_num``: entries ``[logprob, token id, text]``), keyed by token id."""
+    chosen, tops = meta.get("output_token_logprobs"), meta.get("output_top_logprobs")
+    if not chosen or not tops:
         return None
-    return [[(str(entry[1]), float(entry[0])) for entry in (step or [])[:TOP]] for step in steps]
+    return [(str(pick[1]), [(str(entry[1]), float(entry[0])) for entry in (top or [])[:TOP]])
+            for pick, top in zip(chosen, tops)]  # fmt: skip
 
 
 def chat(server: SGLangServer, system_prompt: str, question: str, max_tokens: int) -> tuple[str, Steps | None]:
@@ -156,15 +158,20 @@ def run_workload(server: SGLangServer, system_prompt: str, max_tokens: int, evic
 
 def explain(baseline: Steps | None, ours: Steps | None, tie_gap: float) -> dict:
     """Where two greedy answers part: the first step whose choices differ, both servers' top tokens
-    there, and whether it is a near tie (each ranks the other's choice second, within ``tie_gap``)."""
+    there, and whether it is a near tie: each server has both choices among its top tokens, within
+    ``tie_gap`` of each other (``gaps``: the baseline's, ours). Exact ties are common: a greedy pick
+    between equal logprobs may go either way."""
     if not baseline or not ours:
         return {"near_tie": False, "why": "no logprobs"}
-    for step, (a, b) in enumerate(zip(baseline, ours)):
-        if a and b and a[0][0] != b[0][0]:
-            gaps = [round(top[0][1] - top[1][1], 5) if len(top) > 1 else None for top in (a, b)]
-            swapped = len(a) > 1 and len(b) > 1 and a[1][0] == b[0][0] and b[1][0] == a[0][0]
-            near = swapped and all(g is not None and g <= tie_gap for g in gaps)
-            return {"near_tie": near, "step": step, "baseline_top": a, "ours_top": b, "gaps": gaps}
+    for step, ((pick_a, top_a), (pick_b, top_b)) in enumerate(zip(baseline, ours)):
+        if pick_a != pick_b:
+            gaps = []
+            for top in (top_a, top_b):
+                lp = dict(top)
+                gaps.append(round(abs(lp[pick_a] - lp[pick_b]), 5) if pick_a in lp and pick_b in lp else None)
+            near = all(g is not None and g <= tie_gap for g in gaps)
+            return {"near_tie": near, "step": step, "picks": [pick_a, pick_b], "baseline_top": top_a, "ours_top": top_b,
+                    "gaps": gaps}  # fmt: skip
     return {"near_tie": False, "why": "the texts differ but no step's choice does"}
 
 
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrent", type=int, default=0, metavar="N",
                         help="then N chat requests over the shared prompt at once (shared-prefix decode's batches)")
     parser.add_argument("--tie-gap", type=float, default=0.05, metavar="NATS",
-                        help="a difference is a near tie when both servers' top two are this close, swapped")
+                        help="a difference is a near tie when both choices are within this of each other on both servers")
     args = parser.parse_args(argv)
 
     system_prompt = shared_prompt(args.prompt_words)

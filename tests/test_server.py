@@ -96,17 +96,17 @@ def test_server_check_sends_its_concurrent_chats_at_once():
 
 
 def test_server_check_explains_a_difference_as_a_near_tie_only_when_both_servers_nearly_tie():
-    """``server_check``: two greedy answers that part where each server ranks the other's choice second,
-    within the tie gap, are a near tie; a swap with a wide gap, a different runner-up, or an answer
-    without logprobs is not."""
+    """``server_check``: two greedy answers that part where both choices are among each server's top
+    two within the tie gap (an exact tie included) are a near tie; a wide gap on either server, a
+    choice outside a server's top two, or an answer without logprobs is not."""
     from sglang_hs.launch.server_check import explain
 
-    same = [("a", -0.1), ("b", -2.0)]
-    base = [same, [("x", -0.70), ("y", -0.72)]]
-    assert explain(base, [same, [("y", -0.69), ("x", -0.70)]], 0.05) == {
-        "near_tie": True, "step": 1, "baseline_top": base[1], "ours_top": [("y", -0.69), ("x", -0.70)],
-        "gaps": [0.02, 0.01]}
-    assert not explain(base, [same, [("y", -0.1), ("x", -0.9)]], 0.05)["near_tie"]  # ours is sure: 0.8 nats
-    assert not explain(base, [same, [("y", -0.69), ("z", -0.70)]], 0.05)["near_tie"]  # not the baseline's choice
+    same = ("a", [("a", -0.1), ("b", -2.0)])
+    base = [same, ("x", [("x", -0.70), ("y", -0.70)])]  # an exact tie, picked as x
+    near = [same, ("y", [("y", -0.69), ("x", -0.70)])]
+    assert explain(base, near, 0.05) == {"near_tie": True, "step": 1, "picks": ["x", "y"],
+                                         "baseline_top": base[1][1], "ours_top": near[1][1], "gaps": [0.0, 0.01]}
+    assert not explain(base, [same, ("y", [("y", -0.1), ("x", -0.9)])], 0.05)["near_tie"]  # ours is sure: 0.8 nats
+    assert not explain(base, [same, ("y", [("y", -0.69), ("z", -0.70)])], 0.05)["near_tie"]  # x not in our top two
     assert explain(base, None, 0.05) == {"near_tie": False, "why": "no logprobs"}
     assert not explain(base, base, 0.05)["near_tie"]  # texts differ elsewhere: not explained
