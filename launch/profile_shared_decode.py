@@ -15,8 +15,8 @@ a dense window after every 8K chunk, as a prefix cached by chunked prefill does;
 groups with requests alone on their prefix (16 and 32 requests), the whole call at the plan's split
 counts and with every set at a fixed count, lone requests as column sets or in the own pass, the
 own pass after the shared pass instead of beside it, and the shared pass alone at fixed split
-counts; ``--ncu``: eager launches of the shared pass for Nsight Compute (``ncu -k
-regex:hs_extend_shared --section WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
+counts; ``--ncu``: eager launches of the shared pass and of the own pass for Nsight Compute (``ncu
+-k regex:hs_extend_shared --section WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
 """
 
 import argparse
@@ -221,9 +221,10 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
 
 
 def ncu_launches(group_sizes=(6, 5, 5), splits: int = 8) -> dict:
-    """Eager launches for Nsight Compute: the shared pass alone over one batch of uneven groups (3 sets
-    at 8 splits, server shape), five launches (``ncu -k regex:hs_extend_shared``: read the last, warm).
-    Returns the launches' times (us, CUDA events) by name."""
+    """Eager launches for Nsight Compute over one batch of uneven groups (server shape, chunk windows):
+    the shared pass alone (3 sets at 8 splits), then the own pass alone, five launches each (``ncu -k
+    regex:hs_extend_shared`` or ``regex:hs_decode``: read the last, warm). Returns the launches' times
+    (us, CUDA events) by name."""
     base = _server_case(len(group_sizes))
     prefix_of = _arrivals(group_sizes)
     per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
@@ -234,14 +235,17 @@ def ncu_launches(group_sizes=(6, 5, 5), splits: int = 8) -> dict:
     sets = plan.sets_for(len(prefix_of))
     folded = plan.fold_queries(q, step.members[:sets])
     times = {}
-    run = _shared_pass_at(splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale, SERVER_WIDTH)
-    for i in range(5):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        stop.record()
-        torch.cuda.synchronize()
-        times[f"shared pass, launch {i + 1}"] = start.elapsed_time(stop) * 1e3
+    runs = {"shared pass": _shared_pass_at(splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale,
+                                           SERVER_WIDTH),
+            "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True)}
+    for name, run in runs.items():
+        for i in range(5):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            stop.record()
+            torch.cuda.synchronize()
+            times[f"{name}, launch {i + 1}"] = start.elapsed_time(stop) * 1e3
     return times
 
 
@@ -253,7 +257,7 @@ def main(argv=None):
     mode.add_argument("--chunked", action="store_true", help="prefixes cached in 8K chunks, server shape")
     mode.add_argument("--splits", action="store_true",
                       help="uneven groups with lone requests: the shared pass at the plan's and at fixed split counts")
-    mode.add_argument("--ncu", action="store_true", help="eager launches of the shared pass for Nsight Compute")
+    mode.add_argument("--ncu", action="store_true", help="eager launches of the shared and own passes for Nsight Compute")
     args = ap.parse_args(argv)
     if args.ncu:
         for name, us in ncu_launches().items():
