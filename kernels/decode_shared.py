@@ -307,14 +307,18 @@ class SharedPrefixDecode:
     ``overlap``: the own pass runs on a side stream (joined before the merge, and captured with the
     step by a CUDA graph), so its CTAs fill the SMs the shared pass leaves idle instead of starting
     after it (GPU plans only; 243.5 against 253.5 us a layer at 16 requests over 5 prefixes on an
-    H200, ``bench_decode_shared_overlap_s42_h200.log``).
+    H200, ``bench_decode_shared_overlap_s42_h200.log``). ``shared_pass_first`` (an experiment for
+    ``profile_shared_decode --splits``): the shared pass is enqueued before the own pass, so that its
+    CTAs, the call's critical path, take the SMs first and the own pass's fill the slots left (at 3
+    sets, 8 splits, two CTAs an SM: 72 of 264); by default the own pass goes first.
     ``plans`` (tests): a ``(shared, own[, per_request])`` tuple of objects with ``HieraSparseDecode.run``'s
     signature (``return_lse`` and ``split_limit`` included) to use instead of building the kernels (the
     per-request one defaults to the own one); the merge then runs in PyTorch."""
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None,
-                 shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, overlap: bool = True):  # fmt: skip
+                 shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, overlap: bool = True,
+                 shared_pass_first: bool = False):  # fmt: skip
         self.q_heads, self.kv_heads, self.head_dim, self.block_size = q_heads, kv_heads, head_dim, block_size
         self.group = q_heads // kv_heads
         self.fold = fold_of(q_heads, kv_heads)
@@ -339,6 +343,7 @@ class SharedPrefixDecode:
             if torch.device(device).type == "cuda":  # off the GPU (tests) the merge runs in PyTorch
                 self.merge_kernel = _merge_kernel_factory()
         self.own_stream = torch.cuda.Stream(device) if overlap and self.merge_kernel is not None else None
+        self.shared_pass_first = shared_pass_first
         self.shared_plan, self.own_plan = plans[:2]
         self.per_request_plan = plans[2] if len(plans) > 2 else self.own_plan
         # Split count by the number of sets with blocks to share (index 0..max_sets), on the device.
@@ -417,18 +422,25 @@ class SharedPrefixDecode:
         if sets == 0:  # no sets: the own tables are the whole tables
             return self.per_request_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale)
         folded = self.fold_queries(q, step.members[:sets])
-        if self.own_stream is not None:  # the own pass beside the shared pass; its output allocated here
+
+        def shared_pass():
+            return self.shared_plan.run(folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], sm_scale,
+                                        return_lse=True, split_limit=step.shared_splits[:sets])  # fmt: skip
+
+        if self.own_stream is None:
+            out_s, lse_s = shared_pass()
+            out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, return_lse=True)
+        else:  # the own pass beside the shared pass, on a side stream; its output allocated here
             main, out_o = torch.cuda.current_stream(), torch.empty_like(q)
             self.own_stream.wait_stream(main)
+            if self.shared_pass_first:
+                out_s, lse_s = shared_pass()
             with torch.cuda.stream(self.own_stream):
                 out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, out=out_o,
                                                  return_lse=True)  # fmt: skip
-        out_s, lse_s = self.shared_plan.run(folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], sm_scale,
-                                            return_lse=True, split_limit=step.shared_splits[:sets])  # fmt: skip
-        if self.own_stream is not None:
+            if not self.shared_pass_first:
+                out_s, lse_s = shared_pass()
             main.wait_stream(self.own_stream)
-        else:
-            out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, return_lse=True)
         if self.merge_kernel is None:
             pick = step.pick.long()
             rows = pick.clamp(min=0)

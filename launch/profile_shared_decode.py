@@ -14,7 +14,8 @@ shared pass also at 2, 4, 8 and 16 splits; ``--chunked``: 8, 16 and 32 requests 
 a dense window after every 8K chunk, as a prefix cached by chunked prefill does; ``--splits``: uneven
 groups with requests alone on their prefix (16 and 32 requests), the whole call at the plan's split
 counts and with every set at a fixed count, lone requests as column sets or in the own pass, the
-own pass after the shared pass instead of beside it, and the shared pass alone at fixed split
+own pass after the shared pass instead of beside it, or beside it but enqueued after it (the
+``shared_pass_first`` experiment), and the shared pass alone at fixed split
 counts; ``--ncu``: eager launches of the shared pass and of the own pass for Nsight Compute (``ncu
 -k regex:hs_extend_shared --section WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
 """
@@ -186,6 +187,8 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
                                         shared_splits=splits)
              for splits in splits_options}  # fmt: skip
     after = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS, overlap=False)
+    shared_first = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS,
+                                      shared_pass_first=True)  # fmt: skip
     base = _server_case(max(len(sizes) for sizes in group_sizes))
     paged = paged_dense(base)
     for sizes in group_sizes:
@@ -204,6 +207,8 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
                     lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
         step = after.plan_step(bt, sl, ki, vi, min_own_blocks=1)
         fns["lone as sets, plan splits, own pass after"] = lambda step=step, q=q, kv=kv: after.run(q, *kv, step, scale)
+        fns["lone as sets, plan splits, shared pass enqueued first"] = (
+            lambda step=step, q=q, kv=kv: shared_first.run(q, *kv, step, scale))
         # The parts: the own pass alone, the query fold, the shared pass alone at the plan's split counts
         # and at fixed counts.
         sets = after.sets_for(bs)

@@ -613,22 +613,23 @@ def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk, r
 
 @pytest.mark.gpu
 def test_the_own_pass_beside_the_shared_pass_matches_eager_and_in_a_cuda_graph():
-    """``overlap``: the own pass on a side stream gives the output of the two passes in turn, bit for
-    bit, eagerly and replayed from a CUDA graph (the side stream joins the capture), with lone
-    requests as column sets; and it equals the reference."""
+    """``overlap``: the own pass on a side stream, enqueued before or after the shared pass
+    (``shared_pass_first``), gives the output of the two passes in turn, bit for bit, eagerly and
+    replayed from a CUDA graph (the side stream joins the capture), with lone requests as column sets;
+    and it equals the reference."""
     case = _case(32, 8, torch.float16, "cuda", head_dim=128)
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
     outs = []
-    for overlap in (False, True):
+    for overlap, shared_first in ((False, False), (True, False), (True, True)):
         plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.float16, "cuda",
-                                  overlap=overlap)  # fmt: skip
+                                  overlap=overlap, shared_pass_first=shared_first)  # fmt: skip
         assert (plan.own_stream is not None) == overlap
         step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
         run = lambda: plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)  # noqa: E731
         eager = run().clone()
         assert torch.equal(_replayed(run), eager)
         outs.append(eager)
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     ref, _ = _reference(case)
     assert float((outs[1].float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
 
