@@ -388,15 +388,21 @@ class SharedPrefixDecode:
         sets): built once per step, on the GPU, in shapes fixed by the batch size. A plan for fewer than
         every form needs the index maps (``[Hkv, n_virtual]``, the same in every layer) to find the
         blocks of its forms."""
-        conforming = None
-        if self.forms != ANY_FORMS:
-            if k_index is None or v_index is None:
-                raise ValueError(f"a shared pass for forms {self.forms} needs the index maps")
-            conforming = conforming_blocks(block_table, k_index, v_index, self.forms)
+        if self.forms != ANY_FORMS and (k_index is None or v_index is None):
+            raise ValueError(f"a shared pass for forms {self.forms} needs the index maps")
         sets = self.sets_for(block_table.shape[0])
         kw.setdefault("lone_min_blocks", LONE_MIN_BLOCKS)
+        dynamic = bool(sets) and self.dynamic_splits
+        if block_table.is_cuda:  # two Triton kernels instead of about 110 small ones
+            from sglang_hs.kernels.decode_shared_tables import step_tables_fused
+
+            by_sets, cap = (self.splits_by_sets, self.shared_plan.num_splits) if dynamic else (None, 1)
+            return StepTables(**step_tables_fused(block_table, seq_lens, self.block_size, self.fold, sets,
+                                                  forms=self.forms, k_index=k_index, v_index=v_index,
+                                                  splits_by_sets=by_sets, split_cap=cap, **kw))  # fmt: skip
+        conforming = None if self.forms == ANY_FORMS else conforming_blocks(block_table, k_index, v_index, self.forms)
         step = step_tables(block_table, seq_lens, self.block_size, self.fold, sets, conforming=conforming, **kw)
-        if sets and self.dynamic_splits:
+        if dynamic:
             step.shared_splits = split_limits(step.shared_lens, self.splits_by_sets, self.shared_plan.num_splits)
         return step
 

@@ -5,11 +5,11 @@
 16 requests over 6 shared prefixes of 32K, S_K = S_V = 1, Llama-3.1-8B decode shape (32/8 heads,
 d 128), each request keeping its last block to its own pass, natural pool order. Times are CUDA-graph
 replays side by side (``sglang_hs.kernels.timing.time_graphs``): ``plan.run`` (all), the shared pass,
-the own pass, the query fold, the step tables (once per decode step in a server), and the shared pass
-at other split counts. ``--server-shape``: the regime-1 server's shape instead (bf16, a block table 529
-blocks wide, plans built for 256 requests as for SGLang's largest captured batch and for 16), beside
-FlashInfer fa2 and the per-request kernel. At the server's shape, ``--batches``: batches of 1 to 16
-requests over 1 and over 6 prefixes (a server's batch is small while long prompts prefill), with the
+the own pass, the query fold, the step tables (once per decode step in a server; Triton, and the
+PyTorch form beside), and the shared pass at other split counts. ``--server-shape``: the regime-1
+server's shape instead (bf16, a block table 529 blocks wide, plans built for 256 requests as for
+SGLang's largest captured batch and for 16), beside FlashInfer fa2 and the per-request kernel. At
+the server's shape, ``--batches``: batches of 1 to 16 requests over 1 and over 6 prefixes (a server's batch is small while long prompts prefill), with the
 shared pass also at 2, 4, 8 and 16 splits; ``--chunked``: 8, 16 and 32 requests whose prefixes keep
 a dense window after every 8K chunk, as a prefix cached by chunked prefill does; ``--splits``: uneven
 groups with requests alone on their prefix (16 and 32 requests), the whole call at the plan's split
@@ -27,7 +27,10 @@ import torch
 
 from sglang_hs.kernels.cases import flashinfer_decode, make_case, paged_dense, run_args, share_prefixes
 from sglang_hs.kernels.decode import HieraSparseDecode
-from sglang_hs.kernels.decode_shared import LONE_MIN_BLOCKS, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode, shared_heads
+from sglang_hs.kernels.decode_shared import (
+    LONE_MIN_BLOCKS, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode, conforming_blocks, shared_heads, split_limits,
+    step_tables,
+)
 from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
 from sglang_hs.kernels.timing import time_graphs
 
@@ -40,6 +43,15 @@ def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_bloc
     plan = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
                             forms=FORMS)  # fmt: skip
     return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True)
+
+
+def _torch_step_tables(plan: SharedPrefixDecode, bt, sl, ki, vi):
+    """``plan.plan_step``'s tables in their PyTorch form (what the GPU ran before the Triton kernels)."""
+    sets = plan.sets_for(bt.shape[0])
+    step = step_tables(bt, sl, 64, plan.fold, sets, min_own_blocks=1, lone_min_blocks=LONE_MIN_BLOCKS,
+                       conforming=conforming_blocks(bt, ki, vi, plan.forms))  # fmt: skip
+    step.shared_splits = split_limits(step.shared_lens, plan.splits_by_sets, plan.shared_plan.num_splits)
+    return step
 
 
 def _case(dtype: torch.dtype, max_blocks: int | None, seed: int):
@@ -66,6 +78,7 @@ def benchmark_shape() -> dict:
         "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True),
         "query fold": lambda: plan.fold_queries(q, step.members[:sets]),
         "step tables": lambda: plan.plan_step(bt, sl, ki, vi, min_own_blocks=1),
+        "step tables, PyTorch form": lambda: _torch_step_tables(plan, bt, sl, ki, vi),
     }  # fmt: skip
     for splits in (2, 4, 8, 16):
         fns[f"shared pass ({splits} splits)"] = _shared_pass_at(splits, folded, kv, table, lens, scale,

@@ -447,6 +447,77 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
+TABLE_FORMS = (ANY_FORMS, ("sparse", "sparse"), ("dense", "sparse"), ("any", "sparse"))
+
+
+def _random_batch(seed: int, bs: int, width: int, groups: int, heads: int = 2, num_virtual: int = 40, device="cpu"):
+    """A decode batch for the step tables: requests over ``groups`` prefixes, each cut at a random
+    column (their own blocks after it, or the prefix's), lengths from 0 (padding) to the whole table;
+    pages and virtual blocks mixed, index maps with 2:4 and dense rows per head."""
+    gen, rnd = torch.Generator().manual_seed(seed), random.Random(seed)
+    prefixes = [torch.randint(-num_virtual, 100, (width,), generator=gen, dtype=torch.int32) for _ in range(groups)]
+    table, lens = torch.empty(bs, width, dtype=torch.int32), torch.empty(bs, dtype=torch.int32)
+    for r in range(bs):
+        row, cut = prefixes[rnd.randrange(groups)].clone(), rnd.randrange(1, width)
+        if rnd.random() < 0.7:
+            row[cut:] = torch.randint(200, 300, (width - cut,), generator=gen, dtype=torch.int32)
+        table[r], lens[r] = row, rnd.randrange(0, width * 4 + 1) if rnd.random() < 0.9 else 0
+    k_index = torch.randint(-3, 3, (heads, num_virtual), generator=gen, dtype=torch.int32)
+    v_index = torch.where(torch.rand(heads, num_virtual, generator=gen) < 0.7, -1, 1).to(torch.int32)
+    return [x.to(device) for x in (table, lens, k_index, v_index)]
+
+
+def _fused_tables_match(device: str, cases_: list[tuple]) -> int:
+    """Compare ``step_tables_fused`` with ``step_tables`` (+ ``conforming_blocks``, ``split_limits``) entry
+    for entry over ``cases_`` of ``(seed, bs, width, groups, fold, max_sets, forms, lone, min_own)``;
+    returns how many requests were in column sets (the cases must form some)."""
+    from sglang_hs.kernels.decode_shared import split_limits
+    from sglang_hs.kernels.decode_shared_tables import step_tables_fused
+
+    grouped = 0
+    for seed, bs, width, groups, fold, max_sets, forms, lone, min_own in cases_:
+        table, lens, k_index, v_index = _random_batch(seed, bs, width, groups, device=device)
+        want = step_tables(table, lens, 4, fold, max_sets, min_own_blocks=min_own, lone_min_blocks=lone,
+                           conforming=conforming_blocks(table, k_index, v_index, forms))  # fmt: skip
+        by_sets = (torch.arange(max_sets + 1, dtype=torch.int32, device=device) % 5 + 1)
+        want.shared_splits = split_limits(want.shared_lens, by_sets, 3)
+        got = step_tables_fused(table, lens, 4, fold, max_sets, min_own_blocks=min_own, forms=forms, k_index=k_index,
+                                v_index=v_index, lone_min_blocks=lone, splits_by_sets=by_sets, split_cap=3)  # fmt: skip
+        for name in ("members", "shared_table", "shared_lens", "own_table", "own_lens", "pick", "shared_splits"):
+            a, b = getattr(want, name), got[name]
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), (name, seed, bs, fold, forms)
+        grouped += int((want.pick >= 0).sum())
+    return grouped
+
+
+def _table_cases(n: int, seed: int = 0) -> list[tuple]:
+    rnd = random.Random(seed)
+    out = [(0, 5, 7, 1, 4, 0, ANY_FORMS, None, 0)]  # no set row (a batch under MIN_SHARED_BATCH)
+    for k in range(n):
+        bs = rnd.choice((1, 5, 16, 33))
+        out.append((k, bs, rnd.choice((7, 130)), rnd.choice((1, 3)), rnd.choice((4, 16)), max(1, bs // 2),
+                    TABLE_FORMS[k % 4], rnd.choice((None, 2)), rnd.choice((0, 1))))
+    return out
+
+
+def test_fused_step_tables_in_tritons_interpreter():
+    """CPU: the Triton step tables (run by Triton's interpreter in a fresh process) equal the PyTorch
+    ones entry for entry: groups, lone requests, padding rows, every shared-pass form, split counts,
+    and a call with no set row."""
+    pytest.importorskip("triton")
+    script = """
+import sys
+sys.path.insert(0, {tests!r})
+import test_decode_shared as t
+grouped = t._fused_tables_match("cpu", t._table_cases(40))
+assert grouped > 50, grouped
+print("ok", grouped)
+""".format(tests=os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, dtype", [(hq, hkv, d, getattr(torch, dt)) for hq, hkv, d, dt in GPU_SHAPES],
@@ -609,6 +680,20 @@ def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk, r
     ref, _ = _reference(case)
     assert float((eager.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 1e-2
     assert torch.equal(_replayed(run), eager)
+
+
+@pytest.mark.gpu
+def test_fused_step_tables_match_on_the_gpu():
+    """The Triton step tables, compiled for the GPU, equal the PyTorch ones (the same cases and more),
+    also at a batch of 256 requests and a 600-block table, and replayed from a CUDA graph."""
+    assert _fused_tables_match("cuda", _table_cases(200, seed=1)) > 300
+    assert _fused_tables_match("cuda", [(9, 256, 600, 6, 16, 128, ("sparse", "sparse"), 64, 1)]) > 100
+    from sglang_hs.kernels.decode_shared_tables import step_tables_fused
+
+    table, lens, k_index, v_index = _random_batch(3, 16, 130, 3, device="cuda")
+    run = lambda: step_tables_fused(table, lens, 4, 16, 8, forms=("sparse", "sparse"), k_index=k_index,  # noqa: E731
+                                    v_index=v_index, lone_min_blocks=2)["own_table"].clone()  # fmt: skip
+    assert torch.equal(_replayed(run), run())
 
 
 @pytest.mark.gpu
