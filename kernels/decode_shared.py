@@ -55,6 +55,12 @@ OWN_MIN_SPLIT_BLOCKS = 4
 """The own pass's floor of blocks a split (``HieraSparseDecode(min_split_blocks=...)``): its requests
 mostly read a short tail (a dense sink and window, the question, generated tokens), which a split
 count planned for long requests would spread one block a CTA; measured in ``docs/results.md``."""
+OWN_SPLIT_DIVISOR = 4
+"""The own pass plans its split count for ``ceil(bs / OWN_SPLIT_DIVISOR)`` long requests (8 splits at
+16 requests of 32K on 132 SMs). Session 34 measured this rule when the fold was 4; from session 42 the
+n64 shared pass folds 16 requests, and planning for ``ceil(bs / fold)`` gave the own pass 32 splits at
+16 requests: 4,096 CTAs, most of them past their request's few blocks (the own pass alone took 27-43
+us a layer on an H200, ``bench_decode_shared_parts_s44_h200.log``)."""
 LONE_MIN_BLOCKS = 64
 """A request alone on its prefix joins the shared pass as a set of one from this many blocks to share
 (4K tokens at 64-token blocks; :func:`step_tables`' ``lone_min_blocks``). A set of one costs a set row
@@ -311,6 +317,7 @@ class SharedPrefixDecode:
     ``profile_shared_decode --splits``): the shared pass is enqueued before the own pass, so that its
     CTAs, the call's critical path, take the SMs first and the own pass's fill the slots left (at 3
     sets, 8 splits, two CTAs an SM: 72 of 264); by default the own pass goes first.
+    ``own_split_divisor``: see :meth:`own_pass_long_requests`.
     ``plans`` (tests): a ``(shared, own[, per_request])`` tuple of objects with ``HieraSparseDecode.run``'s
     signature (``return_lse`` and ``split_limit`` included) to use instead of building the kernels (the
     per-request one defaults to the own one); the merge then runs in PyTorch."""
@@ -318,11 +325,12 @@ class SharedPrefixDecode:
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None,
                  shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, overlap: bool = True,
-                 shared_pass_first: bool = False):  # fmt: skip
+                 shared_pass_first: bool = False, own_split_divisor: int = OWN_SPLIT_DIVISOR):  # fmt: skip
         self.q_heads, self.kv_heads, self.head_dim, self.block_size = q_heads, kv_heads, head_dim, block_size
         self.group = q_heads // kv_heads
         self.fold = fold_of(q_heads, kv_heads)
         self.max_sets = max_sets or max(1, batch_size // 2)
+        self.own_split_divisor = own_split_divisor
         self.forms = tuple(forms)
         self.merge_kernel = None
         # Split counts chosen on the GPU per step (else stand-ins: tests).
@@ -357,9 +365,10 @@ class SharedPrefixDecode:
         """The requests the own pass's split count is planned for, in a call of ``bs``: most of them read
         only a short tail there, a few (those no column set took) their whole prefix. Planning for all
         ``bs`` gave those few the splits of a full batch (2 at 16 requests of 32K: 265 blocks walked by
-        one CTA, longer than the whole shared pass); planning for ``ceil(bs / fold)`` gives them more,
-        and a batch where every request is long still fills the GPU in whole waves."""
-        return max(1, -(-bs // self.fold))
+        one CTA, longer than the whole shared pass); planning for ``ceil(bs / own_split_divisor)``
+        (:data:`OWN_SPLIT_DIVISOR`) gives them more, and a batch where every request is long still fills
+        the GPU in whole waves."""
+        return max(1, -(-bs // self.own_split_divisor))
 
     def sets_for(self, bs: int) -> int:
         """Column sets a call of ``bs`` requests can have: a group of ``s >= 2`` members makes at most

@@ -15,7 +15,8 @@ a dense window after every 8K chunk, as a prefix cached by chunked prefill does;
 groups with requests alone on their prefix (16 and 32 requests), the whole call at the plan's split
 counts and with every set at a fixed count, lone requests as column sets or in the own pass, the
 own pass after the shared pass instead of beside it, or beside it but enqueued after it (the
-``shared_pass_first`` experiment), and the shared pass alone at fixed split
+``shared_pass_first`` experiment), the own pass with session 44's split count (planned for
+``ceil(bs / 16)`` requests), and the shared pass alone at fixed split
 counts; ``--ncu``: eager launches of the shared pass and of the own pass for Nsight Compute (``ncu
 -k regex:hs_extend_shared --section WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
 """
@@ -202,6 +203,8 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
     after = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS, overlap=False)
     shared_first = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS,
                                       shared_pass_first=True)  # fmt: skip
+    by_fold = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS,
+                                 own_split_divisor=16)  # session 44's own-pass splits (32 at 16 requests)
     base = _server_case(max(len(sizes) for sizes in group_sizes))
     paged = paged_dense(base)
     for sizes in group_sizes:
@@ -222,6 +225,8 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
         fns["lone as sets, plan splits, own pass after"] = lambda step=step, q=q, kv=kv: after.run(q, *kv, step, scale)
         fns["lone as sets, plan splits, shared pass enqueued first"] = (
             lambda step=step, q=q, kv=kv: shared_first.run(q, *kv, step, scale))
+        fns["lone as sets, plan splits, own pass split for ceil(bs / 16) requests"] = (
+            lambda step=step, q=q, kv=kv: by_fold.run(q, *kv, step, scale))
         # The parts: the own pass alone, the query fold, the shared pass alone at the plan's split counts
         # and at fixed counts.
         sets = after.sets_for(bs)

@@ -783,11 +783,12 @@ def test_small_calls_match_reference_on_the_gpu():
 
 
 def test_the_own_pass_plans_splits_for_the_requests_no_set_took(monkeypatch):
-    """CPU (kernels stubbed): the own pass's split count is the rule's for ceil(bs / fold) requests, not
-    for bs: most requests read a short tail there, and the few that no column set took (a group's
+    """CPU (kernels stubbed): the own pass's split count is the rule's for ceil(bs / 4) requests, not for
+    bs: most requests read a short tail there, and the few that no column set took (a group's
     remainder of one, a prefix with one running request) would otherwise walk their whole prefix in 2
     splits at 16 requests of 32K, longer than the shared pass itself (measured in regime 1,
-    docs/results.md). The per-request plan (calls too small for sets) plans for every request."""
+    docs/results.md); nor for ceil(bs / fold) (fold 16: 32 splits, thousands of CTAs past their
+    request's few blocks). The per-request plan (calls too small for sets) plans for every request."""
     from types import SimpleNamespace
 
     from sglang_hs.kernels import decode
@@ -796,12 +797,13 @@ def test_the_own_pass_plans_splits_for_the_requests_no_set_took(monkeypatch):
     monkeypatch.setattr(decode, "build_decode_kernel", lambda *a, **kw: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     plan = SharedPrefixDecode(32, 32, 8, 128, B, 529, torch.float16, "cpu")
-    assert plan.fold == 16 and [plan.own_pass_long_requests(bs) for bs in (1, 16, 17, 32)] == [1, 1, 2, 2]
+    assert plan.fold == 16 and [plan.own_pass_long_requests(bs) for bs in (1, 16, 17, 32)] == [1, 4, 5, 8]
 
     def rule(batch):
         return plan_num_splits(batch, 32, 8, 128, B, 529, STAGES, 132, 512)
 
-    assert plan.own_plan.splits(32, 529) == rule(2) > plan.per_request_plan.splits(32, 529) == rule(32)
+    assert plan.own_plan.splits(16, 529) == rule(4) == 8
+    assert plan.own_plan.splits(32, 529) == rule(8) > plan.per_request_plan.splits(32, 529) == rule(32)
 
 
 @pytest.mark.gpu
