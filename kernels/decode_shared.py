@@ -402,7 +402,7 @@ class SharedPrefixDecode:
         sets = self.sets_for(block_table.shape[0])
         kw.setdefault("lone_min_blocks", LONE_MIN_BLOCKS)
         dynamic = bool(sets) and self.dynamic_splits
-        if block_table.is_cuda:  # two Triton kernels instead of about 110 small ones
+        if block_table.is_cuda and block_table.shape[0] > 0:  # four Triton launches instead of about 110 kernels
             from sglang_hs.kernels.decode_shared_tables import step_tables_fused
 
             by_sets, cap = (self.splits_by_sets, self.shared_plan.num_splits) if dynamic else (None, 1)

@@ -16,11 +16,11 @@ tier (the ``loaded=`` count of the tree-state lines), otherwise prefilled again.
 cache is flushed and one more request is served, so SGLang's idle memory check (which stops the
 server on any leaked slot) has run.
 
-Every answer also returns its two most likely tokens a step, so a difference can be explained: at the
-first step where the two servers' greedy choices differ, it is a *near tie* when each server ranks
-the other's choice second, within ``--tie-gap`` nats of its first (two attention kernels round fp16
-differently, and a batch's composition changes split counts, so a near tie can go either way; after it
-the texts part). The script exits non-zero on any other difference (or one whose logprobs are
+Every answer also returns each step's chosen token and two most likely tokens, so a difference can be
+explained: at the first step where the two servers' greedy choices differ, it is a *near tie* when
+each server has both choices among its two most likely tokens, within ``--tie-gap`` nats of each
+other (two attention kernels round fp16 differently, and a batch's composition changes split counts,
+so a near tie, or an exact one, can go either way; after it the texts part). The script exits non-zero on any other difference (or one whose logprobs are
 missing), unless ``--allow-mismatch`` (used to show that the comparison can see a sparsity setting's
 effect); near ties are listed with their gaps.
 """
