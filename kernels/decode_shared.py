@@ -164,8 +164,10 @@ class StepTables:
     ``shared_lens [max_sets]``, the own pass's ``own_table [bs, W]`` and ``own_lens [bs]``, ``pick
     [bs]`` int32: the unfolded shared-pass row of each request (``set * fold + position``, ``-1``:
     none), and ``shared_splits [max_sets]`` int32: each set's split count (:func:`split_limits`; ones
-    until :meth:`SharedPrefixDecode.plan_step` sets it). Each field's ``rows`` metadata says whether it
-    has a row per set or per request (a CUDA graph's buffers are viewed per batch size by it)."""
+    until :meth:`SharedPrefixDecode.plan_step` sets it), and ``fold_requests [max_sets, Hkv * fold * G]``
+    int64: the request each folded query head reads (:meth:`SharedPrefixDecode.fold_requests`; set by
+    ``plan_step``, None from :func:`step_tables`). Each field's ``rows`` metadata says whether it has a
+    row per set or per request (a CUDA graph's buffers are viewed per batch size by it)."""
 
     members: torch.Tensor = field(metadata={"rows": "set"})
     shared_table: torch.Tensor = field(metadata={"rows": "set"})
@@ -174,6 +176,7 @@ class StepTables:
     own_lens: torch.Tensor = field(metadata={"rows": "request"})
     pick: torch.Tensor = field(metadata={"rows": "request"})
     shared_splits: torch.Tensor = field(metadata={"rows": "set"})
+    fold_requests: torch.Tensor | None = field(default=None, metadata={"rows": "set"})
 
 
 def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, fold: int, max_sets: int,
@@ -331,6 +334,9 @@ class SharedPrefixDecode:
         self.fold = fold_of(q_heads, kv_heads)
         self.max_sets = max_sets or max(1, batch_size // 2)
         self.own_split_divisor = own_split_divisor
+        # The query head each folded head reads (h * G + g), for fold_queries' gather.
+        heads = torch.arange(q_heads, device=device).view(kv_heads, 1, self.group)
+        self.fold_heads = heads.expand(kv_heads, self.fold, self.group).reshape(-1)
         self.forms = tuple(forms)
         self.merge_kernel = None
         # Split counts chosen on the GPU per step (else stand-ins: tests).
@@ -406,21 +412,33 @@ class SharedPrefixDecode:
             from sglang_hs.kernels.decode_shared_tables import step_tables_fused
 
             by_sets, cap = (self.splits_by_sets, self.shared_plan.num_splits) if dynamic else (None, 1)
-            return StepTables(**step_tables_fused(block_table, seq_lens, self.block_size, self.fold, sets,
+            step = StepTables(**step_tables_fused(block_table, seq_lens, self.block_size, self.fold, sets,
                                                   forms=self.forms, k_index=k_index, v_index=v_index,
                                                   splits_by_sets=by_sets, split_cap=cap, **kw))  # fmt: skip
-        conforming = None if self.forms == ANY_FORMS else conforming_blocks(block_table, k_index, v_index, self.forms)
-        step = step_tables(block_table, seq_lens, self.block_size, self.fold, sets, conforming=conforming, **kw)
-        if dynamic:
-            step.shared_splits = split_limits(step.shared_lens, self.splits_by_sets, self.shared_plan.num_splits)
+        else:
+            conforming = None if self.forms == ANY_FORMS else conforming_blocks(block_table, k_index, v_index,
+                                                                                self.forms)  # fmt: skip
+            step = step_tables(block_table, seq_lens, self.block_size, self.fold, sets, conforming=conforming, **kw)
+            if dynamic:
+                step.shared_splits = split_limits(step.shared_lens, self.splits_by_sets, self.shared_plan.num_splits)
+        step.fold_requests = self.fold_requests(step.members)
         return step
 
-    def fold_queries(self, q: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
-        """``q [bs, Hq, D]`` -> ``[max_sets, Hkv * fold * G, D]``: column set ``s``'s KV head ``h`` holds
-        the G query heads of ``h`` of each member in turn (padding members read request 0)."""
+    def fold_requests(self, members: torch.Tensor) -> torch.Tensor:
+        """``[sets, Hkv * fold * G]`` int64: the request whose query head ``fold_heads`` gives each folded
+        head reads (member ``m`` of the set for columns ``m * G .. m * G + G - 1`` of every KV
+        head; padding members read request 0). Once per step, so that a layer's fold is one gather."""
         sets, fold = members.shape
-        folded = q[members.clamp(min=0)].view(sets, fold, self.kv_heads, self.group, self.head_dim)
-        return folded.transpose(1, 2).reshape(sets, self.kv_heads * fold * self.group, self.head_dim)
+        expanded = members.clamp(min=0)[:, None, :, None].expand(sets, self.kv_heads, fold, self.group)
+        return expanded.reshape(sets, self.kv_heads * fold * self.group)
+
+    def fold_queries(self, q: torch.Tensor, members: torch.Tensor,
+                     requests: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """``q [bs, Hq, D]`` -> ``[sets, Hkv * fold * G, D]``: column set ``s``'s KV head ``h`` holds the G
+        query heads of ``h`` of each member in turn (padding members read request 0); one gather, given
+        the step's :meth:`fold_requests` of ``members``."""
+        requests = self.fold_requests(members) if requests is None else requests
+        return q[requests, self.fold_heads]
 
     def unfold(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`fold_queries`' head layout for ``[sets, Hkv*fold*G, ...]`` -> ``[sets*fold, Hq, ...]``."""
@@ -436,7 +454,8 @@ class SharedPrefixDecode:
         sets = self.sets_for(q.shape[0])  # the rows that can hold a set: a static shape per batch size
         if sets == 0:  # no sets: the own tables are the whole tables
             return self.per_request_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale)
-        folded = self.fold_queries(q, step.members[:sets])
+        requests = None if step.fold_requests is None else step.fold_requests[:sets]
+        folded = self.fold_queries(q, step.members[:sets], requests)
 
         def shared_pass():
             return self.shared_plan.run(folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], sm_scale,

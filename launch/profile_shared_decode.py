@@ -2,23 +2,23 @@
 
     python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --chunked | --splits | --ncu]
 
-16 requests over 6 shared prefixes of 32K, S_K = S_V = 1, Llama-3.1-8B decode shape (32/8 heads,
-d 128), each request keeping its last block to its own pass, natural pool order. Times are CUDA-graph
-replays side by side (``sglang_hs.kernels.timing.time_graphs``): ``plan.run`` (all), the shared pass,
-the own pass, the query fold, the step tables (once per decode step in a server; Triton, and the
-PyTorch form beside), and the shared pass at other split counts. ``--server-shape``: the regime-1
-server's shape instead (bf16, a block table 529 blocks wide, plans built for 256 requests as for
-SGLang's largest captured batch and for 16), beside FlashInfer fa2 and the per-request kernel. At
-the server's shape, ``--batches``: batches of 1 to 16 requests over 1 and over 6 prefixes (a server's batch is small while long prompts prefill), with the
-shared pass also at 2, 4, 8 and 16 splits; ``--chunked``: 8, 16 and 32 requests whose prefixes keep
-a dense window after every 8K chunk, as a prefix cached by chunked prefill does; ``--splits``: uneven
-groups with requests alone on their prefix (16 and 32 requests), the whole call at the plan's split
-counts and with every set at a fixed count, lone requests as column sets or in the own pass, the
-own pass after the shared pass instead of beside it, or beside it but enqueued after it (the
-``shared_pass_first`` experiment), the own pass with session 44's split count (planned for
-``ceil(bs / 16)`` requests), and the shared pass alone at fixed split
-counts; ``--ncu``: eager launches of the shared pass and of the own pass for Nsight Compute (``ncu
--k regex:hs_extend_shared --section WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
+16 requests over 6 shared prefixes of 32K, S_K = S_V = 1, Llama-3.1-8B decode shape (32/8 heads, d 128),
+each request keeping its last block to its own pass, natural pool order. Times are CUDA-graph replays
+side by side (``sglang_hs.kernels.timing.time_graphs``): ``plan.run`` (all), the shared pass, the own
+pass, the query fold, the step tables (once per decode step in a server; Triton, and the PyTorch form
+beside), and the shared pass at other split counts. ``--server-shape``: the regime-1 server's shape
+instead (bf16, a block table 529 blocks wide, plans built for 256 requests as for SGLang's largest
+captured batch and for 16), beside FlashInfer fa2 and the per-request kernel. At the server's shape,
+``--batches``: batches of 1 to 16 requests over 1 and over 6 prefixes (a server's batch is small while
+long prompts prefill), with the shared pass also at 2, 4, 8 and 16 splits; ``--chunked``: 8, 16 and 32
+requests whose prefixes keep a dense window after every 8K chunk, as a prefix cached by chunked prefill
+does; ``--splits``: uneven groups with requests alone on their prefix (16 and 32 requests), the whole
+call at the plan's split counts and with every set at a fixed count, lone requests as column sets or in
+the own pass, the own pass after the shared pass instead of beside it, or beside it but enqueued after
+it (the ``shared_pass_first`` experiment), the own pass with session 44's split count (planned for
+``ceil(bs / 16)`` requests), and the shared pass alone at fixed split counts; ``--ncu``: eager launches
+of the shared pass and of the own pass for Nsight Compute (``ncu -k regex:hs_extend_shared --section
+WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
 """
 
 import argparse
@@ -69,7 +69,7 @@ def benchmark_shape() -> dict:
     plan = SharedPrefixDecode(BATCH, 32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", forms=FORMS)
     step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
     sets = plan.sets_for(BATCH)
-    folded = plan.fold_queries(q, step.members[:sets])
+    folded = plan.fold_queries(q, step.members[:sets], step.fold_requests[:sets])
     table, lens = step.shared_table[:sets], step.shared_lens[:sets]
     fns = {
         "all": lambda: plan.run(q, *kv, step, scale),
@@ -77,7 +77,7 @@ def benchmark_shape() -> dict:
             lambda: plan.shared_plan.run(folded, *kv, table, lens, scale, return_lse=True,
                                          split_limit=step.shared_splits[:sets]),
         "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True),
-        "query fold": lambda: plan.fold_queries(q, step.members[:sets]),
+        "query fold": lambda: plan.fold_queries(q, step.members[:sets], step.fold_requests[:sets]),
         "step tables": lambda: plan.plan_step(bt, sl, ki, vi, min_own_blocks=1),
         "step tables, PyTorch form": lambda: _torch_step_tables(plan, bt, sl, ki, vi),
     }  # fmt: skip
@@ -149,7 +149,7 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
                "shared-prefix decode": lambda: plan.run(q, *kv, step, scale),
                "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True)}
         if sets:
-            folded = plan.fold_queries(q, step.members[:sets])
+            folded = plan.fold_queries(q, step.members[:sets], step.fold_requests[:sets])
             table, lens = step.shared_table[:sets], step.shared_lens[:sets]
             fns[f"shared pass (the step's {int(step.shared_splits[0])} splits)"] = (
                 lambda: plan.shared_plan.run(folded, *kv, table, lens, scale, return_lse=True,
@@ -230,10 +230,11 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
         # The parts: the own pass alone, the query fold, the shared pass alone at the plan's split counts
         # and at fixed counts.
         sets = after.sets_for(bs)
-        folded = after.fold_queries(q, step.members[:sets])
+        folded = after.fold_queries(q, step.members[:sets], step.fold_requests[:sets])
         fns["own pass alone"] = lambda step=step, q=q, kv=kv: after.own_plan.run(q, *kv, step.own_table, step.own_lens,
                                                                                 scale, return_lse=True)  # fmt: skip
-        fns["query fold"] = lambda step=step, q=q, sets=sets: after.fold_queries(q, step.members[:sets])
+        fns["query fold"] = lambda step=step, q=q, sets=sets: after.fold_queries(q, step.members[:sets],
+                                                                                 step.fold_requests[:sets])
         fns["shared pass alone, plan splits"] = lambda step=step, folded=folded, kv=kv, sets=sets: after.shared_plan.run(
             folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True,
             split_limit=step.shared_splits[:sets])
@@ -256,7 +257,7 @@ def ncu_launches(group_sizes=(6, 5, 5), splits: int = 8) -> dict:
     plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
     step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
     sets = plan.sets_for(len(prefix_of))
-    folded = plan.fold_queries(q, step.members[:sets])
+    folded = plan.fold_queries(q, step.members[:sets], step.fold_requests[:sets])
     times = {}
     runs = {"shared pass": _shared_pass_at(splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale,
                                            SERVER_WIDTH),
