@@ -16,7 +16,8 @@ does; ``--splits``: uneven groups with requests alone on their prefix (16 and 32
 call at the plan's split counts and with every set at a fixed count, lone requests as column sets or in
 the own pass, the own pass after the shared pass instead of beside it, or beside it but enqueued after
 it (the ``shared_pass_first`` experiment), the own pass with session 44's split count (planned for
-``ceil(bs / 16)`` requests), and the shared pass alone at fixed split counts; ``--ncu``: eager launches
+``ceil(bs / 16)`` requests), and the shared pass alone at fixed split counts, with one and with two
+P^T buffers (the ``p_buffers`` experiment); ``--ncu``: eager launches
 of the shared pass and of the own pass for Nsight Compute (``ncu -k regex:hs_extend_shared --section
 WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
 """
@@ -38,11 +39,12 @@ from sglang_hs.kernels.timing import time_graphs
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
 
 
-def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int):
-    """The shared pass alone with every live set at ``splits`` splits (a plan of its own, the same kernel)."""
+def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int, p_buffers: int = 1):
+    """The shared pass alone with every live set at ``splits`` splits (a plan of its own; the same kernel,
+    or with ``p_buffers`` P^T buffers)."""
     sets = folded.shape[0]
     plan = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
-                            forms=FORMS)  # fmt: skip
+                            forms=FORMS, p_buffers=p_buffers)  # fmt: skip
     return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True)
 
 
@@ -239,8 +241,10 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
             folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True,
             split_limit=step.shared_splits[:sets])
         for splits in (8, 11, 16):
-            fns[f"shared pass alone, {splits} splits"] = _shared_pass_at(
-                splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale, SERVER_WIDTH)
+            for p_buffers in (1, 2):
+                fns[f"shared pass alone, {splits} splits" + (", two P^T buffers" if p_buffers == 2 else "")] = (
+                    _shared_pass_at(splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale,
+                                    SERVER_WIDTH, p_buffers))  # fmt: skip
         yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
 
 

@@ -697,6 +697,32 @@ def test_fused_step_tables_match_on_the_gpu():
 
 
 @pytest.mark.gpu
+def test_two_p_buffers_give_the_shared_pass_the_default_output():
+    """The ``p_buffers=2`` experiment (two P^T buffers, one barrier fewer a block step) gives the default
+    shared pass's output over the case's sets, bit for bit, at one and at several splits."""
+    from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
+
+    case = _case(32, 8, torch.bfloat16, "cuda", head_dim=128)
+    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
+    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda",
+                              forms=("sparse", "sparse"))  # fmt: skip
+    step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
+    sets = plan.sets_for(q.shape[0])
+    folded = plan.fold_queries(q, step.members[:sets])
+    args = (folded, k_cache, v_cache, pools, k_index, v_index, step.shared_table[:sets], step.shared_lens[:sets], sm_scale)
+    live = step.shared_lens[:sets] > 0
+    assert bool(live.any())
+    for splits in (1, 4):
+        outs = []
+        for p_buffers in (1, 2):
+            shared = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda",
+                                      num_splits=splits, forms=("sparse", "sparse"), p_buffers=p_buffers)  # fmt: skip
+            out, lse = shared.run(*args, return_lse=True)
+            outs.append((out[live].clone(), lse[live].clone()))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), splits
+
+
+@pytest.mark.gpu
 def test_the_own_pass_beside_the_shared_pass_matches_eager_and_in_a_cuda_graph():
     """``overlap``: the own pass on a side stream, enqueued before or after the shared pass
     (``shared_pass_first``), gives the output of the two passes in turn, bit for bit, eagerly and
