@@ -253,6 +253,20 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     )
 
 
+def step_tables_pytorch(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, fold: int, max_sets: int,
+                        forms: tuple[str, str] = ANY_FORMS, k_index: torch.Tensor | None = None,
+                        v_index: torch.Tensor | None = None, splits_by_sets: torch.Tensor | None = None,
+                        split_cap: int = 1, **kw) -> StepTables:  # fmt: skip
+    """The PyTorch form of ``decode_shared_tables.step_tables_fused`` (same arguments): :func:`step_tables`
+    over the blocks of ``forms`` (:func:`conforming_blocks`), with :func:`split_limits` given
+    ``splits_by_sets``. It runs off the GPU, and it is the oracle of the Triton kernels."""
+    conforming = None if tuple(forms) == ANY_FORMS else conforming_blocks(block_table, k_index, v_index, forms)
+    step = step_tables(block_table, seq_lens, block_size, fold, max_sets, conforming=conforming, **kw)
+    if splits_by_sets is not None:
+        step.shared_splits = split_limits(step.shared_lens, splits_by_sets, split_cap)
+    return step
+
+
 def split_limits(shared_lens: torch.Tensor, by_sets: torch.Tensor, cap: int) -> torch.Tensor:
     """``[sets]`` int32, every set's split count for a step: ``by_sets[n]`` for the ``n`` sets with
     blocks to share (a GPU gather, no host synchronisation), at most ``cap`` (the launch's grid)."""
@@ -398,29 +412,25 @@ class SharedPrefixDecode:
         return any(plan.captured for plan in (self.own_plan, self.shared_plan, self.per_request_plan))
 
     def plan_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, k_index: torch.Tensor | None = None,
-                  v_index: torch.Tensor | None = None, **kw) -> StepTables:  # fmt: skip
+                  v_index: torch.Tensor | None = None, pytorch: bool = False, **kw) -> StepTables:  # fmt: skip
         """The tables every layer of one decode step uses (:func:`step_tables` with this plan's fold and
         sets): built once per step, on the GPU, in shapes fixed by the batch size. A plan for fewer than
         every form needs the index maps (``[Hkv, n_virtual]``, the same in every layer) to find the
-        blocks of its forms."""
+        blocks of its forms. On the GPU the tables come from ``decode_shared_tables``' Triton kernels
+        (``pytorch``: from their PyTorch form, :func:`step_tables_pytorch`, which runs off the GPU)."""
         if self.forms != ANY_FORMS and (k_index is None or v_index is None):
             raise ValueError(f"a shared pass for forms {self.forms} needs the index maps")
         sets = self.sets_for(block_table.shape[0])
         kw.setdefault("lone_min_blocks", LONE_MIN_BLOCKS)
-        dynamic = bool(sets) and self.dynamic_splits
-        if block_table.is_cuda and block_table.shape[0] > 0:  # four Triton launches instead of about 110 kernels
+        by_sets, cap = (self.splits_by_sets, self.shared_plan.num_splits) if sets and self.dynamic_splits else (None, 1)
+        args = (block_table, seq_lens, self.block_size, self.fold, sets)
+        kw.update(forms=self.forms, k_index=k_index, v_index=v_index, splits_by_sets=by_sets, split_cap=cap)
+        if block_table.is_cuda and block_table.shape[0] > 0 and not pytorch:  # 4 Triton launches, not ~110 kernels
             from sglang_hs.kernels.decode_shared_tables import step_tables_fused
 
-            by_sets, cap = (self.splits_by_sets, self.shared_plan.num_splits) if dynamic else (None, 1)
-            step = StepTables(**step_tables_fused(block_table, seq_lens, self.block_size, self.fold, sets,
-                                                  forms=self.forms, k_index=k_index, v_index=v_index,
-                                                  splits_by_sets=by_sets, split_cap=cap, **kw))  # fmt: skip
+            step = StepTables(**step_tables_fused(*args, **kw))
         else:
-            conforming = None if self.forms == ANY_FORMS else conforming_blocks(block_table, k_index, v_index,
-                                                                                self.forms)  # fmt: skip
-            step = step_tables(block_table, seq_lens, self.block_size, self.fold, sets, conforming=conforming, **kw)
-            if dynamic:
-                step.shared_splits = split_limits(step.shared_lens, self.splits_by_sets, self.shared_plan.num_splits)
+            step = step_tables_pytorch(*args, **kw)
         step.fold_requests = self.fold_requests(step.members)
         return step
 

@@ -5,9 +5,9 @@ benchmark's shape on an H200 they took 267.7 us a decode step under a CUDA graph
 (``bench_decode_shared_parts_s44_h200.log``), 2% of a regime-1 step. Here the same tables come from
 two passes of a CTA per request (its group's leader and common blocks, then the blocks it would
 give the shared pass), one CTA for the column sets, and a CTA per output row for the stable
-compactions into the shared and own tables: four launches and four fills. The PyTorch function
-stays: it runs off the GPU, and it is the oracle of the tests (Triton's interpreter runs these
-kernels on the CPU).
+compactions into the shared and own tables: four launches and four fills. The PyTorch form
+(:func:`.decode_shared.step_tables_pytorch`) stays: it runs off the GPU, and it is the oracle of the
+tests (Triton's interpreter runs these kernels on the CPU).
 """
 
 from __future__ import annotations
@@ -190,11 +190,11 @@ def step_tables_fused(block_table: torch.Tensor, seq_lens: torch.Tensor, block_s
                       k_index: torch.Tensor | None = None, v_index: torch.Tensor | None = None,
                       lone_min_blocks: int | None = None, splits_by_sets: torch.Tensor | None = None,
                       split_cap: int = 1) -> dict[str, torch.Tensor]:  # fmt: skip
-    """:func:`.decode_shared.step_tables` (with ``conforming_blocks(block_table, k_index, v_index,
-    forms)`` and, given ``splits_by_sets``, :func:`.decode_shared.split_limits` at ``split_cap``) in four
-    Triton launches: the fields of the same :class:`.decode_shared.StepTables`, entry for entry (a dict:
-    this module does not import ``decode_shared``, which imports it). ``k_index`` and ``v_index``
-    (``[Hkv, n_virtual]``) are needed unless ``forms`` is every form."""
+    """:func:`.decode_shared.step_tables_pytorch` (:func:`.decode_shared.step_tables` over the blocks of
+    ``forms``, with :func:`.decode_shared.split_limits` given ``splits_by_sets``) in four Triton
+    launches: the fields of the same :class:`.decode_shared.StepTables`, entry for entry (a dict: this
+    module does not import ``decode_shared``, which imports it). ``k_index`` and ``v_index`` (``[Hkv,
+    n_virtual]``) are needed unless ``forms`` is every form."""
     bs, width = block_table.shape
     device = block_table.device
     codes = tuple(FORM_CODES[form] for form in forms)

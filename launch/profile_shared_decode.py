@@ -29,10 +29,7 @@ import torch
 
 from sglang_hs.kernels.cases import flashinfer_decode, make_case, paged_dense, run_args, share_prefixes
 from sglang_hs.kernels.decode import HieraSparseDecode
-from sglang_hs.kernels.decode_shared import (
-    LONE_MIN_BLOCKS, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode, conforming_blocks, shared_heads, split_limits,
-    step_tables,
-)
+from sglang_hs.kernels.decode_shared import LONE_MIN_BLOCKS, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode, shared_heads
 from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
 from sglang_hs.kernels.timing import time_graphs
 
@@ -46,15 +43,6 @@ def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_bloc
     plan = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
                             forms=FORMS, p_buffers=p_buffers)  # fmt: skip
     return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True)
-
-
-def _torch_step_tables(plan: SharedPrefixDecode, bt, sl, ki, vi):
-    """``plan.plan_step``'s tables in their PyTorch form (what the GPU ran before the Triton kernels)."""
-    sets = plan.sets_for(bt.shape[0])
-    step = step_tables(bt, sl, 64, plan.fold, sets, min_own_blocks=1, lone_min_blocks=LONE_MIN_BLOCKS,
-                       conforming=conforming_blocks(bt, ki, vi, plan.forms))  # fmt: skip
-    step.shared_splits = split_limits(step.shared_lens, plan.splits_by_sets, plan.shared_plan.num_splits)
-    return step
 
 
 def _case(dtype: torch.dtype, max_blocks: int | None, seed: int):
@@ -81,7 +69,7 @@ def benchmark_shape() -> dict:
         "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True),
         "query fold": lambda: plan.fold_queries(q, step.members[:sets], step.fold_requests[:sets]),
         "step tables": lambda: plan.plan_step(bt, sl, ki, vi, min_own_blocks=1),
-        "step tables, PyTorch form": lambda: _torch_step_tables(plan, bt, sl, ki, vi),
+        "step tables, PyTorch form": lambda: plan.plan_step(bt, sl, ki, vi, pytorch=True, min_own_blocks=1),
     }  # fmt: skip
     for splits in (2, 4, 8, 16):
         fns[f"shared pass ({splits} splits)"] = _shared_pass_at(splits, folded, kv, table, lens, scale,

@@ -468,21 +468,21 @@ def _random_batch(seed: int, bs: int, width: int, groups: int, heads: int = 2, n
 
 
 def _fused_tables_match(device: str, cases_: list[tuple]) -> int:
-    """Compare ``step_tables_fused`` with ``step_tables`` (+ ``conforming_blocks``, ``split_limits``) entry
-    for entry over ``cases_`` of ``(seed, bs, width, groups, fold, max_sets, forms, lone, min_own)``;
-    returns how many requests were in column sets (the cases must form some)."""
-    from sglang_hs.kernels.decode_shared import split_limits
+    """Compare ``step_tables_fused`` with its PyTorch form (``step_tables_pytorch``: ``step_tables``,
+    ``conforming_blocks``, ``split_limits``) entry for entry over ``cases_`` of ``(seed, bs, width,
+    groups, fold, max_sets, forms, lone, min_own)``; returns how many requests were in column sets (the
+    cases must form some)."""
+    from sglang_hs.kernels.decode_shared import step_tables_pytorch
     from sglang_hs.kernels.decode_shared_tables import step_tables_fused
 
     grouped = 0
     for seed, bs, width, groups, fold, max_sets, forms, lone, min_own in cases_:
         table, lens, k_index, v_index = _random_batch(seed, bs, width, groups, device=device)
-        want = step_tables(table, lens, 4, fold, max_sets, min_own_blocks=min_own, lone_min_blocks=lone,
-                           conforming=conforming_blocks(table, k_index, v_index, forms))  # fmt: skip
         by_sets = (torch.arange(max_sets + 1, dtype=torch.int32, device=device) % 5 + 1)
-        want.shared_splits = split_limits(want.shared_lens, by_sets, 3)
-        got = step_tables_fused(table, lens, 4, fold, max_sets, min_own_blocks=min_own, forms=forms, k_index=k_index,
-                                v_index=v_index, lone_min_blocks=lone, splits_by_sets=by_sets, split_cap=3)  # fmt: skip
+        args = (table, lens, 4, fold, max_sets)
+        kw = dict(min_own_blocks=min_own, forms=forms, k_index=k_index, v_index=v_index, lone_min_blocks=lone,
+                  splits_by_sets=by_sets, split_cap=3)
+        want, got = step_tables_pytorch(*args, **kw), step_tables_fused(*args, **kw)
         for name in ("members", "shared_table", "shared_lens", "own_table", "own_lens", "pick", "shared_splits"):
             a, b = getattr(want, name), got[name]
             assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), (name, seed, bs, fold, forms)
