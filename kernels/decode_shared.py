@@ -60,7 +60,8 @@ OWN_SPLIT_DIVISOR = 4
 16 requests of 32K on 132 SMs). Session 34 measured this rule when the fold was 4; from session 42 the
 n64 shared pass folds 16 requests, and planning for ``ceil(bs / fold)`` gave the own pass 32 splits at
 16 requests: 4,096 CTAs, most of them past their request's few blocks (the own pass alone took 27-43
-us a layer on an H200, ``bench_decode_shared_parts_s44_h200.log``)."""
+us a layer on an H200, ``bench_decode_shared_parts_s44_h200.log``); at this divisor the whole call
+took 6.4-8.5 us less than at 16 over six batches of uneven groups (``bench_decode_shared_splits_s45_h200.log``)."""
 LONE_MIN_BLOCKS = 64
 """A request alone on its prefix joins the shared pass as a set of one from this many blocks to share
 (4K tokens at 64-token blocks; :func:`step_tables`' ``lone_min_blocks``). A set of one costs a set row
@@ -330,24 +331,19 @@ class SharedPrefixDecode:
     ``overlap``: the own pass runs on a side stream (joined before the merge, and captured with the
     step by a CUDA graph), so its CTAs fill the SMs the shared pass leaves idle instead of starting
     after it (GPU plans only; 243.5 against 253.5 us a layer at 16 requests over 5 prefixes on an
-    H200, ``bench_decode_shared_overlap_s42_h200.log``). ``shared_pass_first`` (an experiment for
-    ``profile_shared_decode --splits``): the shared pass is enqueued before the own pass, so that its
-    CTAs, the call's critical path, take the SMs first and the own pass's fill the slots left (at 3
-    sets, 8 splits, two CTAs an SM: 72 of 264); by default the own pass goes first.
-    ``own_split_divisor``: see :meth:`own_pass_long_requests`.
+    H200, ``bench_decode_shared_overlap_s42_h200.log``; enqueuing the shared pass first instead made
+    no measurable difference, ``bench_decode_shared_splits_s45_h200.log``).
     ``plans`` (tests): a ``(shared, own[, per_request])`` tuple of objects with ``HieraSparseDecode.run``'s
     signature (``return_lse`` and ``split_limit`` included) to use instead of building the kernels (the
     per-request one defaults to the own one); the merge then runs in PyTorch."""
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None,
-                 shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, overlap: bool = True,
-                 shared_pass_first: bool = False, own_split_divisor: int = OWN_SPLIT_DIVISOR):  # fmt: skip
+                 shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, overlap: bool = True):  # fmt: skip
         self.q_heads, self.kv_heads, self.head_dim, self.block_size = q_heads, kv_heads, head_dim, block_size
         self.group = q_heads // kv_heads
         self.fold = fold_of(q_heads, kv_heads)
         self.max_sets = max_sets or max(1, batch_size // 2)
-        self.own_split_divisor = own_split_divisor
         # The query head each folded head reads (h * G + g), for fold_queries' gather.
         heads = torch.arange(q_heads, device=device).view(kv_heads, 1, self.group)
         self.fold_heads = heads.expand(kv_heads, self.fold, self.group).reshape(-1)
@@ -371,7 +367,6 @@ class SharedPrefixDecode:
             if torch.device(device).type == "cuda":  # off the GPU (tests) the merge runs in PyTorch
                 self.merge_kernel = _merge_kernel_factory()
         self.own_stream = torch.cuda.Stream(device) if overlap and self.merge_kernel is not None else None
-        self.shared_pass_first = shared_pass_first
         self.shared_plan, self.own_plan = plans[:2]
         self.per_request_plan = plans[2] if len(plans) > 2 else self.own_plan
         # Split count by the number of sets with blocks to share (index 0..max_sets), on the device.
@@ -385,10 +380,10 @@ class SharedPrefixDecode:
         """The requests the own pass's split count is planned for, in a call of ``bs``: most of them read
         only a short tail there, a few (those no column set took) their whole prefix. Planning for all
         ``bs`` gave those few the splits of a full batch (2 at 16 requests of 32K: 265 blocks walked by
-        one CTA, longer than the whole shared pass); planning for ``ceil(bs / own_split_divisor)``
+        one CTA, longer than the whole shared pass); planning for ``ceil(bs / OWN_SPLIT_DIVISOR)``
         (:data:`OWN_SPLIT_DIVISOR`) gives them more, and a batch where every request is long still fills
         the GPU in whole waves."""
-        return max(1, -(-bs // self.own_split_divisor))
+        return max(1, -(-bs // OWN_SPLIT_DIVISOR))
 
     def sets_for(self, bs: int) -> int:
         """Column sets a call of ``bs`` requests can have: a group of ``s >= 2`` members makes at most
@@ -477,13 +472,10 @@ class SharedPrefixDecode:
         else:  # the own pass beside the shared pass, on a side stream; its output allocated here
             main, out_o = torch.cuda.current_stream(), torch.empty_like(q)
             self.own_stream.wait_stream(main)
-            if self.shared_pass_first:
-                out_s, lse_s = shared_pass()
             with torch.cuda.stream(self.own_stream):
                 out_o, lse_o = self.own_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale, out=out_o,
                                                  return_lse=True)  # fmt: skip
-            if not self.shared_pass_first:
-                out_s, lse_s = shared_pass()
+            out_s, lse_s = shared_pass()
             main.wait_stream(self.own_stream)
         if self.merge_kernel is None:
             pick = step.pick.long()

@@ -113,27 +113,24 @@ def default_stages(tile: str) -> int:
 
 
 def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, k_sparse: bool = True,
-               forms: tuple[str, str] = ANY_FORMS, p_buffers: int = 1) -> int:
+               forms: tuple[str, str] = ANY_FORMS) -> int:
     """Shared memory of one CTA (bytes), an upper bound of the kernel's buffers (``forms``: the block
     forms its stages hold, as :class:`~sglang_hs.kernels.extend_common.ExtendParts` takes them)."""
     n, threads = TILES[tile]
     k_stage = stage_form_bytes(forms[0] if k_sparse else "dense", block_size, head_dim)
     v_stage = stage_form_bytes(forms[1], block_size, head_dim)
     maps = 3 * 2 * resolve_chunk(tile) * 4
-    other = n * head_dim * 2 + p_buffers * block_size * n * 2 + maps + 3 * n * 4 + threads * 4 + 1024  # Q, P, maps
+    other = n * head_dim * 2 + block_size * n * 2 + maps + 3 * n * 4 + threads * 4 + 1024  # Q, P, maps, stats
     return stages * (k_stage + v_stage) + other
 
 
 def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64,
                            dtype: str = "float16", tile: str = "n128", stages: int = 2, k_sparse: bool = True,
-                           forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False,
-                           p_buffers: int = 1):  # fmt: skip
+                           forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False):  # fmt: skip
     """The TileLang ``prim_func`` of one configuration (every batch dimension is dynamic).
     ``dynamic_splits``: request ``r`` uses ``qo_indptr[bs + 1 + r]`` (at most the grid's) splits and the
     CTAs of the others exit at once; tile ids go in ascending order (shared-prefix decode's shared pass:
-    its live column sets come first, and how many there are is known only on the GPU).
-    ``p_buffers=2`` (n64 at two stages; an experiment for the shared pass): two P^T buffers, so a block
-    step meets one warpgroup barrier fewer (``ExtendParts``)."""
+    its live column sets come first, and how many there are is known only on the GPU)."""
     if stages not in STAGES[tile]:
         raise ValueError(f"tile {tile!r} builds with stages in {STAGES[tile]}, got {stages}")
     from sglang_hs.kernels.extend_common import ExtendParts
@@ -143,27 +140,26 @@ def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     else:
         from sglang_hs.kernels.extend_producer import ProducerSchedule as Schedule
     parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, producer=tile == "n128",
-                        forms=tuple(forms), dynamic_splits=dynamic_splits, p_buffers=p_buffers)
+                        forms=tuple(forms), dynamic_splits=dynamic_splits)
     return parts.prim_func(Schedule(parts))
 
 
 def extend_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
-                       k_sparse=True, forms=ANY_FORMS, dynamic_splits=False, p_buffers=1) -> tuple:  # fmt: skip
-    """The arguments that key an extend kernel in TileLang's cache (and a compile job): ``forms``,
-    ``dynamic_splits`` and ``p_buffers`` up to the last that is not its default (so the other kernels
-    keep their keys)."""
-    extra = (tuple(forms), dynamic_splits, p_buffers)
-    defaults = (ANY_FORMS, False, 1)
+                       k_sparse=True, forms=ANY_FORMS, dynamic_splits=False) -> tuple:  # fmt: skip
+    """The arguments that key an extend kernel in TileLang's cache (and a compile job): ``forms`` and
+    ``dynamic_splits`` up to the last that is not its default (so the other kernels keep their keys)."""
+    extra = (tuple(forms), dynamic_splits)
+    defaults = (ANY_FORMS, False)
     kept = max((i + 1 for i in range(len(extra)) if extra[i] != defaults[i]), default=0)
     return (q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse) + extra[:kept]
 
 
 @functools.lru_cache(maxsize=None)
 def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
-                        k_sparse=True, forms=ANY_FORMS, dynamic_splits=False, p_buffers=1, target=None):
+                        k_sparse=True, forms=ANY_FORMS, dynamic_splits=False, target=None):
     """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU."""
     args = extend_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, forms,
-                              dynamic_splits, p_buffers)  # fmt: skip
+                              dynamic_splits)  # fmt: skip
     # Traces tell the shared-prefix decode's shared pass (the dynamic-splits variant) from prefill.
     return compile_cached("extend", args, lambda: build_extend_prim_func(*args), EXTEND_PASS_CONFIGS, target,
                           name="hs_extend_shared" if dynamic_splits else None)
@@ -218,8 +214,7 @@ class HieraSparseExtend:
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, tile: str = "auto", stages: int | None = None,
-                 num_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False,
-                 p_buffers: int = 1):
+                 num_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         if dynamic_splits and num_splits is None:
             raise ValueError("dynamic splits need num_splits, the grid's split count")
@@ -235,7 +230,7 @@ class HieraSparseExtend:
         self.block_size, self.max_blocks, self.group = block_size, max_blocks, group
         self.dtype, self.device = dtype, torch.device(device)
         self.tile, self.stages, self.num_splits, self.forms = tile, stages, num_splits, tuple(forms)
-        self.dynamic_splits, self.p_buffers = dynamic_splits, p_buffers
+        self.dynamic_splits = dynamic_splits
         self._dt = "float16" if dtype == torch.float16 else "bfloat16"
         self._sms = None
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -262,7 +257,7 @@ class HieraSparseExtend:
         """``(kernel, stages)`` of a call's configuration."""
         stages = self.stages or default_stages(tile)
         k = build_extend_kernel(self.q_heads, self.kv_heads, self.head_dim, self.block_size, self._dt, tile, stages,
-                                k_sparse, self.forms, self.dynamic_splits, self.p_buffers)
+                                k_sparse, self.forms, self.dynamic_splits)
         return k, stages
 
     def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int) -> int:

@@ -113,7 +113,7 @@ class ExtendParts:
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, tile: str,
                  stages: int, k_sparse: bool, producer: bool, forms: tuple[str, str] = ANY_FORMS,
-                 dynamic_splits: bool = False, p_buffers: int = 1):
+                 dynamic_splits: bool = False):
         import tilelang.language as T
 
         self.T = T
@@ -132,10 +132,6 @@ class ExtendParts:
         assert forms[0] in KV_FORMS and forms[1] in KV_FORMS and (k_sparse or forms[0] != "sparse")
         self.k_form, self.v_form = ("dense" if not k_sparse else forms[0]), forms[1]
         self.dynamic_splits = dynamic_splits
-        # P^T buffers: with two (the n64 schedule at two stages), block j's P^T goes to buffer j % 2 while
-        # the O^T GEMM of block j - 1 reads the other, so the step needs no barrier before writing it.
-        assert p_buffers == 1 or (p_buffers == 2 and not producer and stages == 2)
-        self.p_buffers = p_buffers
         self.TQ = N // G  # query tokens per tile
         self.HALF, self.RB = HALF, RB
         self.accum = "float32"
@@ -339,14 +335,12 @@ class ExtendParts:
                     row_sums[i, c] = row_sums[i, c] + sT[i, c]
 
         @T.macro
-        def block_step(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, mode, j, Q_s, P_read, P_write,
-                       stage, sm, pingpong, war):
+        def block_step(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, mode, j, Q_s, P_s, stage,
+                       sm, pingpong):
             # Block step j (FA3's intra-warpgroup overlap): issue S^T(j), then O^T += V^T·P^T of block
-            # j - 1 (P^T(j - 1) is in P_read, its mode in pending_mode, its V in this stage), and wait for
+            # j - 1 (P^T(j - 1) is in P_s, its mode in pending_mode, its V in this stage), and wait for
             # S^T only, so that the O^T GEMM runs under block j's softmax. Then the O^T GEMM is waited
-            # for, the stage released, and P^T(j) written to P_write: with one buffer (war) once every
-            # warp's GEMM has read it; with two, P_write was last read by block j - 2's GEMM, which
-            # every warp waited for before the last step's closing barrier.
+            # for, the stage released, and P^T(j) written once every warp's GEMM has read P_s.
             # pingpong (FA3's ping-pong of two consumer warpgroups): warpgroup wg issues its GEMMs on its
             # turn (named barrier 10 + wg) and hands the turn to the other once its S^T is ready, so that
             # one warpgroup's softmax runs while the other's GEMMs have the tensor cores.
@@ -354,20 +348,19 @@ class ExtendParts:
                 T.sync_threads(10 + T.get_thread_binding() // 128, 256)
             gemm_s(mode, Q_s, stage, sm.sT)
             if j >= 1:
-                gemm_o(sm.pending_mode[0] >> 2, P_read, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                gemm_o(sm.pending_mode[0] >> 2, P_s, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)
                 T.wait_wgmma(1)
             else:
                 T.wait_wgmma(0)
             if pingpong:
                 T.named_barrier_arrive(11 - T.get_thread_binding() // 128, 256)
-            softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_write, sm)
+            softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_s, sm)
             T.wait_wgmma(0)
             T.sync_warp()
             if T.get_thread_binding() % 32 == 0:
                 T.barrier_arrive(stage.empty)  # this warp's GEMMs on the stage are complete
-            if war:
-                group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_write
-            T.copy(sm.sT, P_write)
+            group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_s
+            T.copy(sm.sT, P_s)
             T.fence_proxy_async()  # TileLang issue #2634: P^T's generic writes before a (sparse) wgmma reads it
             group_barrier()
             sm.pending_mode[0] = mode
@@ -380,11 +373,10 @@ class ExtendParts:
                     T.barrier_wait(stage.full, num_blocks // stages % 2)
                     gemm_o(sm.pending_mode[0] >> 2, P_s, stage, sm.oT, T.gemm, T.gemm_sp)
 
-        def final_gemms(tile, P, ring_stages, sm):
-            # Plain Python: final_gemm_if for each stage (the one that holds the last item runs); with two
-            # P^T buffers the last block's is the one before that stage's.
+        def final_gemms(tile, P_s, ring_stages, sm):
+            # Plain Python: final_gemm_if for each stage (the one that holds the last item runs).
             for s in range(stages):
-                final_gemm_if(tile.num_blocks, s, P[(s - 1) % len(P)], ring_stages[s], sm)
+                final_gemm_if(tile.num_blocks, s, P_s, ring_stages[s], sm)
 
         @T.macro
         def init_fragments(oT, row_sums, offsets):
@@ -559,11 +551,6 @@ class ExtendParts:
                 tile_id = bx if dynamic else num_tiles - 1 - bx
                 Q_s = T.alloc_shared([N, D], dtype)
                 P_s = T.alloc_shared([B, N], dtype)  # S^T (for the column max), then P^T (GEMM2's B)
-                if parts.p_buffers == 2:
-                    P_s2 = T.alloc_shared([B, N], dtype)
-                    P = (P_s, P_s2)
-                else:
-                    P = (P_s,)
                 ring_mode = T.alloc_shared([RB], "int32")
                 ring_k_row = T.alloc_shared([RB], "int32")
                 ring_v_row = T.alloc_shared([RB], "int32")
@@ -649,6 +636,6 @@ class ExtendParts:
                     src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
                     outputs = Outputs(column_sh, weight_sh, ticket_sh, row_sum, merge_stat, out, lse, o_part, lse_part,
                                       tickets)
-                    schedule.block_loop(tile, Q_s, P, ring, ring_stages, src, sm, outputs)
+                    schedule.block_loop(tile, Q_s, P_s, ring, ring_stages, src, sm, outputs)
 
         return main

@@ -62,7 +62,7 @@ class OverlapSchedule:
 
         @T.macro
         def step(j, parity, empty_parity, num_blocks, request, first_block, first_masked, last_pos, tile_tokens,
-                 scale_log2, h, ring, Q_s, P_read, P_write, war, stage, refill, src, sm, entries):
+                 scale_log2, h, ring, Q_s, P_s, stage, refill, src, sm, entries):
             if j < num_blocks:
                 if j % HALF == 0:
                     # The ring half resolved below was last read at step j - HALF - 1 or before: the first
@@ -82,30 +82,28 @@ class OverlapSchedule:
                         parts.issuer_arrive(refill.full)
                 T.barrier_wait(stage.full, parity)
                 parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
-                                 ring.mode[j % RB], j, Q_s, P_read, P_write, stage, sm, False, war)
+                                 ring.mode[j % RB], j, Q_s, P_s, stage, sm, False)
 
         # Plain Python (not parsed by TileLang): the stage ring unrolled.
         def issue_prologue(tile, ring, ring_stages, src):
             for s in range(AHEAD):
                 guarded_issue(s, tile.num_blocks, tile.h, ring, ring_stages[s], src)
 
-        def ring_steps(it, tile, ring, Q_s, P, ring_stages, src, sm):
+        def ring_steps(it, tile, ring, Q_s, P_s, ring_stages, src, sm):
             for s in range(stages):
                 # Step j = it * stages + s refills the stage of item j + AHEAD - stages: the release of that
-                # item is completion it - 1 + (s + AHEAD) // stages of the stage's empty barrier. With two
-                # P^T buffers (two stages: j % 2 == s) step j writes buffer s and reads the other.
+                # item is completion it - 1 + (s + AHEAD) // stages of the stage's empty barrier.
                 step(it * stages + s, it & 1, (it + 1 + (s + AHEAD) // stages) & 1, tile.num_blocks, tile.request,
                      tile.first_block, tile.first_masked, tile.last_pos, tile.tile_tokens, tile.scale_log2, tile.h,
-                     ring, Q_s, P[(s - 1) % len(P)], P[s % len(P)], len(P) == 1, ring_stages[s],
-                     ring_stages[(s + AHEAD) % stages], src, sm, self.entries)  # fmt: skip
+                     ring, Q_s, P_s, ring_stages[s], ring_stages[(s + AHEAD) % stages], src, sm, self.entries)
 
         @T.macro
-        def block_loop(tile, Q_s, P, ring, ring_stages, src, sm, outputs):
+        def block_loop(tile, Q_s, P_s, ring, ring_stages, src, sm, outputs):
             issue_prologue(tile, ring, ring_stages, src)
             fetch_entries(AHEAD, ring, self.entries)
             for it in T.serial(T.ceildiv(tile.num_blocks, stages)):
-                ring_steps(it, tile, ring, Q_s, P, ring_stages, src, sm)
-            parts.final_gemms(tile, P, ring_stages, sm)
+                ring_steps(it, tile, ring, Q_s, P_s, ring_stages, src, sm)
+            parts.final_gemms(tile, P_s, ring_stages, sm)
             parts.consumer_sync()
             parts.write_output(tile, sm, outputs)
 

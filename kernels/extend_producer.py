@@ -62,7 +62,7 @@ class ProducerSchedule:
             if j < num_blocks:
                 T.barrier_wait(stage.full, parity)
                 parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
-                                 ring.mode[j % RB], j, Q_s, P_s, P_s, stage, sm, True, True)
+                                 ring.mode[j % RB], j, Q_s, P_s, stage, sm, True)
 
         # Plain Python (not parsed by TileLang): the stage ring unrolled.
         def produce_items(it, tile, ring, ring_stages, src):
@@ -71,13 +71,13 @@ class ProducerSchedule:
                 produce_item(it * stages + s, (it + 1) & 1, tile.num_blocks, tile.request, tile.first_block, tile.h,
                              ring, ring_stages[s], src)
 
-        def ring_steps(it, tile, ring, Q_s, P, ring_stages, sm):
+        def ring_steps(it, tile, ring, Q_s, P_s, ring_stages, sm):
             for s in range(stages):
                 step(it * stages + s, it & 1, tile.num_blocks, tile.first_block, tile.first_masked, tile.last_pos,
-                     tile.tile_tokens, tile.scale_log2, ring, Q_s, P[0], ring_stages[s], sm)
+                     tile.tile_tokens, tile.scale_log2, ring, Q_s, P_s, ring_stages[s], sm)
 
         @T.macro
-        def block_loop(tile, Q_s, P, ring, ring_stages, src, sm, outputs):
+        def block_loop(tile, Q_s, P_s, ring, ring_stages, src, sm, outputs):
             tid = T.get_thread_binding()
             if tid >= threads:
                 T.set_max_nreg(REGISTERS[0], 0)
@@ -90,8 +90,8 @@ class ProducerSchedule:
                     if tile.num_blocks >= 1:
                         T.named_barrier_arrive(10, 256)  # warpgroup 0 takes the first turn
                 for it in T.serial(T.ceildiv(tile.num_blocks, stages)):
-                    ring_steps(it, tile, ring, Q_s, P, ring_stages, sm)
-                parts.final_gemms(tile, P, ring_stages, sm)
+                    ring_steps(it, tile, ring, Q_s, P_s, ring_stages, sm)
+                parts.final_gemms(tile, P_s, ring_stages, sm)
                 if tid < 128:
                     if tile.num_blocks >= 1:
                         T.sync_threads(10, 256)  # warpgroup 1's last hand-over: no arrival left pending

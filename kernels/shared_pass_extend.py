@@ -28,13 +28,12 @@ threads; the shared pass's kernel), so shared memory that would fit a third CTA 
 does not decide."""
 
 
-def ctas_per_sm_n64(head_dim: int, block_size: int, forms: tuple[str, str], p_buffers: int = 1) -> int:
+def ctas_per_sm_n64(head_dim: int, block_size: int, forms: tuple[str, str]) -> int:
     """CTAs of the extend kernel's n64 tile an SM holds: by shared memory, at most
     :data:`N64_REGISTER_CTAS`."""
     from sglang_hs.kernels.extend import default_stages, smem_bytes
 
-    per_cta = smem_bytes("n64", head_dim, block_size, default_stages("n64"), forms[0] != "dense", forms,
-                         p_buffers) + 1024  # fmt: skip
+    per_cta = smem_bytes("n64", head_dim, block_size, default_stages("n64"), forms[0] != "dense", forms) + 1024
     return max(1, min(SMEM_PER_SM // per_cta, N64_REGISTER_CTAS))
 
 
@@ -59,20 +58,18 @@ class ExtendSharedPass:
     forms of the shared blocks (the plan's; 2:4 K and V only at S_K = S_V = 1: 65 KB of shared memory a
     CTA instead of 131, so two CTAs an SM instead of one; its 246 registers a thread allow no third:
     capping them for three spilled and was slower, and a third stage was no faster,
-    ``docs/kernels.md``). ``p_buffers=2``: an experiment for ``profile_shared_decode --splits``, two
-    P^T buffers and one warpgroup barrier fewer a block step (8 KB more a CTA, still two an SM)."""
+    ``docs/kernels.md``)."""
 
     def __init__(self, max_sets: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, num_splits: int = SHARED_SPLITS,
-                 forms: tuple[str, str] = ANY_FORMS, p_buffers: int = 1):  # fmt: skip
+                 forms: tuple[str, str] = ANY_FORMS):  # fmt: skip
         from sglang_hs.kernels.extend import HieraSparseExtend
 
         self.extend = HieraSparseExtend(heads, kv_heads, head_dim, block_size, max_blocks, dtype, device, tile="n64",
-                                        num_splits=num_splits, forms=forms, dynamic_splits=True,
-                                        p_buffers=p_buffers)  # fmt: skip
+                                        num_splits=num_splits, forms=forms, dynamic_splits=True)  # fmt: skip
         self.extend.reserve(max_sets, max_sets, num_splits, "n64")
         self.num_splits, self.kv_heads = num_splits, kv_heads
-        self.ctas_per_sm = ctas_per_sm_n64(head_dim, block_size, forms, p_buffers)
+        self.ctas_per_sm = ctas_per_sm_n64(head_dim, block_size, forms)
         self.indptr = torch.arange(max_sets + 1, dtype=torch.int32, device=device)  # one query token a set
         self.batch_size = max_sets
         self.captured = False

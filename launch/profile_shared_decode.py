@@ -14,10 +14,8 @@ long prompts prefill), with the shared pass also at 2, 4, 8 and 16 splits; ``--c
 requests whose prefixes keep a dense window after every 8K chunk, as a prefix cached by chunked prefill
 does; ``--splits``: uneven groups with requests alone on their prefix (16 and 32 requests), the whole
 call at the plan's split counts and with every set at a fixed count, lone requests as column sets or in
-the own pass, the own pass after the shared pass instead of beside it, or beside it but enqueued after
-it (the ``shared_pass_first`` experiment), the own pass with session 44's split count (planned for
-``ceil(bs / 16)`` requests), and the shared pass alone at fixed split counts, with one and with two
-P^T buffers (the ``p_buffers`` experiment); ``--ncu``: eager launches
+the own pass, the own pass after the shared pass instead of beside it, and the shared pass alone at fixed split
+counts; ``--ncu``: eager launches
 of the shared pass and of the own pass for Nsight Compute (``ncu -k regex:hs_extend_shared --section
 WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
 """
@@ -36,12 +34,11 @@ from sglang_hs.kernels.timing import time_graphs
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
 
 
-def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int, p_buffers: int = 1):
-    """The shared pass alone with every live set at ``splits`` splits (a plan of its own; the same kernel,
-    or with ``p_buffers`` P^T buffers)."""
+def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int):
+    """The shared pass alone with every live set at ``splits`` splits (a plan of its own, the same kernel)."""
     sets = folded.shape[0]
     plan = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
-                            forms=FORMS, p_buffers=p_buffers)  # fmt: skip
+                            forms=FORMS)  # fmt: skip
     return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True)
 
 
@@ -191,10 +188,6 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
                                         shared_splits=splits)
              for splits in splits_options}  # fmt: skip
     after = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS, overlap=False)
-    shared_first = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS,
-                                      shared_pass_first=True)  # fmt: skip
-    by_fold = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS,
-                                 own_split_divisor=16)  # session 44's own-pass splits (32 at 16 requests)
     base = _server_case(max(len(sizes) for sizes in group_sizes))
     paged = paged_dense(base)
     for sizes in group_sizes:
@@ -213,10 +206,6 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
                     lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
         step = after.plan_step(bt, sl, ki, vi, min_own_blocks=1)
         fns["lone as sets, plan splits, own pass after"] = lambda step=step, q=q, kv=kv: after.run(q, *kv, step, scale)
-        fns["lone as sets, plan splits, shared pass enqueued first"] = (
-            lambda step=step, q=q, kv=kv: shared_first.run(q, *kv, step, scale))
-        fns["lone as sets, plan splits, own pass split for ceil(bs / 16) requests"] = (
-            lambda step=step, q=q, kv=kv: by_fold.run(q, *kv, step, scale))
         # The parts: the own pass alone, the query fold, the shared pass alone at the plan's split counts
         # and at fixed counts.
         sets = after.sets_for(bs)
@@ -229,10 +218,8 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
             folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True,
             split_limit=step.shared_splits[:sets])
         for splits in (8, 11, 16):
-            for p_buffers in (1, 2):
-                fns[f"shared pass alone, {splits} splits" + (", two P^T buffers" if p_buffers == 2 else "")] = (
-                    _shared_pass_at(splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale,
-                                    SERVER_WIDTH, p_buffers))  # fmt: skip
+            fns[f"shared pass alone, {splits} splits"] = _shared_pass_at(
+                splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale, SERVER_WIDTH)
         yield f"groups {'/'.join(map(str, sizes))}, {bs} requests ({'; '.join(notes)})", fns
 
 

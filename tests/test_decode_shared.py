@@ -687,7 +687,8 @@ def test_fused_step_tables_match_on_the_gpu():
     """The Triton step tables, compiled for the GPU, equal the PyTorch ones (the same cases and more),
     also at a batch of 256 requests and a 600-block table, and replayed from a CUDA graph."""
     assert _fused_tables_match("cuda", _table_cases(200, seed=1)) > 300
-    assert _fused_tables_match("cuda", [(9, 256, 600, 6, 16, 128, ("sparse", "sparse"), 64, 1)]) > 100
+    # 68 of the 256 requests form sets here (groups of 6 prefixes cut at random columns, lone ones kept out)
+    assert _fused_tables_match("cuda", [(9, 256, 600, 6, 16, 128, ("sparse", "sparse"), 64, 1)]) > 32
     from sglang_hs.kernels.decode_shared_tables import step_tables_fused
 
     table, lens, k_index, v_index = _random_batch(3, 16, 130, 3, device="cuda")
@@ -697,50 +698,23 @@ def test_fused_step_tables_match_on_the_gpu():
 
 
 @pytest.mark.gpu
-def test_two_p_buffers_give_the_shared_pass_the_default_output():
-    """The ``p_buffers=2`` experiment (two P^T buffers, one barrier fewer a block step) gives the default
-    shared pass's output over the case's sets, bit for bit, at one and at several splits."""
-    from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
-
-    case = _case(32, 8, torch.bfloat16, "cuda", head_dim=128)
-    q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
-    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda",
-                              forms=("sparse", "sparse"))  # fmt: skip
-    step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
-    sets = plan.sets_for(q.shape[0])
-    folded = plan.fold_queries(q, step.members[:sets])
-    args = (folded, k_cache, v_cache, pools, k_index, v_index, step.shared_table[:sets], step.shared_lens[:sets], sm_scale)
-    live = step.shared_lens[:sets] > 0
-    assert bool(live.any())
-    for splits in (1, 4):
-        outs = []
-        for p_buffers in (1, 2):
-            shared = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda",
-                                      num_splits=splits, forms=("sparse", "sparse"), p_buffers=p_buffers)  # fmt: skip
-            out, lse = shared.run(*args, return_lse=True)
-            outs.append((out[live].clone(), lse[live].clone()))
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), splits
-
-
-@pytest.mark.gpu
 def test_the_own_pass_beside_the_shared_pass_matches_eager_and_in_a_cuda_graph():
-    """``overlap``: the own pass on a side stream, enqueued before or after the shared pass
-    (``shared_pass_first``), gives the output of the two passes in turn, bit for bit, eagerly and
+    """``overlap``: the own pass on a side stream gives the output of the two passes in turn, bit for bit, eagerly and
     replayed from a CUDA graph (the side stream joins the capture), with lone requests as column sets;
     and it equals the reference."""
     case = _case(32, 8, torch.float16, "cuda", head_dim=128)
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
     outs = []
-    for overlap, shared_first in ((False, False), (True, False), (True, True)):
+    for overlap in (False, True):
         plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.float16, "cuda",
-                                  overlap=overlap, shared_pass_first=shared_first)  # fmt: skip
+                                  overlap=overlap)  # fmt: skip
         assert (plan.own_stream is not None) == overlap
         step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
         run = lambda: plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)  # noqa: E731
         eager = run().clone()
         assert torch.equal(_replayed(run), eager)
         outs.append(eager)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], outs[1])
     ref, _ = _reference(case)
     assert float((outs[1].float().cpu() - ref.float()).abs().max() / ref.float().abs().max()) < 3e-3
 
