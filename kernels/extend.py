@@ -27,7 +27,8 @@ Design (and why)
 * **Two tiles** (``TILES``), picked per call by the average request's query columns
   (:meth:`HieraSparseExtend.pick_tile`): ``n64`` (one warpgroup) up to 64 columns a request, so that a
   short chunk does not leave half a tile empty; ``n128`` above (a producer warpgroup and two ping-pong
-  consumer warpgroups). Each tile has one schedule, described in its file.
+  consumer warpgroups). Each tile has one schedule, described in its file. A third, ``n32``
+  (``NARROW_TILES``: the n64 schedule at 32 columns), only shared-prefix decode's shared pass asks for.
 * **Per-block dispatch without losing the pipeline.** TileLang's ``T.Pipelined`` does not pipeline
   copies whose shape depends on a runtime branch, so the block loop is pipelined by hand over a ring
   of shared-memory stages with their own mbarriers. A stage item holds K of block j and V of block
@@ -97,13 +98,13 @@ from sglang_hs.kernels.common import (
     ANY_FORMS, PASS_CONFIGS, SMEM_PER_SM, PoolArgs, check_plan_shape, compile_cached, precompile_main, split_count,
     stage_form_bytes,
 )
-from sglang_hs.kernels.extend_common import TILES, resolve_chunk
+from sglang_hs.kernels.extend_common import TILE_SHAPES, TILES, resolve_chunk
 
 # Stage counts each tile builds, its default first. The n64 schedule refills the stage that item
 # j - 1 held with item j + 1; a third stage (two items of loads in flight) did not speed up
 # shared-prefix decode's shared pass (``docs/kernels.md``). The n128 producer refills any stage its
 # consumers released.
-STAGES = {"n64": (2,), "n128": (2, 3)}
+STAGES = {"n32": (2,), "n64": (2,), "n128": (2, 3)}
 # Fast math: exp2f becomes one MUFU.EX2.
 EXTEND_PASS_CONFIGS = {**PASS_CONFIGS, "tl.enable_fast_math": True}
 
@@ -116,7 +117,7 @@ def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, 
                forms: tuple[str, str] = ANY_FORMS) -> int:
     """Shared memory of one CTA (bytes), an upper bound of the kernel's buffers (``forms``: the block
     forms its stages hold, as :class:`~sglang_hs.kernels.extend_common.ExtendParts` takes them)."""
-    n, threads = TILES[tile]
+    n, threads = TILE_SHAPES[tile]
     k_stage = stage_form_bytes(forms[0] if k_sparse else "dense", block_size, head_dim)
     v_stage = stage_form_bytes(forms[1], block_size, head_dim)
     maps = 3 * 2 * resolve_chunk(tile) * 4
@@ -135,7 +136,7 @@ def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         raise ValueError(f"tile {tile!r} builds with stages in {STAGES[tile]}, got {stages}")
     from sglang_hs.kernels.extend_common import ExtendParts
 
-    if tile == "n64":
+    if tile in ("n32", "n64"):
         from sglang_hs.kernels.extend_overlap import OverlapSchedule as Schedule
     else:
         from sglang_hs.kernels.extend_producer import ProducerSchedule as Schedule
@@ -198,7 +199,7 @@ def choose_num_splits(tiles: int, kv_heads: int, blocks: int, num_sms: int, ctas
 class HieraSparseExtend:
     """Plan + run of the mixed dense/2:4-sparse extend kernel (see the module docstring).
 
-    ``tile``: ``"auto"`` (:meth:`pick_tile` per call) or a key of ``TILES``. ``stages``: pipeline depth
+    ``tile``: ``"auto"`` (:meth:`pick_tile` per call) or a key of ``TILE_SHAPES``. ``stages``: pipeline depth
     (default per tile, ``STAGES``). ``num_splits``: force a split count (else chosen per call from the
     shapes). ``max_blocks`` is only advisory (block tables of any width are accepted). Kernels are
     compiled, or loaded from TileLang's disk cache, on first use of a configuration (tile, stages,
@@ -221,8 +222,8 @@ class HieraSparseExtend:
         group = q_heads // kv_heads
         if group not in (1, 2, 4, 8, 16, 32, 64):  # 32 and 64: shared-prefix decode's folded column sets
             raise ValueError(f"GQA group {group} is not supported")
-        if tile != "auto" and tile not in TILES:
-            raise ValueError(f"tile must be 'auto' or one of {sorted(TILES)}")
+        if tile != "auto" and tile not in TILE_SHAPES:
+            raise ValueError(f"tile must be 'auto' or one of {sorted(TILE_SHAPES)}")
         for t in TILES if tile == "auto" else (tile,):
             if stages is not None and stages not in STAGES[t]:
                 raise ValueError(f"tile {t!r} builds with stages in {STAGES[t]}, got {stages}")
@@ -266,7 +267,7 @@ class HieraSparseExtend:
         if self._sms is None:
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         per_cta = smem_bytes(tile, self.head_dim, self.block_size, stages, k_sparse, self.forms) + 1024
-        ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 2048 // TILES[tile][1]))
+        ctas_per_sm = max(1, min(SMEM_PER_SM // per_cta, 2048 // TILE_SHAPES[tile][1]))
         return choose_num_splits(tiles, self.kv_heads, blocks, self._sms, ctas_per_sm)
 
     def reserve(self, total: int, batch: int, splits: int, tile: str) -> None:
@@ -274,7 +275,7 @@ class HieraSparseExtend:
         splits on ``tile``, so that it never moves under a CUDA graph captured later."""
         hq, d = self.q_heads, self.head_dim
         self._lse = self._grow(self._lse, max(total, 1) * hq)
-        self._cnt = self._grow(self._cnt, tile_count(total, batch, TILES[tile][0] // self.group) * self.kv_heads,
+        self._cnt = self._grow(self._cnt, tile_count(total, batch, TILE_SHAPES[tile][0] // self.group) * self.kv_heads,
                                zero=True)  # fmt: skip
         if splits > 1:
             self._op = self._grow(self._op, total * hq * splits * d)
@@ -330,7 +331,7 @@ class HieraSparseExtend:
         k_sparse = pools.k_values.numel() > 0
         tile = self.pick_tile(total, bs)
         kernel, stages = self.kernel(tile, k_sparse)
-        tq = TILES[tile][0] // self.group
+        tq = TILE_SHAPES[tile][0] // self.group
         nt = tile_count(total, bs, tq)
         s = self.splits(tile, stages, k_sparse, -(-total // tq), block_table.shape[1])
         self._cnt = self._grow(self._cnt, nt * self.kv_heads, zero=True)

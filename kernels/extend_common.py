@@ -19,13 +19,16 @@ from typing import NamedTuple
 
 from sglang_hs.kernels.common import ANY_FORMS, KV_FORMS, LN2, LOG2E, KvSources, Stage, tma_loads
 
-# name -> (N query columns per CTA, threads of the consumer warpgroups).
+# name -> (N query columns per CTA, threads of the consumer warpgroups): the tiles an extend call picks from.
 TILES = {"n64": (64, 128), "n128": (128, 256)}
+# The n64 schedule at 32 columns, for shared-prefix decode's shared pass only (never picked by a call).
+NARROW_TILES = {"n32": (32, 128)}
+TILE_SHAPES = {**NARROW_TILES, **TILES}
 
 
 def resolve_chunk(tile: str) -> int:
     """Blocks whose index entries one parallel pass resolves (one entry per thread, at most)."""
-    return TILES[tile][1] // 2
+    return TILE_SHAPES[tile][1] // 2
 
 
 # Any of a warpgroup's threads (a warpgroup barrier that also ORs a predicate: bar.red.or, PTX ISA).
@@ -118,7 +121,7 @@ class ExtendParts:
 
         self.T = T
         B, D = block_size, head_dim
-        N, threads = TILES[tile]
+        N, threads = TILE_SHAPES[tile]
         G = q_heads // kv_heads
         assert q_heads % kv_heads == 0 and N % G == 0, "GQA group must divide the tile's N"
         assert D % 32 == 0 and B % 32 == 0 and stages >= 2

@@ -42,7 +42,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
     """The kernels of one model shape (per tensor-parallel rank): the decode kernel (``decode``) and,
     with ``shared_decode_forms`` (the block forms of its shared pass, ``decode_shared.compressed_forms``),
     the shared-prefix decode's own-pass kernel (a split floor) and shared-pass kernels (the extend
-    kernel's n64 tile over 64 folded columns, for those forms: with 2:4 K rows for 2:4 K blocks,
+    kernel's ``SHARED_TILE`` over its folded columns, for those forms: with 2:4 K rows for 2:4 K blocks,
     without for dense K, else as ``extend_k_sparse`` lists, both when it is empty), the extend tiles, each with and
     without 2:4 K rows as ``extend_k_sparse`` lists (empty: none), the pack kernel (``compress``) and
     the loss kernels of ``loss_operands``. A GQA group the attention kernels do not take gets the
@@ -52,6 +52,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
     from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, fold_of, shared_heads, shared_pass_k_sparse
     from sglang_hs.kernels.extend import extend_kernel_args
     from sglang_hs.kernels.extend_common import TILES
+    from sglang_hs.kernels.shared_pass_extend import SHARED_TILE
 
     jobs: list[Job] = []
     if q_heads // kv_heads in KERNEL_GQA_GROUPS:
@@ -62,7 +63,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
                                                       min_split_blocks=OWN_MIN_SPLIT_BLOCKS)))  # fmt: skip
             k_sparse_options = shared_pass_k_sparse(shared_decode_forms[0], extend_k_sparse or (False, True))
             jobs += [("extend", extend_kernel_args(shared_heads(q_heads, kv_heads), kv_heads, head_dim, BLOCK_SIZE, dtype,
-                                                   "n64", _extend_stages("n64"), k_sparse, shared_decode_forms,
+                                                   SHARED_TILE, _extend_stages(SHARED_TILE), k_sparse, shared_decode_forms,
                                                    dynamic_splits=True))
                      for k_sparse in k_sparse_options]  # fmt: skip
         jobs += [("extend", extend_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, tile,

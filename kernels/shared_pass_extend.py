@@ -22,23 +22,28 @@ import torch
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import ANY_FORMS, SMEM_PER_SM
 
-N64_REGISTER_CTAS = 2
-"""CTAs of the n64 tile an SM's registers hold: ptxas gives it 246 registers a thread at d 128 (128
-threads; the shared pass's kernel), so shared memory that would fit a third CTA (2:4 K and V only)
-does not decide."""
+REGISTER_CTAS = {"n32": 3, "n64": 2}
+"""CTAs of a shared-pass tile an SM's registers hold: ptxas gives the shared pass's kernel (128
+threads, d 128, 2:4 K and V) 156 registers a thread at n32 and 246 at n64, so shared memory, which
+would fit more (2:4 K and V only), does not decide."""
+SHARED_PASS_TILES = tuple(REGISTER_CTAS)
+SHARED_TILE = "n64"
+"""The shared pass's tile: ``TILE_SHAPES[tile][0] // G`` requests a column set (16 at n64, G = 4)."""
 
 
-def ctas_per_sm_n64(head_dim: int, block_size: int, forms: tuple[str, str]) -> int:
-    """CTAs of the extend kernel's n64 tile an SM holds: by shared memory, at most
-    :data:`N64_REGISTER_CTAS`."""
+def ctas_per_sm(head_dim: int, block_size: int, forms: tuple[str, str], tile: str = SHARED_TILE) -> int:
+    """CTAs of the shared pass's ``tile`` an SM holds: by shared memory, at most :data:`REGISTER_CTAS`."""
     from sglang_hs.kernels.extend import default_stages, smem_bytes
 
-    per_cta = smem_bytes("n64", head_dim, block_size, default_stages("n64"), forms[0] != "dense", forms) + 1024
-    return max(1, min(SMEM_PER_SM // per_cta, N64_REGISTER_CTAS))
+    per_cta = smem_bytes(tile, head_dim, block_size, default_stages(tile), forms[0] != "dense", forms) + 1024
+    return max(1, min(SMEM_PER_SM // per_cta, REGISTER_CTAS[tile]))
 
 
-SHARED_COLUMNS = 64
-"""The n64 tile's query columns: ``64 // G`` requests a column set (16 at G = 4)."""
+def shared_columns(tile: str = SHARED_TILE) -> int:
+    """Query columns of a CTA of the shared pass's ``tile``."""
+    from sglang_hs.kernels.extend_common import TILE_SHAPES
+
+    return TILE_SHAPES[tile][0]
 SHARED_SPLITS = 8
 """The grid's splits per (set row, KV head), and the most a set uses: each step's live sets use
 :meth:`ExtendSharedPass.rule_splits` of them, read on the GPU (the host does not know how many of a
@@ -51,25 +56,26 @@ part empty is the own pass's room beside it."""
 
 
 class ExtendSharedPass:
-    """The shared pass with ``HieraSparseDecode.run``'s signature, on the extend kernel's n64 tile.
+    """The shared pass with ``HieraSparseDecode.run``'s signature, on the extend kernel's ``tile`` (the n64
+    schedule at 64 or 32 columns: :data:`SHARED_TILE`).
 
     ``max_sets`` set rows of ``heads = Hkv * fold * G`` folded query heads; the scratch for all of them
     at ``num_splits`` is allocated here, before any CUDA graph captures the plan. ``forms``: the block
     forms of the shared blocks (the plan's; 2:4 K and V only at S_K = S_V = 1: 65 KB of shared memory a
     CTA instead of 131, so two CTAs an SM instead of one; its 246 registers a thread allow no third:
     capping them for three spilled and was slower, and a third stage was no faster,
-    ``docs/kernels.md``)."""
+    ``docs/kernels.md``; the n32 tile's 156 registers allow three)."""
 
     def __init__(self, max_sets: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, num_splits: int = SHARED_SPLITS,
-                 forms: tuple[str, str] = ANY_FORMS):  # fmt: skip
+                 forms: tuple[str, str] = ANY_FORMS, tile: str = SHARED_TILE):  # fmt: skip
         from sglang_hs.kernels.extend import HieraSparseExtend
 
-        self.extend = HieraSparseExtend(heads, kv_heads, head_dim, block_size, max_blocks, dtype, device, tile="n64",
+        self.extend = HieraSparseExtend(heads, kv_heads, head_dim, block_size, max_blocks, dtype, device, tile=tile,
                                         num_splits=num_splits, forms=forms, dynamic_splits=True)  # fmt: skip
-        self.extend.reserve(max_sets, max_sets, num_splits, "n64")
+        self.extend.reserve(max_sets, max_sets, num_splits, tile)
         self.num_splits, self.kv_heads = num_splits, kv_heads
-        self.ctas_per_sm = ctas_per_sm_n64(head_dim, block_size, forms)
+        self.ctas_per_sm = ctas_per_sm(head_dim, block_size, forms, tile)
         self.indptr = torch.arange(max_sets + 1, dtype=torch.int32, device=device)  # one query token a set
         self.batch_size = max_sets
         self.captured = False

@@ -23,6 +23,7 @@ from sglang_hs.kernels.decode_shared import (
     GPU_FORMS, GPU_SHAPES, MIN_SHARED_BATCH, SharedPrefixDecode, compressed_forms, conforming_blocks, fold_of,
     merge_states, shared_heads, step_tables,
 )
+from sglang_hs.kernels.shared_pass_extend import SHARED_PASS_TILES
 
 B = 64
 # Case sources: 0 and 1 are prefixes (20 and 12 blocks), 2..5 lend their blocks as own tails.
@@ -159,7 +160,8 @@ class ReferencePlan:
 
 def test_grouping_finds_sets_and_leaves_lone_requests_out():
     case = _case(32, 8, torch.float32, "cpu")
-    assert fold_of(32, 8) == 16 and fold_of(16, 2) == 8 and fold_of(64, 1) == 1  # 64 columns a set
+    assert fold_of(32, 8, "n64") == 16 and fold_of(16, 2, "n64") == 8 and fold_of(64, 1, "n64") == 1  # 64 columns a set
+    assert fold_of(32, 8, "n32") == 8 and fold_of(16, 2, "n32") == 4 and fold_of(64, 1, "n32") == 1
     fold = 4
     groups = find_shared_prefixes(case["block_table"], case["seq_lens_list"], B, fold)
     # Source 0's group: requests 0, 2, 3, 5, 7 -> a set of 4 and a set of its remainder (7); requests 4
@@ -413,10 +415,12 @@ def test_sets_beyond_max_sets_fall_back_to_the_own_pass():
 def test_the_shared_pass_fits_two_ctas_per_sm_for_the_compressed_forms():
     """CPU: the shared pass's n64 tile at d 128 fits two CTAs an SM when its stages hold one form per
     operand (2:4 K and V, or dense K and 2:4 V: shared memory would fit three, the registers do not),
-    and one with every form (131 KB)."""
-    from sglang_hs.kernels.shared_pass_extend import ctas_per_sm_n64
+    and one with every form (131 KB); the n32 tile's registers fit three."""
+    from sglang_hs.kernels.shared_pass_extend import ctas_per_sm
 
-    assert [ctas_per_sm_n64(128, B, forms) for forms in (("sparse", "sparse"), ("dense", "sparse"), ANY_FORMS)] == [2, 2, 1]
+    one_form = (("sparse", "sparse"), ("dense", "sparse"), ANY_FORMS)
+    assert [ctas_per_sm(128, B, forms, "n64") for forms in one_form] == [2, 2, 1]
+    assert [ctas_per_sm(128, B, forms, "n32") for forms in one_form] == [3, 3, 1]
 
 
 def test_fused_merge_kernel_in_tritons_interpreter():
@@ -524,15 +528,18 @@ print("ok", grouped)
                          ids=lambda v: str(v).split(".")[-1])  # fmt: skip
 @pytest.mark.parametrize("splits", ["plan", "one"])
 @pytest.mark.parametrize("forms", GPU_FORMS, ids=lambda f: "-".join(f))
-def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype, splits, forms):
+@pytest.mark.parametrize("tile", SHARED_PASS_TILES)
+def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype, splits, forms, tile):
     """The shared pass at the plan's split counts and at one split a set, for every form the tests
-    build (a restricted kernel on a case whose compressed blocks are of its forms)."""
+    build (a restricted kernel on a case whose compressed blocks are of its forms), on each tile (at
+    n32 and G = 8 the group of 5 makes a set of 4 and a lone remainder)."""
     sk = 0.0 if forms[0] == "dense" else 1.0
     case = _case(q_heads, kv_heads, dtype, "cuda", head_dim=head_dim, sk=sk)
     bs = case["q"].shape[0]
     forced = 1 if splits == "one" else None
     plan = SharedPrefixDecode(bs, q_heads, kv_heads, head_dim, B, case["max_blocks"], dtype, "cuda",
-                              shared_splits=forced, forms=forms)  # fmt: skip
+                              shared_splits=forced, forms=forms, tile=tile)  # fmt: skip
+    assert plan.fold == fold_of(q_heads, kv_heads, tile)
     out = _run(plan, case)
     ref, _ = _reference(case)
     err = (out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()
@@ -663,17 +670,19 @@ def test_the_extend_shared_pass_maps_a_set_to_one_query_token_over_its_shared_bl
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sk, restricted", [(1.0, False), (1.0, True), (0.0, True)])
-def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk, restricted):
-    """The extend kernel as the shared pass (G = 64 folded heads, one query token a set, fixed splits),
-    with the own pass beside it, its stages holding every form or only the case's compressed forms
-    (2:4 K and V; dense K and 2:4 V): the output equals the reference, and a CUDA graph's replay
+@pytest.mark.parametrize("sk, restricted, tile", [(1.0, False, "n64"), (1.0, True, "n64"), (0.0, True, "n64"),
+                                                 (1.0, True, "n32")])
+def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk, restricted, tile):
+    """The extend kernel as the shared pass (G = 64 or 32 folded heads, one query token a set, fixed
+    splits), with the own pass beside it, its stages holding every form or only the case's compressed
+    forms (2:4 K and V; dense K and 2:4 V): the output equals the reference, and a CUDA graph's replay
     equals the eager call (its scratch is sized before the capture)."""
     case = _case(32, 8, torch.bfloat16, "cuda", head_dim=128, sk=sk)
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
     forms = compressed_forms((sk,), (1.0,)) if restricted else ANY_FORMS
-    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda", forms=forms)
-    assert plan.shared_plan.extend.forms == forms
+    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda", forms=forms,
+                              tile=tile)  # fmt: skip
+    assert plan.shared_plan.extend.forms == forms and plan.shared_plan.extend.tile == tile
     step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
     run = lambda: plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)  # noqa: E731
     eager = run().clone()
