@@ -108,9 +108,8 @@ def bench_decode(args):
             shared_rec = bench_shared_prefix(case, ref, fis, args.iters, args.shared_splits, forms)
         if shared_rec:
             for r in [shared_rec, *shared_rec.get("variants", [])]:
-                lines.append(f"{layout} S_K={sk} S_V={sv} shared-prefix decode ({r['column_sets']} column sets, "
-                             f"{r['tile']} tile, forms {'/'.join(r['forms'])}, {r['shared_splits']} shared splits): "
-                             f"{r['us']:.1f} us, "
+                lines.append(f"{layout} S_K={sk} S_V={sv} shared-prefix decode ({shared_rec['column_sets']} column sets, "
+                             f"{r['tile']} tile, forms {'/'.join(r['forms'])}, {r['shared_splits']} shared splits): {r['us']:.1f} us, "
                              f"FI {r['flashinfer_us']:.1f} us "
                              f"({shared_rec['flashinfer_backend']}), speedup {r['speedup']:.3f}, err {r['rel_err_vs_flashinfer']:.2e}")
                 print(lines[-1], flush=True)
@@ -217,24 +216,21 @@ def bench_shared_prefix(case: dict, ref: torch.Tensor, fis: dict, iters: int, sp
     with FlashInfer's backends (``fis``: backend -> run()) as CUDA-graph replays, per layer (the step's
     tables are built once, as a server builds them once per decode step). ``forms``: the shared pass's
     block forms (the compressed blocks' forms, as a server plans them); with fewer than every form the
-    every-form kernel is timed too (a variant), and so is the other shared-pass tile
-    (``SHARED_PASS_TILES``). ``splits``: comma list of shared-pass split counts to time besides the
-    plan's own (``variants``)."""
+    every-form kernel is timed too (a variant). ``splits``: comma list of shared-pass split counts to
+    time besides the plan's own (``variants``)."""
     from sglang_hs.kernels.decode_shared import SharedPrefixDecode
-    from sglang_hs.kernels.shared_pass_extend import SHARED_PASS_TILES, SHARED_TILE
+    from sglang_hs.kernels.shared_pass_extend import SHARED_TILE
 
     q = case["q"]
     bs, hq, d = q.shape
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = run_args(case)
     results = []
-    runs = [(None, tuple(forms), SHARED_TILE),
-            *((int(x), tuple(forms), SHARED_TILE) for x in (splits or "").split(",") if x)]
+    runs = [(None, tuple(forms)), *((int(x), tuple(forms)) for x in (splits or "").split(",") if x)]
     if tuple(forms) != ANY_FORMS:
-        runs.append((None, ANY_FORMS, SHARED_TILE))
-    runs += [(None, tuple(forms), tile) for tile in SHARED_PASS_TILES if tile != SHARED_TILE]
-    for forced, run_forms, tile in runs:
+        runs.append((None, ANY_FORMS))
+    for forced, run_forms in runs:
         plan = SharedPrefixDecode(bs, hq, k_cache.shape[1], d, case["block_size"], case["max_blocks"], q.dtype,
-                                  q.device, shared_splits=forced, forms=run_forms, tile=tile)  # fmt: skip
+                                  q.device, shared_splits=forced, forms=run_forms)  # fmt: skip
         step = plan.plan_step(block_table, seq_lens, k_index, v_index, min_own_blocks=1)  # once per step, not per layer
         sets = int((step.members[:, 0] >= 0).sum())
         if not sets:
@@ -251,8 +247,8 @@ def bench_shared_prefix(case: dict, ref: torch.Tensor, fis: dict, iters: int, sp
         results.append(dict(us=round(g, 2), flashinfer_us=round(fi_us[fast], 2), speedup=round(fi_us[fast] / g, 4),
                             flashinfer_us_by_backend={b: round(t, 2) for b, t in fi_us.items()},
                             flashinfer_backend=f"{fast} (tensor-core decode)", rel_err_vs_flashinfer=err,
-                            shared_splits=int(step.shared_splits[0]), forms=list(run_forms), tile=tile,
-                            column_sets=sets))  # fmt: skip
+                            shared_splits=int(step.shared_splits[0]), forms=list(run_forms),
+                            tile=SHARED_TILE))  # fmt: skip
         if len(results) == 1:
             first = dict(sets=sets, shared_blocks=(step.shared_lens[:sets] // case["block_size"]).tolist())
     record = dict(results[0], column_sets=first["sets"], fold=plan.fold, shared_blocks=first["shared_blocks"],

@@ -9,13 +9,13 @@ times; FlashInfer then serves the repeats from L2 and wins (``docs/results.md``)
 split in two passes over disjoint KV, merged by log-sum-exp:
 
 * **Shared pass** (:mod:`.shared_pass_extend`). The requests of a prefix group are folded into the
-  query-head axis of the extend kernel's n64 tile, whose 64 query columns a CTA serve ``fold = 64 // G``
+  query-head axis of the extend kernel's n32 tile, whose 32 query columns a CTA serve ``fold = 32 // G``
   requests' ``G = Hq / Hkv`` query heads of one KV head: a *column set* of up to ``fold`` members is
   one extend "request" of one query token with ``Hkv * fold * G`` query heads, at the last position of
   the group's shared blocks (so every shared key is visible and no mask applies). Each shared block
   is loaded and stepped once per set, not once per request. Under settings that give every
   compressed block one form per operand (:func:`compressed_forms`) the shared pass takes only the
-  shared blocks of that form and the kernel's stages hold just that form (smaller stages, two CTAs
+  shared blocks of that form and the kernel's stages hold just that form (smaller stages, three CTAs
   an SM); dense sinks and windows (one after every chunk of a prefix cached through chunked
   prefill) then go to the own pass. (Until session 42 the shared pass ran on the decode kernel, 16
   columns a CTA: a prefix read by 16 requests was stepped through four times, and at the server's
@@ -50,7 +50,7 @@ import torch
 
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import ANY_FORMS
-from sglang_hs.kernels.shared_pass_extend import SHARED_PASS_TILES, SHARED_TILE, shared_columns
+from sglang_hs.kernels.shared_pass_extend import SHARED_COLUMNS, SHARED_TILE
 
 OWN_MIN_SPLIT_BLOCKS = 4
 """The own pass's floor of blocks a split (``HieraSparseDecode(min_split_blocks=...)``): its requests
@@ -80,16 +80,16 @@ H200 even when every request shared one prefix (2 requests: 161 against 60 us, 4
 120 against 195; ``bench_decode_shared_batches_h200.log``). Measured with session 41's decode-kernel
 shared pass; ``profile_shared_decode --batches`` times the extend kernel's."""
 
-def fold_of(q_heads: int, kv_heads: int, tile: str = SHARED_TILE) -> int:
-    """Requests per column set for a model's GQA group on the shared pass's ``tile`` (1 when the group
-    fills the tile's columns)."""
-    return max(1, shared_columns(tile) // (q_heads // kv_heads))
+def fold_of(q_heads: int, kv_heads: int) -> int:
+    """Requests per column set for a model's GQA group (1 when the group fills the shared pass's
+    :data:`~sglang_hs.kernels.shared_pass_extend.SHARED_COLUMNS`: no sets)."""
+    return max(1, SHARED_COLUMNS // (q_heads // kv_heads))
 
 
-def shared_heads(q_heads: int, kv_heads: int, tile: str = SHARED_TILE) -> int:
+def shared_heads(q_heads: int, kv_heads: int) -> int:
     """Query heads of the shared pass's extend kernel: ``Hkv * fold * G`` (one KV head's CTA serves
     ``fold`` requests' ``G`` heads)."""
-    return kv_heads * fold_of(q_heads, kv_heads, tile) * (q_heads // kv_heads)
+    return kv_heads * fold_of(q_heads, kv_heads) * (q_heads // kv_heads)
 
 
 def shared_pass_k_sparse(k_form: str, every_form: tuple[bool, ...] = (False, True)) -> tuple[bool, ...]:
@@ -339,11 +339,10 @@ class SharedPrefixDecode:
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, max_sets: int | None = None, plans=None,
-                 shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, overlap: bool = True,
-                 tile: str = SHARED_TILE):  # fmt: skip
+                 shared_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, overlap: bool = True):  # fmt: skip
         self.q_heads, self.kv_heads, self.head_dim, self.block_size = q_heads, kv_heads, head_dim, block_size
         self.group = q_heads // kv_heads
-        self.fold = fold_of(q_heads, kv_heads, tile)
+        self.fold = fold_of(q_heads, kv_heads)
         self.max_sets = max_sets or max(1, batch_size // 2)
         # The query head each folded head reads (h * G + g), for fold_queries' gather.
         heads = torch.arange(q_heads, device=device).view(kv_heads, 1, self.group)
@@ -358,8 +357,8 @@ class SharedPrefixDecode:
 
             # The scratch holds every set row's splits: at most SHARED_MAX_PARTS (set, split) partials.
             splits = shared_splits or max(1, min(SHARED_SPLITS, SHARED_MAX_PARTS // self.max_sets))
-            plans = (ExtendSharedPass(self.max_sets, shared_heads(q_heads, kv_heads, tile), kv_heads, head_dim, block_size,
-                                      max_blocks, dtype, device, num_splits=splits, forms=self.forms, tile=tile),
+            plans = (ExtendSharedPass(self.max_sets, shared_heads(q_heads, kv_heads), kv_heads, head_dim, block_size,
+                                      max_blocks, dtype, device, num_splits=splits, forms=self.forms),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device,
                                        plan_batch=self.own_pass_long_requests,
                                        min_split_blocks=OWN_MIN_SPLIT_BLOCKS),
@@ -495,22 +494,19 @@ def _precompile_one(cfg):
     from sglang_hs.kernels.decode import STAGES, build_decode_kernel
     from sglang_hs.kernels.extend import build_extend_kernel
 
-    hq, hkv, d, dt, forms, tile = cfg
+    hq, hkv, d, dt, forms = cfg
     if forms is None:  # the own pass's kernel
         build_decode_kernel(hq, hkv, d, 64, dt, STAGES, min_split_blocks=OWN_MIN_SPLIT_BLOCKS)
     else:  # the shared pass's, with and (but for 2:4 K blocks) without 2:4 K rows, as run() picks by the pools
         for k_sparse in shared_pass_k_sparse(forms[0]):
-            build_extend_kernel(shared_heads(hq, hkv, tile), hkv, d, 64, dt, tile, 2, k_sparse, forms, True)
+            build_extend_kernel(shared_heads(hq, hkv), hkv, d, 64, dt, SHARED_TILE, 2, k_sparse, forms, True)
     return cfg
 
 
 def _precompile_configs() -> list[tuple]:
-    """The kernels of the GPU tests and of ``profile_shared_decode``: (shape..., forms or None for the
-    own pass, the shared pass's tile)."""
-    configs = [(*shape, forms, tile) for shape in GPU_SHAPES for forms in GPU_FORMS for tile in SHARED_PASS_TILES]
-    configs += [(*shape, None, None) for shape in GPU_SHAPES]
-    profile = [(32, 8, 128, "bfloat16", ("sparse", "sparse"), tile) for tile in SHARED_PASS_TILES]
-    return configs + profile + [(32, 8, 128, "bfloat16", None, None)]
+    """The kernels of the GPU tests and of ``profile_shared_decode``: (shape..., forms or None for the own pass)."""
+    configs = [(*shape, forms) for shape in GPU_SHAPES for forms in (*GPU_FORMS, None)]
+    return configs + [(32, 8, 128, "bfloat16", forms) for forms in (("sparse", "sparse"), None)]
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The extend kernel's n64 schedule: one warpgroup of 128 threads, 64 query columns, FA3's
-intra-warpgroup overlap (TileLang 0.1.11, Hopper sm_90a).
+intra-warpgroup overlap (TileLang 0.1.11, Hopper sm_90a). The n32 tile (shared-prefix decode's shared
+pass) is the same schedule at 32 columns.
 
 A CTA's block loop, step j (the frame around it, the GEMMs and the softmax are in
 ``extend_common``):
@@ -26,7 +27,7 @@ from sglang_hs.kernels.extend_common import ExtendParts
 
 
 class OverlapSchedule:
-    """The block loop of the n64 tile (see the module docstring)."""
+    """The block loop of the n64 and n32 tiles (see the module docstring)."""
 
     extra_threads = 0
     init_early = True

@@ -1,7 +1,7 @@
-"""Shared-prefix decode's shared pass (:mod:`.decode_shared`) on the extend kernel's n64 tile.
+"""Shared-prefix decode's shared pass (:mod:`.decode_shared`) on the extend kernel's n32 tile.
 
-The n64 tile has 64 query columns a CTA and the extend kernel's schedule (asynchronous GEMMs under
-the softmax, the lazy softmax offset). A column set of ``64 // G`` requests is one extend "request" of
+The n32 tile is the n64 tile's schedule (asynchronous GEMMs under the softmax, the lazy softmax
+offset) at 32 query columns a CTA. A column set of ``32 // G`` requests is one extend "request" of
 one query token whose ``Hkv * fold * G`` query heads are the folded queries
 (:meth:`~sglang_hs.kernels.decode_shared.SharedPrefixDecode.fold_queries` layout: the extend kernel
 maps column ``c`` of KV head ``h`` to query head ``h * fold * G + c``), over the set's shared blocks:
@@ -12,7 +12,12 @@ at once and its output rows are never written (nor merged).
 It replaced a shared pass on the decode kernel (16 columns a CTA, so a prefix read by 16 requests
 was stepped through four times, with three CTA barriers a block step): at the regime-1 server's
 shape on an H100 the whole call took 189.7-246.0 us a layer against 239.6-287.2 over six batches of
-uneven groups (``bench_decode_shared_extend_s42_h100.log``).
+uneven groups (``bench_decode_shared_extend_s42_h100.log``). Until session 45 it ran on the n64 tile
+(64 columns, 16 requests a set at G = 4): a server's groups of 2-8 requests filled few of its
+columns, and its 246 registers a thread held two CTAs an SM. The n32 tile's 156 hold three, and a
+block step has half the columns to compute: at the regime-1 server's shape the whole call took
+130-179 us a layer against 168-207 over six batches of uneven groups, groups of 12 and 11 split in two
+sets included (``bench_decode_shared_splits_n32_s45_h200.log``).
 """
 
 from __future__ import annotations
@@ -21,29 +26,27 @@ import torch
 
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import ANY_FORMS, SMEM_PER_SM
+from sglang_hs.kernels.extend_common import NARROW_TILES
 
-REGISTER_CTAS = {"n32": 3, "n64": 2}
-"""CTAs of a shared-pass tile an SM's registers hold: ptxas gives the shared pass's kernel (128
-threads, d 128, 2:4 K and V) 156 registers a thread at n32 and 246 at n64, so shared memory, which
-would fit more (2:4 K and V only), does not decide."""
-SHARED_PASS_TILES = tuple(REGISTER_CTAS)
-SHARED_TILE = "n64"
-"""The shared pass's tile: ``TILE_SHAPES[tile][0] // G`` requests a column set (16 at n64, G = 4)."""
+SHARED_TILE = "n32"
+"""The shared pass's tile (the n64 schedule at 32 columns, ``extend_common.NARROW_TILES``)."""
+SHARED_COLUMNS = NARROW_TILES[SHARED_TILE][0]
+"""Query columns of a shared-pass CTA: ``32 // G`` requests a column set (8 at G = 4)."""
+SHARED_REGISTER_CTAS = 3
+"""CTAs of the shared pass an SM's registers hold: ptxas gives its kernel (128 threads, d 128, 2:4 K
+and V) 156 registers a thread (the n64 tile: 246, two CTAs), so shared memory, which would fit more
+with one form an operand, does not decide."""
 
 
-def ctas_per_sm(head_dim: int, block_size: int, forms: tuple[str, str], tile: str = SHARED_TILE) -> int:
-    """CTAs of the shared pass's ``tile`` an SM holds: by shared memory, at most :data:`REGISTER_CTAS`."""
+def ctas_per_sm(head_dim: int, block_size: int, forms: tuple[str, str]) -> int:
+    """CTAs of the shared pass an SM holds: by shared memory, at most :data:`SHARED_REGISTER_CTAS`."""
     from sglang_hs.kernels.extend import default_stages, smem_bytes
 
-    per_cta = smem_bytes(tile, head_dim, block_size, default_stages(tile), forms[0] != "dense", forms) + 1024
-    return max(1, min(SMEM_PER_SM // per_cta, REGISTER_CTAS[tile]))
+    per_cta = smem_bytes(SHARED_TILE, head_dim, block_size, default_stages(SHARED_TILE), forms[0] != "dense",
+                         forms) + 1024  # fmt: skip
+    return max(1, min(SMEM_PER_SM // per_cta, SHARED_REGISTER_CTAS))
 
 
-def shared_columns(tile: str = SHARED_TILE) -> int:
-    """Query columns of a CTA of the shared pass's ``tile``."""
-    from sglang_hs.kernels.extend_common import TILE_SHAPES
-
-    return TILE_SHAPES[tile][0]
 SHARED_SPLITS = 8
 """The grid's splits per (set row, KV head), and the most a set uses: each step's live sets use
 :meth:`ExtendSharedPass.rule_splits` of them, read on the GPU (the host does not know how many of a
@@ -52,30 +55,31 @@ within ``SHARED_MAX_PARTS`` partials). On an H100, whole calls at the server's s
 uneven groups, own pass beside): 3 sets took 176.4 us at 8 splits, 194.3 at 11 (one full wave of
 two CTAs an SM) and 256.5 at 16; 2 sets 201.0 at 8 and 197.8 at 11; 4 sets 199.1 at 8 and 196.6 at 6
 (``bench_decode_shared_extend_s42_h100.log``; now ``profile_shared_decode --splits``): a wave left
-part empty is the own pass's room beside it."""
+part empty is the own pass's room beside it. On the n32 tile (three CTAs an SM, H200) 8 was the best
+fixed count or within 4 us of it for 3 to 6 sets; 11 and 16 were up to 60 us slower
+(``bench_decode_shared_splits_n32_s45_h200.log``)."""
 
 
 class ExtendSharedPass:
-    """The shared pass with ``HieraSparseDecode.run``'s signature, on the extend kernel's ``tile`` (the n64
-    schedule at 64 or 32 columns: :data:`SHARED_TILE`).
+    """The shared pass with ``HieraSparseDecode.run``'s signature, on the extend kernel's n32 tile
+    (:data:`SHARED_TILE`).
 
     ``max_sets`` set rows of ``heads = Hkv * fold * G`` folded query heads; the scratch for all of them
     at ``num_splits`` is allocated here, before any CUDA graph captures the plan. ``forms``: the block
-    forms of the shared blocks (the plan's; 2:4 K and V only at S_K = S_V = 1: 65 KB of shared memory a
-    CTA instead of 131, so two CTAs an SM instead of one; its 246 registers a thread allow no third:
-    capping them for three spilled and was slower, and a third stage was no faster,
-    ``docs/kernels.md``; the n32 tile's 156 registers allow three)."""
+    forms of the shared blocks (the plan's; 2:4 K and V only at S_K = S_V = 1 or dense K and 2:4 V at
+    S_K = 0: the stages are small enough for three CTAs an SM, :data:`SHARED_REGISTER_CTAS`; with every
+    form, one)."""
 
     def __init__(self, max_sets: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, num_splits: int = SHARED_SPLITS,
-                 forms: tuple[str, str] = ANY_FORMS, tile: str = SHARED_TILE):  # fmt: skip
+                 forms: tuple[str, str] = ANY_FORMS):  # fmt: skip
         from sglang_hs.kernels.extend import HieraSparseExtend
 
-        self.extend = HieraSparseExtend(heads, kv_heads, head_dim, block_size, max_blocks, dtype, device, tile=tile,
+        self.extend = HieraSparseExtend(heads, kv_heads, head_dim, block_size, max_blocks, dtype, device, tile=SHARED_TILE,
                                         num_splits=num_splits, forms=forms, dynamic_splits=True)  # fmt: skip
-        self.extend.reserve(max_sets, max_sets, num_splits, tile)
+        self.extend.reserve(max_sets, max_sets, num_splits, SHARED_TILE)
         self.num_splits, self.kv_heads = num_splits, kv_heads
-        self.ctas_per_sm = ctas_per_sm(head_dim, block_size, forms, tile)
+        self.ctas_per_sm = ctas_per_sm(head_dim, block_size, forms)
         self.indptr = torch.arange(max_sets + 1, dtype=torch.int32, device=device)  # one query token a set
         self.batch_size = max_sets
         self.captured = False

@@ -14,9 +14,9 @@ long prompts prefill), with the shared pass also at 2, 4, 8 and 16 splits; ``--c
 requests whose prefixes keep a dense window after every 8K chunk, as a prefix cached by chunked prefill
 does; ``--splits``: uneven groups with requests alone on their prefix (16 and 32 requests), the whole
 call at the plan's split counts and with every set at a fixed count, lone requests as column sets or in
-the own pass, the own pass after the shared pass instead of beside it, the shared pass alone at fixed
-split counts, and the whole call on the other shared-pass tile (``SHARED_PASS_TILES``, which the
-default mode also times); ``--ncu``: eager launches of the shared pass and of the own pass for Nsight Compute (``ncu -k regex:hs_extend_shared --section
+the own pass, the own pass after the shared pass instead of beside it, and the shared pass alone at fixed split
+counts; ``--ncu``: eager launches
+of the shared pass and of the own pass for Nsight Compute (``ncu -k regex:hs_extend_shared --section
 WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
 """
 
@@ -28,17 +28,17 @@ import torch
 from sglang_hs.kernels.cases import flashinfer_decode, make_case, paged_dense, run_args, share_prefixes
 from sglang_hs.kernels.decode import HieraSparseDecode
 from sglang_hs.kernels.decode_shared import LONE_MIN_BLOCKS, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode, shared_heads
-from sglang_hs.kernels.shared_pass_extend import SHARED_PASS_TILES, SHARED_TILE, ExtendSharedPass
+from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
 from sglang_hs.kernels.timing import time_graphs
 
 CONTEXT, BATCH, PREFIXES, FORMS = 32768, 16, 6, ("sparse", "sparse")
 
 
-def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int, tile: str = SHARED_TILE):
+def _shared_pass_at(splits: int, folded, kv, table, lens, scale: float, max_blocks: int):
     """The shared pass alone with every live set at ``splits`` splits (a plan of its own, the same kernel)."""
     sets = folded.shape[0]
-    plan = ExtendSharedPass(sets, shared_heads(32, 8, tile), 8, 128, 64, max_blocks, folded.dtype, "cuda",
-                            num_splits=splits, forms=FORMS, tile=tile)  # fmt: skip
+    plan = ExtendSharedPass(sets, shared_heads(32, 8), 8, 128, 64, max_blocks, folded.dtype, "cuda", num_splits=splits,
+                            forms=FORMS)  # fmt: skip
     return lambda: plan.run(folded, *kv, table, lens, scale, return_lse=True)
 
 
@@ -71,23 +71,6 @@ def benchmark_shape() -> dict:
     for splits in (2, 4, 8, 16):
         fns[f"shared pass ({splits} splits)"] = _shared_pass_at(splits, folded, kv, table, lens, scale,
                                                                 case["max_blocks"])
-    for tile in SHARED_PASS_TILES:  # the other tile: the whole call and its shared pass alone
-        if tile == SHARED_TILE:
-            continue
-        other = SharedPrefixDecode(BATCH, 32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", forms=FORMS,
-                                   tile=tile)  # fmt: skip
-        o_step = other.plan_step(bt, sl, ki, vi, min_own_blocks=1)
-        o_sets = other.sets_for(BATCH)
-        o_folded = other.fold_queries(q, o_step.members[:o_sets], o_step.fold_requests[:o_sets])
-        o_table, o_lens = o_step.shared_table[:o_sets], o_step.shared_lens[:o_sets]
-        fns[f"all, {tile} tile"] = lambda other=other, o_step=o_step: other.run(q, *kv, o_step, scale)
-        fns[f"{tile} shared pass ({int(o_step.shared_splits[0])} splits)"] = (
-            lambda other=other, o_step=o_step, o_folded=o_folded, o_table=o_table, o_lens=o_lens, o_sets=o_sets:
-            other.shared_plan.run(o_folded, *kv, o_table, o_lens, scale, return_lse=True,
-                                  split_limit=o_step.shared_splits[:o_sets]))  # fmt: skip
-        for splits in (4, 8, 11, 16):
-            fns[f"{tile} shared pass ({splits} splits)"] = _shared_pass_at(splits, o_folded, kv, o_table, o_lens, scale,
-                                                                           case["max_blocks"], tile)  # fmt: skip
     return fns
 
 
@@ -205,10 +188,6 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
                                         shared_splits=splits)
              for splits in splits_options}  # fmt: skip
     after = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS, overlap=False)
-    # The other shared-pass tile(s), at the plan's and fixed split counts.
-    others = {(tile, splits): SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS,
-                                                 shared_splits=splits, tile=tile)
-              for tile in SHARED_PASS_TILES if tile != SHARED_TILE for splits in (None, 8, 11, 16)}  # fmt: skip
     base = _server_case(max(len(sizes) for sizes in group_sizes))
     paged = paged_dense(base)
     for sizes in group_sizes:
@@ -225,12 +204,6 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
                                  f"{int(step.shared_splits[0])} splits")
                 fns[f"lone {where}, {'plan' if splits is None else splits} splits"] = (
                     lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
-        for (tile, splits), plan in others.items():
-            step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
-            if splits is None:
-                notes.append(f"{tile}: {int((step.shared_lens > 0).sum())} sets at {int(step.shared_splits[0])} splits")
-            fns[f"{tile} tile, lone as sets, {'plan' if splits is None else splits} splits"] = (
-                lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
         step = after.plan_step(bt, sl, ki, vi, min_own_blocks=1)
         fns["lone as sets, plan splits, own pass after"] = lambda step=step, q=q, kv=kv: after.run(q, *kv, step, scale)
         # The parts: the own pass alone, the query fold, the shared pass alone at the plan's split counts

@@ -340,7 +340,7 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     backend.init_cuda_graph_state(16, 16)
     plan = backend._decode_plan_obj
     assert isinstance(plan, SharedPrefixDecode) and plan.batch_size == 16
-    assert isinstance(plan.shared_plan, ExtendSharedPass) and plan.fold == 64 // (HQ // HKV)
+    assert isinstance(plan.shared_plan, ExtendSharedPass) and plan.fold == 32 // (HQ // HKV)
     assert plan.shared_plan.extend.q_heads == shared_heads(HQ, HKV) == HKV * plan.fold * (HQ // HKV)
     assert plan.shared_plan.batch_size == plan.max_sets == 8 and plan.shared_plan.num_splits == 8
     addresses = None
@@ -364,7 +364,7 @@ def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):
     heads = shared_heads(HQ, HKV)
     assert sorted(key[0] for key in built) == sorted([HQ, HQ, heads])  # own pass, per-request, shared pass
     shared_key = next(key for key in built if key[0] == heads)
-    assert shared_key[5:] == ("n64", 2, False, ("dense", "dense"), True)  # tile, stages, no 2:4 K, forms, dynamic
+    assert shared_key[5:] == ("n32", 2, False, ("dense", "dense"), True)  # tile, stages, no 2:4 K, forms, dynamic
     shared_kernel = built[shared_key]
     assert shared_kernel.batches == [plan.max_sets]
     # Its split count per set, chosen on the device from the sets that have blocks to share.

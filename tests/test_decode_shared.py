@@ -23,7 +23,6 @@ from sglang_hs.kernels.decode_shared import (
     GPU_FORMS, GPU_SHAPES, MIN_SHARED_BATCH, SharedPrefixDecode, compressed_forms, conforming_blocks, fold_of,
     merge_states, shared_heads, step_tables,
 )
-from sglang_hs.kernels.shared_pass_extend import SHARED_PASS_TILES
 
 B = 64
 # Case sources: 0 and 1 are prefixes (20 and 12 blocks), 2..5 lend their blocks as own tails.
@@ -160,8 +159,7 @@ class ReferencePlan:
 
 def test_grouping_finds_sets_and_leaves_lone_requests_out():
     case = _case(32, 8, torch.float32, "cpu")
-    assert fold_of(32, 8, "n64") == 16 and fold_of(16, 2, "n64") == 8 and fold_of(64, 1, "n64") == 1  # 64 columns a set
-    assert fold_of(32, 8, "n32") == 8 and fold_of(16, 2, "n32") == 4 and fold_of(64, 1, "n32") == 1
+    assert fold_of(32, 8) == 8 and fold_of(16, 2) == 4 and fold_of(64, 1) == 1  # 32 columns a set
     fold = 4
     groups = find_shared_prefixes(case["block_table"], case["seq_lens_list"], B, fold)
     # Source 0's group: requests 0, 2, 3, 5, 7 -> a set of 4 and a set of its remainder (7); requests 4
@@ -197,14 +195,14 @@ def test_merge_states_is_attention_over_the_union():
 
 
 def test_fold_and_unfold_are_inverse():
-    plan = SharedPrefixDecode(6, 32, 2, 16, B, 4, torch.float32, "cpu", plans=(None, None))
-    assert plan.fold == 4  # G = 16: 4 requests fill the 64 columns
-    q = torch.randn(6, 32, 16)
+    plan = SharedPrefixDecode(6, 16, 2, 16, B, 4, torch.float32, "cpu", plans=(None, None))
+    assert plan.fold == 4  # G = 8: 4 requests fill the 32 columns
+    q = torch.randn(6, 16, 16)
     members = torch.tensor([[0, 3, 5, -1], [1, 2, -1, -1]])
     folded = plan.fold_queries(q, members)
-    assert folded.shape == (2, 2 * 4 * 16, 16)
-    # KV head 1 of set 0 holds request 3's query heads 16..31 as its second group of columns.
-    assert torch.equal(folded[0, 64 + 16 : 64 + 32], q[3, 16:32])
+    assert folded.shape == (2, 2 * 4 * 8, 16)
+    # KV head 1 of set 0 holds request 3's query heads 8..15 as its second group of columns.
+    assert torch.equal(folded[0, 32 + 8 : 32 + 16], q[3, 8:16])
     back = plan.unfold(folded)
     assert torch.equal(back[1], q[3]) and torch.equal(back[4], q[1]) and torch.equal(back[5], q[2])
 
@@ -412,15 +410,13 @@ def test_sets_beyond_max_sets_fall_back_to_the_own_pass():
     assert step.own_lens.tolist() == [0, 0, 2 * B, 2 * B]
 
 
-def test_the_shared_pass_fits_two_ctas_per_sm_for_the_compressed_forms():
-    """CPU: the shared pass's n64 tile at d 128 fits two CTAs an SM when its stages hold one form per
-    operand (2:4 K and V, or dense K and 2:4 V: shared memory would fit three, the registers do not),
-    and one with every form (131 KB); the n32 tile's registers fit three."""
+def test_the_shared_pass_fits_three_ctas_per_sm_for_the_compressed_forms():
+    """CPU: the shared pass's n32 tile at d 128 fits three CTAs an SM when its stages hold one form per
+    operand (2:4 K and V, where shared memory would fit four but the registers do not; dense K and 2:4
+    V), and one with every form."""
     from sglang_hs.kernels.shared_pass_extend import ctas_per_sm
 
-    one_form = (("sparse", "sparse"), ("dense", "sparse"), ANY_FORMS)
-    assert [ctas_per_sm(128, B, forms, "n64") for forms in one_form] == [2, 2, 1]
-    assert [ctas_per_sm(128, B, forms, "n32") for forms in one_form] == [3, 3, 1]
+    assert [ctas_per_sm(128, B, forms) for forms in (("sparse", "sparse"), ("dense", "sparse"), ANY_FORMS)] == [3, 3, 1]
 
 
 def test_fused_merge_kernel_in_tritons_interpreter():
@@ -528,18 +524,15 @@ print("ok", grouped)
                          ids=lambda v: str(v).split(".")[-1])  # fmt: skip
 @pytest.mark.parametrize("splits", ["plan", "one"])
 @pytest.mark.parametrize("forms", GPU_FORMS, ids=lambda f: "-".join(f))
-@pytest.mark.parametrize("tile", SHARED_PASS_TILES)
-def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype, splits, forms, tile):
+def test_kernels_match_reference(q_heads, kv_heads, head_dim, dtype, splits, forms):
     """The shared pass at the plan's split counts and at one split a set, for every form the tests
-    build (a restricted kernel on a case whose compressed blocks are of its forms), on each tile (at
-    n32 and G = 8 the group of 5 makes a set of 4 and a lone remainder)."""
+    build (a restricted kernel on a case whose compressed blocks are of its forms)."""
     sk = 0.0 if forms[0] == "dense" else 1.0
     case = _case(q_heads, kv_heads, dtype, "cuda", head_dim=head_dim, sk=sk)
     bs = case["q"].shape[0]
     forced = 1 if splits == "one" else None
     plan = SharedPrefixDecode(bs, q_heads, kv_heads, head_dim, B, case["max_blocks"], dtype, "cuda",
-                              shared_splits=forced, forms=forms, tile=tile)  # fmt: skip
-    assert plan.fold == fold_of(q_heads, kv_heads, tile)
+                              shared_splits=forced, forms=forms)  # fmt: skip
     out = _run(plan, case)
     ref, _ = _reference(case)
     err = (out.float().cpu() - ref.float()).abs().max() / ref.float().abs().max()
@@ -561,7 +554,7 @@ def test_a_dense_window_inside_the_shared_prefix_matches_reference_with_the_orac
 
 def _lone_run(device, dtype, head_dim, plans=None):
     """The case with lone requests made sets of one (``lone_min_blocks=1``): its groups' two sets
-    first (16 requests a set), then request 4's (2 full blocks) and request 8's (1). Returns the
+    first (8 requests a set), then request 4's (2 full blocks) and request 8's (1). Returns the
     output and the reference."""
     case = _case(32, 8, dtype, device, head_dim=head_dim)
     bs = case["q"].shape[0]
@@ -615,13 +608,13 @@ def _replayed(run) -> torch.Tensor:
     return replayed
 
 
-def test_a_column_set_folds_64_columns_with_the_oracle_as_kernel():
-    """The shared pass folds 64 // G requests a set (16 at G = 4): the case's group of 5 is one set;
+def test_a_column_set_folds_32_columns_with_the_oracle_as_kernel():
+    """The shared pass folds 32 // G requests a set (8 at G = 4): the case's group of 5 is one set;
     the output equals the reference."""
     case = _case(32, 8, torch.float32, "cpu")
     plan = SharedPrefixDecode(case["q"].shape[0], 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
                               plans=(ReferencePlan(), ReferencePlan()))  # fmt: skip
-    assert plan.fold == 16 and not plan.dynamic_splits
+    assert plan.fold == 8 and not plan.dynamic_splits
     step = plan.plan_step(*cases.run_args(case)[6:8], case["k_index"], case["v_index"])
     assert step.members[0, :5].tolist() == [0, 2, 3, 5, 7] and step.members[1, :2].tolist() == [1, 6]
     assert torch.allclose(_run(plan, case), _reference(case)[0], atol=2e-5, rtol=1e-4)
@@ -655,8 +648,8 @@ def test_the_extend_shared_pass_maps_a_set_to_one_query_token_over_its_shared_bl
 
     case = _case(32, 8, torch.float32, "cpu")
     bs = case["q"].shape[0]
-    shared = ExtendSharedPass(bs // 2, 8 * 16 * 4, 8, 64, B, case["max_blocks"], torch.float16, "cpu")
-    assert shared.extend.group == 64 and shared.extend.tile == "n64" and shared.indptr.tolist() == list(range(bs // 2 + 1))
+    shared = ExtendSharedPass(bs // 2, 8 * 8 * 4, 8, 64, B, case["max_blocks"], torch.float16, "cpu")
+    assert shared.extend.group == 32 and shared.extend.tile == "n32" and shared.indptr.tolist() == list(range(bs // 2 + 1))
     shared.extend = ReferenceExtend()
     plan = SharedPrefixDecode(bs, 32, 8, 64, B, case["max_blocks"], torch.float32, "cpu",
                               plans=(shared, ReferencePlan()))  # fmt: skip
@@ -670,19 +663,17 @@ def test_the_extend_shared_pass_maps_a_set_to_one_query_token_over_its_shared_bl
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sk, restricted, tile", [(1.0, False, "n64"), (1.0, True, "n64"), (0.0, True, "n64"),
-                                                 (1.0, True, "n32")])
-def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk, restricted, tile):
-    """The extend kernel as the shared pass (G = 64 or 32 folded heads, one query token a set, fixed
-    splits), with the own pass beside it, its stages holding every form or only the case's compressed
-    forms (2:4 K and V; dense K and 2:4 V): the output equals the reference, and a CUDA graph's replay
+@pytest.mark.parametrize("sk, restricted", [(1.0, False), (1.0, True), (0.0, True)])
+def test_an_extend_shared_pass_matches_reference_eager_and_in_a_cuda_graph(sk, restricted):
+    """The extend kernel as the shared pass (G = 32 folded heads, one query token a set, fixed splits),
+    with the own pass beside it, its stages holding every form or only the case's compressed forms
+    (2:4 K and V; dense K and 2:4 V): the output equals the reference, and a CUDA graph's replay
     equals the eager call (its scratch is sized before the capture)."""
     case = _case(32, 8, torch.bfloat16, "cuda", head_dim=128, sk=sk)
     q, k_cache, v_cache, pools, k_index, v_index, block_table, seq_lens, sm_scale = cases.run_args(case)
     forms = compressed_forms((sk,), (1.0,)) if restricted else ANY_FORMS
-    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda", forms=forms,
-                              tile=tile)  # fmt: skip
-    assert plan.shared_plan.extend.forms == forms and plan.shared_plan.extend.tile == tile
+    plan = SharedPrefixDecode(q.shape[0], 32, 8, 128, B, case["max_blocks"], torch.bfloat16, "cuda", forms=forms)
+    assert plan.shared_plan.extend.forms == forms
     step = plan.plan_step(block_table, seq_lens, k_index, v_index, lone_min_blocks=1)
     run = lambda: plan.run(q, k_cache, v_cache, pools, k_index, v_index, step, sm_scale)  # noqa: E731
     eager = run().clone()
@@ -761,9 +752,9 @@ def test_split_limits_follow_the_sets_with_blocks_to_share():
 
 def test_the_shared_pass_plans_splits_for_the_sets_a_step_has(monkeypatch):
     """CPU (kernels stubbed): the shared pass's grid holds 8 splits per set row and its table of split
-    counts by live sets keeps them in one wave of two CTAs an SM, at most 8: at the regime-1 server's
-    shape on 132 SMs, 8 splits for up to 4 sets, 6 at 5, 5 at 6, 2 at 16 (measured on an H100: 3 sets
-    176.4 us at 8 splits against 194.3 at 11 and 256.5 at 16)."""
+    counts by live sets keeps them in one wave of three CTAs an SM, at most 8: at the regime-1 server's
+    shape on 132 SMs, 8 splits for up to 6 sets, 7 at 7, 6 at 8, 3 at 16 (measured on an H200: 3 to 6
+    sets were fastest at 8 splits or within 4 us of it, against up to 60 us slower at 11 and 16)."""
     from types import SimpleNamespace
 
     from sglang_hs.kernels import decode
@@ -772,8 +763,8 @@ def test_the_shared_pass_plans_splits_for_the_sets_a_step_has(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     plan = SharedPrefixDecode(32, 32, 8, 128, B, 529, torch.bfloat16, "cpu", forms=("sparse", "sparse"))
     by_sets = plan.splits_by_sets.tolist()
-    assert len(by_sets) == plan.max_sets + 1 == 17 and by_sets[:5] == [8] * 5  # (0 sets: never launched)
-    assert by_sets[5:7] == [6, 5] and by_sets[16] == 2
+    assert len(by_sets) == plan.max_sets + 1 == 17 and by_sets[:7] == [8] * 7  # (0 sets: never launched)
+    assert by_sets[7:9] == [7, 6] and by_sets[16] == 3
     assert plan.shared_plan.num_splits == 8
 
 
@@ -796,8 +787,8 @@ def test_the_own_pass_plans_splits_for_the_requests_no_set_took(monkeypatch):
     bs: most requests read a short tail there, and the few that no column set took (a group's
     remainder of one, a prefix with one running request) would otherwise walk their whole prefix in 2
     splits at 16 requests of 32K, longer than the shared pass itself (measured in regime 1,
-    docs/results.md); nor for ceil(bs / fold) (fold 16: 32 splits, thousands of CTAs past their
-    request's few blocks). The per-request plan (calls too small for sets) plans for every request."""
+    docs/results.md); nor for ceil(bs / 16) (32 splits, thousands of CTAs past their request's few
+    blocks). The per-request plan (calls too small for sets) plans for every request."""
     from types import SimpleNamespace
 
     from sglang_hs.kernels import decode
@@ -806,7 +797,7 @@ def test_the_own_pass_plans_splits_for_the_requests_no_set_took(monkeypatch):
     monkeypatch.setattr(decode, "build_decode_kernel", lambda *a, **kw: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     plan = SharedPrefixDecode(32, 32, 8, 128, B, 529, torch.float16, "cpu")
-    assert plan.fold == 16 and [plan.own_pass_long_requests(bs) for bs in (1, 16, 17, 32)] == [1, 4, 5, 8]
+    assert plan.fold == 8 and [plan.own_pass_long_requests(bs) for bs in (1, 16, 17, 32)] == [1, 4, 5, 8]
 
     def rule(batch):
         return plan_num_splits(batch, 32, 8, 128, B, 529, STAGES, 132, 512)

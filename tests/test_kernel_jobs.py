@@ -32,19 +32,19 @@ def test_model_jobs_do_not_depend_on_batch_or_context():
     assert {args[5] for kind, args in server if kind == "extend"} == {"n64", "n128"}
     assert [kind for kind, _ in J.model_jobs(9, 3, 64, "float16")] == ["pack", "loss", "loss"]  # GQA 3
     # Shared-prefix decode adds the own pass's kernel (a split floor of 4 blocks) and the shared pass's: the
-    # extend kernel's n64 tile over 64 // G folded requests (512 heads of 8 KV heads at G = 4, 128 of 2 at
+    # extend kernel's n32 tile over 32 // G folded requests (256 heads of 8 KV heads at G = 4, 64 of 2 at
     # G = 8), for the store's forms, split counts read from the GPU, for the store's K (both without the
     # extend kernel's own K setting).
     every = ("any", "any")
     shared = J.model_jobs(32, 8, 128, "float16", shared_decode_forms=every)
     assert shared[:4] == [("decode", (32, 8, 128, 64, "float16", 2)),
                           ("decode", (32, 8, 128, 64, "float16", 2, 512, 4)),
-                          ("extend", (512, 8, 128, 64, "float16", "n64", 2, False, every, True)),
-                          ("extend", (512, 8, 128, 64, "float16", "n64", 2, True, every, True))]  # fmt: skip
+                          ("extend", (256, 8, 128, 64, "float16", "n32", 2, False, every, True)),
+                          ("extend", (256, 8, 128, 64, "float16", "n32", 2, True, every, True))]  # fmt: skip
     assert J.model_jobs(16, 2, 64, "float16", shared_decode_forms=every)[2] == (
-        "extend", (128, 2, 64, 64, "float16", "n64", 2, False, every, True))  # fmt: skip
+        "extend", (64, 2, 64, 64, "float16", "n32", 2, False, every, True))  # fmt: skip
     ext = J.model_jobs(32, 8, 128, "bfloat16", extend_k_sparse=(True,), shared_decode_forms=("sparse", "sparse"))
-    assert ext[2] == ("extend", (512, 8, 128, 64, "bfloat16", "n64", 2, True, ("sparse", "sparse"), True))
+    assert ext[2] == ("extend", (256, 8, 128, 64, "bfloat16", "n32", 2, True, ("sparse", "sparse"), True))
     assert [kind for kind, _ in ext].count("decode") == 2 and ext[3][1][5:7] == ("n64", 2) and len(ext[3][1]) == 8
 
 
