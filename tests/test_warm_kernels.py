@@ -17,15 +17,16 @@ def test_model_shape_and_jobs(tmp_path):
     jobs = W.kernel_jobs(shape)
     kinds = [kind for kind, _ in jobs]
     # One decode kernel, two extend tiles (n64, n128) each with and without 2:4 K rows, the compressor;
-    # then shared-prefix decode's own pass (a split floor) and its shared pass for three settings' forms
-    # (dense K: no 2:4 K rows; 2:4 K: with them; any: both).
+    # then shared-prefix decode's own pass (a split floor) and its shared pass (the n32 tile) for three
+    # settings' forms (dense K: no 2:4 K rows; 2:4 K: with them; any: both).
     assert kinds == ["decode"] + ["extend"] * 4 + ["pack", "loss", "loss"] + ["decode"] + ["extend"] * 4
-    assert {args[5] for kind, args in jobs if kind == "extend"} == {"n64", "n128"}
+    assert {args[5] for kind, args in jobs[:8] if kind == "extend"} == {"n64", "n128"}
+    assert {args[5] for kind, args in jobs[8:] if kind == "extend"} == {"n32"}
     assert jobs[0] == ("decode", (16, 4, 128, 64, "bfloat16", 2))
     shared = [args for kind, args in jobs[8:] if kind == "extend"]
     assert [(args[7], args[8]) for args in shared] == [(False, ("dense", "sparse")), (True, ("sparse", "sparse")),
                                                        (False, ("any", "any")), (True, ("any", "any"))]
-    assert all(args[0] == 256 and args[-1] is True for args in shared)  # G = 4: 16 requests a set, 4 x 16 x 4 heads
+    assert all(args[0] == 128 and args[-1] is True for args in shared)  # G = 4: 8 requests a set, 4 x 8 x 4 heads
     smollm2 = {"q_heads": 9, "kv_heads": 3, "head_dim": 64, "dtype": "float16"}  # group 3: compressor only
     assert [kind for kind, _ in W.kernel_jobs(smollm2)] == ["pack", "loss", "loss"]
     with pytest.raises(SystemExit, match="does not divide"):
