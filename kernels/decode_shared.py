@@ -165,9 +165,9 @@ class StepTables:
     ``shared_lens [max_sets]``, the own pass's ``own_table [bs, W]`` and ``own_lens [bs]``, ``pick
     [bs]`` int32: the unfolded shared-pass row of each request (``set * fold + position``, ``-1``:
     none), and ``shared_splits [max_sets]`` int32: each set's split count (:func:`split_limits`; ones
-    until :meth:`SharedPrefixDecode.plan_step` sets it), and ``fold_requests [max_sets, Hkv * fold * G]``
-    int64: the request each folded query head reads (:meth:`SharedPrefixDecode.fold_requests`; set by
-    ``plan_step``, None from :func:`step_tables`). Each field's ``rows`` metadata says whether it has a
+    until :meth:`SharedPrefixDecode.plan_step` sets it), and ``fold_rows [max_sets, Hkv * fold * G]``
+    int64: the row of ``q.view(bs * Hq, D)`` each folded query head reads
+    (:meth:`SharedPrefixDecode.fold_rows`; set by ``plan_step``, None from :func:`step_tables`). Each field's ``rows`` metadata says whether it has a
     row per set or per request (a CUDA graph's buffers are viewed per batch size by it)."""
 
     members: torch.Tensor = field(metadata={"rows": "set"})
@@ -177,7 +177,7 @@ class StepTables:
     own_lens: torch.Tensor = field(metadata={"rows": "request"})
     pick: torch.Tensor = field(metadata={"rows": "request"})
     shared_splits: torch.Tensor = field(metadata={"rows": "set"})
-    fold_requests: torch.Tensor | None = field(default=None, metadata={"rows": "set"})
+    fold_rows: torch.Tensor | None = field(default=None, metadata={"rows": "set"})
 
 
 def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, fold: int, max_sets: int,
@@ -426,24 +426,25 @@ class SharedPrefixDecode:
             step = StepTables(**step_tables_fused(*args, **kw))
         else:
             step = step_tables_pytorch(*args, **kw)
-        step.fold_requests = self.fold_requests(step.members)
+        step.fold_rows = self.fold_rows(step.members)
         return step
 
-    def fold_requests(self, members: torch.Tensor) -> torch.Tensor:
-        """``[sets, Hkv * fold * G]`` int64: the request whose query head ``fold_heads`` gives each folded
-        head reads (member ``m`` of the set for columns ``m * G .. m * G + G - 1`` of every KV
-        head; padding members read request 0). Once per step, so that a layer's fold is one gather."""
+    def fold_rows(self, members: torch.Tensor) -> torch.Tensor:
+        """``[sets, Hkv * fold * G]`` int64: the row of ``q.view(bs * Hq, D)`` each folded head reads:
+        member ``m``'s query head ``fold_heads[c]`` for columns ``m * G .. m * G + G - 1`` of every KV
+        head (padding members read request 0). Once per step, so that a layer's fold is one
+        ``index_select`` (a two-tensor gather took 7-8 us a layer)."""
         sets, fold = members.shape
-        expanded = members.clamp(min=0)[:, None, :, None].expand(sets, self.kv_heads, fold, self.group)
-        return expanded.reshape(sets, self.kv_heads * fold * self.group)
+        requests = members.clamp(min=0).long()[:, None, :, None].expand(sets, self.kv_heads, fold, self.group)
+        return requests.reshape(sets, self.kv_heads * fold * self.group) * self.q_heads + self.fold_heads
 
-    def fold_queries(self, q: torch.Tensor, members: torch.Tensor,
-                     requests: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def fold_queries(self, q: torch.Tensor, members: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``q [bs, Hq, D]`` -> ``[sets, Hkv * fold * G, D]``: column set ``s``'s KV head ``h`` holds the G
-        query heads of ``h`` of each member in turn (padding members read request 0); one gather, given
-        the step's :meth:`fold_requests` of ``members``."""
-        requests = self.fold_requests(members) if requests is None else requests
-        return q[requests, self.fold_heads]
+        query heads of ``h`` of each member in turn (padding members read request 0); one
+        ``index_select``, given the step's :meth:`fold_rows` of ``members``."""
+        rows = self.fold_rows(members) if rows is None else rows
+        head_dim = q.shape[-1]
+        return q.reshape(-1, head_dim).index_select(0, rows.reshape(-1)).view(*rows.shape, head_dim)
 
     def unfold(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`fold_queries`' head layout for ``[sets, Hkv*fold*G, ...]`` -> ``[sets*fold, Hq, ...]``."""
@@ -459,8 +460,8 @@ class SharedPrefixDecode:
         sets = self.sets_for(q.shape[0])  # the rows that can hold a set: a static shape per batch size
         if sets == 0:  # no sets: the own tables are the whole tables
             return self.per_request_plan.run(q, *kv, step.own_table, step.own_lens, sm_scale)
-        requests = None if step.fold_requests is None else step.fold_requests[:sets]
-        folded = self.fold_queries(q, step.members[:sets], requests)
+        rows = None if step.fold_rows is None else step.fold_rows[:sets]
+        folded = self.fold_queries(q, step.members[:sets], rows)
 
         def shared_pass():
             return self.shared_plan.run(folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], sm_scale,

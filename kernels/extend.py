@@ -220,7 +220,7 @@ class HieraSparseExtend:
         if dynamic_splits and num_splits is None:
             raise ValueError("dynamic splits need num_splits, the grid's split count")
         group = q_heads // kv_heads
-        if group not in (1, 2, 4, 8, 16, 32, 64):  # 32 and 64: shared-prefix decode's folded column sets
+        if group not in (1, 2, 4, 8, 16, 32, 64):  # 32: the shared pass's folded column sets
             raise ValueError(f"GQA group {group} is not supported")
         if tile != "auto" and tile not in TILE_SHAPES:
             raise ValueError(f"tile must be 'auto' or one of {sorted(TILE_SHAPES)}")

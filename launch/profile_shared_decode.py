@@ -57,7 +57,7 @@ def benchmark_shape() -> dict:
     plan = SharedPrefixDecode(BATCH, 32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", forms=FORMS)
     step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
     sets = plan.sets_for(BATCH)
-    folded = plan.fold_queries(q, step.members[:sets], step.fold_requests[:sets])
+    folded = plan.fold_queries(q, step.members[:sets], step.fold_rows[:sets])
     table, lens = step.shared_table[:sets], step.shared_lens[:sets]
     fns = {
         "all": lambda: plan.run(q, *kv, step, scale),
@@ -65,7 +65,7 @@ def benchmark_shape() -> dict:
             lambda: plan.shared_plan.run(folded, *kv, table, lens, scale, return_lse=True,
                                          split_limit=step.shared_splits[:sets]),
         "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True),
-        "query fold": lambda: plan.fold_queries(q, step.members[:sets], step.fold_requests[:sets]),
+        "query fold": lambda: plan.fold_queries(q, step.members[:sets], step.fold_rows[:sets]),
         "step tables": lambda: plan.plan_step(bt, sl, ki, vi, min_own_blocks=1),
         "step tables, PyTorch form": lambda: plan.plan_step(bt, sl, ki, vi, pytorch=True, min_own_blocks=1),
     }  # fmt: skip
@@ -137,7 +137,7 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
                "shared-prefix decode": lambda: plan.run(q, *kv, step, scale),
                "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True)}
         if sets:
-            folded = plan.fold_queries(q, step.members[:sets], step.fold_requests[:sets])
+            folded = plan.fold_queries(q, step.members[:sets], step.fold_rows[:sets])
             table, lens = step.shared_table[:sets], step.shared_lens[:sets]
             fns[f"shared pass (the step's {int(step.shared_splits[0])} splits)"] = (
                 lambda: plan.shared_plan.run(folded, *kv, table, lens, scale, return_lse=True,
@@ -221,7 +221,7 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
         # The parts: the own pass alone, the query fold, the shared pass alone at the plan's split counts
         # and at fixed counts.
         sets = after.sets_for(bs)
-        folded = after.fold_queries(q, step.members[:sets], step.fold_requests[:sets])
+        folded = after.fold_queries(q, step.members[:sets], step.fold_rows[:sets])
         fns["own pass alone"] = lambda step=step, q=q, kv=kv: after.own_plan.run(q, *kv, step.own_table, step.own_lens,
                                                                                 scale, return_lse=True)  # fmt: skip
         for d, plan in by_divisor.items():
@@ -229,7 +229,7 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
                 lambda plan=plan, step=step, q=q, kv=kv: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale,
                                                                            return_lse=True))  # fmt: skip
         fns["query fold"] = lambda step=step, q=q, sets=sets: after.fold_queries(q, step.members[:sets],
-                                                                                 step.fold_requests[:sets])
+                                                                                 step.fold_rows[:sets])
         fns["shared pass alone, plan splits"] = lambda step=step, folded=folded, kv=kv, sets=sets: after.shared_plan.run(
             folded, *kv, step.shared_table[:sets], step.shared_lens[:sets], scale, return_lse=True,
             split_limit=step.shared_splits[:sets])
@@ -252,7 +252,7 @@ def ncu_launches(group_sizes=(6, 5, 5), splits: int = 8) -> dict:
     plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
     step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1)
     sets = plan.sets_for(len(prefix_of))
-    folded = plan.fold_queries(q, step.members[:sets], step.fold_requests[:sets])
+    folded = plan.fold_queries(q, step.members[:sets], step.fold_rows[:sets])
     times = {}
     runs = {"shared pass": _shared_pass_at(splits, folded, kv, step.shared_table[:sets], step.shared_lens[:sets], scale,
                                            SERVER_WIDTH),
