@@ -167,8 +167,9 @@ class StepTables:
     none), and ``shared_splits [max_sets]`` int32: each set's split count (:func:`split_limits`; ones
     until :meth:`SharedPrefixDecode.plan_step` sets it), and ``fold_rows [max_sets, Hkv * fold * G]``
     int64: the row of ``q.view(bs * Hq, D)`` each folded query head reads
-    (:meth:`SharedPrefixDecode.fold_rows`; set by ``plan_step``, None from :func:`step_tables`). Each field's ``rows`` metadata says whether it has a
-    row per set or per request (a CUDA graph's buffers are viewed per batch size by it)."""
+    (:meth:`SharedPrefixDecode.fold_rows`; set by ``plan_step``, None from :func:`step_tables`). Each
+    field's ``rows`` metadata says whether it has a row per set or per request (a CUDA graph's buffers
+    are viewed per batch size by it)."""
 
     members: torch.Tensor = field(metadata={"rows": "set"})
     shared_table: torch.Tensor = field(metadata={"rows": "set"})

@@ -136,11 +136,12 @@ def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         raise ValueError(f"tile {tile!r} builds with stages in {STAGES[tile]}, got {stages}")
     from sglang_hs.kernels.extend_common import ExtendParts
 
-    if tile in ("n32", "n64"):
-        from sglang_hs.kernels.extend_overlap import OverlapSchedule as Schedule
-    else:
+    producer = tile == "n128"  # n128: a producer warpgroup; n64 and n32: the overlap schedule
+    if producer:
         from sglang_hs.kernels.extend_producer import ProducerSchedule as Schedule
-    parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, producer=tile == "n128",
+    else:
+        from sglang_hs.kernels.extend_overlap import OverlapSchedule as Schedule
+    parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, producer=producer,
                         forms=tuple(forms), dynamic_splits=dynamic_splits)
     return parts.prim_func(Schedule(parts))
 
