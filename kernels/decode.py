@@ -459,8 +459,7 @@ class HieraSparseDecode:
     so CUDA graphs captured at different batch sizes keep valid addresses. A larger batch grows the
     scratch while no CUDA graph has captured the plan, and runs in chunks of ``batch_size`` after.
     ``num_splits`` forces the split count (else :func:`plan_num_splits` per call shape, on
-    ``num_sms`` SMs: this GPU's by default); ``plan_batch`` maps a call's request count to the count
-    the rule plans for (a batch where only some requests are long wants the splits of that many).
+    ``num_sms`` SMs: this GPU's by default).
     ``block_lse``: also keep scratch for :meth:`run`'s per-block LSE (the decode modes' anchor layers).
     ``min_split_blocks``: the kernel's floor of blocks a split (:func:`build_decode_prim_func`). One
     call at a time per plan.
@@ -469,7 +468,7 @@ class HieraSparseDecode:
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None, stages: int = STAGES,
                  num_sms: int | None = None, split_capacity: int = SPLIT_CAPACITY,
-                 plan_batch: Callable[[int], int] | None = None, block_lse: bool = False,
+                 block_lse: bool = False,
                  min_split_blocks: int = 1):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         self.q_heads, self.kv_heads = q_heads, kv_heads
@@ -480,7 +479,6 @@ class HieraSparseDecode:
             raise ValueError(f"num_splits={num_splits} < {min_splits(max_blocks, split_capacity)}: a split walks at "
                              f"most {split_capacity} of the {max_blocks} blocks")
         self.forced_splits = num_splits
-        self.plan_batch = plan_batch
         if num_sms is None and num_splits is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = num_sms
@@ -499,13 +497,11 @@ class HieraSparseDecode:
         """The split count of a call of ``batch`` requests over a block table ``width`` wide."""
         if self.forced_splits is not None:
             return self.forced_splits
-        if self.plan_batch is not None:
-            batch = self.plan_batch(batch)
         return self.rule_splits(batch, width)
 
     def rule_splits(self, batch: int, width: int) -> int:
-        """:func:`plan_num_splits` for this plan's kernel at ``batch`` requests, neither forced nor
-        mapped by ``plan_batch`` (what a call of that many live requests would want)."""
+        """:func:`plan_num_splits` for this plan's kernel at ``batch`` requests, not forced (what a call
+        of that many live requests would want)."""
         return plan_num_splits(batch, self.q_heads, self.kv_heads, self.head_dim, self.block_size, width,
                                self.stages, self.num_sms, self.split_capacity)
 

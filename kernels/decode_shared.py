@@ -55,14 +55,11 @@ from sglang_hs.kernels.shared_pass_extend import SHARED_COLUMNS, SHARED_TILE
 OWN_MIN_SPLIT_BLOCKS = 4
 """The own pass's floor of blocks a split (``HieraSparseDecode(min_split_blocks=...)``): its requests
 mostly read a short tail (a dense sink and window, the question, generated tokens), which a split
-count planned for long requests would spread one block a CTA; measured in ``docs/results.md``."""
-OWN_SPLIT_DIVISOR = 4
-"""The own pass plans its split count for ``ceil(bs / OWN_SPLIT_DIVISOR)`` long requests (8 splits at
-16 requests of 32K on 132 SMs). Session 34 measured this rule when the fold was 4; from session 42 the
-n64 shared pass folds 16 requests, and planning for ``ceil(bs / fold)`` gave the own pass 32 splits at
-16 requests: 4,096 CTAs, most of them past their request's few blocks (the own pass alone took 27-43
-us a layer on an H200, ``bench_decode_shared_parts_s44_h200.log``); at this divisor the whole call
-took 6.4-8.5 us less than at 16 over six batches of uneven groups (``bench_decode_shared_splits_s45_h200.log``)."""
+count planned for long requests would spread one block a CTA; measured in ``docs/results.md``. Its
+split count is the per-request rule's for the whole batch: since requests alone on a long prefix join
+the shared pass as sets of one, planning for fewer requests (more splits) only added CTAs past their
+request's tail (``ceil(bs / 4)``, the rule until session 46: 7-10 us a layer slower at 16 requests on
+an H200, ``bench_decode_shared_splits_s46_h200.log``)."""
 LONE_MIN_BLOCKS = 64
 """A request alone on its prefix joins the shared pass as a set of one from this many blocks to share
 (4K tokens at 64-token blocks; :func:`step_tables`' ``lone_min_blocks``). A set of one costs a set row
@@ -361,7 +358,6 @@ class SharedPrefixDecode:
             plans = (ExtendSharedPass(self.max_sets, shared_heads(q_heads, kv_heads), kv_heads, head_dim, block_size,
                                       max_blocks, dtype, device, num_splits=splits, forms=self.forms),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype, device,
-                                       plan_batch=self.own_pass_long_requests,
                                        min_split_blocks=OWN_MIN_SPLIT_BLOCKS),
                      HieraSparseDecode(batch_size, q_heads, kv_heads, head_dim, block_size, max_blocks, dtype,
                                        device))  # fmt: skip
@@ -376,15 +372,6 @@ class SharedPrefixDecode:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             by_sets = [shared_splits or self.shared_plan.rule_splits(max(n, 1), sms) for n in range(self.max_sets + 1)]
         self.splits_by_sets = torch.tensor(by_sets, dtype=torch.int32, device=device)
-
-    def own_pass_long_requests(self, bs: int) -> int:
-        """The requests the own pass's split count is planned for, in a call of ``bs``: most of them read
-        only a short tail there, a few (those no column set took) their whole prefix. Planning for all
-        ``bs`` gave those few the splits of a full batch (2 at 16 requests of 32K: 265 blocks walked by
-        one CTA, longer than the whole shared pass); planning for ``ceil(bs / OWN_SPLIT_DIVISOR)``
-        (:data:`OWN_SPLIT_DIVISOR`) gives them more, and a batch where every request is long still fills
-        the GPU in whole waves."""
-        return max(1, -(-bs // OWN_SPLIT_DIVISOR))
 
     def sets_for(self, bs: int) -> int:
         """Column sets a call of ``bs`` requests can have: a group of ``s >= 2`` members makes at most

@@ -14,9 +14,8 @@ long prompts prefill), with the shared pass also at 2, 4, 8 and 16 splits; ``--c
 requests whose prefixes keep a dense window after every 8K chunk, as a prefix cached by chunked prefill
 does; ``--splits``: uneven groups with requests alone on their prefix (16 and 32 requests), the whole
 call at the plan's split counts and with every set at a fixed count, lone requests as column sets or in
-the own pass, the own pass after the shared pass instead of beside it, the own pass planned for
-ceil(bs / d) requests (d = 1, 2, 8; ``OWN_SPLIT_DIVISOR`` is 4), and the shared pass alone at fixed split
-counts; ``--ncu``: eager launches
+the own pass, the own pass after the shared pass instead of beside it, and the shared pass alone at
+fixed split counts; ``--ncu``: eager launches
 of the shared pass and of the own pass for Nsight Compute (``ncu -k regex:hs_extend_shared --section
 WarpStateStats ...``: stall reasons). ``docs/results.md`` quotes them.
 """
@@ -189,14 +188,6 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
                                         shared_splits=splits)
              for splits in splits_options}  # fmt: skip
     after = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS, overlap=False)
-    # The own pass planned for ceil(bs / d) requests instead of ceil(bs / OWN_SPLIT_DIVISOR): fewer splits
-    # (d = 1, 2: a smaller grid, fewer CTAs past their request's blocks) or more (d = 8).
-    by_divisor = {}
-    for d in (1, 2, 8):
-        by_divisor[d] = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
-        by_divisor[d].own_plan = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
-                                                   plan_batch=lambda bs, d=d: max(1, -(-bs // d)),
-                                                   min_split_blocks=OWN_MIN_SPLIT_BLOCKS)  # fmt: skip
     base = _server_case(max(len(sizes) for sizes in group_sizes))
     paged = paged_dense(base)
     for sizes in group_sizes:
@@ -215,19 +206,12 @@ def _server_splits(group_sizes, splits_options=(None, 4, 6, 8, 11, 16)):
                     lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
         step = after.plan_step(bt, sl, ki, vi, min_own_blocks=1)
         fns["lone as sets, plan splits, own pass after"] = lambda step=step, q=q, kv=kv: after.run(q, *kv, step, scale)
-        for d, plan in by_divisor.items():
-            fns[f"lone as sets, plan splits, own pass for ceil(bs / {d}) requests"] = (
-                lambda plan=plan, step=step, q=q, kv=kv: plan.run(q, *kv, step, scale))
         # The parts: the own pass alone, the query fold, the shared pass alone at the plan's split counts
         # and at fixed counts.
         sets = after.sets_for(bs)
         folded = after.fold_queries(q, step.members[:sets], step.fold_rows[:sets])
         fns["own pass alone"] = lambda step=step, q=q, kv=kv: after.own_plan.run(q, *kv, step.own_table, step.own_lens,
                                                                                 scale, return_lse=True)  # fmt: skip
-        for d, plan in by_divisor.items():
-            fns[f"own pass alone, for ceil(bs / {d}) requests"] = (
-                lambda plan=plan, step=step, q=q, kv=kv: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale,
-                                                                           return_lse=True))  # fmt: skip
         fns["query fold"] = lambda step=step, q=q, sets=sets: after.fold_queries(q, step.members[:sets],
                                                                                  step.fold_rows[:sets])
         fns["shared pass alone, plan splits"] = lambda step=step, folded=folded, kv=kv, sets=sets: after.shared_plan.run(
