@@ -47,6 +47,14 @@ def ctas_per_sm(head_dim: int, block_size: int, forms: tuple[str, str]) -> int:
     return max(1, min(SMEM_PER_SM // per_cta, SHARED_REGISTER_CTAS))
 
 
+SPLIT_WAVE_CTAS = 2
+"""CTAs an SM that :meth:`ExtendSharedPass.rule_splits` fills in one wave, though three fit. On an H100
+at the server's shape, 5 live sets took 174.8 us at 6 splits against 186.1 at 8, and 6 sets 178.3-205.0
+at 4-6 against 186.8-210.7 at 8 (``bench_decode_shared_splits_s46_h100.log``); at the benchmark shape
+the shared pass took 182.1 us at 4 splits against 193.3 at 8. On an H200 the same batches were within
+11 us either way (``bench_decode_shared_splits_s46_h200.log``). With this rule (6 splits at 5 sets, 5
+at 6) the H100 benchmark shape went from 212.4 to 198.3 us (``bench_decode_shared_kernelbench_s46_h100.log``)."""
+
 SHARED_SPLITS = 8
 """The grid's splits per (set row, KV head), and the most a set uses: each step's live sets use
 :meth:`ExtendSharedPass.rule_splits` of them, read on the GPU (the host does not know how many of a
@@ -106,4 +114,5 @@ class ExtendSharedPass:
     def rule_splits(self, sets: int, num_sms: int) -> int:
         """Splits per live set at ``sets`` live sets: the most that keep every CTA in one wave (the pass
         is bound by each SM's block steps, so a second wave only adds a tail), at most the grid's."""
-        return max(1, min(self.num_splits, num_sms * self.ctas_per_sm // max(1, sets * self.kv_heads)))
+        wave = num_sms * min(self.ctas_per_sm, SPLIT_WAVE_CTAS)
+        return max(1, min(self.num_splits, wave // max(1, sets * self.kv_heads)))

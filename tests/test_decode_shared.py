@@ -752,9 +752,10 @@ def test_split_limits_follow_the_sets_with_blocks_to_share():
 
 def test_the_shared_pass_plans_splits_for_the_sets_a_step_has(monkeypatch):
     """CPU (kernels stubbed): the shared pass's grid holds 8 splits per set row and its table of split
-    counts by live sets keeps them in one wave of three CTAs an SM, at most 8: at the regime-1 server's
-    shape on 132 SMs, 8 splits for up to 6 sets, 7 at 7, 6 at 8, 3 at 16 (measured on an H200: 3 to 6
-    sets were fastest at 8 splits or within 4 us of it, against up to 60 us slower at 11 and 16)."""
+    counts by live sets keeps them in one wave of two CTAs an SM (SPLIT_WAVE_CTAS, though three fit),
+    at most 8: at the regime-1 server's shape on 132 SMs, 8 splits for up to 4 sets, 6 at 5, 5 at 6, 2
+    at 16 (measured on an H100: 5 and 6 sets 8-12 us faster at 5-6 splits than at 8; 3 sets fastest at
+    8, against up to 60 us slower at 11 and 16)."""
     from types import SimpleNamespace
 
     from sglang_hs.kernels import decode
@@ -763,8 +764,8 @@ def test_the_shared_pass_plans_splits_for_the_sets_a_step_has(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     plan = SharedPrefixDecode(32, 32, 8, 128, B, 529, torch.bfloat16, "cpu", forms=("sparse", "sparse"))
     by_sets = plan.splits_by_sets.tolist()
-    assert len(by_sets) == plan.max_sets + 1 == 17 and by_sets[:7] == [8] * 7  # (0 sets: never launched)
-    assert by_sets[7:9] == [7, 6] and by_sets[16] == 3
+    assert len(by_sets) == plan.max_sets + 1 == 17 and by_sets[:5] == [8] * 5  # (0 sets: never launched)
+    assert by_sets[5:9] == [6, 5, 4, 4] and by_sets[16] == 2
     assert plan.shared_plan.num_splits == 8
 
 
