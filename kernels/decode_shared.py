@@ -161,8 +161,8 @@ class StepTables:
     ``members [max_sets, fold]`` (``-1`` pads), the shared pass's ``shared_table [max_sets, W]`` and
     ``shared_lens [max_sets]``, the own pass's ``own_table [bs, W]`` and ``own_lens [bs]``, ``pick
     [bs]`` int32: the unfolded shared-pass row of each request (``set * fold + position``, ``-1``:
-    none), and ``shared_splits [max_sets]`` int32: each set's split count (:func:`split_limits`; ones
-    until :meth:`SharedPrefixDecode.plan_step` sets it), and ``fold_rows [max_sets, Hkv * fold * G]``
+    none), and ``shared_splits [max_sets]`` int32: each set's split count, 0 for an empty set
+    (:func:`split_limits`; 1 for the others from :func:`step_tables` alone), and ``fold_rows [max_sets, Hkv * fold * G]``
     int64: the row of ``q.view(bs * Hq, D)`` each folded query head reads
     (:meth:`SharedPrefixDecode.fold_rows`; set by ``plan_step``, None from :func:`step_tables`). Each
     field's ``rows`` metadata says whether it has a row per set or per request (a CUDA graph's buffers
@@ -248,7 +248,7 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
         own_table=_pack(block_table, ~take),
         own_lens=(lens - take.sum(1) * block_size).to(torch.int32),
         pick=torch.where(eligible, flat, -1).to(torch.int32),
-        shared_splits=torch.ones(max_sets, dtype=torch.int32, device=device),
+        shared_splits=(shared_blocks > 0).to(torch.int32),  # 0: an empty set, skipped by the shared pass
     )
 
 
@@ -268,9 +268,11 @@ def step_tables_pytorch(block_table: torch.Tensor, seq_lens: torch.Tensor, block
 
 def split_limits(shared_lens: torch.Tensor, by_sets: torch.Tensor, cap: int) -> torch.Tensor:
     """``[sets]`` int32, every set's split count for a step: ``by_sets[n]`` for the ``n`` sets with
-    blocks to share (a GPU gather, no host synchronisation), at most ``cap`` (the launch's grid)."""
-    real = (shared_lens > 0).sum().view(1)
-    return by_sets.index_select(0, real).clamp(max=cap).to(torch.int32).expand(shared_lens.shape[0]).contiguous()
+    blocks to share (a GPU gather, no host synchronisation), at most ``cap`` (the launch's grid), and 0
+    for a set with none (the shared pass skips it; once a step here, not once a layer there)."""
+    live = shared_lens > 0
+    limit = by_sets.index_select(0, live.sum().view(1)).clamp(max=cap).to(torch.int32)
+    return torch.where(live, limit, 0).to(torch.int32)
 
 
 def _pack(block_table: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -149,12 +149,14 @@ def _set_kernel(table_ptr, table_s0, lens_ptr, by_sets_ptr, bs, block_size, fold
     tl.store(own_lens_ptr + i, lens - tl.where(eligible, shared, 0) * block_size, mask=live)
     tl.store(pick_ptr + i, tl.where(eligible, flat, -1), mask=live)
     s = tl.arange(0, MS)
-    if SPLITS:  # every set's split count: the rule's for the sets that have blocks to share
-        real = tl.sum(tl.where(eligible & (slot == 0), 1, 0), axis=0)
+    first_of_set = eligible & (slot == 0)  # the request that wrote its set's shared_lens
+    live_set = tl.sum(tl.where(first_of_set[None, :] & (set_id[None, :] == s[:, None]), 1, 0), axis=1) > 0
+    if SPLITS:  # every set's split count: the rule's for the sets that have blocks to share, 0 for the others
+        real = tl.sum(tl.where(first_of_set, 1, 0), axis=0)
         splits = tl.minimum(tl.load(by_sets_ptr + real), split_cap)
-        tl.store(splits_ptr + s, tl.zeros([MS], tl.int32) + splits, mask=s < max_sets)
     else:
-        tl.store(splits_ptr + s, tl.zeros([MS], tl.int32) + 1, mask=s < max_sets)
+        splits = 1
+    tl.store(splits_ptr + s, tl.where(live_set, splits, 0).to(tl.int32), mask=s < max_sets)
 
 
 @_jit

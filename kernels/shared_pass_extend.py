@@ -97,17 +97,16 @@ class ExtendSharedPass:
             sm_scale: float, out: torch.Tensor | None = None, return_lse: bool = False,
             split_limit: torch.Tensor | None = None):  # fmt: skip
         """``q [sets, heads, D]`` (folded), ``block_table [sets, W]`` (shared blocks), ``seq_lens [sets]``
-        (shared tokens, 0 for an empty set); ``split_limit [sets]``: each set's splits (at most the
-        plan's ``num_splits``; all of them if None)."""
+        (shared tokens, 0 for an empty set); ``split_limit [sets]``: each set's splits, at most the
+        plan's ``num_splits`` and 0 for an empty set (the step tables' ``shared_splits``); if None, all
+        of them for every set with tokens."""
         sets = q.shape[0]
         if sets > self.batch_size:
             raise ValueError(f"{sets} set rows > the plan's {self.batch_size}")
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             self.captured = True
-        if split_limit is None:
-            split_limit = torch.full((sets,), self.num_splits, dtype=torch.int32, device=q.device)
-        # An empty set (limit 0) is skipped; its rows of out are never merged.
-        split_limit = torch.where(seq_lens > 0, split_limit, 0)
+        if split_limit is None:  # an empty set (limit 0) is skipped; its rows of out are never merged
+            split_limit = torch.where(seq_lens > 0, self.num_splits, 0).to(torch.int32)
         return self.extend.run(q, self.indptr[: sets + 1], k_cache, v_cache, pools, k_index, v_index, block_table,
                                seq_lens, sm_scale, out=out, return_lse=return_lse, split_limit=split_limit)  # fmt: skip
 

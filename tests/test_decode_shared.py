@@ -486,6 +486,7 @@ def _fused_tables_match(device: str, cases_: list[tuple]) -> int:
         for name in ("members", "shared_table", "shared_lens", "own_table", "own_lens", "pick", "shared_splits"):
             a, b = getattr(want, name), got[name]
             assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), (name, seed, bs, fold, forms)
+        assert torch.equal(want.shared_splits > 0, want.shared_lens > 0)  # an empty set is skipped
         grouped += int((want.pick >= 0).sum())
     return grouped
 
@@ -738,16 +739,17 @@ def test_a_dense_window_inside_the_shared_prefix_matches_reference_on_the_gpu():
 
 
 def test_split_limits_follow_the_sets_with_blocks_to_share():
-    """CPU: every set of a step gets the split count of the number of sets that have blocks to share
-    (a gather on the device), at most the launch's grid."""
+    """CPU: every set of a step that has blocks to share gets the split count of the number of such sets
+    (a gather on the device), at most the launch's grid; an empty set gets 0 (the shared pass skips it)."""
     from sglang_hs.kernels.decode_shared import split_limits
 
     by_sets = torch.tensor([1, 16, 16, 16, 16, 13, 11, 9, 8], dtype=torch.int32)
     lens = torch.tensor([512, 512, 0, 320, 0, 0, 0, 0], dtype=torch.int32) * B
-    assert split_limits(lens, by_sets, 16).tolist() == [16] * 8  # 3 sets with blocks
-    assert split_limits(lens, by_sets, 12).tolist() == [12] * 8  # the grid holds 12
+    assert split_limits(lens, by_sets, 16).tolist() == [16, 16, 0, 16, 0, 0, 0, 0]  # 3 sets with blocks
+    assert split_limits(lens, by_sets, 12).tolist() == [12, 12, 0, 12, 0, 0, 0, 0]  # the grid holds 12
     lens[4:] = B  # 7 sets with blocks
-    assert split_limits(lens, by_sets, 16).tolist() == [9] * 8 and split_limits(lens, by_sets, 16).dtype == torch.int32
+    assert split_limits(lens, by_sets, 16).tolist() == [9, 9, 0, 9, 9, 9, 9, 9]
+    assert split_limits(lens, by_sets, 16).dtype == torch.int32
 
 
 def test_the_shared_pass_plans_splits_for_the_sets_a_step_has(monkeypatch):
