@@ -17,9 +17,7 @@ split in two passes over disjoint KV, merged by log-sum-exp:
   compressed block one form per operand (:func:`compressed_forms`) the shared pass takes only the
   shared blocks of that form and the kernel's stages hold just that form (smaller stages, three CTAs
   an SM); dense sinks and windows (one after every chunk of a prefix cached through chunked
-  prefill) then go to the own pass. (Until session 42 the shared pass ran on the decode kernel, 16
-  columns a CTA: a prefix read by 16 requests was stepped through four times, and at the server's
-  shape the whole call took 1.09-1.29x longer than on the extend kernel; ``docs/kernels.md``.)
+  prefill) then go to the own pass.
 * **Own pass.** Every request then attends to the blocks its set's shared pass did not take (its
   question, its generated tokens, dense sinks and windows) with the model's own decode kernel, built
   with a floor of blocks a split (its requests mostly read a short tail). A request alone on a long
@@ -39,7 +37,8 @@ equal for all of them, full blocks only. Every tensor has a shape fixed by the b
 column sets, padded with empty sets) and nothing is read back to the host, so a step can be captured
 in a CUDA graph. Calls of fewer than :data:`MIN_SHARED_BATCH` requests form no sets and run the
 per-request kernel. ``sglang_hs.reference.paged_attention`` over each request's whole block table is
-the oracle (``tests/test_decode_shared.py``).
+the oracle (``tests/test_decode_shared.py``). The plan's rules (the constants below) and the
+measurements behind them: ``docs/kernels.md``, "Shared-prefix decode: the plan's rules".
 """
 
 from __future__ import annotations
@@ -53,29 +52,24 @@ from sglang_hs.kernels.common import ANY_FORMS
 from sglang_hs.kernels.shared_pass_extend import SHARED_COLUMNS, SHARED_TILE
 
 OWN_MIN_SPLIT_BLOCKS = 4
-"""The own pass's floor of blocks a split (``HieraSparseDecode(min_split_blocks=...)``): its requests
+"""The own pass's floor of blocks a split (``HieraSparseDecode(min_split_blocks=...)``). Its requests
 mostly read a short tail (a dense sink and window, the question, generated tokens), which a split
-count planned for long requests would spread one block a CTA; measured in ``docs/results.md``. Its
-split count is the per-request rule's for the whole batch: since requests alone on a long prefix join
-the shared pass as sets of one, planning for fewer requests (more splits) only added CTAs past their
-request's tail (``ceil(bs / 4)``, the rule until session 46: 7-10 us a layer slower at 16 requests on
-an H200, ``bench_decode_shared_splits_s46_h200.log``)."""
+count planned for long requests would spread one block a CTA. Its split count is the per-request
+rule's for the whole batch: requests alone on a long prefix are sets of one, so more splits would
+only add CTAs past their request's tail."""
 LONE_MIN_BLOCKS = 64
 """A request alone on its prefix joins the shared pass as a set of one from this many blocks to share
-(4K tokens at 64-token blocks; :func:`step_tables`' ``lone_min_blocks``). A set of one costs a set row
-whatever it holds, so short requests stay in the own pass; the threshold itself is not measured (the
-regime-1 requests it was made for hold about 500 blocks). With the extend kernel's pass a set of one
-beat the own pass in all four batches with lone requests (H100, session 42: 192-227 against 216-279 us)."""
+(4K tokens at 64-token blocks; :func:`step_tables`' ``lone_min_blocks``): in the own pass its whole
+prefix would be the one long read that pass waits for, while a set of one costs a set row whatever
+it holds, so short requests stay in the own pass (the threshold itself is not tuned)."""
 SHARED_MAX_PARTS = 512
 """The shared pass's scratch, in (set, split) partials: a server's plan for 256 requests has 128 set
 rows, which at 8 splits would take 134 MB of fp32 partials at Llama-8B's 512 folded heads; such a
 call gets fewer splits (a batch that large has many sets)."""
 MIN_SHARED_BATCH = 8
-"""Calls of fewer requests run the per-request kernel: the shared pass costs 90-150 us whatever it
-shares, and below 8 requests it lost to the per-request kernel at the regime-1 server's shape on an
-H200 even when every request shared one prefix (2 requests: 161 against 60 us, 4: 116 against 104; 8:
-120 against 195; ``bench_decode_shared_batches_h200.log``). Measured with session 41's decode-kernel
-shared pass; ``profile_shared_decode --batches`` times the extend kernel's."""
+"""Calls of fewer requests run the per-request kernel: the shared pass has a fixed cost (about 100 us
+a layer) that a small batch's shared reads do not pay back, even when every request shares one
+prefix."""
 
 def fold_of(q_heads: int, kv_heads: int) -> int:
     """Requests per column set for a model's GQA group (1 when the group fills the shared pass's
@@ -194,11 +188,9 @@ def step_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     entered the radix tree in chunks (chunked prefill) keeps a dense window at the end of every chunk,
     so its compressed blocks come in runs with dense blocks between them: all of those runs are shared.
     Members are cut, in batch order, into column sets of ``fold``; a group's remainder of one is a set
-    too (left to the own pass, it read its whole prefix there, after the shared pass: session 40's
-    ``--columns`` timing of commit 860b2b4, 3 prefixes, 16 requests). A request alone on its prefix becomes a set of
-    its own, numbered after every group's sets, when it has at least ``lone_min_blocks`` blocks to
-    take and the batch has a group (the shared pass runs anyway; in the own pass its whole prefix is
-    the one long read the pass waits for: 140 us of a layer's 306 in session 41's regime-1 trace); with
+    too (in the own pass it would read its whole prefix after the shared pass). A request alone on
+    its prefix becomes a set of its own, numbered after every group's sets, when it has at least
+    ``lone_min_blocks`` blocks to take and the batch has a group (the shared pass runs anyway); with
     ``lone_min_blocks=None``, or no group in the batch, it stays out. A group with fewer than
     ``min_shared_blocks`` blocks to share and sets beyond ``max_sets`` stay out too (their requests read
     everything in the own pass), and so does a request with fewer than ``min_shared_blocks`` full
@@ -330,9 +322,7 @@ class SharedPrefixDecode:
     over the whole batch.
     ``overlap``: the own pass runs on a side stream (joined before the merge, and captured with the
     step by a CUDA graph), so its CTAs fill the SMs the shared pass leaves idle instead of starting
-    after it (GPU plans only; 243.5 against 253.5 us a layer at 16 requests over 5 prefixes on an
-    H200, ``bench_decode_shared_overlap_s42_h200.log``; enqueuing the shared pass first instead made
-    no measurable difference, ``bench_decode_shared_splits_s45_h200.log``).
+    after it (GPU plans only).
     ``plans`` (tests): a ``(shared, own[, per_request])`` tuple of objects with ``HieraSparseDecode.run``'s
     signature (``return_lse`` and ``split_limit`` included) to use instead of building the kernels (the
     per-request one defaults to the own one); the merge then runs in PyTorch."""
@@ -381,9 +371,8 @@ class SharedPrefixDecode:
         fold of 2 a group of 3 makes 2, and a set past the rows falls back to the own pass);
         :func:`step_tables` numbers sets from 0. The shared pass runs over that many rows, not over the
         ``max_sets`` of the largest captured batch, and its grid's split count is cut to the scratch
-        for them. A call of fewer than :data:`MIN_SHARED_BATCH` requests has none (a
-        server's batch is small while long prompts prefill: a batch of one paid an empty shared pass
-        of 106 us a layer on an H200, more than the request's whole attention, 46 us)."""
+        for them. A call of fewer than :data:`MIN_SHARED_BATCH` requests has none (a server's batch
+        is small while long prompts prefill)."""
         return 0 if bs < MIN_SHARED_BATCH else min(self.max_sets, bs // 2)
 
     @property

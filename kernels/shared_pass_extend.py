@@ -9,15 +9,8 @@ a token at the last position of ``seq_len`` keys sees all of them, so no mask ap
 split count is read on the GPU (the kernel's ``dynamic_splits``); an empty set gets 0, its CTAs exit
 at once and its output rows are never written (nor merged).
 
-It replaced a shared pass on the decode kernel (16 columns a CTA, so a prefix read by 16 requests
-was stepped through four times, with three CTA barriers a block step): at the regime-1 server's
-shape on an H100 the whole call took 189.7-246.0 us a layer against 239.6-287.2 over six batches of
-uneven groups (``bench_decode_shared_extend_s42_h100.log``). Until session 45 it ran on the n64 tile
-(64 columns, 16 requests a set at G = 4): a server's groups of 2-8 requests filled few of its
-columns, and its 246 registers a thread held two CTAs an SM. The n32 tile's 156 hold three, and a
-block step has half the columns to compute: at the regime-1 server's shape the whole call took
-130-179 us a layer against 168-207 over six batches of uneven groups, groups of 12 and 11 split in two
-sets included (``bench_decode_shared_splits_n32_s45_h200.log``).
+Why this tile (it replaced a shared pass on the decode kernel, then the n64 tile) and the rules'
+measurements: ``docs/kernels.md``, "Shared-prefix decode: the plan's rules".
 """
 
 from __future__ import annotations
@@ -48,24 +41,15 @@ def ctas_per_sm(head_dim: int, block_size: int, forms: tuple[str, str]) -> int:
 
 
 SPLIT_WAVE_CTAS = 2
-"""CTAs an SM that :meth:`ExtendSharedPass.rule_splits` fills in one wave, though three fit. On an H100
-at the server's shape, 5 live sets took 174.8 us at 6 splits against 186.1 at 8, and 6 sets 178.3-205.0
-at 4-6 against 186.8-210.7 at 8 (``bench_decode_shared_splits_s46_h100.log``); at the benchmark shape
-the shared pass took 182.1 us at 4 splits against 193.3 at 8. On an H200 the same batches were within
-11 us either way (``bench_decode_shared_splits_s46_h200.log``). With this rule (6 splits at 5 sets, 5
-at 6) the H100 benchmark shape went from 212.4 to 198.3 us (``bench_decode_shared_kernelbench_s46_h100.log``)."""
+"""CTAs an SM that :meth:`ExtendSharedPass.rule_splits` fills in one wave, though three fit: with five
+or more live sets a wave of three an SM was slower on an H100 (on an H200 about even)."""
 
 SHARED_SPLITS = 8
 """The grid's splits per (set row, KV head), and the most a set uses: each step's live sets use
 :meth:`ExtendSharedPass.rule_splits` of them, read on the GPU (the host does not know how many of a
 step's set rows are live); a plan of many set rows gets fewer (``SharedPrefixDecode`` keeps the scratch
-within ``SHARED_MAX_PARTS`` partials). On an H100, whole calls at the server's shape (16 requests,
-uneven groups, own pass beside): 3 sets took 176.4 us at 8 splits, 194.3 at 11 (one full wave of
-two CTAs an SM) and 256.5 at 16; 2 sets 201.0 at 8 and 197.8 at 11; 4 sets 199.1 at 8 and 196.6 at 6
-(``bench_decode_shared_extend_s42_h100.log``; now ``profile_shared_decode --splits``): a wave left
-part empty is the own pass's room beside it. On the n32 tile (three CTAs an SM, H200) 8 was the best
-fixed count or within 4 us of it for 3 to 6 sets; 11 and 16 were up to 60 us slower
-(``bench_decode_shared_splits_n32_s45_h200.log``)."""
+within ``SHARED_MAX_PARTS`` partials). 11 and 16 splits were up to 60 us a call slower than 8, or
+within 4 us of it: a wave left part empty is the own pass's room beside it."""
 
 
 class ExtendSharedPass:
