@@ -48,6 +48,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -339,6 +340,28 @@ def request_fields(result: dict) -> dict:
     }
 
 
+LONG_GAP = 3.0
+"""An inter-token gap longer than this many median gaps is a stalled decode step (a prefill batch ran)."""
+
+
+def itl_fields(result: dict) -> dict:
+    """Where the time between a request's tokens went (bench_serving's ``itls``, pooled over requests):
+    the median gap, a decode step as the clients saw it, and the gaps longer than :data:`LONG_GAP`
+    medians, decode steps stalled by prefill batches. TPOT is about the step plus the stalls spread
+    over the tokens, so the stalls two servers share pull their TPOT ratio below their steps' ratio."""
+    gaps = [gap for request in result.get("itls") or [] for gap in request]
+    if not gaps:
+        return {}
+    median = statistics.median(gaps)
+    stalls = [gap for gap in gaps if gap > LONG_GAP * median]
+    return {
+        "itl_p50_ms": median * 1e3,
+        "itl_stalls": len(stalls),
+        "itl_stall_ms_per_token": sum(stalls) / len(gaps) * 1e3,
+        "itl_stall_share": sum(stalls) / sum(gaps),
+    }
+
+
 def flush_check(server: SGLangServer) -> dict:
     """Flush the cache, let the scheduler go idle (its pool check runs), read the gauges again."""
     flushed = server.post("/flush_cache")
@@ -621,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tpot_p50_ms": result["median_tpot_ms"], "tpot_p99_ms": result["p99_tpot_ms"],
                         "cache_hit_rate": hit_rate(server.log_text()[log_start:]),
                         **decode_log_stats(server.log_text()[log_start:]),
-                        **request_fields(result), **metrics_fields(metrics),
+                        **request_fields(result), **itl_fields(result), **metrics_fields(metrics),
                     }  # fmt: skip
                     if profiler is not None:
                         record["profile"] = profile_summary(trace_dir)
