@@ -10,7 +10,8 @@ beside), and the shared pass at other split counts. ``--server-shape``: the regi
 instead (bf16, a block table 529 blocks wide, plans built for 256 requests as for SGLang's largest
 captured batch and for 16), beside FlashInfer fa2 and the per-request kernel. At the server's shape,
 ``--batches``: batches of 1 to 16 requests over 1 and over 6 prefixes (a server's batch is small while
-long prompts prefill), with the shared pass also at 2, 4, 8 and 16 splits; ``--chunked``: 8, 16 and 32
+long prompts prefill), with the shared pass also at 2, 4, 8 and 16 splits and, below
+``MIN_SHARED_BATCH``, with column sets formed anyway; ``--chunked``: 8, 16 and 32
 requests whose prefixes keep a dense window after every 8K chunk, as a prefix cached by chunked prefill
 does; ``--splits``: uneven groups with requests alone on their prefix (16 and 32 requests), the whole
 call at the plan's split counts and with every set at a fixed count, lone requests as column sets or in
@@ -27,7 +28,8 @@ import torch
 
 from sglang_hs.kernels.cases import flashinfer_decode, make_case, paged_dense, run_args, share_prefixes
 from sglang_hs.kernels.decode import HieraSparseDecode
-from sglang_hs.kernels.decode_shared import LONE_MIN_BLOCKS, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode, shared_heads
+from sglang_hs.kernels.decode_shared import (LONE_MIN_BLOCKS, MIN_SHARED_BATCH, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode,
+                                             shared_heads)
 from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
 from sglang_hs.kernels.timing import time_graphs
 
@@ -111,6 +113,14 @@ def server_shape() -> dict:
     return fns
 
 
+class _SetsFromTwoRequests(SharedPrefixDecode):
+    """Column sets in calls of any size (the shipped plan forms none below ``MIN_SHARED_BATCH``): what
+    ``--batches`` times against the per-request kernel to place that threshold."""
+
+    def sets_for(self, bs: int) -> int:
+        return min(self.max_sets, bs // 2)
+
+
 def _server_batches(batches, prefixes: int, chunk_windows: bool):
     """Per batch size: its label and the functions timed side by side (FlashInfer fa2, the per-request
     kernel, shared-prefix decode and its passes) at the server's shape, plans built for 32 requests (the
@@ -120,6 +130,7 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
     floor = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
                               min_split_blocks=OWN_MIN_SPLIT_BLOCKS)  # fmt: skip
     plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
+    small = _SetsFromTwoRequests(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
     base = _server_case(prefixes)
     paged = paged_dense(base)
     for bs in batches:
@@ -135,6 +146,9 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
                "per-request kernel with the own pass's floor": lambda: floor.run(q, *kv, bt, sl, scale, out=out),
                "shared-prefix decode": lambda: plan.run(q, *kv, step, scale),
                "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True)}
+        if bs < MIN_SHARED_BATCH:
+            small_step = small.plan_step(bt, sl, ki, vi, min_own_blocks=1)
+            fns["shared-prefix decode with sets below MIN_SHARED_BATCH"] = lambda: small.run(q, *kv, small_step, scale)
         if sets:
             folded = plan.fold_queries(q, step.members[:sets], step.fold_rows[:sets])
             table, lens = step.shared_table[:sets], step.shared_lens[:sets]
