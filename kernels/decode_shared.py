@@ -155,9 +155,9 @@ class StepTables:
     ``members [max_sets, fold]`` (``-1`` pads), the shared pass's ``shared_table [max_sets, W]`` and
     ``shared_lens [max_sets]``, the own pass's ``own_table [bs, W]`` and ``own_lens [bs]``, ``pick
     [bs]`` int32: the unfolded shared-pass row of each request (``set * fold + position``, ``-1``:
-    none), and ``shared_splits [max_sets]`` int32: each set's split count, 0 for an empty set
-    (:func:`split_limits`; 1 for the others from :func:`step_tables` alone), and ``fold_rows [max_sets, Hkv * fold * G]``
-    int64: the row of ``q.view(bs * Hq, D)`` each folded query head reads
+    none), ``shared_splits [max_sets]`` int32: each set's split count, 0 for an empty set
+    (:func:`split_limits`; 1 for the others from :func:`step_tables` alone), and ``fold_rows
+    [max_sets, Hkv * fold * G]`` int64: the row of ``q.view(bs * Hq, D)`` each folded query head reads
     (:meth:`SharedPrefixDecode.fold_rows`; set by ``plan_step``, None from :func:`step_tables`). Each
     field's ``rows`` metadata says whether it has a row per set or per request (a CUDA graph's buffers
     are viewed per batch size by it)."""

@@ -28,8 +28,8 @@ import torch
 
 from sglang_hs.kernels.cases import flashinfer_decode, make_case, paged_dense, run_args, share_prefixes
 from sglang_hs.kernels.decode import HieraSparseDecode
-from sglang_hs.kernels.decode_shared import (LONE_MIN_BLOCKS, MIN_SHARED_BATCH, OWN_MIN_SPLIT_BLOCKS, SharedPrefixDecode,
-                                             shared_heads)
+from sglang_hs.kernels.decode_shared import (LONE_MIN_BLOCKS, MIN_SHARED_BATCH, OWN_MIN_SPLIT_BLOCKS,
+                                             SharedPrefixDecode, shared_heads)
 from sglang_hs.kernels.shared_pass_extend import ExtendSharedPass
 from sglang_hs.kernels.timing import time_graphs
 
