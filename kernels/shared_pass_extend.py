@@ -42,7 +42,8 @@ def ctas_per_sm(head_dim: int, block_size: int, forms: tuple[str, str]) -> int:
 
 SPLIT_WAVE_CTAS = 2
 """CTAs an SM that :meth:`ExtendSharedPass.rule_splits` fills in one wave, though three fit: with five
-or more live sets a wave of three an SM was slower on an H100 (on an H200 about even)."""
+or more live sets a wave of three an SM was slower on an H100. An H200 may prefer three (at the
+benchmark shape 8 splits beat 4 there); the rule is tuned for the H100 and not yet timed on an H200."""
 
 SHARED_SPLITS = 8
 """The grid's splits per (set row, KV head), and the most a set uses: each step's live sets use
