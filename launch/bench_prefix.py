@@ -68,6 +68,7 @@ _PREFILL_LINE = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (
 _DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?cuda graph: (True|False), "
                           r"gen throughput \(token/s\): ([0-9.]+)")
 _GROUPED_LINE = re.compile(r"hs shared-decode grouped: ([0-9.]+)")
+_RETRACT_LINE = "KV cache pool is full. Retract requests."  # SGLang's scheduler, when decode runs out of pages
 _STORE_LINE = re.compile(r"hierasparse: KV budget ([0-9.]+) GiB")
 _METRIC_LINE = re.compile(r"^(sglang:\w+)(?:\{[^}]*\})? ([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
 APIS = ("sglang", "sglang-oai", "sglang-oai-chat")
@@ -222,7 +223,8 @@ def decode_log_stats(log_text: str) -> dict:
     the share that ran in a CUDA graph, the most running requests, and the median generation rate of the
     lines at that many. The rate is tokens over the wall time since the previous line, prefill batches
     in between included; against TPOT it tells whether a slow decode comes from the decode steps or
-    from what runs between them."""
+    from what runs between them. Also the mean running requests over the lines and how often the
+    scheduler retracted decoding requests for want of KV pages (each one re-prefills later)."""
     lines = [(int(m.group(1)), m.group(2) == "True", float(m.group(3))) for m in _DECODE_LINE.finditer(log_text)]
     if not lines:
         return {"decode_log_lines": 0}
@@ -231,7 +233,9 @@ def decode_log_stats(log_text: str) -> dict:
     grouped = _GROUPED_LINE.findall(log_text)  # shared-prefix decode: a share since the server started
     return {"decode_log_lines": len(lines), "decode_cuda_graph_share": sum(g for _, g, _ in lines) / len(lines),
             "decode_max_running": top, "decode_tok_s_p50_at_max_running": rates[len(rates) // 2],
-            "shared_decode_grouped": float(grouped[-1]) if grouped else None}
+            "decode_running_mean": sum(running for running, _, _ in lines) / len(lines),
+            "shared_decode_grouped": float(grouped[-1]) if grouped else None,
+            "retractions": log_text.count(_RETRACT_LINE)}
 
 
 def start_profile(server: SGLangServer, trace_dir: str, steps: int, delay: float = 0.0, log_start: int = 0,

@@ -127,7 +127,10 @@ def test_decode_log_stats_from_sglang_lines():
                   [(16, True, 700.0), (16, True, 900.5), (12, False, 300.0), (16, True, 800.0)])  # fmt: skip
     stats = decode_log_stats(log)
     assert stats == {"decode_log_lines": 4, "decode_cuda_graph_share": 0.75, "decode_max_running": 16,
-                     "decode_tok_s_p50_at_max_running": 800.0, "shared_decode_grouped": None}
+                     "decode_tok_s_p50_at_max_running": 800.0, "decode_running_mean": 15.0,
+                     "shared_decode_grouped": None, "retractions": 0}
+    retracted = log + "[t] KV cache pool is full. Retract requests. #retracted_reqs: 2, #new_tokens_gained: 640\n"
+    assert decode_log_stats(retracted)["retractions"] == 1
     # With shared-prefix decode the plugin adds its grouping share to the line's usage parts.
     grouped = line.replace("token usage: 0.10,", "token usage: 0.10, hs shared-decode grouped: {s},")
     log = "".join(grouped.format(n=16, g=True, r=900.0, s=s) for s in ("0.40", "0.85"))
