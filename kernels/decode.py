@@ -494,14 +494,10 @@ class HieraSparseDecode:
         self.last_num_splits = None
 
     def splits(self, batch: int, width: int) -> int:
-        """The split count of a call of ``batch`` requests over a block table ``width`` wide."""
+        """The split count of a call of ``batch`` requests over a block table ``width`` wide: the forced
+        one, else :func:`plan_num_splits` for this plan's kernel."""
         if self.forced_splits is not None:
             return self.forced_splits
-        return self.rule_splits(batch, width)
-
-    def rule_splits(self, batch: int, width: int) -> int:
-        """:func:`plan_num_splits` for this plan's kernel at ``batch`` requests, not forced (what a call
-        of that many live requests would want)."""
         return plan_num_splits(batch, self.q_heads, self.kv_heads, self.head_dim, self.block_size, width,
                                self.stages, self.num_sms, self.split_capacity)
 

@@ -264,7 +264,7 @@ def split_limits(shared_lens: torch.Tensor, by_sets: torch.Tensor, cap: int) -> 
     for a set with none (the shared pass skips it; once a step here, not once a layer there)."""
     live = shared_lens > 0
     limit = by_sets.index_select(0, live.sum().view(1)).clamp(max=cap).to(torch.int32)
-    return torch.where(live, limit, 0).to(torch.int32)
+    return torch.where(live, limit, 0)
 
 
 def _pack(block_table: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

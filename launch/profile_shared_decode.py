@@ -130,7 +130,8 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
     floor = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
                               min_split_blocks=OWN_MIN_SPLIT_BLOCKS)  # fmt: skip
     plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
-    small = _SetsFromTwoRequests(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
+    small = (_SetsFromTwoRequests(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
+             if min(batches) < MIN_SHARED_BATCH else None)  # only --batches asks for calls that small
     base = _server_case(prefixes)
     paged = paged_dense(base)
     for bs in batches:

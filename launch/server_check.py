@@ -20,9 +20,10 @@ Every answer also returns each step's chosen token and two most likely tokens, s
 explained: at the first step where the two servers' greedy choices differ, it is a *near tie* when
 each server has both choices among its two most likely tokens, within ``--tie-gap`` nats of each
 other (two attention kernels round fp16 differently, and a batch's composition changes split counts,
-so a near tie, or an exact one, can go either way; after it the texts part). The script exits non-zero on any other difference (or one whose logprobs are
-missing), unless ``--allow-mismatch`` (used to show that the comparison can see a sparsity setting's
-effect); near ties are listed with their gaps.
+so a near tie, or an exact one, can go either way; after it the texts part). The script exits
+non-zero on any other difference (or one whose logprobs are missing), unless ``--allow-mismatch``
+(used to show that the comparison can see a sparsity setting's effect); near ties are listed with
+their gaps.
 """
 
 from __future__ import annotations
