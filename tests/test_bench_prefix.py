@@ -175,14 +175,14 @@ def test_metrics_and_request_fields():
 
 
 def test_itl_fields_split_steps_from_prefill_stalls():
-    """The median inter-token gap is the decode step; gaps over LONG_GAP medians are stalls."""
+    """The median streamed gap is the decode step, the mean adds the stalls; the share is their ratio."""
     from sglang_hs.launch.bench_prefix import itl_fields
 
     result = {"itls": [[0.010, 0.011, 0.090], [0.012, 0.010, 0.010, 0.050], []]}
     fields = itl_fields(result)
-    assert fields["itl_p50_ms"] == pytest.approx(11.0) and fields["itl_stalls"] == 2
-    assert fields["itl_stall_ms_per_token"] == pytest.approx(140 / 7)
-    assert fields["itl_stall_share"] == pytest.approx(0.140 / 0.193)
+    assert fields["itl_p50_ms"] == pytest.approx(11.0)
+    assert fields["itl_mean_ms"] == pytest.approx(193 / 7)
+    assert fields["itl_step_share"] == pytest.approx(11.0 / (193 / 7))
     assert itl_fields({"completed": 0}) == {}
 
 
