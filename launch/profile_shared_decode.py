@@ -1,6 +1,6 @@
 """Where the time of one layer of shared-prefix decode goes: the whole call and each of its parts.
 
-    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --chunked | --splits | --ncu]
+    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --short | --chunked | --splits | --ncu]
 
 16 requests over 6 shared prefixes of 32K, S_K = S_V = 1, Llama-3.1-8B decode shape (32/8 heads, d 128),
 each request keeping its last block to its own pass, natural pool order. Times are CUDA-graph replays
@@ -11,7 +11,9 @@ instead (bf16, a block table 529 blocks wide, plans built for 256 requests as fo
 captured batch and for 16), beside FlashInfer fa2 and the per-request kernel. At the server's shape,
 ``--batches``: batches of 1 to 16 requests over 1 and over 6 prefixes (a server's batch is small while
 long prompts prefill), with the shared pass also at 2, 4, 8 and 16 splits and, below
-``MIN_SHARED_BATCH``, with column sets formed anyway; ``--chunked``: 8, 16 and 32
+``MIN_SHARED_BATCH``, with column sets formed anyway; ``--short``: the same rows at regimes 2 and 3's
+shape (8K prefixes, a 257-block table), 8 and 16 requests over 2, 4, 8 and 16 prefixes, where the
+prefix benchmark measured shared-prefix decode slower than without it; ``--chunked``: 8, 16 and 32
 requests whose prefixes keep a dense window after every 8K chunk, as a prefix cached by chunked prefill
 does; ``--splits``: uneven groups with requests alone on their prefix (16 and 32 requests), the whole
 call at the plan's split counts and with every set at a fixed count, lone requests as column sets or in
@@ -82,10 +84,15 @@ arrival order (:func:`_arrivals`)."""
 SERVER_WIDTH = 529  # the regime-1 server's block table: (32768 + 1024) / 64 + 1
 
 
-def _server_case(prefixes: int) -> dict:
-    """``prefixes`` compressed 32K prefixes at the server's shape (bf16, 529-wide tables)."""
-    return make_case([CONTEXT] * prefixes, 32, 8, 128, 1.0, 1.0, torch.bfloat16, "cuda", seed=5, magnitude=False,
-                     shuffle=False, max_blocks=SERVER_WIDTH)  # fmt: skip
+SHORT_CONTEXT, SHORT_WIDTH = 8192, 257
+"""``--short``: regimes 2 and 3's prefixes (8K) and servers' block table (``--context-length 16384``)."""
+
+
+def _server_case(prefixes: int, context: int = CONTEXT, width: int = SERVER_WIDTH) -> dict:
+    """``prefixes`` compressed prefixes of ``context`` tokens at a server's shape (bf16, ``width``-wide
+    tables; by default regime 1's: 32K, 529)."""
+    return make_case([context] * prefixes, 32, 8, 128, 1.0, 1.0, torch.bfloat16, "cuda", seed=5, magnitude=False,
+                     shuffle=False, max_blocks=width)  # fmt: skip
 
 
 def _add_chunk_windows(block_table: torch.Tensor) -> None:
@@ -121,18 +128,19 @@ class _SetsFromTwoRequests(SharedPrefixDecode):
         return min(self.max_sets, bs // 2)
 
 
-def _server_batches(batches, prefixes: int, chunk_windows: bool):
+def _server_batches(batches, prefixes: int, chunk_windows: bool, context: int = CONTEXT, width: int = SERVER_WIDTH):
     """Per batch size: its label and the functions timed side by side (FlashInfer fa2, the per-request
-    kernel, shared-prefix decode and its passes) at the server's shape, plans built for 32 requests (the
-    prefix benchmark's largest captured batch). ``chunk_windows``: :func:`_add_chunk_windows`."""
+    kernel, shared-prefix decode and its passes) at a server's shape (``context``-token prefixes,
+    ``width``-wide tables; regime 1's by default), plans built for 32 requests (the prefix benchmark's
+    largest captured batch). ``chunk_windows``: :func:`_add_chunk_windows`."""
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    per_request = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda")
-    floor = HieraSparseDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda",
+    per_request = HieraSparseDecode(32, 32, 8, 128, 64, width, torch.bfloat16, "cuda")
+    floor = HieraSparseDecode(32, 32, 8, 128, 64, width, torch.bfloat16, "cuda",
                               min_split_blocks=OWN_MIN_SPLIT_BLOCKS)  # fmt: skip
-    plan = SharedPrefixDecode(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
-    small = (_SetsFromTwoRequests(32, 32, 8, 128, 64, SERVER_WIDTH, torch.bfloat16, "cuda", forms=FORMS)
+    plan = SharedPrefixDecode(32, 32, 8, 128, 64, width, torch.bfloat16, "cuda", forms=FORMS)
+    small = (_SetsFromTwoRequests(32, 32, 8, 128, 64, width, torch.bfloat16, "cuda", forms=FORMS)
              if min(batches) < MIN_SHARED_BATCH else None)  # only --batches asks for calls that small
-    base = _server_case(prefixes)
+    base = _server_case(prefixes, context, width)
     paged = paged_dense(base)
     for bs in batches:
         case, case_paged = share_prefixes(base, paged, bs, seed=5)
@@ -159,8 +167,7 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool):
             # The split count trades the walk (blocks a CTA steps through) against the fused merge (the
             # last CTA of a set and KV head loops over every split for each of its folded heads).
             for splits in (2, 4, 8, 16):
-                fns[f"shared pass ({splits} splits)"] = _shared_pass_at(splits, folded, kv, table, lens, scale,
-                                                                        SERVER_WIDTH)
+                fns[f"shared pass ({splits} splits)"] = _shared_pass_at(splits, folded, kv, table, lens, scale, width)
         grouped = int((step.pick[:bs] >= 0).sum())
         shared_blocks = (step.shared_lens[:sets] // 64).tolist()
         yield f"{prefixes} prefixes, {bs} requests ({grouped} in column sets, shared blocks {shared_blocks})", fns
@@ -272,6 +279,7 @@ def main(argv=None):
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--server-shape", action="store_true", help="the regime-1 server's shape (see the docstring)")
     mode.add_argument("--batches", action="store_true", help="1 to 16 requests over 1 and 6 prefixes, server shape")
+    mode.add_argument("--short", action="store_true", help="8 and 16 requests over 2-16 prefixes of 8K (regimes 2, 3)")
     mode.add_argument("--chunked", action="store_true", help="prefixes cached in 8K chunks, server shape")
     mode.add_argument("--splits", action="store_true",
                       help="uneven groups with lone requests: the shared pass at the plan's and at fixed split counts")
@@ -281,10 +289,13 @@ def main(argv=None):
         for name, us in ncu_launches().items():
             print(f"{name}: {us:.1f} us", flush=True)
         return
-    if args.batches or args.chunked or args.splits:
+    if args.batches or args.short or args.chunked or args.splits:
         # Lazily: each batch's functions close over that batch's tensors, which the next one rebinds.
         if args.batches:
             runs = itertools.chain(*(_server_batches((1, 2, 4, 8, 16), prefixes, False) for prefixes in (1, 6)))
+        elif args.short:
+            runs = itertools.chain(*(_server_batches((8, 16), prefixes, False, SHORT_CONTEXT, SHORT_WIDTH)
+                                     for prefixes in (2, 4, 8, 16)))
         elif args.chunked:
             runs = _server_batches((8, 16, 32), PREFIXES, True)
         else:

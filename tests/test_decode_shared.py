@@ -810,9 +810,12 @@ def test_the_own_pass_plans_splits_for_the_whole_batch_with_a_floor_of_blocks(mo
     assert rule(16) < rule(4)  # the old ceil(bs / 4) plan gave more splits
 
 
+PROFILE_MODES = ["--server-shape", "--batches", "--short", "--chunked", "--splits", "--ncu"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("argv", [[], ["--server-shape"], ["--batches"], ["--chunked"], ["--splits"], ["--ncu"]],
-                         ids=["bench-shape", "server-shape", "batches", "chunked", "splits", "ncu"])
+@pytest.mark.parametrize("argv", [[]] + [[mode] for mode in PROFILE_MODES],
+                         ids=["bench-shape"] + [mode[2:] for mode in PROFILE_MODES])
 def test_profile_script_runs(argv, capsys):
     """``launch/profile_shared_decode.py`` (the breakdown quoted in docs/results.md) runs and times every
     part it names."""
