@@ -12,8 +12,9 @@ captured batch and for 16), beside FlashInfer fa2 and the per-request kernel. At
 ``--batches``: batches of 1 to 16 requests over 1 and over 6 prefixes (a server's batch is small while
 long prompts prefill), with the shared pass also at 2, 4, 8 and 16 splits and, below
 ``MIN_SHARED_BATCH``, with column sets formed anyway; ``--short``: the same rows at regimes 2 and 3's
-shape (8K prefixes, a 257-block table), 8 and 16 requests over 2, 4, 8 and 16 prefixes, where the
-prefix benchmark measured shared-prefix decode slower than without it; ``--chunked``: 8, 16 and 32
+shape (8K prefixes, a 257-block table) for batches of even and uneven groups (:data:`SHORT_GROUPS`),
+where the prefix benchmark measured shared-prefix decode slower than without it, plus the call with
+lone requests left to the own pass and with a set row for every request; ``--chunked``: 8, 16 and 32
 requests whose prefixes keep a dense window after every 8K chunk, as a prefix cached by chunked prefill
 does; ``--splits``: uneven groups with requests alone on their prefix (16 and 32 requests), the whole
 call at the plan's split counts and with every set at a fixed count, lone requests as column sets or in
@@ -86,6 +87,9 @@ SERVER_WIDTH = 529  # the regime-1 server's block table: (32768 + 1024) / 64 + 1
 
 SHORT_CONTEXT, SHORT_WIDTH = 8192, 257
 """``--short``: regimes 2 and 3's prefixes (8K) and servers' block table (``--context-length 16384``)."""
+SHORT_GROUPS = ((8, 8), (4, 4, 4, 4), (2,) * 8, (2, 2, 2) + (1,) * 10, (1,) * 16, (2, 2) + (1,) * 4)
+"""``--short``'s batches as group sizes. bench_serving shuffles a load's requests, so 16 running
+requests of regime 2 (34 groups of 8) come from about 12-13 groups: a few pairs and lone requests."""
 
 
 def _server_case(prefixes: int, context: int = CONTEXT, width: int = SERVER_WIDTH) -> dict:
@@ -120,6 +124,19 @@ def server_shape() -> dict:
     return fns
 
 
+class _SetRowPerRequest(SharedPrefixDecode):
+    """Set rows for every request of a call (the shipped plan has ``bs // 2``, which every group's sets
+    fit, and lone requests past them read their whole prefix in the own pass): what ``--short`` times
+    for batches of many lone requests."""
+
+    def sets_for(self, bs: int) -> int:
+        return 0 if bs < MIN_SHARED_BATCH else min(self.max_sets, bs)
+
+
+def _batch_size(batch: int | tuple[int, ...]) -> int:
+    return batch if isinstance(batch, int) else sum(batch)
+
+
 class _SetsFromTwoRequests(SharedPrefixDecode):
     """Column sets in calls of any size (the shipped plan forms none below ``MIN_SHARED_BATCH``): what
     ``--batches`` times against the per-request kernel to place that threshold."""
@@ -128,22 +145,29 @@ class _SetsFromTwoRequests(SharedPrefixDecode):
         return min(self.max_sets, bs // 2)
 
 
-def _server_batches(batches, prefixes: int, chunk_windows: bool, context: int = CONTEXT, width: int = SERVER_WIDTH):
-    """Per batch size: its label and the functions timed side by side (FlashInfer fa2, the per-request
-    kernel, shared-prefix decode and its passes) at a server's shape (``context``-token prefixes,
-    ``width``-wide tables; regime 1's by default), plans built for 32 requests (the prefix benchmark's
-    largest captured batch). ``chunk_windows``: :func:`_add_chunk_windows`."""
+def _server_batches(batches, prefixes: int, chunk_windows: bool, context: int = CONTEXT, width: int = SERVER_WIDTH,
+                    lone_policies: bool = False):  # fmt: skip
+    """Per batch: its label and the functions timed side by side (FlashInfer fa2, the per-request kernel,
+    shared-prefix decode and its passes) at a server's shape (``context``-token prefixes, ``width``-wide
+    tables; regime 1's by default), plans built for 32 requests (the prefix benchmark's largest captured
+    batch). A batch is a request count spread evenly over ``prefixes``, or a tuple of group sizes
+    (:func:`_arrivals`; at least ``prefixes`` of them). ``chunk_windows``: :func:`_add_chunk_windows`.
+    ``lone_policies``: also the call with requests alone on their prefix left to the own pass, and with
+    a set row for every request (:class:`_SetRowPerRequest`)."""
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     per_request = HieraSparseDecode(32, 32, 8, 128, 64, width, torch.bfloat16, "cuda")
     floor = HieraSparseDecode(32, 32, 8, 128, 64, width, torch.bfloat16, "cuda",
                               min_split_blocks=OWN_MIN_SPLIT_BLOCKS)  # fmt: skip
     plan = SharedPrefixDecode(32, 32, 8, 128, 64, width, torch.bfloat16, "cuda", forms=FORMS)
     small = (_SetsFromTwoRequests(32, 32, 8, 128, 64, width, torch.bfloat16, "cuda", forms=FORMS)
-             if min(batches) < MIN_SHARED_BATCH else None)  # only --batches asks for calls that small
+             if min(map(_batch_size, batches)) < MIN_SHARED_BATCH else None)  # only --batches asks so small
+    every_row = (_SetRowPerRequest(32, 32, 8, 128, 64, width, torch.bfloat16, "cuda", max_sets=32, forms=FORMS)
+                 if lone_policies else None)  # fmt: skip
     base = _server_case(prefixes, context, width)
     paged = paged_dense(base)
-    for bs in batches:
-        case, case_paged = share_prefixes(base, paged, bs, seed=5)
+    for batch in batches:
+        bs, prefix_of = _batch_size(batch), None if isinstance(batch, int) else _arrivals(batch)
+        case, case_paged = share_prefixes(base, paged, bs, seed=5, prefix_of=prefix_of)
         q, kc, vc, pools, ki, vi, bt, sl, scale = run_args(case)
         if chunk_windows:
             _add_chunk_windows(bt)
@@ -155,6 +179,11 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool, context: int = 
                "per-request kernel with the own pass's floor": lambda: floor.run(q, *kv, bt, sl, scale, out=out),
                "shared-prefix decode": lambda: plan.run(q, *kv, step, scale),
                "own pass": lambda: plan.own_plan.run(q, *kv, step.own_table, step.own_lens, scale, return_lse=True)}
+        if lone_policies:
+            own_step = plan.plan_step(bt, sl, ki, vi, min_own_blocks=1, lone_min_blocks=None)
+            row_step = every_row.plan_step(bt, sl, ki, vi, min_own_blocks=1)
+            fns["shared-prefix decode, lone requests in the own pass"] = lambda: plan.run(q, *kv, own_step, scale)
+            fns["shared-prefix decode, a set row for every request"] = lambda: every_row.run(q, *kv, row_step, scale)
         if bs < MIN_SHARED_BATCH:
             small_step = small.plan_step(bt, sl, ki, vi, min_own_blocks=1)
             fns["shared-prefix decode with sets below MIN_SHARED_BATCH"] = lambda: small.run(q, *kv, small_step, scale)
@@ -170,7 +199,8 @@ def _server_batches(batches, prefixes: int, chunk_windows: bool, context: int = 
                 fns[f"shared pass ({splits} splits)"] = _shared_pass_at(splits, folded, kv, table, lens, scale, width)
         grouped = int((step.pick[:bs] >= 0).sum())
         shared_blocks = (step.shared_lens[:sets] // 64).tolist()
-        yield f"{prefixes} prefixes, {bs} requests ({grouped} in column sets, shared blocks {shared_blocks})", fns
+        what = f"{prefixes} prefixes" if prefix_of is None else f"groups {'/'.join(map(str, batch))}"
+        yield f"{what}, {bs} requests ({grouped} in column sets, shared blocks {shared_blocks})", fns
 
 
 def _server_mix(base: dict, paged: dict, bs: int, per_request: HieraSparseDecode, workspace: torch.Tensor | None,
@@ -279,7 +309,7 @@ def main(argv=None):
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--server-shape", action="store_true", help="the regime-1 server's shape (see the docstring)")
     mode.add_argument("--batches", action="store_true", help="1 to 16 requests over 1 and 6 prefixes, server shape")
-    mode.add_argument("--short", action="store_true", help="8 and 16 requests over 2-16 prefixes of 8K (regimes 2, 3)")
+    mode.add_argument("--short", action="store_true", help="even and uneven groups on 8K prefixes (regimes 2, 3)")
     mode.add_argument("--chunked", action="store_true", help="prefixes cached in 8K chunks, server shape")
     mode.add_argument("--splits", action="store_true",
                       help="uneven groups with lone requests: the shared pass at the plan's and at fixed split counts")
@@ -294,8 +324,7 @@ def main(argv=None):
         if args.batches:
             runs = itertools.chain(*(_server_batches((1, 2, 4, 8, 16), prefixes, False) for prefixes in (1, 6)))
         elif args.short:
-            runs = itertools.chain(*(_server_batches((8, 16), prefixes, False, SHORT_CONTEXT, SHORT_WIDTH)
-                                     for prefixes in (2, 4, 8, 16)))
+            runs = _server_batches(SHORT_GROUPS, 16, False, SHORT_CONTEXT, SHORT_WIDTH, lone_policies=True)
         elif args.chunked:
             runs = _server_batches((8, 16, 32), PREFIXES, True)
         else:
