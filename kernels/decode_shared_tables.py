@@ -209,7 +209,7 @@ def step_tables_fused(block_table: torch.Tensor, seq_lens: torch.Tensor, block_s
     int32 = dict(dtype=torch.int32, device=device)
     BS = max(MIN_ROWS, triton.next_power_of_2(bs))
     rows = max(max_sets, 1)  # a call with no set row still passes the kernels non-empty buffers
-    scratch = torch.empty(6 * BS, **int32)
+    scratch = torch.empty(5 * BS, **int32)  # the five rows _row_kernel names
     members = torch.full((rows * fold,), -1, dtype=torch.long, device=device)
     shared_lens = torch.zeros(rows, **int32)
     own_lens, pick = torch.empty(bs, **int32), torch.empty(bs, **int32)
