@@ -77,3 +77,21 @@ def time_interleaved(fns, iters=20, rounds=7):
 def time_plain(fn, iters=30, warmup=5):
     """Median time (us) of single launches timed with CUDA events."""
     return time_stream(fn, iters=1, reps=iters, warmup=warmup)
+
+
+def time_beside_fastest(baselines: dict, fns: list, iters=20, timer=time_graphs) -> tuple[dict, list[float]]:
+    """Times (us) of the dense ``baselines`` (name -> run()) and of ``fns``, each of ``fns`` in rounds
+    beside only the fastest baseline (picked from single launches), the other baselines after them.
+
+    Why not every baseline in one set of rounds: a slow baseline at full power lowers the SM clock for
+    whatever runs in the rounds beside it. On the H100, FlashInfer's fa3 decode (1.9 ms, ~620 W) puts
+    the GPU under its power cap (1620-1770 MHz instead of 1980), which made our S_K = S_V = 1 decode
+    8% slower than beside fa2 alone; a server runs one backend and never sees that.
+    ``timer``: :func:`time_graphs` (decode) or :func:`time_interleaved` (extend, prefill: eager rounds).
+    Returns ``({name: us}, [us of each fn])``."""
+    fastest = min(baselines, key=lambda b: time_plain(baselines[b]))
+    fastest_us, *times = timer([baselines[fastest], *fns], iters)
+    others = [b for b in baselines if b != fastest]
+    by_name = dict(zip(others, timer([baselines[b] for b in others], iters))) if others else {}
+    by_name[fastest] = fastest_us
+    return {b: by_name[b] for b in baselines}, times
