@@ -1,0 +1,32 @@
+"""The benchmarks' side-by-side timing rule, on the CPU (the timers replaced by recorders)."""
+
+from __future__ import annotations
+
+from sglang_hs.kernels import timing
+
+
+def test_ours_runs_beside_the_fastest_baseline_only(monkeypatch):
+    """A slow baseline at full power lowers the clock for whatever shares its rounds, so ours must be
+    timed beside the fastest baseline alone and the others after; every time lands under its name."""
+    fa2, fa3, ours_a, ours_b = (lambda: None for _ in range(4))
+    plain = {id(fa2): 700.0, id(fa3): 1900.0}
+    rounds: list[list] = []
+
+    def fake_timer(fns, iters=20):
+        rounds.append(list(fns))
+        return [{id(fa2): 705.0, id(fa3): 1950.0, id(ours_a): 410.0, id(ours_b): 420.0}[id(f)] for f in fns]
+
+    monkeypatch.setattr(timing, "time_plain", lambda fn: plain[id(fn)])
+    by_name, ours = timing.time_beside_fastest({"fa3": fa3, "fa2": fa2}, [ours_a, ours_b], timer=fake_timer)
+    assert rounds == [[fa2, ours_a, ours_b], [fa3]]
+    assert list(by_name) == ["fa3", "fa2"] and by_name == {"fa3": 1950.0, "fa2": 705.0}
+    assert ours == [410.0, 420.0]
+
+
+def test_one_baseline_needs_no_second_set_of_rounds(monkeypatch):
+    base, ours = (lambda: None), (lambda: None)
+    calls = []
+    monkeypatch.setattr(timing, "time_plain", lambda fn: 1.0)
+    timer = lambda fns, iters=20: calls.append(fns) or [2.0, 1.0]  # noqa: E731
+    by_name, times = timing.time_beside_fastest({"fa2": base}, [ours], timer=timer)
+    assert len(calls) == 1 and by_name == {"fa2": 2.0} and times == [1.0]
