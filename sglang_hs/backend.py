@@ -25,6 +25,7 @@ import torch
 
 from sglang_hs.channel_order import ChannelPermuter
 from sglang_hs.decode_modes import BlockSelection
+from sglang_hs.dense_prefill import FA3_MIN_NEW_TOKENS, PagedPrefillChoice
 from sglang_hs.fallback import decompressed_paged_attention
 from sglang_hs.runtime import HieraSparseRuntime, attach_runtime
 
@@ -96,6 +97,12 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.forward_metadata: ForwardMetadata | None = None
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        kv_device = torch.device(self.token_to_kv_pool.device)
+        self.paged_prefill = (
+            PagedPrefillChoice.for_delegate(self.dense, torch.cuda.get_device_capability(kv_device),
+                                            self.token_to_kv_pool.dtype)
+            if kv_device.type == "cuda" else None
+        )  # fmt: skip
         from sglang.srt.runtime_context import get_parallel
 
         self.q_heads = model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
@@ -120,9 +127,10 @@ class HieraSparseAttnBackend(AttentionBackend):
         self._graph_step = None  # shared-prefix decode: the step tables the captured graphs read
         self._counts_from_capture = False  # the log line's GPU counts hold the capture's warm-up runs
         logger.info(
-            "HieraSparse backend ready: dense tokens via %s, compressed blocks via %s (extend) and %s "
+            "HieraSparse backend ready: dense tokens via %s%s, compressed blocks via %s (extend) and %s "
             "(decode), compression via %s, compressed store %s (%.2f GiB), settings %s",
             self.config.dense_backend,
+            " (paged prefill on fa3 from %d new tokens a request)" % FA3_MIN_NEW_TOKENS if self.paged_prefill else "",
             "the TileLang kernel" if self.extend_plan else "PyTorch",
             "the TileLang kernel" if self.use_decode_kernel else "the delegate / PyTorch",
             "the TileLang kernel" if runtime.uses_kernel("compress") else "PyTorch",
@@ -153,6 +161,8 @@ class HieraSparseAttnBackend(AttentionBackend):
                 Path.DECODE_KERNEL, block_table=table, seq_lens_gpu=seq_lens, decode_plan=plan, decode_step=step
             )
             return
+        if self.paged_prefill is not None:
+            self.paged_prefill.choose(forward_batch)
         self.dense.init_forward_metadata(forward_batch)
         self.forward_metadata = self._compressed_metadata(forward_batch)
 
