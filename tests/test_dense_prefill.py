@@ -20,10 +20,11 @@ def _delegate(**flags):
     return delegate
 
 
-def _batch(mode: str, new_tokens: int, bs: int):
+def _batch(mode: str, new_tokens: int, bs: int, prefix_lens: list[int] | None = None):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    return SimpleNamespace(forward_mode=getattr(ForwardMode, mode), extend_num_tokens=new_tokens, batch_size=bs)
+    return SimpleNamespace(forward_mode=getattr(ForwardMode, mode), extend_num_tokens=new_tokens, batch_size=bs,
+                           extend_prefix_lens_cpu=[1024] * bs if prefix_lens is None else prefix_lens)
 
 
 @pytest.mark.parametrize(
@@ -49,6 +50,7 @@ def test_fa3_from_the_threshold_for_plain_prefill_batches_only():
     assert choice.choose(_batch("EXTEND", 8 * n, 8)) and delegate.prefill_wrappers_paged == ["fa3 wrapper"]
     assert not choice.choose(_batch("EXTEND", 8 * n - 1, 8)) and delegate.prefill_wrappers_paged == ["fa2 wrapper"]
     assert choice.choose(_batch("MIXED", 4 * n, 4))
+    assert not choice.choose(_batch("EXTEND", 64 * n, 2, [8192, 0]))  # a new prompt beside a chunk
     for mode in ("TARGET_VERIFY", "DRAFT_EXTEND_V2", "SPLIT_PREFILL"):
         assert not choice.choose(_batch(mode, 64 * n, 1)) and delegate.prefill_wrappers_paged == ["fa2 wrapper"]
     assert choice.fa3_batches == 2
@@ -58,8 +60,9 @@ def test_fa3_from_the_threshold_for_plain_prefill_batches_only():
 @pytest.mark.parametrize("new_tokens, prefixes", [(16, [0, 300, 1000]), (300, [512, 0, 2048]), (FA3_MIN_NEW_TOKENS, [4096])])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fa3_paged_prefix_equals_reference_and_fa2(new_tokens, prefixes, dtype):
-    """Page size 1, shuffled pool slots, non-causal, a request without a prefix among them (its LSE is
-    -inf: the merge then keeps the ragged part alone)."""
+    """Page size 1, shuffled pool slots, non-causal. A request without a prefix among them: fa2 gives
+    it output 0 and a very negative LSE (the merge keeps the ragged part alone); fa3 leaves its rows
+    unwritten (FlashInfer 0.6.15), which is why the choice keeps such batches on fa2."""
     from sglang_hs.launch.bench_dense_prefill import delegate_case, paged_prefix_attention, reference
 
     case = delegate_case(new_tokens, prefixes, dtype=dtype, seed=len(prefixes) + new_tokens)
@@ -71,8 +74,9 @@ def test_fa3_paged_prefix_equals_reference_and_fa2(new_tokens, prefixes, dtype):
         err = (o[rows].float() - ref_o[rows]).norm() / ref_o[rows].norm()
         assert err < 1e-2, (backend, float(err))
         assert torch.allclose(lse[rows].float(), ref_lse[rows], atol=2e-2), backend
-        assert not torch.isfinite(lse[~rows]).any() or (lse[~rows] < -1e4).all(), backend
-    (o2, s2), (o3, s3) = results["fa2"], results["fa3"]
+    o2, s2 = results["fa2"]
+    assert (s2[~rows] < -1e4).all() and (o2[~rows] == 0).all()
+    o3, s3 = results["fa3"]
     assert (o3[rows].float() - o2[rows].float()).abs().max() < 2e-2
     assert torch.allclose(s3[rows], s2[rows], atol=2e-2)
 
