@@ -40,7 +40,9 @@
 # the tiny step with --enable-hierarchical-cache and the shared prompt pushed out of the GPU between its
 # two chat rounds (_hicache). SHARED=1 gives the tiny and prefix steps' hierasparse servers
 # --hierasparse-shared-prefix-decode on (_shared), DECODE_MODE=kascade|psa (with DECODE_TOPK) a decode mode. PORT (30000) lets steps run side by side, one GPU
-# each (CUDA_VISIBLE_DEVICES).
+# each (CUDA_VISIBLE_DEVICES). The tiny step also takes HS_DENSE (below; _flashinfer) and CHUNK=N (both servers
+# --chunked-prefill-size N, _chunkN: later chunks attend over a cached dense prefix, with HS_DENSE=flashinfer
+# on fa3 from 128 new tokens a request).
 # TP=N runs the tiny and prefix steps with --tp-size N (the tiny step then writes
 # server_check_s0_kernels_tp2_GPU.json; GPU is h100 or h200). The prefix step also takes MEM (--mem-fraction-static, 0.85),
 # CONTEXT (prefix tokens, 8192), OUTLEN (output tokens, 64), PPG (questions per group, 8), HICACHE_GB
@@ -152,6 +154,11 @@ case "$step" in
       check_args+=(--hs-arg=--cuda-graph-backend-prefill=breakable)
       tp_tag="${tp_tag}_pgraphs"
     fi
+    if [ -n "${CHUNK:-}" ]; then  # chunked prefill in CHUNK-token pieces: later chunks attend over a cached dense prefix
+      check_args+=(--common-arg=--chunked-prefill-size=$CHUNK)
+      tp_tag="${tp_tag}_chunk$CHUNK"
+    fi
+    [ "${HS_DENSE:-triton}" = triton ] || tp_tag="${tp_tag}_${HS_DENSE}"
     if [ -n "${DECODE_MODE:-}" ]; then  # a decode mode on the kernel path (outputs move when blocks are skipped)
       check_args+=(--hs-arg=--hierasparse-decode-mode=$DECODE_MODE --hs-arg=--hierasparse-decode-topk=${DECODE_TOPK:-64})
       tp_tag="${tp_tag}_${DECODE_MODE}${DECODE_TOPK:-64}"
@@ -164,7 +171,7 @@ case "$step" in
     python3 -m sglang_hs.launch.server_check --model-path $tiny --baseline triton --common-arg=--tp-size=${TP:-1} "${check_args[@]}" \
         --common-arg=--mem-fraction-static=$mem --common-arg=--cuda-graph-max-bs=$graph_bs --port "${PORT:-30000}" \
         --common-arg=--sampling-backend=pytorch --common-arg=--grammar-backend=none \
-        --hs-arg=--hierasparse-dense-backend=triton --hs-arg=--hierasparse-sk-prefill=0 \
+        --hs-arg=--hierasparse-dense-backend=${HS_DENSE:-triton} --hs-arg=--hierasparse-sk-prefill=0 \
         --hs-arg=--hierasparse-sv-prefill=0 --hs-arg=--hierasparse-sk-decode=0 --hs-arg=--hierasparse-sv-decode=0 \
         --out "$out/server_check_s0_kernels${tp_tag}_${gpu}.json" --log-prefix "$out/tiny$tp_tag" | tail -25
     ;;
