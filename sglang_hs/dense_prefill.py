@@ -11,12 +11,15 @@ one of them before it plans each batch, so SGLang's own planning and kernels run
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 FA3_MIN_NEW_TOKENS = 128
 """Mean new tokens a request from which a prefill batch's paged part runs on fa3 (H100, page size 1,
@@ -80,5 +83,8 @@ class PagedPrefillChoice:
         it (its metadata keeps the list it planned). Returns whether fa3 was chosen."""
         use_fa3 = self.wants_fa3(forward_batch)
         self.delegate.prefill_wrappers_paged = self.fa3_wrappers if use_fa3 else self.fa2_wrappers
+        if use_fa3 and not self.fa3_batches:  # once: the server log shows the path ran
+            logger.info("hierasparse: dense paged prefill on fa3 from this batch (%d new tokens, %d requests)",
+                        forward_batch.extend_num_tokens, forward_batch.batch_size)
         self.fa3_batches += use_fa3
         return use_fa3
