@@ -4,9 +4,9 @@ SGLang's FlashInfer backend attends a prefill batch's new tokens with its ragged
 ``auto``: fa3 on Hopper) and their queries over a cached dense prefix with paged wrappers it builds on
 fa2. In a hierasparse server the delegate attends only batches that read no compressed block, so
 that path serves prefixes still dense: a prompt's chunks before its first blocks are compressed,
-prefixes shorter than a sink and a window, prefixes kept dense when the store is full. On an H100 fa2 is the faster paged kernel only for short extends; from
-``FA3_MIN_NEW_TOKENS`` new tokens a request fa3 is (``python -m sglang_hs.launch.bench_dense_prefill``,
-``docs/results.md``). :class:`PagedPrefillChoice` keeps both wrapper sets and points the delegate at
+prefixes shorter than a sink and a window, prefixes kept dense when the store is full. On an H100
+fa2 is the faster paged kernel only for short extends; from ``FA3_MIN_NEW_TOKENS`` new tokens a
+request fa3 is (``python -m sglang_hs.launch.bench_dense_prefill``, ``docs/results.md``). :class:`PagedPrefillChoice` keeps both wrapper sets and points the delegate at
 one of them before it plans each batch, so SGLang's own planning and kernels run unchanged.
 """
 
