@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 
@@ -54,19 +55,18 @@ def paged_prefix_attention(case: dict, backend: str, workspace: torch.Tensor):
 
 
 def reference(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch: every request's queries over its whole prefix (fp32), and the LSE in base 2 (FlashInfer's)."""
+    """:func:`sglang_hs.reference.dense_attention` of every request's queries over its whole prefix
+    (non-causal), with the LSE in base 2 (FlashInfer's)."""
+    from sglang_hs.reference import dense_attention
+
     outs, lses = [], []
-    group = Q_HEADS // KV_HEADS
     qo, kv = case["qo_indptr"].tolist(), case["kv_indptr"].tolist()
     for r in range(len(qo) - 1):
-        q = case["q"][qo[r] : qo[r + 1]].float().transpose(0, 1)  # [H, n, D]
         idx = case["kv_indices"][kv[r] : kv[r + 1]].long()
-        k = case["k"][idx].float().transpose(0, 1).repeat_interleave(group, 0)
-        v = case["v"][idx].float().transpose(0, 1).repeat_interleave(group, 0)
-        s = q @ k.transpose(1, 2) * case["sm_scale"]
-        lse = torch.logsumexp(s, -1)
-        outs.append((torch.softmax(s, -1) @ v).transpose(0, 1))
-        lses.append((lse / torch.log(torch.tensor(2.0))).transpose(0, 1))
+        out, lse = dense_attention(case["q"][qo[r] : qo[r + 1]], case["k"][idx], case["v"][idx], causal=False,
+                                   sm_scale=case["sm_scale"])  # fmt: skip
+        outs.append(out.float())
+        lses.append(lse / math.log(2.0))
     return torch.cat(outs), torch.cat(lses)
 
 
