@@ -472,14 +472,15 @@ class SharedPrefixDecode:
 
 def _precompile_one(cfg):
     from sglang_hs.kernels.decode import STAGES, build_decode_kernel
-    from sglang_hs.kernels.extend import build_extend_kernel
+    from sglang_hs.kernels.extend import build_extend_kernel, default_stages
 
     hq, hkv, d, dt, forms = cfg
     if forms is None:  # the own pass's kernel
         build_decode_kernel(hq, hkv, d, 64, dt, STAGES, min_split_blocks=OWN_MIN_SPLIT_BLOCKS)
     else:  # the shared pass's, with and (but for 2:4 K blocks) without 2:4 K rows, as run() picks by the pools
         for k_sparse in shared_pass_k_sparse(forms[0]):
-            build_extend_kernel(shared_heads(hq, hkv), hkv, d, 64, dt, SHARED_TILE, 2, k_sparse, forms, True)
+            build_extend_kernel(shared_heads(hq, hkv), hkv, d, 64, dt, SHARED_TILE, default_stages(SHARED_TILE),
+                                k_sparse, forms, True)
     return cfg
 
 
