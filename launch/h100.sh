@@ -67,6 +67,11 @@ tiny=/tmp/hs_tiny
 llama=/tmp/hs_llama8b
 [ -f $tiny/config.json ] || python3 -m sglang_hs.launch.make_model tiny $tiny > /dev/null
 [ -f $llama/config.json ] || python3 -m sglang_hs.launch.make_model llama8b $llama > /dev/null
+model_tag=""  # MODEL=llama70b: the prefix and warm steps serve the Llama-3.1-70B shape (TP=4 or 8), files get _llama70b
+if [ "${MODEL:-llama8b}" = llama70b ]; then
+  llama=/tmp/hs_llama70b model_tag="_llama70b"
+  [ -f $llama/config.json ] || python3 -m sglang_hs.launch.make_model llama70b $llama > /dev/null
+fi
 # The prefix benchmark's servers (both dense and hierasparse get the same flags). CONTEXT: shared prefix
 # tokens (8192); the servers' --context-length is 16384, or CONTEXT + 1024 above 15K.
 context=${CONTEXT:-8192}
@@ -187,7 +192,7 @@ case "$step" in
         ${DENSE_CAP:+--dense-capacity=$DENSE_CAP} ${KHEADMAP:+--k-head-map=$KHEADMAP} \
         ${PROFILE_STEPS:+--profile-steps=$PROFILE_STEPS --profile-delay=${PROFILE_DELAY:-15}} \
         $([ "${PROFILE_STACKS:-0}" = 1 ] && echo --profile-stacks) \
-        --out "$out/prefix_bench${tp_tag}_${gpu}.json" 2>&1 |
+        --out "$out/prefix_bench${model_tag}${tp_tag}_${gpu}.json" 2>&1 |
         grep -E "\[bench\]|error" | cut -c1-400
     ;;
   warmfi)

@@ -2,6 +2,7 @@
 
     python -m sglang_hs.launch.make_model tiny OUT      # small random-weight model, weights written
     python -m sglang_hs.launch.make_model llama8b OUT   # Llama-3.1-8B config only: serve with --load-format dummy
+    python -m sglang_hs.launch.make_model llama70b OUT  # Llama-3.1-70B config only (GQA group 8; TP 4 or 8)
 
 Both get a byte-level BPE tokenizer trained here on a built-in corpus and a chat template, so
 SGLang's OpenAI API and frontend language work. Real checkpoints need none of this: pass their
@@ -37,6 +38,16 @@ LLAMA_31_8B = {
     "vocab_size": 128256,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
+}
+
+# Llama-3.1-70B differs from 8B only in size: 64 query heads over 8 KV heads (a GQA group of 8, 2 KV
+# heads a rank at TP 4), 80 layers.
+LLAMA_31_70B = {
+    **LLAMA_31_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
 }
 
 _CORPUS = [
@@ -111,16 +122,16 @@ def write_tiny(out: str, layers: int, seed: int) -> None:
     model.to(torch.float16).save_pretrained(out, safe_serialization=True)
 
 
-def write_llama8b_config(out: str) -> None:
-    """Llama-3.1-8B's config.json plus a local tokenizer; SGLang's --load-format dummy fills weights."""
+def write_llama_config(out: str, config: dict) -> None:
+    """A Llama-3.1 config.json plus a local tokenizer; SGLang's --load-format dummy fills weights."""
     write_tokenizer(out, vocab_size=2048)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump({**LLAMA_31_8B, "bos_token_id": 0, "eos_token_id": 1}, f, indent=2)
+        json.dump({**config, "bos_token_id": 0, "eos_token_id": 1}, f, indent=2)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=["tiny", "llama8b"])
+    parser.add_argument("kind", choices=["tiny", "llama8b", "llama70b"])
     parser.add_argument("out", help="output folder (created)")
     parser.add_argument("--layers", type=int, default=2, help="tiny: number of layers")
     parser.add_argument("--seed", type=int, default=0, help="tiny: weight seed")
@@ -129,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.kind == "tiny":
         write_tiny(args.out, args.layers, args.seed)
     else:
-        write_llama8b_config(args.out)
+        write_llama_config(args.out, LLAMA_31_8B if args.kind == "llama8b" else LLAMA_31_70B)
     print(f"wrote {args.kind} model to {args.out}: {sorted(os.listdir(args.out))}")
 
 

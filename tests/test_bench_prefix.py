@@ -193,9 +193,9 @@ def test_calibrated_prompt_len_gives_the_servers_token_count(tmp_path):
     from transformers import AutoTokenizer
 
     from sglang_hs.launch.bench_prefix import calibrated_prompt_lens
-    from sglang_hs.launch.make_model import write_llama8b_config
+    from sglang_hs.launch.make_model import LLAMA_31_8B, write_llama_config
 
-    write_llama8b_config(str(tmp_path))
+    write_llama_config(str(tmp_path), LLAMA_31_8B)
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
     asked, asked_question = calibrated_prompt_lens(str(tmp_path), 8192, 256)
     assert asked < 8192 * 0.9  # the expansion is real for this tokenizer

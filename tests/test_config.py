@@ -99,9 +99,9 @@ def test_launcher_prints_one_line_for_bad_flag(tmp_path):
 
 
 def test_launcher_checks_page_size_and_device(tmp_path):
-    from sglang_hs.launch.make_model import write_llama8b_config
+    from sglang_hs.launch.make_model import LLAMA_31_8B, write_llama_config
 
-    write_llama8b_config(str(tmp_path))
+    write_llama_config(str(tmp_path), LLAMA_31_8B)
     base = ["-m", "sglang.launch_server", "--model-path", str(tmp_path), "--attention-backend", "hierasparse",
             "--device", "cpu"]
     result = run_python(*base, "--page-size", "16", cwd="/")
@@ -114,9 +114,9 @@ def test_launcher_checks_page_size_and_device(tmp_path):
 
 
 def test_launcher_refuses_decode_and_extend_kernels_for_an_unsupported_gqa_group(tmp_path):
-    from sglang_hs.launch.make_model import write_llama8b_config
+    from sglang_hs.launch.make_model import LLAMA_31_8B, write_llama_config
 
-    write_llama8b_config(str(tmp_path))
+    write_llama_config(str(tmp_path), LLAMA_31_8B)
     config_path = tmp_path / "config.json"
     config = json.loads(config_path.read_text())
     config.update(num_attention_heads=24, num_key_value_heads=8, hidden_size=3072, head_dim=128)  # group 3
