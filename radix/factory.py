@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import logging
 
+from sglang_hs.config import BACKEND_NAME
 from sglang_hs.radix.hicache import HieraSparseHiRadixCache
 from sglang_hs.radix.hook import HieraSparseRadixCache, PrometheusGauges
 from sglang_hs.radix.host_tier import dense_host_args, host_budget
 from sglang_hs.runtime import runtime_of
 
 logger = logging.getLogger(__name__)
-
-RADIX_BACKEND_NAME = "hierasparse"
 
 
 def create_radix_cache(ctx) -> HieraSparseRadixCache:
@@ -23,7 +22,7 @@ def create_radix_cache(ctx) -> HieraSparseRadixCache:
     runner = ctx.tp_worker.model_runner
     runtime = runtime_of(runner)
     if runtime is None:
-        raise TypeError(f"--radix-cache-backend {RADIX_BACKEND_NAME} needs --attention-backend hierasparse")
+        raise TypeError(f"--radix-cache-backend {BACKEND_NAME} needs --attention-backend {BACKEND_NAME}")
     kv_pool = runner.token_to_kv_pool
     layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
     k_buffers = [kv_pool.get_key_buffer(layer) for layer in layers]

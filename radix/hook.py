@@ -48,8 +48,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RADIX_BACKEND_NAME = "hierasparse"
-
 
 class HieraSparseAllocator(PagedTokenToKVPoolAllocator):
     """SGLang's paged allocator, plus: virtual slots handed to ``free`` go back to the store.

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 ENV_VAR = "SGLANG_HIERASPARSE_CONFIG"
+BACKEND_NAME = "hierasparse"
+"""The ``--attention-backend`` (and ``--radix-cache-backend``) name the plugin registers."""
 
 # Values the TileLang kernels are built for. The PyTorch reference takes any multiple of 16, but a
 # server must not start with settings its kernels cannot run.
@@ -253,6 +255,16 @@ class HieraSparseConfig:
     def export(self) -> None:
         """Publish these settings to child processes through the environment."""
         os.environ[ENV_VAR] = self.to_json()
+
+
+def uses_backend(server_args) -> bool:
+    """Whether SGLang's server arguments select the hierasparse attention backend for any phase."""
+    names = (
+        server_args.attention_backend,
+        server_args.prefill_attention_backend,
+        server_args.decode_attention_backend,
+    )
+    return BACKEND_NAME in names
 
 
 def field_parser(field: dataclasses.Field) -> type:

@@ -16,22 +16,21 @@ applies the hooks registered here through its ``HookRegistry``. Nothing in SGLan
   factory set up one :class:`sglang_hs.runtime.HieraSparseRuntime` on the model runner; the log-line
   and idle-check hooks find the tree through the scheduler objects SGLang hands them.
 
-Every hook target is imported lazily (:func:`_lazy`): the plugin loads in every SGLang process.
+Every hook imports its module when SGLang first calls it: the plugin loads in every SGLang process.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import logging
 from importlib.metadata import PackageNotFoundError, version
 
-from sglang_hs.config import HieraSparseConfig, HieraSparseConfigError, cli_flag, field_parser
+from sglang_hs.config import (BACKEND_NAME, HieraSparseConfig, HieraSparseConfigError, cli_flag, field_parser,
+                              uses_backend)
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME = "hierasparse"
 SUPPORTED_SGLANG = "0.5.17"
 _SERVER_ARGS = "sglang.srt.server_args"
 
@@ -82,31 +81,49 @@ def load() -> None:
         register_radix_cache_backend(BACKEND_NAME, create_radix_cache)
 
 
-def _lazy(target: str):
-    """A callable that imports ``module.attr`` on first use: the plugin loads in every SGLang
-    process, so registering it must not import the backend, the kernels or the radix hook."""
-    module, attr = target.rsplit(".", 1)
+# Hook targets. The plugin loads in every SGLang process (the launcher included), so each hook imports
+# its module when SGLang first calls it: registering must not import the backend, the kernels or the
+# radix hook.
+def create_backend(*args, **kwargs):
+    """Attention-backend factory, called by SGLang's ModelRunner in each scheduler process."""
+    from sglang_hs.backend import create_backend as create
 
-    def call(*args, **kwargs):
-        return getattr(importlib.import_module(module), attr)(*args, **kwargs)
-
-    call.__name__ = call.__qualname__ = attr
-    call.__doc__ = f"Lazily calls {target}."
-    return call
+    return create(*args, **kwargs)
 
 
-create_backend = _lazy("sglang_hs.backend.create_backend")
-"""Attention-backend factory, called by SGLang's ModelRunner in each scheduler process."""
-reserve_store_budget = _lazy("sglang_hs.runtime.reserve_store_budget")
-"""The compressed store's share of SGLang's KV-cache budget, taken when the pools are sized."""
-tag_pool_stats = _lazy("sglang_hs.radix.hook.tag_pool_stats")
-"""Hands the scheduler's tree to the batch log line through the pool statistics."""
-status_line_parts = _lazy("sglang_hs.radix.hook.status_line_parts")
-"""The compressed cache's status, appended to SGLang's periodic batch log line."""
-check_store_when_idle = _lazy("sglang_hs.radix.hook.check_store_when_idle")
-"""The compressed store's own leak check, added to SGLang's idle memory check."""
-create_radix_cache = _lazy("sglang_hs.radix.factory.create_radix_cache")
-"""Radix-cache factory (``--radix-cache-backend hierasparse``, set by the backend defaults)."""
+def reserve_store_budget(*args, **kwargs):
+    """The compressed store's share of SGLang's KV-cache budget, taken when the pools are sized."""
+    from sglang_hs.runtime import reserve_store_budget as reserve
+
+    return reserve(*args, **kwargs)
+
+
+def tag_pool_stats(*args, **kwargs):
+    """Hands the scheduler's tree to the batch log line through the pool statistics."""
+    from sglang_hs.radix.hook import tag_pool_stats as tag
+
+    return tag(*args, **kwargs)
+
+
+def status_line_parts(*args, **kwargs):
+    """The compressed cache's status, appended to SGLang's periodic batch log line."""
+    from sglang_hs.radix.hook import status_line_parts as parts
+
+    return parts(*args, **kwargs)
+
+
+def check_store_when_idle(*args, **kwargs):
+    """The compressed store's own leak check, added to SGLang's idle memory check."""
+    from sglang_hs.radix.hook import check_store_when_idle as check
+
+    return check(*args, **kwargs)
+
+
+def create_radix_cache(*args, **kwargs):
+    """Radix-cache factory (``--radix-cache-backend hierasparse``, set by the backend defaults)."""
+    from sglang_hs.radix.factory import create_radix_cache as create
+
+    return create(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------- CLI flags
@@ -163,15 +180,6 @@ def read_cli_flags(original, cls, args: argparse.Namespace):
 
 
 # --------------------------------------------------------------------------------------- defaults
-def uses_backend(server_args) -> bool:
-    names = (
-        server_args.attention_backend,
-        server_args.prefill_attention_backend,
-        server_args.decode_attention_backend,
-    )
-    return BACKEND_NAME in names
-
-
 def apply_backend_defaults(_result, server_args) -> None:
     """AFTER hook on ``ServerArgs._handle_attention_backend_compatibility``."""
     if not uses_backend(server_args):

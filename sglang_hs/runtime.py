@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from sglang_hs.channel_order import ChannelOrder
-from sglang_hs.config import HieraSparseConfig
+from sglang_hs.config import HieraSparseConfig, uses_backend
 from sglang_hs.k_head_map import KHeadMap
 from sglang_hs.pools import CompressedStore, LossReducer, StoreCapacity, VirtualSlots, compress_prefix
 
@@ -190,8 +190,6 @@ def reserve_store_budget(original, configurator, budget_bytes: int, *args, cap_t
     profiled budget, carve the compressed store out of it (``--hierasparse-store-fraction``), so dense
     and hierasparse servers use equal memory. The resize after CUDA-graph capture (``cap_tokens``
     given) measures free memory, where the store is already accounted for, and is left alone."""
-    from sglang_hs.plugin import uses_backend
-
     server_args = configurator.server_args
     if (cap_tokens is not None or configurator.is_draft_worker or not uses_backend(server_args)
             or server_args.disable_radix_cache):  # fmt: skip
