@@ -34,17 +34,13 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
 
+    from sglang_hs.kernels.decode import HieraSparseDecode
+    from sglang_hs.kernels.decode_shared import SharedPrefixDecode, StepTables
+    from sglang_hs.kernels.extend import HieraSparseExtend
+
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
-
-# Class-level switches SGLang's runners read off a backend; they must describe the dense delegate.
-# (needs_cpu_seq_lens keeps the base class's True: the compressed paths read seq_lens_cpu.)
-_MIRRORED_FLAGS = (
-    "supports_ragged_verify_graph",
-    "use_captured_forward_metadata_for_breakable_cuda_graph",
-    "supports_full_cuda_graph_chunked_prefix",
-)
 
 
 class Path(enum.Enum):
@@ -71,12 +67,15 @@ class ForwardMetadata:
     """int32 ``[bs]`` (the kernels)."""
     qo_indptr_gpu: torch.Tensor | None = None
     """int32 ``[bs + 1]``: query rows of each request in an extend batch (the extend kernel)."""
-    decode_plan: object | None = None
-    decode_step: object | None = None
-    """With shared-prefix decode: the step's ``decode_shared.StepTables`` (grouping, both passes' tables)."""
-    selected: tuple | None = None
+    decode_plan: HieraSparseDecode | SharedPrefixDecode | None = None
+    """The decode kernel's plan (``Path.DECODE_KERNEL``): the per-request kernel, or with shared-prefix
+    decode the two-pass plan."""
+    decode_step: StepTables | None = None
+    """With shared-prefix decode: the step's tables (grouping, both passes' tables)."""
+    selected: tuple[torch.Tensor, torch.Tensor | list[int]] | None = None
     """With a decode mode: the last anchor layer's choice, ``(block_table, seq_lens)`` compacted to the
-    blocks the following layers read (``sglang_hs.decode_modes``)."""
+    blocks the following layers read (``sglang_hs.decode_modes``); the lengths are a host list on the
+    PyTorch path (``Path.FALLBACK``)."""
 
 
 def create_backend(model_runner: ModelRunner) -> HieraSparseAttnBackend:
@@ -85,6 +84,24 @@ def create_backend(model_runner: ModelRunner) -> HieraSparseAttnBackend:
 
 
 class HieraSparseAttnBackend(AttentionBackend):
+    """What SGLang 0.5.17 reads or calls on an attention backend, for the models and settings the plugin
+    accepts (its model runner, eager runner, decode and breakable-prefill CUDA-graph runners, forward
+    context), and where each comes from:
+
+    - defined here: ``init_forward_metadata`` (eager forwards and breakable prefill graphs),
+      ``init_forward_metadata_out_graph`` / ``init_forward_metadata_in_graph`` and
+      ``init_cuda_graph_state`` / ``get_cuda_graph_seq_len_fill_value`` (decode graphs),
+      ``forward_decode`` / ``forward_extend`` (through the base class's ``forward``), ``forward_metadata``
+      (the eager runner resets it), ``token_to_kv_pool`` / ``req_to_token_pool`` (the forward
+      context's ``get_token_to_kv_pool`` / ``get_req_to_token_pool``);
+    - delegated to the dense backend: the runners' capability flags, below;
+    - the base class's: ``needs_cpu_seq_lens`` (True: the compressed paths read ``seq_lens_cpu``),
+      ``on_after_cuda_graph_warmup``, ``verify_mask``, the ``*_attention_backend_str`` the model runner
+      stamps.
+
+    Nothing else reaches the delegate: its own state is its own (no attribute forwarding).
+    """
+
     def __init__(self, model_runner: ModelRunner, runtime: HieraSparseRuntime):
         super().__init__()
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
@@ -92,11 +109,10 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.runtime = runtime
         self.config, self.store, self.virtual = runtime.config, runtime.store, runtime.virtual
         self.dense = ATTENTION_BACKENDS[self.config.dense_backend](model_runner)
-        for flag in _MIRRORED_FLAGS:
-            setattr(self, flag, getattr(self.dense, flag))
         self.forward_metadata: ForwardMetadata | None = None
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.req_to_token = self.req_to_token_pool.req_to_token
         kv_device = torch.device(self.token_to_kv_pool.device)
         self.paged_prefill = (
             PagedPrefillChoice.for_delegate(self.dense, torch.cuda.get_device_capability(kv_device),
@@ -118,13 +134,13 @@ class HieraSparseAttnBackend(AttentionBackend):
         order = runtime.channel_order
         self.permute = ChannelPermuter(order, self.token_to_kv_pool.device) if order is not None else None
         self.kernels_compiled = self._prepare_kernels(runtime)
-        self.extend_plan = None
+        self.extend_plan: HieraSparseExtend | None = None
         if runtime.uses_kernel("extend"):
             self.extend_plan = self._extend_plan(self.token_to_kv_pool, self.store.capacity.k_sparse > 0)
-        self._decode_plan_obj = None  # one plan (one kernel, one scratch) for every decode batch
+        self._decode_plan_obj: HieraSparseDecode | SharedPrefixDecode | None = None  # one plan (one kernel, one scratch) for every decode batch
         self._graph_table: torch.Tensor | None = None
         self._graph_seq_lens: torch.Tensor | None = None
-        self._graph_step = None  # shared-prefix decode: the step tables the captured graphs read
+        self._graph_step: StepTables | None = None  # shared-prefix decode: the step tables the captured graphs read
         self._counts_from_capture = False  # the log line's GPU counts hold the capture's warm-up runs
         logger.info(
             "HieraSparse backend ready: dense tokens via %s%s, compressed blocks via %s (extend) and %s "
@@ -139,12 +155,22 @@ class HieraSparseAttnBackend(AttentionBackend):
             self.config.to_json(),
         )
 
-    def __getattr__(self, name: str):
-        # Runner code reads backend-specific state (for example a delegate's CUDA-graph buffers);
-        # everything this class does not define belongs to the dense delegate.
-        if name == "dense":  # not set yet: avoid recursing during construction
-            raise AttributeError(name)
-        return getattr(self.dense, name)
+    # ----------------------------------------------------------------------------- delegated flags
+    @property
+    def supports_ragged_verify_graph(self) -> bool:
+        """Read by the decode CUDA-graph runner (speculative verify graphs): the delegate's."""
+        return self.dense.supports_ragged_verify_graph
+
+    @property
+    def use_captured_forward_metadata_for_breakable_cuda_graph(self) -> bool:
+        """Read by the decode and prefill CUDA-graph runners (breakable graphs): the delegate's (False
+        for FlashInfer and triton: the runner then calls :meth:`init_forward_metadata`)."""
+        return self.dense.use_captured_forward_metadata_for_breakable_cuda_graph
+
+    @property
+    def supports_full_cuda_graph_chunked_prefix(self) -> bool:
+        """Read by the prefill CUDA-graph runner (full prefill graphs, refused at start-up): the delegate's."""
+        return self.dense.supports_full_cuda_graph_chunked_prefix
 
     # ----------------------------------------------------------------------------- metadata
     def init_forward_metadata(self, forward_batch: ForwardBatch):
@@ -208,7 +234,7 @@ class HieraSparseAttnBackend(AttentionBackend):
                 getattr(meta.decode_step, field.name).copy_(getattr(step, field.name))
             self._count_grouping(meta.decode_step, bs)
 
-    def _count_grouping(self, step, bs: int) -> None:
+    def _count_grouping(self, step: StepTables, bs: int) -> None:
         """Add this step's requests read through a column set, and its requests, to the runtime's
         counts (GPU adds, no host read: the batch log line reads them, ``hs shared-decode grouped``)."""
         counts = self._grouping_counts()
@@ -221,7 +247,7 @@ class HieraSparseAttnBackend(AttentionBackend):
             self.runtime.shared_decode_counts = torch.zeros(2, dtype=torch.int64, device=self.req_to_token.device)
         return self.runtime.shared_decode_counts
 
-    def _graph_step_views(self, plan, bs: int):
+    def _graph_step_views(self, plan: SharedPrefixDecode, bs: int) -> StepTables:
         """Views, for a step of ``bs`` requests, of the step-table buffers the captured graphs read. The
         buffers are a step of the largest captured batch, built once: its per-set tables have the plan's
         set rows, its per-request ones a row per request."""
@@ -239,7 +265,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         c = self.config
         return compressed_forms((c.sk_prefill, c.sk_decode), (c.sv_prefill, c.sv_decode), bool(c.k_head_map))
 
-    def _plan_step(self, plan, table: torch.Tensor, seq_lens: torch.Tensor):
+    def _plan_step(self, plan: SharedPrefixDecode, table: torch.Tensor, seq_lens: torch.Tensor) -> StepTables:
         """A shared-prefix decode step's tables; the index maps (the same in every layer for the forms
         :meth:`_shared_pass_forms` restricts) tell which blocks the shared pass takes."""
         return plan.plan_step(table, seq_lens, self.store.k_index_of(0), self.store.v_index)
@@ -250,7 +276,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         rows = self.req_to_token[forward_batch.req_pool_indices[:bs].long()]
         return self.virtual.block_table(rows), forward_batch.seq_lens[:bs].to(torch.int32)
 
-    def _decode_plan(self, bs: int):
+    def _decode_plan(self, bs: int) -> HieraSparseDecode | SharedPrefixDecode:
         """The one decode plan: every batch size runs the model shape's one compiled kernel on views of
         one scratch. Built for the largest captured batch before capture (``init_cuda_graph_state``),
         else for the first eager batch (it grows while no graph holds it, and runs larger batches in
@@ -259,7 +285,7 @@ class HieraSparseAttnBackend(AttentionBackend):
             self._decode_plan_obj = self._new_decode_plan(bs)
         return self._decode_plan_obj
 
-    def _new_decode_plan(self, batch_size: int):
+    def _new_decode_plan(self, batch_size: int) -> HieraSparseDecode | SharedPrefixDecode:
         from sglang_hs.kernels.decode import HieraSparseDecode
         from sglang_hs.kernels.decode_shared import SharedPrefixDecode
 
@@ -293,7 +319,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         )  # fmt: skip
         return prepare_kernels(jobs, logger.info) if jobs else 0
 
-    def _extend_plan(self, kv_pool, k_sparse: bool):
+    def _extend_plan(self, kv_pool, k_sparse: bool) -> HieraSparseExtend:
         """The extend kernel's plan; both of its tiles are compiled (or loaded from TileLang's disk
         cache) now, so that no request waits for a compilation."""
         from sglang_hs.kernels.extend import TILES, HieraSparseExtend
