@@ -507,8 +507,7 @@ def block_info(store, vbs: list[int]) -> torch.Tensor:
 
 
 def is_magnitude(pruner) -> bool:
-    """True if ``pruner`` keeps the top-2 |x| of each group and ranks blocks by the L1 of the rest
-    (one pruner for every layer: a per-layer list runs on the PyTorch path)."""
+    """True if ``pruner`` keeps the top-2 |x| of each group and ranks blocks by the L1 of the rest."""
     cls = type(pruner)
     return (isinstance(pruner, MagnitudePruner) and cls.element_scores is MagnitudePruner.element_scores
             and cls.element_mask is Pruner.element_mask and cls.block_loss is Pruner.block_loss

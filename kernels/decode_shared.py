@@ -485,7 +485,7 @@ def _precompile_one(cfg):
 
 
 def _precompile_configs() -> list[tuple]:
-    """The kernels of the GPU tests and of ``profile_shared_decode``: (shape..., forms or None for the own pass)."""
+    """The kernels of the GPU tests and of ``lab/profile_shared_decode.py``: (shape..., forms or None for the own pass)."""
     configs = [(*shape, forms) for shape in GPU_SHAPES for forms in (*GPU_FORMS, None)]
     return configs + [(32, 8, 128, "bfloat16", forms) for forms in (("sparse", "sparse"), None)]
 

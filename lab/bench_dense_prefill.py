@@ -1,6 +1,6 @@
 """The dense delegate's paged prefill: FlashInfer fa2 against fa3 as SGLang's FlashInfer backend runs it.
 
-    python3 -m sglang_hs.launch.bench_dense_prefill [--out FILE.json] [--points NEW:PREFIX:BATCH,...]
+    python3 lab/bench_dense_prefill.py [--out FILE.json] [--points NEW:PREFIX:BATCH,...]
 
 SGLang attends a prefill batch's new tokens over its cached dense prefix with a paged prefill wrapper:
 page size 1 (one KV index a token, in pool order), non-causal, the LSE returned for the merge with the

@@ -1,7 +1,7 @@
 """Three launches of the extend kernel on the benchmark's shape, for Nsight Compute.
 
     ncu --launch-skip 2 --launch-count 1 -k regex:main --section SpeedOfLight --section WarpStateStats \
-        --section SourceCounters python3 -m sglang_hs.launch.profile_extend --new-tokens 64
+        --section SourceCounters python3 lab/profile_extend.py --new-tokens 64
 
 Batch 8 x 32K prefix (S_K = S_V = 1, natural pool order) plus ``--new-tokens`` per request, 32/8
 heads, d 128, fp16, tile ``--tile`` (default n128: the producer schedule) with ``--stages`` (default:

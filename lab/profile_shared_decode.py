@@ -1,6 +1,6 @@
 """Where the time of one layer of shared-prefix decode goes: the whole call and each of its parts.
 
-    python3 -m sglang_hs.launch.profile_shared_decode [--server-shape | --batches | --short | --chunked | --splits | --ncu]
+    python3 lab/profile_shared_decode.py [--server-shape | --batches | --short | --chunked | --splits | --ncu]
 
 16 requests over 6 shared prefixes of 32K, S_K = S_V = 1, Llama-3.1-8B decode shape (32/8 heads, d 128),
 each request keeping its last block to its own pass, natural pool order. Times are CUDA-graph replays

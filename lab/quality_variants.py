@@ -1,14 +1,17 @@
-"""K-pruning variants of the quality evaluation beyond the server's pruners (reference backend only).
+"""K-pruning variants of the quality study beyond the server's pruner (reference backend only; run
+through ``python lab/eval_study.py``, which takes ``eval_quality``'s flags).
 
 A setting's pruner name selects a variant (``+`` joins parts):
 
-- ``headmap-<score>``: head-adaptive K (:mod:`sglang_hs.head_map`): the (layer, KV head) pairs with
-  the lowest calibration ``<score>`` (``needle``, ``needle_drop``, ``copy``, ``copy_drop``, or
-  ``random``, a seeded control) store K 2:4, the others keep K dense, so that the effective S_K
-  (fraction of compressible K block x head x layer rows stored sparse) meets the setting's S_K;
+- ``headmap-<score>``: head-adaptive K: the (layer, KV head) pairs with the lowest calibration
+  ``<score>`` (``needle``, ``needle_drop``, ``copy``, ``copy_drop`` from
+  :mod:`sglang_hs.launch.head_calibration`, or ``random``, a seeded control) store K 2:4, the others
+  keep K dense, so that the effective S_K (fraction of compressible K block x head x layer rows stored
+  sparse) meets the setting's S_K (:func:`budget_map`, :func:`head_sparse_masks`; a fractional
+  boundary head, which the server's K head map does not have);
 - ``perm``: 2:4 K along a calibrated permutation of head_dim per (layer, KV head)
-  (:func:`sglang_hs.head_map.channel_permutations`; the store would hold K permuted and the kernels
-  permute Q alike): the server compressor's output on the permuted K, read back and un-permuted;
+  (:func:`channel_permutations`; the store would hold K permuted and the kernels permute Q alike): the
+  server compressor's output on the permuted K, read back and un-permuted;
 - ``fperm``: ``perm`` with the K channel order of ``--k-channel-order FILE`` (what a server given
   ``--hierasparse-k-channel-order FILE`` stores; ``python -m sglang_hs.launch.calibrate_channels``);
 
@@ -24,8 +27,9 @@ A setting's pruner name selects a variant (``+`` joins parts):
   magnitude). The format and the kernels are unchanged; only the stored values move.
 
 Variants that lost (``mustafar``: per-token unstructured K; ``wperm``/``sperm``: data-free channel
-orders; ``refit``: kept values re-fitted to the query second moment) are described with their
-results in ``docs/quality.md`` and live in git history (commit 8f42e89).
+orders; ``refit``: kept values re-fitted to the query second moment; ``output_aware``: Wanda-style
+scores from the prefix's own last queries) are described with their results in ``docs/quality.md``
+and live in git history (commit 8f42e89; ``output_aware``: ``git log -S OutputAwarePruner``).
 
 V is the magnitude pruner's (2:4, the server's block ranking at S_V), on every head unless ``vmap``,
 with its stored values unless ``vcomp``. The sparse K of the magnitude and head-map variants is the
@@ -35,18 +39,20 @@ server compressor's output read back from the store.
 from __future__ import annotations
 
 import dataclasses
-import os
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from sglang_hs import head_map
-from sglang_hs.channel_order import ChannelOrder, unpermute
-from sglang_hs.head_map import SCORE_NAMES
-from sglang_hs.launch.quality_inputs import MissingInput, Setting
-from sglang_hs.format import GROUP, KEEP
-from sglang_hs.pruner import MagnitudePruner, rank_sparse, top2_of_4
+from sglang_hs.channel_order import ChannelOrder, ranked_quarter_permutations, unpermute
+from sglang_hs.format import GROUP, KEEP, sparse_count
+from sglang_hs.launch import head_calibration
+from sglang_hs.launch.head_calibration import SCORE_NAMES
+from sglang_hs.launch.quality_inputs import Setting
+from sglang_hs.launch.quality_reference import kv_stats
+from sglang_hs.pools import prefix_blocks
+from sglang_hs.pruner import MagnitudePruner, Pruner, rank_sparse, top2_of_4
 
 HEADMAP = "headmap-"
 PERM = "perm"
@@ -54,8 +60,6 @@ V_MAP = "vmap"
 V_COMP = "vcomp-"
 FILE_PERM = "fperm"
 RANDOM_SCORE = "random"
-CALIBRATION_CORPUS = "/usr/share/common-licenses"
-"""Default calibration filler: licence texts (Debian's ``base-files``), disjoint from the essays."""
 
 
 @dataclass(frozen=True)
@@ -104,41 +108,6 @@ def token_mask(mask: torch.Tensor, block: int) -> torch.Tensor:
     return mask.repeat_interleave(block, dim=-1).transpose(0, 1)[..., None]
 
 
-def load_calibration_texts(folder: str | None) -> list[str]:
-    """Every regular text file of ``folder`` (default :data:`CALIBRATION_CORPUS`), sorted by name,
-    links to the same file counted once."""
-    folder = folder or CALIBRATION_CORPUS
-    if not os.path.isdir(folder):
-        raise MissingInput(f"calibration text folder {folder} is missing: pass --calib-corpus DIR (any .txt files "
-                           "that the evaluation's haystacks do not contain)")  # fmt: skip
-    seen, texts = set(), []
-    for name in sorted(os.listdir(folder)):
-        path = os.path.realpath(os.path.join(folder, name))
-        if path in seen or not os.path.isfile(path):
-            continue
-        seen.add(path)
-        with open(path, encoding="utf-8", errors="replace") as f:
-            texts.append(f.read())
-    if not texts:
-        raise MissingInput(f"calibration text folder {folder} holds no files")
-    return texts
-
-
-def kv_stats(blocks: range, sparse: tuple[torch.Tensor, torch.Tensor] | None, rows: int = 1) -> dict:
-    """Compressed blocks and how many of them are sparse. ``sparse`` holds block masks ``[n]`` or
-    (head-adaptive K) row masks ``[L, H, n]`` with ``rows = L·H``: then ``sparse_k_blocks`` is the
-    sparse row count over ``rows`` (a fraction of a block when heads differ)."""
-
-    def count(mask: torch.Tensor) -> int | float:
-        return int(mask.sum()) if mask.dim() == 1 else round(int(mask.sum()) / rows, 4)
-
-    return {
-        "compressed_blocks": len(blocks) if sparse is not None else 0,
-        "sparse_k_blocks": count(sparse[0]) if sparse is not None else 0,
-        "sparse_v_blocks": count(sparse[1]) if sparse is not None else 0,
-    }
-
-
 def compensated_v(dense: torch.Tensor, share: float) -> torch.Tensor:
     """``[T, H, D]`` V (T a multiple of 4, groups aligned) pruned 2:4 along tokens by magnitude, the
     kept two of every group raised by ``share`` x half the group's dropped sum (per head and channel)."""
@@ -149,17 +118,80 @@ def compensated_v(dense: torch.Tensor, share: float) -> torch.Tensor:
     return torch.where(keep, moved.flatten(0, 1), 0).to(dense.dtype)
 
 
+# ===================================================================================== head map and masks
+def budget_map(scores: torch.Tensor, sk: float) -> torch.Tensor:
+    """float64 ``[L, H]``: each (layer, head)'s fraction of compressible K blocks stored sparse, so
+    that the mean is exactly ``sk``. Heads are pruned in increasing score order (ties: lower flat
+    index first); the first ``floor(sk·L·H)`` are fully sparse, the next takes the remainder."""
+    if not 0.0 <= sk <= 1.0:
+        raise ValueError(f"S_K budget {sk} is outside [0, 1]")
+    n = scores.numel()
+    units = round(sk * n, 9)
+    full = math.floor(units)
+    order = scores.flatten().double().argsort(stable=True)
+    fractions = torch.zeros(n, dtype=torch.float64)
+    fractions[order[:full]] = 1.0
+    if full < n and units > full:
+        fractions[order[full]] = units - full
+    return fractions.view(scores.shape)
+
+
+def head_sparse_masks(fractions: torch.Tensor, losses: torch.Tensor, prunable: torch.Tensor) -> torch.Tensor:
+    """bool ``[L, H, n]``: per (layer, head), its ``ceil(f·n_prunable)`` prunable blocks of least
+    ``losses [L, H, n]`` (stable: ties to the earlier block). A pure function of its inputs."""
+    n_prunable = int(prunable.sum())
+    counts = torch.tensor([sparse_count(n_prunable, float(f)) for f in fractions.flatten()]).view(fractions.shape)
+    ranked = torch.where(prunable, losses.float(), torch.inf).argsort(dim=-1, stable=True)
+    rank = ranked.argsort(dim=-1)
+    return (rank < counts[..., None]) & prunable
+
+
+def head_block_losses(pruner: Pruner, k_buffers: Sequence[torch.Tensor], slots: torch.Tensor, block_size: int,
+                      kv_heads: int) -> torch.Tensor:  # fmt: skip
+    """float32 ``[L, H, n]``: each K block's pruning loss per layer and KV head (the compressor's
+    first pass, before it sums over layers and heads)."""
+    out = []
+    for buffer in k_buffers:
+        blocks = prefix_blocks(buffer, slots, block_size, kv_heads)
+        out.append(pruner.operand_loss(blocks, "k", pruner.element_mask(blocks, "k")))
+    return torch.stack(out)
+
+
+
+# ===================================================================================== channel permutation
+def channel_permutations(key_energy: torch.Tensor, query_energy: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[L, H, D]``: per (layer, KV head) a permutation of head_dim whose consecutive groups
+    of 4 each take one channel from every quarter of the channels ranked by importance
+    (``E[k_c²]``, times ``E[q_c²]`` when given): group ``g`` holds the channels ranked ``g``,
+    ``g + D/4``, ``g + D/2`` and ``g + 3D/4``. Magnitude 2:4 along the permuted axis then never has
+    to drop one of two large channels that happen to sit side by side (low-frequency RoPE channels
+    carry most of K's energy and are adjacent). Applied to K and to Q alike after RoPE it leaves
+    ``q·k`` unchanged."""
+    importance = key_energy if query_energy is None else key_energy * query_energy
+    return ranked_quarter_permutations(importance)
+
+
+def permuted_keep(blocks: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """bool like ``blocks [H, ..., D]`` (original channel order): magnitude 2:4 along head_dim
+    after permuting the channels of head ``h`` by ``perm [H, D]``."""
+    index = perm.view(perm.shape[0], *[1] * (blocks.dim() - 2), perm.shape[1]).expand_as(blocks)
+    keep = top2_of_4(blocks.float().abs().gather(-1, index), -1)
+    return torch.zeros_like(keep).scatter_(-1, index, keep)
+
+
+# ===================================================================================== the backend's part
 class VariantKV:
     """The reference backend's K/V for variant settings (mixed into
-    :class:`sglang_hs.launch.quality_reference.ReferenceBackend`, whose model, geometry, store and
-    ``_compress`` / ``_all_sparse`` / ``_slots`` it uses), and the head calibration."""
+    :class:`sglang_hs.launch.quality_reference.ReferenceBackend` by ``eval_study.StudyBackend``, whose
+    model, geometry, store and ``_compress`` / ``_all_sparse`` / ``_slots`` it uses), and the head
+    calibration."""
 
-    head_scores: head_map.HeadScores | None
+    head_scores: head_calibration.HeadScores | None
     random_seed: int
     channel_order: ChannelOrder | None = None  # the fperm variant's order (--k-channel-order), loaded once
 
     def variant_kv(self, state: Any, setting: Setting, variant: Variant, blocks: range):
-        """K/V of a :mod:`sglang_hs.launch.quality_variants` setting: V (and the 2:4 K) as the magnitude
+        """K/V of a variant setting: V (and the 2:4 K) as the magnitude
         compressor stores them, K dense or sparse per (layer, head, block) as the variant says."""
         layers, (loss_k, loss_v) = self._all_sparse(state, "magnitude", blocks)
         b, n, rows = self.geometry.block, len(blocks), self.num_layers * self.kv_heads
@@ -171,7 +203,7 @@ class VariantKV:
             sparse_k = rank_sparse(loss_k, every, setting.sk).expand(self.num_layers, self.kv_heads, n)
         sparse_v = rank_sparse(loss_v, every, setting.sv).expand(self.num_layers, self.kv_heads, n)
         if variant.v_map:  # the mapped heads: those the K budget prunes fully
-            sparse_v = sparse_v & (head_map.budget_map(self.scores_of(variant.score), setting.sk) >= 1.0)[..., None]
+            sparse_v = sparse_v & (budget_map(self.scores_of(variant.score), setting.sk) >= 1.0)[..., None]
         if variant.v_comp:
             layers = [(kb, compensated_v(vl[lo:hi], variant.v_comp)) for vl, (kb, _) in zip(state.v, layers)]
         v = [torch.cat([vl[:lo], torch.where(token_mask(mask, b), vb, vl[lo:hi]), vl[hi:]])
@@ -185,15 +217,15 @@ class VariantKV:
         """bool ``[L, H, n]``: the K rows the head map of ``score`` at budget ``sk`` stores sparse."""
         scores = self.scores_of(score)
         if "head_losses" not in state.pruned:
-            state.pruned["head_losses"] = head_map.head_block_losses(
+            state.pruned["head_losses"] = head_block_losses(
                 MagnitudePruner(), state.k, self._slots(blocks), self.geometry.block, self.kv_heads)
         every = torch.ones(len(blocks), dtype=torch.bool)
-        return head_map.head_sparse_masks(head_map.budget_map(scores, sk), state.pruned["head_losses"], every)
+        return head_sparse_masks(budget_map(scores, sk), state.pruned["head_losses"], every)
 
     def scores_of(self, score: str) -> torch.Tensor:
         """``[L, H]`` calibration scores of ``score`` (or the seeded random control)."""
         if score == RANDOM_SCORE:
-            return head_map.random_scores(self.num_layers, self.kv_heads, self.random_seed)
+            return head_calibration.random_scores(self.num_layers, self.kv_heads, self.random_seed)
         if self.head_scores is None or score not in self.head_scores.scores:
             raise RuntimeError(f"head-map score {score!r} needs calibrate() first")
         return self.head_scores.scores[score]
@@ -203,7 +235,7 @@ class VariantKV:
         hs = self.head_scores
         if hs is None or hs.key_energy is None or hs.query_moment is None:
             raise RuntimeError("perm needs calibrate() first (the key and query channel energies)")
-        return head_map.channel_permutations(hs.key_energy, hs.query_moment.diagonal(dim1=-2, dim2=-1))
+        return channel_permutations(hs.key_energy, hs.query_moment.diagonal(dim1=-2, dim2=-1))
 
     def _permuted(self, state: Any, blocks: range, source: str = "calibration") -> list[torch.Tensor]:
         """Per layer ``[n·B, H, D]``: the compressible blocks' K pruned 2:4 along the permuted channels,
@@ -221,21 +253,8 @@ class VariantKV:
             state.pruned[key] = [unpermute(kb, p) for (kb, _), p in zip(layers, perms)]
         return state.pruned[key]
 
-    @torch.no_grad()
-    def probe_forward(self, ids, on_layer: head_map.LayerProbe) -> None:
-        """A forward over ``ids`` that hands every layer's post-RoPE query and key to ``on_layer``."""
-        self.capture.probe = on_layer
-        try:
-            self.model.model(input_ids=torch.tensor([list(ids)]), use_cache=False)
-        finally:
-            self.capture.probe = None
-
-    def calibrate(self, texts: list[str], spec: head_map.CalibrationSpec) -> head_map.HeadScores:
+    def calibrate(self, texts: list[str], spec: head_calibration.CalibrationSpec) -> head_calibration.HeadScores:
         """Head scores (and query moments) from the calibration probes on ``texts``."""
-        builder = head_map.ProbeBuilder(self.tokenizer, texts)
-        probes = head_map.needle_probes(builder, spec) + head_map.copy_probes(builder, spec)
-        g = self.geometry
-        self.head_scores = head_map.calibrate(self.probe_forward, probes, self.num_layers, self.kv_heads, self.head_dim,
-                                              g.block, g.sink, g.window, lambda m: print(f"[eval] {m}", flush=True))  # fmt: skip
+        self.head_scores = head_calibration.calibrate_model(self, texts, spec, lambda m: print(f"[eval] {m}", flush=True))
         self.random_seed = spec.seed
         return self.head_scores

@@ -91,8 +91,8 @@ def calibrate(model_path: str, texts: list[str], chunks: int, chunk_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sglang_hs.launch.head_calibration import load_calibration_texts
     from sglang_hs.launch.quality_inputs import MissingInput
-    from sglang_hs.launch.quality_variants import load_calibration_texts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", required=True)

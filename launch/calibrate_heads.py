@@ -5,7 +5,7 @@ K 2:4 in a compressed prefix, and which keep it dense because they retrieve.
         [--out FILE] [--calib-corpus DIR] [--calib-seed 0] [--head-scores PT] [--threads N]
 
 Runs the checkpoint (transformers, on the CPU, through the quality evaluation's reference model) over
-synthetic calibration prompts (:mod:`sglang_hs.head_map`: pass keys hidden in filler text, and
+synthetic calibration prompts (:mod:`sglang_hs.launch.head_calibration`: pass keys hidden in filler text, and
 passages to copy) and scores each KV head by the attention mass its query heads put on the tokens
 that matter (``needle``: the pass key; ``copy``: the next token to copy). The ``--share`` of pairs
 with the lowest scores are mapped to 2:4 K; at S_K = 1 that is the effective S_K. Writes ``FILE``
@@ -25,9 +25,9 @@ import sys
 
 import torch
 
-from sglang_hs import head_map
 from sglang_hs.config import HieraSparseConfig
 from sglang_hs.k_head_map import KHeadMap, model_shape
+from sglang_hs.launch import head_calibration
 
 RANDOM = "random"
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--share", type=float, default=0.75, help="share of (layer, KV head) pairs that store K 2:4")
-    ap.add_argument("--score", default="needle", choices=[*head_map.SCORE_NAMES, RANDOM],
+    ap.add_argument("--score", default="needle", choices=[*head_calibration.SCORE_NAMES, RANDOM],
                     help="which calibration score ranks the heads (low: mapped to 2:4 first)")
     ap.add_argument("--out", help="the map file (default MODEL/hierasparse_k_head_map.pt)")
     ap.add_argument("--calib-corpus", help="folder of calibration filler texts")
@@ -51,24 +51,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibrate_heads: --model-path {args.model_path} has no config.json", file=sys.stderr)
         return 2
     if args.score == RANDOM:
-        scores = {RANDOM: head_map.random_scores(*model_shape(args.model_path), args.calib_seed)}
+        scores = {RANDOM: head_calibration.random_scores(*model_shape(args.model_path), args.calib_seed)}
     elif args.head_scores and os.path.isfile(args.head_scores):
-        scores = head_map.HeadScores(**torch.load(args.head_scores)).scores
+        scores = head_calibration.HeadScores(**torch.load(args.head_scores)).scores
         print(f"[calibrate] head scores from {args.head_scores}", flush=True)
     else:
         from sglang_hs.launch.quality_inputs import MissingInput, PrefixGeometry
         from sglang_hs.launch.quality_reference import ReferenceBackend
-        from sglang_hs.launch.quality_variants import load_calibration_texts
 
         try:
-            texts = load_calibration_texts(args.calib_corpus)
+            texts = head_calibration.load_calibration_texts(args.calib_corpus)
         except MissingInput as exc:
             print(f"calibrate_heads: {exc}", file=sys.stderr)
             return 2
         defaults = HieraSparseConfig()  # the server's default sink, window and block (the drop scores' geometry)
         geometry = PrefixGeometry(defaults.block_size, defaults.sink_tokens, defaults.window_tokens)
         backend = ReferenceBackend(args.model_path, geometry, threads=args.threads)
-        found = backend.calibrate(texts, head_map.CalibrationSpec(seed=args.calib_seed))
+        found = head_calibration.calibrate_model(backend, texts, head_calibration.CalibrationSpec(seed=args.calib_seed),
+                                                 lambda m: print(f"[calibrate] {m}", flush=True))  # fmt: skip
         scores = found.scores
         if args.head_scores:
             torch.save({"scores": found.scores, "query_moment": found.query_moment, "meta": found.meta,

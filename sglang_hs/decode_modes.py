@@ -16,7 +16,7 @@ Why exact masses on anchors and not a per-block key summary: on SmolLM2 a Quest 
 channel-wise key min/max chose blocks that halved retrieval (top 8: 0.363 against 0.476 for exact
 masses; a 0.9 mass budget from the bounds: 0.185), while the pooled exact top 8 on 8 placed anchors kept
 it (0.506 against 0.470 reading every block; ``docs/quality.md``). The CPU references of both rules
-are ``sglang_hs.block_select.select_topk`` / ``select_mass`` on ``exact_block_mass`` pooled over heads.
+are ``sglang_hs.reference.select_topk`` / ``select_mass`` on ``exact_block_mass`` pooled over heads.
 
 A choice is applied by *compacting* the block table: the kept blocks move to the front in their order
 and the length shrinks by the skipped blocks' tokens (every block but a request's last is full, and K

@@ -6,7 +6,7 @@ fa2. In a hierasparse server the delegate attends only batches that read no comp
 that path serves prefixes still dense: a prompt's chunks before its first blocks are compressed,
 prefixes shorter than a sink and a window, prefixes kept dense when the store is full. On an H100
 fa2 is the faster paged kernel only for short extends; from ``FA3_MIN_NEW_TOKENS`` new tokens a
-request fa3 is (``python -m sglang_hs.launch.bench_dense_prefill``, ``docs/results.md``).
+request fa3 is (``python lab/bench_dense_prefill.py``, ``docs/results.md``).
 :class:`PagedPrefillChoice` keeps both wrapper sets and points the delegate at one of them before it
 plans each batch, so SGLang's own planning and kernels run unchanged.
 """

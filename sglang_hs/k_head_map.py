@@ -4,9 +4,9 @@ Pruning K 2:4 on every head stops retrieval (SmolLM2 needles 0.55 -> 0.02), but 
 a few heads: keeping K dense on the heads whose attention lands on a needle in synthetic calibration
 prompts kept needle accuracy within 2 points of V pruning alone at an effective S_K of 0.75
 (``docs/quality.md``). The map is calibrated offline (``python -m sglang_hs.launch.calibrate_heads``,
-from :mod:`sglang_hs.head_map`'s scores) and passed with ``--hierasparse-k-head-map FILE``; the store
-lays out each layer's K pools by it (:mod:`sglang_hs.pools`), and S_K then applies to the mapped
-heads only: the effective S_K is ``S_K * share`` of the mapped pairs.
+from :mod:`sglang_hs.launch.head_calibration`'s scores) and passed with ``--hierasparse-k-head-map
+FILE``; the store lays out each layer's K pools by it (:mod:`sglang_hs.pools`), and S_K then applies
+to the mapped heads only: the effective S_K is ``S_K * share`` of the mapped pairs.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class KHeadMap:
     @classmethod
     def from_scores(cls, scores: torch.Tensor, share: float) -> KHeadMap:
         """Map the ``round(share * L * H)`` lowest-scoring pairs (the heads that retrieve least) to 2:4
-        K; ties by flat index, as :func:`sglang_hs.head_map.budget_map`."""
+        K; ties by flat index."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"K head map share {share} is outside [0, 1]")
         order = scores.flatten().double().argsort(stable=True)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -415,14 +415,6 @@ class CompressedStore:
             self.v_meta[layer][rows] = meta.reshape(-1, *meta.shape[2:])
 
 
-PrunerChoice = Pruner | Sequence[Pruner]
-"""One pruner for every layer, or one per layer (a calibrated pruner scores each layer apart)."""
-
-
-def _layer_pruners(pruner: PrunerChoice, num_layers: int) -> Sequence[Pruner]:
-    return [pruner] * num_layers if isinstance(pruner, Pruner) else pruner
-
-
 def prefix_blocks(buffer: torch.Tensor, slots: torch.Tensor, block_size: int, kv_heads: int) -> torch.Tensor:
     """``[H, n, B, D]`` blocks of one layer's ``[slots, H, D]`` buffer at page-aligned token ``slots``."""
     n = slots.numel() // block_size
@@ -430,7 +422,7 @@ def prefix_blocks(buffer: torch.Tensor, slots: torch.Tensor, block_size: int, kv
 
 
 def block_losses(
-    pruner: PrunerChoice,
+    pruner: Pruner,
     k_buffers: list[torch.Tensor],
     v_buffers: list[torch.Tensor],
     slots: torch.Tensor,
@@ -443,11 +435,10 @@ def block_losses(
     K head map (bool ``[L, H]``) the K loss only over the heads that store K 2:4."""
     n = slots.numel() // block_size
     loss: dict[Operand, torch.Tensor] = {op: torch.zeros(n, dtype=torch.float32, device=slots.device) for op in "kv"}
-    for layer, (layer_pruner, k_buffer, v_buffer) in enumerate(zip(_layer_pruners(pruner, len(k_buffers)), k_buffers,
-                                                                   v_buffers)):  # fmt: skip
+    for layer, (k_buffer, v_buffer) in enumerate(zip(k_buffers, v_buffers)):
         for op, buffer in (("k", k_buffer), ("v", v_buffer)):
             blocks = prefix_blocks(buffer, slots, block_size, kv_heads)
-            per_head = layer_pruner.operand_loss(blocks, op, layer_pruner.element_mask(blocks, op))
+            per_head = pruner.operand_loss(blocks, op, pruner.element_mask(blocks, op))
             if op == "k" and k_sparse_heads is not None:
                 per_head = per_head[k_sparse_heads[layer].to(per_head.device)]
             loss[op] += per_head.sum(0)
@@ -469,7 +460,7 @@ def needs_ranking(groups: list[tuple[torch.Tensor, float, float]]) -> bool:
 
 def compress_prefix(
     store: CompressedStore,
-    pruner: PrunerChoice,
+    pruner: Pruner,
     k_buffers: list[torch.Tensor],
     v_buffers: list[torch.Tensor],
     slots: torch.Tensor,
@@ -483,7 +474,7 @@ def compress_prefix(
     ``groups`` partitions the blocks into ``(mask [n] bool, S_K, S_V)`` sets (prompt blocks and
     generated blocks use different sparsities). Within each set the blocks whose pruning loss,
     summed over all layers and KV heads, is lowest become sparse. Two passes over the layers keep the
-    temporary memory at one layer's blocks. ``pruner`` is one pruner or one per layer.
+    temporary memory at one layer's blocks.
     ``reduce_losses`` (tensor parallelism) sums the losses over the ranks before a fractional S ranks them.
     """
     loss_k, loss_v = block_losses(pruner, k_buffers, v_buffers, slots, store.block_size, store.kv_heads,
@@ -497,8 +488,7 @@ def compress_prefix(
         sparse_k |= rank_sparse(loss_k, mask, sk)
         sparse_v |= rank_sparse(loss_v, mask, sv)
     vbs = store.allocate(sparse_k.tolist(), sparse_v.tolist())  # host sync: one small mask per prefix
-    layers = zip(_layer_pruners(pruner, len(k_buffers)), k_buffers, v_buffers)
-    for layer, (layer_pruner, k_buffer, v_buffer) in enumerate(layers):
+    for layer, (k_buffer, v_buffer) in enumerate(zip(k_buffers, v_buffers)):
         k, v = (prefix_blocks(b, slots, store.block_size, store.kv_heads) for b in (k_buffer, v_buffer))
-        store.write_layer(layer, vbs, k, v, layer_pruner.element_mask(k, "k"), layer_pruner.element_mask(v, "v"))
+        store.write_layer(layer, vbs, k, v, pruner.element_mask(k, "k"), pruner.element_mask(v, "v"))
     return vbs

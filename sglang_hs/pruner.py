@@ -11,7 +11,6 @@ Any ranking rule can be plugged in by subclassing :class:`Pruner` and adding it 
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
@@ -109,51 +108,8 @@ class MagnitudePruner(Pruner):
         return blocks.float().abs()
 
 
-class OutputAwarePruner(Pruner):
-    """Wanda-style scores for the two attention GEMMs, calibrated on the prefix's own queries.
-
-    Pruning an element of K changes the logits ``s = q·k`` by ``q_c·k_c``; pruning an element of V
-    changes the output ``o = Σ_t p_t·v_t`` by ``p_t·v_t``. As in Wanda (Sun et al., 2023), an element
-    is scored by its magnitude times the L2 norm of the activations it meets along the GEMM's
-    reduction axis, which is also the axis the 2:4 groups run along:
-
-    - K: ``|K[t, c]| · ||Q[:, c]||₂``, a per-channel scale (``k_scale``, broadcastable to the
-      ``[H, n, B, D]`` blocks, e.g. ``[H, 1, 1, D]``);
-    - V: ``|V[t, c]| · ||P[:, t]||₂``, a per-token scale (``v_scale``, e.g. ``[H, n, B, 1]``),
-
-    where Q are calibration queries (the caller's choice; the quality evaluation uses the last
-    ``window_tokens`` queries of the prefix, all query heads of a KV head's group) and P their
-    attention probabilities. The block loss is the score-weighted L1 of the pruned elements, so blocks
-    are ranked by the output error they cause, not by raw magnitude.
-
-    The scales describe one layer and one set of blocks, so an instance is built per layer by a
-    caller that has the queries. Without scales (as built by ``make_pruner`` in the server, which does
-    not capture queries yet) every score is ``|x|`` and the pruner equals :class:`MagnitudePruner`.
-    """
-
-    name = "output_aware"
-
-    def __init__(self, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
-        self.k_scale = k_scale
-        self.v_scale = v_scale
-        if k_scale is None and v_scale is None:
-            logging.getLogger(__name__).warning(
-                "hierasparse: pruner output_aware has no calibration queries here; it scores |x| like magnitude"
-            )
-
-    def element_scores(self, blocks: torch.Tensor, operand: Operand) -> torch.Tensor:
-        scale = self.k_scale if operand == "k" else self.v_scale
-        score = blocks.float().abs()
-        return score if scale is None else score * scale.to(score.device, torch.float32)
-
-    def operand_loss(self, blocks: torch.Tensor, operand: Operand, keep: torch.Tensor) -> torch.Tensor:
-        """float32 ``[..., n]``: the score each block loses when pruned (its ranking key)."""
-        return (self.element_scores(blocks, operand) * ~keep).sum(dim=(-1, -2))
-
-
 PRUNERS: dict[str, type[Pruner]] = {
     MagnitudePruner.name: MagnitudePruner,
-    OutputAwarePruner.name: OutputAwarePruner,
 }
 
 

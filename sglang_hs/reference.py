@@ -4,6 +4,10 @@ Everything here is plain PyTorch in float32 arithmetic and runs on CPU or GPU. T
 the Trans-Both formulation of the kernels: ``S^T = K·Q^T`` and ``O^T = V^T·P^T``, where a sparse K
 block or V^T block is used straight from its packed values and metadata (a gather by the metadata's
 positions, which is what a 2:4 sparse tensor core does), never decompressed first.
+
+It also holds the references of the decode modes' block choice (``sglang_hs.decode_modes``, whose
+batched, fixed-shape rules the tests check against these): the exact attention mass of each block, and
+the two rules from the literature, top-k (Kascade) and the attention-mass threshold (PSA).
 """
 
 from __future__ import annotations
@@ -293,3 +297,62 @@ def paged_attention(
         seq = gather_paged_sequence(k_cache, v_cache, pools, k_index, v_index, block_table[r], seq_len)
         out[rows], lse[rows] = attention(q[rows], seq, sm_scale=sm_scale)
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------- block choice
+# ``n`` blocks of ``B`` tokens, ``H`` KV heads, ``Hq`` query heads (a KV head's query heads are
+# consecutive), ``D`` head_dim; the ``always`` blocks (a request's SGLang pages: sink, window, its own
+# tokens) are always read.
+def _real(x: torch.Tensor) -> torch.Tensor:
+    """fp32 for 16-bit inputs (scores are compared, not stored); fp64 stays fp64."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def exact_block_mass(q: torch.Tensor, k: torch.Tensor, block: int, scale: float) -> torch.Tensor:
+    """float ``[H, n]``: the softmax attention mass of each block, summed over a KV head's query heads
+    (``q [Hq, D]``, ``k [n*B, H, D]``): what an anchor layer measures exactly."""
+    heads = k.shape[1]
+    qg = _real(q).unflatten(0, (heads, -1))  # [H, G, D]
+    logits = scale * torch.einsum("hgd,thd->hgt", qg, _real(k))
+    probs = logits.softmax(-1)
+    return probs.unflatten(-1, (-1, block)).sum(-1).sum(1)
+
+
+def select_topk(scores: torch.Tensor, k: int, always: torch.Tensor) -> torch.Tensor:
+    """bool ``[H, n]``: the ``always`` blocks (bool ``[n]``) plus the ``k`` highest-scoring other blocks
+    of each head (ties to the lower block): Kascade's rule."""
+    masked = scores.masked_fill(always, -math.inf)
+    k = min(k, int((~always).sum()))
+    order = masked.argsort(dim=-1, descending=True, stable=True)[:, :k]
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
+    return chosen | always
+
+
+def select_mass(log_mass: torch.Tensor, tau: float, always: torch.Tensor, cap: int | None = None) -> torch.Tensor:
+    """bool ``[H, n]``: per head the ``always`` blocks plus the fewest highest blocks whose mass
+    (``softmax`` of ``log_mass [H, n]``, e.g. the log of :func:`exact_block_mass`) brings the selected
+    share to at least ``tau`` in ``(0, 1]``; at most ``cap`` blocks besides the ``always`` ones (PSA's rule)."""
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"tau={tau} is not in (0, 1]")
+    mass = _real(log_mass).softmax(-1)
+    base = (mass * always).sum(-1, keepdim=True)
+    other = mass.masked_fill(always, 0.0)
+    order = other.argsort(dim=-1, descending=True, stable=True)
+    before = other.gather(-1, order).cumsum(-1) - other.gather(-1, order)  # mass chosen before each block
+    take = (base + before < tau - 1e-6) & (other.gather(-1, order) > 0)
+    if cap is not None:
+        take &= torch.arange(take.shape[-1], device=take.device) < cap
+    chosen = torch.zeros_like(take).scatter_(-1, order, take)
+    return chosen | always
+
+
+def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor, block: int,
+                       scale: float) -> torch.Tensor:  # fmt: skip
+    """float ``[Hq, D]``: decode attention of ``q [Hq, D]`` over ``k``, ``v [n*B, H, D]`` reading only the
+    blocks ``selected [H, n]`` of each KV head."""
+    heads = k.shape[1]
+    qg = _real(q).unflatten(0, (heads, -1))
+    logits = scale * torch.einsum("hgd,thd->hgt", qg, _real(k))
+    keep = selected.repeat_interleave(block, dim=-1)[:, None]  # [H, 1, n*B]
+    probs = logits.masked_fill(~keep, -math.inf).softmax(-1)
+    return torch.einsum("hgt,thd->hgd", probs, _real(v)).flatten(0, 1)

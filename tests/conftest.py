@@ -12,6 +12,11 @@ import pytest
 import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAB_ROOT = os.path.join(REPO_ROOT, "lab")
+# The lab is not installed; its scripts run as ``python lab/x.py``, which puts lab/ first on sys.path.
+# Its tests import its modules the same way (appended: a lab module never shadows an installed one).
+if LAB_ROOT not in sys.path:
+    sys.path.append(LAB_ROOT)
 
 
 def pytest_collection_modifyitems(config, items):

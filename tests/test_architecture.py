@@ -1,40 +1,63 @@
-"""Architecture rules, checked on the source (no imports): the package's import graph has no cycle,
-the serving process never loads the oracle, and no module keeps mutable state of its own.
+"""Architecture rules, checked on the source (no imports): the project's import graph has no cycle, the
+serving process never loads the oracle, no installed module imports the lab, and no module keeps
+mutable state of its own.
 
 Modules are named as installed: ``sglang_hs/x.py`` is ``sglang_hs.x``, ``radix/x.py`` is
 ``sglang_hs.radix.x``, ``kernels/x.py`` is ``sglang_hs.kernels.x``, ``launch/x.py`` is
-``sglang_hs.launch.x``. Every import counts, function-level ones included.
+``sglang_hs.launch.x``; ``lab/x.py`` (not installed, run as ``python lab/x.py``, which puts ``lab/`` on
+``sys.path``) is ``lab.x`` here and ``x`` in its own imports. Every import counts: function-level ones,
+``importlib.import_module("...")`` and ``__import__("...")``, and module names passed as strings
+(``"module"``, ``"module.attr"`` or ``"module:attr"``, e.g. to an SGLang registry); the entry points
+come from ``pyproject.toml``.
 """
 
 from __future__ import annotations
 
 import ast
 import os
-import re
+import tomllib
 
 from conftest import REPO_ROOT
 
 PACKAGE_FOLDERS = {"sglang_hs": "sglang_hs", "radix": "sglang_hs.radix", "kernels": "sglang_hs.kernels",
                    "launch": "sglang_hs.launch"}  # fmt: skip
+LAB_FOLDER, LAB_PACKAGE = "lab", "lab"
 ORACLE = "sglang_hs.reference"
-ENTRY_POINT = "sglang_hs.plugin"
-TOOL_PACKAGES = ("sglang_hs.launch.",)
-"""Command-line tools: they may compare against the oracle."""
+TOOL_PACKAGES = ("sglang_hs.launch.", "lab.")
+"""Command-line tools and the lab: they may compare against the oracle."""
 ORACLE_USERS = {"sglang_hs.kernels.cases"}
 """Besides the tools: the synthetic kernel cases, whose reference outputs the GPU tests check against."""
+IMPORT_FUNCTIONS = {"import_module", "__import__"}
 MUTATING_METHODS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "add",
                     "discard", "remove", "sort", "reverse", "__setitem__"}  # fmt: skip
 MUTABLE_CALLS = {"list", "dict", "set", "bytearray", "defaultdict", "deque", "OrderedDict", "Counter"}
 
 
+def _folder_modules(folder: str, package: str) -> dict[str, str]:
+    path = os.path.join(REPO_ROOT, folder)
+    if not os.path.isdir(path):
+        return {}
+    return {f"{package}.{name[:-3]}": os.path.join(path, name) for name in sorted(os.listdir(path)) if name.endswith(".py")}
+
+
 def package_sources() -> dict[str, str]:
-    """``{module name: file path}`` of every package module."""
+    """``{module name: file path}`` of every installed module."""
     modules = {}
     for folder, package in PACKAGE_FOLDERS.items():
-        for name in sorted(os.listdir(os.path.join(REPO_ROOT, folder))):
-            if name.endswith(".py"):
-                modules[f"{package}.{name[:-3]}"] = os.path.join(REPO_ROOT, folder, name)
+        modules.update(_folder_modules(folder, package))
     return modules
+
+
+def lab_sources() -> dict[str, str]:
+    """``{lab.<name>: file path}`` of every lab module."""
+    return _folder_modules(LAB_FOLDER, LAB_PACKAGE)
+
+
+def entry_points() -> set[str]:
+    """The modules ``pyproject.toml``'s entry points name (``module:attr``)."""
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        groups = tomllib.load(f)["project"].get("entry-points", {})
+    return {target.split(":")[0] for group in groups.values() for target in group.values()}
 
 
 def parse(path: str) -> ast.Module:
@@ -42,8 +65,19 @@ def parse(path: str) -> ast.Module:
         return ast.parse(f.read(), filename=path)
 
 
-def imported_modules(tree: ast.Module, known: set[str]) -> set[str]:
-    """The package modules ``tree`` imports anywhere (``from pkg import mod`` counts as ``pkg.mod``)."""
+def _named_module(text: str, known: set[str]) -> str | None:
+    """The known module a string names: ``module``, ``module:attr`` or ``module.attr``."""
+    name = text.split(":")[0]
+    if name in known:
+        return name
+    parent = name.rpartition(".")[0]
+    return parent if parent in known else None
+
+
+def imported_modules(tree: ast.Module, known: set[str], local: str | None = None) -> set[str]:
+    """The known modules ``tree`` imports anywhere (``from pkg import mod`` counts as ``pkg.mod``), by
+    import statements, import functions or module names in strings passed to calls. ``local``: the
+    package of the file's top-level siblings (the lab's ``import x`` is ``lab.x``)."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -51,12 +85,23 @@ def imported_modules(tree: ast.Module, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Call):
+            for arg in [*node.args, *(keyword.value for keyword in node.keywords)]:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    if named := _named_module(arg.value, known):
+                        found.add(named)
+    if local:
+        found |= {f"{local}.{name}" for name in found}
     return found & known
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(include_lab: bool = True) -> dict[str, set[str]]:
     sources = package_sources()
-    return {module: imported_modules(parse(path), set(sources)) - {module} for module, path in sources.items()}
+    lab = lab_sources() if include_lab else {}
+    known = set(sources) | set(lab)
+    graph = {module: imported_modules(parse(path), known) - {module} for module, path in sources.items()}
+    graph.update({module: imported_modules(parse(path), known, LAB_PACKAGE) - {module} for module, path in lab.items()})
+    return graph
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -82,38 +127,57 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def lazy_targets(path: str) -> set[str]:
-    """Modules the plugin names in ``_lazy("module.attr")`` (imported when SGLang calls the hook)."""
-    calls = re.findall(r'_lazy\("([\w.]+)\.\w+"\)', open(path, encoding="utf-8").read())
-    return set(calls)
-
-
 def test_import_graph_has_no_cycle():
     graph = import_graph()
     assert len(graph) > 20 and "sglang_hs.radix.hook" in graph and "sglang_hs.kernels.compress" in graph
+    assert any(module.startswith("lab.") for module in graph)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_find_cycle_sees_function_level_imports():
-    tree = ast.parse("def f():\n    from sglang_hs import b\n")
-    graph = {"sglang_hs.a": imported_modules(tree, {"sglang_hs.a", "sglang_hs.b"}), "sglang_hs.b": {"sglang_hs.a"}}
-    assert find_cycle(graph) == ["sglang_hs.a", "sglang_hs.b", "sglang_hs.a"]
+def test_find_cycle_sees_function_level_and_string_imports():
+    known = {"sglang_hs.a", "sglang_hs.b", "sglang_hs.c"}
+    sources = (
+        "def f():\n    from sglang_hs import b\n",
+        "import importlib\ndef f():\n    return importlib.import_module('sglang_hs.b')\n",
+        "def f():\n    return __import__('sglang_hs.b')\n",
+        "register('x', lazy('sglang_hs.b.create'))\n",
+        "register(name='x', target='sglang_hs.b:create')\n",
+    )
+    for source in sources:
+        graph = {"sglang_hs.a": imported_modules(ast.parse(source), known), "sglang_hs.b": {"sglang_hs.a"}}
+        assert find_cycle(graph) == ["sglang_hs.a", "sglang_hs.b", "sglang_hs.a"], source
+    # A docstring or message that names a module is not an import.
+    assert not imported_modules(ast.parse('"""sglang_hs.b"""\nprint("see sglang_hs.b")\n'), known)
+    # The lab's own modules import each other by bare name.
+    assert imported_modules(ast.parse("import c\n"), {"lab.c", "sglang_hs.c"}, "lab") == {"lab.c"}
+
+
+def test_installed_modules_never_import_the_lab():
+    graph = import_graph()
+    reach = {module: sorted(t for t in targets if t.startswith("lab.")) for module, targets in graph.items()
+             if not module.startswith("lab.")}  # fmt: skip
+    assert not {module: targets for module, targets in reach.items() if targets}
+    lab_names = {module.split(".", 1)[1] for module in lab_sources()}
+    for module, path in package_sources().items():
+        bare = imported_modules(parse(path), {f"lab.{name}" for name in lab_names}, "lab")
+        assert not bare, (module, bare)
 
 
 def test_serving_never_loads_the_oracle():
-    """What a server process can import, starting from the plugin and the hooks it registers, does
-    not include the reference; and only tools and the kernel cases import the reference at all."""
+    """What a server process can import, starting from the entry points, does not include the
+    reference; and only tools, the lab and the kernel cases import the reference at all."""
     graph = import_graph()
-    sources = package_sources()
-    reachable, todo = set(), [ENTRY_POINT, *lazy_targets(sources[ENTRY_POINT])]
+    roots = entry_points()
+    assert roots == {"sglang_hs.plugin"} and roots <= set(graph)
+    reachable, todo = set(), list(roots)
     while todo:
         module = todo.pop()
         if module not in reachable:
             reachable.add(module)
             todo += graph[module]
-    assert {"sglang_hs.backend", "sglang_hs.radix.hook", "sglang_hs.runtime", "sglang_hs.kernels.compress",
-            "sglang_hs.kernels.decode", "sglang_hs.fallback"} <= reachable  # fmt: skip
+    assert {"sglang_hs.backend", "sglang_hs.radix.hook", "sglang_hs.radix.factory", "sglang_hs.runtime",
+            "sglang_hs.kernels.compress", "sglang_hs.kernels.decode", "sglang_hs.fallback"} <= reachable  # fmt: skip
     assert ORACLE not in reachable
     users = {module for module, targets in graph.items() if ORACLE in targets}
     assert {m for m in users if not m.startswith(TOOL_PACKAGES)} <= ORACLE_USERS, users
@@ -188,7 +252,7 @@ def mutable_state(tree: ast.Module) -> list[str]:
 
 def test_no_module_keeps_mutable_state():
     found = {}
-    for module, path in package_sources().items():
+    for module, path in {**package_sources(), **lab_sources()}.items():
         problems = mutable_state(parse(path))
         if problems:
             found[module] = problems

@@ -1,11 +1,13 @@
-"""Decode-time block selection references (exact block masses, top-k, attention-mass threshold, anchors)."""
+"""Decode-time block selection: the references in ``sglang_hs.reference`` (exact block masses, top-k,
+attention-mass threshold) and the offline anchor placement of ``calibrate_anchors``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sglang_hs import block_select as bs
+from sglang_hs import reference as bs
+from sglang_hs.launch.calibrate_anchors import place_anchors
 
 B, H, G, D, N = 16, 2, 3, 32, 10
 
@@ -67,9 +69,9 @@ def test_anchor_placement_starts_a_run_where_attention_moves():
     mass = torch.full((6, 4), 0.01)
     mass[:3, 0] = 1.0
     mass[3:, 3] = 1.0
-    assert bs.place_anchors([mass], k=1, count=2) == [0, 3]
-    assert bs.place_anchors([mass], k=1, count=1) == [0]
-    three = bs.place_anchors([mass, mass], k=1, count=3)
+    assert place_anchors([mass], k=1, count=2) == [0, 3]
+    assert place_anchors([mass], k=1, count=1) == [0]
+    three = place_anchors([mass, mass], k=1, count=3)
     assert three[0] == 0 and 3 in three and len(set(three)) == 3
     with pytest.raises(ValueError):
-        bs.place_anchors([mass], k=1, count=7)
+        place_anchors([mass], k=1, count=7)

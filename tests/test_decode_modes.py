@@ -1,5 +1,5 @@
-"""Decode modes (``sglang_hs.decode_modes``): the batched block choice against the CPU references of
-``sglang_hs.block_select``, the table compaction, the PyTorch serving path, and on the GPU the decode
+"""Decode modes (``sglang_hs.decode_modes``): the batched block choice against the CPU references in
+``sglang_hs.reference``, the table compaction, the PyTorch serving path, and on the GPU the decode
 kernel's per-block LSE and its run over a compacted table (``gpu`` tests skip without CUDA)."""
 
 import math
@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from sglang_hs import block_select
 from sglang_hs import reference as R
 from sglang_hs.config import HieraSparseConfig, HieraSparseConfigError
 from sglang_hs.decode_modes import BlockSelection, compact, parse_anchors
@@ -38,7 +37,7 @@ def _block_lse(case, kv):
 
 
 def _reference_keep(case, kv, rule: BlockSelection) -> torch.Tensor:
-    """Per request, ``block_select``'s rule on the exact masses of the compressible region (the blocks
+    """Per request, the reference's rule on the exact masses of the compressible region (the blocks
     between sink and window), pooled over the KV heads."""
     width, block = case["block_table"].shape[1], case["block_size"]
     keep = torch.zeros(len(kv), width, dtype=torch.bool)
@@ -48,20 +47,20 @@ def _reference_keep(case, kv, rule: BlockSelection) -> torch.Tensor:
         lo, hi = SINK, n - WINDOW
         if hi <= lo:
             continue
-        mass = block_select.exact_block_mass(case["q"][r].cpu(), k[lo * block : hi * block].cpu(), block,
+        mass = R.exact_block_mass(case["q"][r].cpu(), k[lo * block : hi * block].cpu(), block,
                                              case["sm_scale"]).sum(0, keepdim=True)  # fmt: skip
         none = torch.zeros(hi - lo, dtype=torch.bool)
         if rule.mode == "kascade":
-            chosen = block_select.select_topk(mass, rule.topk, none)[0]
+            chosen = R.select_topk(mass, rule.topk, none)[0]
         else:
-            chosen = block_select.select_mass(mass.log(), rule.tau, none, cap=rule.topk)[0]
+            chosen = R.select_mass(mass.log(), rule.tau, none, cap=rule.topk)[0]
         keep[r, lo:hi] = chosen
     return keep
 
 
 @pytest.mark.parametrize("mode,topk,tau", [("kascade", 4, 1.0), ("kascade", 100, 1.0), ("psa", 100, 0.5),
                                            ("psa", 100, 0.95), ("psa", 3, 0.95)])  # fmt: skip
-def test_choice_matches_block_select(mode, topk, tau):
+def test_choice_matches_the_reference(mode, topk, tau):
     case = _case(dtype=torch.float32)
     kv = _dense_kv(case)
     rule = BlockSelection(mode, frozenset({0}), topk, tau)
@@ -225,7 +224,7 @@ def test_triton_choice_equals_the_pytorch_choice(width, mode, topk, tau):
 
 @pytest.mark.gpu
 def test_triton_choice_breaks_ties_toward_the_lower_block():
-    """Equal masses at the top-k boundary: the lower blocks are kept, as ``block_select`` (stable) does."""
+    """Equal masses at the top-k boundary: the lower blocks are kept, as the reference (stable) does."""
     table = torch.tensor([[5, ~0, ~1, ~2, ~3, ~4, 6]], dtype=torch.int32, device="cuda")
     lens = torch.tensor([64 * 7], dtype=torch.int32, device="cuda")
     block_lse = torch.zeros(1, 4, 7, device="cuda")

@@ -817,9 +817,9 @@ PROFILE_MODES = ["--server-shape", "--batches", "--short", "--chunked", "--split
 @pytest.mark.parametrize("argv", [[]] + [[mode] for mode in PROFILE_MODES],
                          ids=["bench-shape"] + [mode[2:] for mode in PROFILE_MODES])
 def test_profile_script_runs(argv, capsys):
-    """``launch/profile_shared_decode.py`` (the breakdown quoted in docs/results.md) runs and times every
+    """``lab/profile_shared_decode.py`` (the breakdown quoted in docs/results.md) runs and times every
     part it names."""
-    from sglang_hs.launch import profile_shared_decode
+    import profile_shared_decode
 
     profile_shared_decode.main(argv)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.endswith(" us")]

@@ -63,7 +63,7 @@ def test_fa3_paged_prefix_equals_reference_and_fa2(new_tokens, prefixes, dtype):
     """Page size 1, shuffled pool slots, non-causal. A request without a prefix among them: fa2 gives
     it output 0 and a very negative LSE (the merge keeps the ragged part alone); fa3 leaves its rows
     unwritten (FlashInfer 0.6.15), which is why the choice keeps such batches on fa2."""
-    from sglang_hs.launch.bench_dense_prefill import delegate_case, paged_prefix_attention, reference
+    from bench_dense_prefill import delegate_case, paged_prefix_attention, reference  # lab/
 
     case = delegate_case(new_tokens, prefixes, dtype=dtype, seed=len(prefixes) + new_tokens)
     workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")

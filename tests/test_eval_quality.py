@@ -1,5 +1,4 @@
-"""The quality evaluation (launch/eval_quality.py and its inputs and reports), the output-aware pruner
-and the GGUF converter.
+"""The quality evaluation (launch/eval_quality.py and its inputs and reports) and the GGUF converter.
 
 CPU only and self-contained: a 2-layer random Llama (``make_model.write_tiny``) and a synthetic essay
 folder stand in for SmolLM2 and the Paul Graham essays. Tests that need the real packages
@@ -22,11 +21,11 @@ from sglang_hs.launch import quality_server as qsrv
 from sglang_hs.launch import quality_inputs as qi
 from sglang_hs.launch import quality_report as qr
 from sglang_hs.pools import CompressedStore, StoreCapacity, compress_prefix
-from sglang_hs.pruner import PRUNERS, OutputAwarePruner, make_pruner
+from sglang_hs.pruner import make_pruner
 from sglang_hs.reference import CompressedSequence, attention, decompress, dense_attention
 
 GEOMETRY = qi.PrefixGeometry(block=64, sink=64, window=128)
-GRID = qi.make_settings(["magnitude", "output_aware"], [0.0, 0.5, 1.0])
+GRID = qi.make_settings(["magnitude"], [0.0, 0.5, 1.0])
 
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -44,7 +43,7 @@ def backend(tiny_model) -> qref.ReferenceBackend:
 def prefix_state(backend) -> qref.PrefixState:
     torch.manual_seed(0)
     ids = torch.randint(5, 1000, (700,)).tolist()
-    return backend.prefix_state(ids, GEOMETRY.reused(700, 700), calibrate=True)
+    return backend.prefix_state(ids, GEOMETRY.reused(700, 700))
 
 
 def random_kv(layers=3, tokens=6 * 64, heads=2, dim=64, seed=0):
@@ -58,64 +57,7 @@ def cpu_store(n, layers=3, heads=2, dim=64) -> CompressedStore:
     return CompressedStore(StoreCapacity(n, n, n, n, n), layers, heads, dim, 64, torch.float16, "cpu")
 
 
-# ------------------------------------------------------------------------------------------ the pruner
-def test_output_aware_is_registered_and_equals_magnitude_without_scales():
-    assert PRUNERS["output_aware"] is OutputAwarePruner and "magnitude" in PRUNERS
-    blocks = torch.randn(2, 5, 64, 64)
-    for operand in ("k", "v"):
-        a, b = make_pruner("magnitude")(blocks, operand, 0.5), make_pruner("output_aware")(blocks, operand, 0.5)
-        assert torch.equal(a.keep, b.keep) and torch.equal(a.sparse, b.sparse) and torch.equal(a.loss, b.loss)
-
-
-def test_output_aware_scales_pick_elements_and_blocks():
-    torch.manual_seed(0)
-    blocks = torch.randn(1, 4, 64, 64).abs() + 1.0
-    blocks[..., 0::4] *= 0.01  # K: channel 0 of every group is the smallest...
-    k_scale = torch.ones(1, 1, 1, 64)
-    k_scale[..., 0::4] = 1e4  # ...but meets huge queries, so it is kept
-    keep = OutputAwarePruner(k_scale=k_scale)(blocks, "k", 1.0).keep
-    assert keep[..., 0::4].all() and not make_pruner("magnitude")(blocks, "k", 1.0).keep[..., 0::4].any()
-    # V: tokens of block 2 receive no attention: that block loses nothing and is pruned first, even
-    # though it is the block of largest magnitude.
-    blocks = torch.randn(1, 4, 64, 64)
-    blocks[:, 2] *= 10
-    v_scale = torch.ones(1, 4, 64, 1)
-    v_scale[:, 2] = 0.0
-    result = OutputAwarePruner(v_scale=v_scale)(blocks, "v", 0.25)
-    assert result.sparse.tolist() == [[False, False, True, False]]
-    assert not make_pruner("magnitude")(blocks, "v", 0.25).sparse[0, 2]
-
-
-def test_calibration_scales_match_a_direct_computation():
-    torch.manual_seed(0)
-    heads, group, width, length, dim, scaling = 3, 3, 40, 100, 16, 0.25
-    q, k = torch.randn(heads * group, width, dim), torch.randn(heads, length, dim)
-    k_scale, v_scale = qref.calibration_scales(q, k, scaling)
-    qq = q.reshape(heads, group, width, dim)
-    probs = torch.zeros(heads, group, width, length)
-    for i in range(width):  # query i sits at position length - width + i
-        visible = length - width + i + 1
-        probs[:, :, i, :visible] = (torch.einsum("hgd,htd->hgt", qq[:, :, i], k[:, :visible]) * scaling).softmax(-1)
-    assert torch.allclose(k_scale, qq.pow(2).sum((1, 2)).sqrt(), atol=1e-5)
-    assert torch.allclose(v_scale, probs.pow(2).sum((1, 2)).sqrt(), atol=1e-6)
-
-
 # ------------------------------------------------------------------------------------------ compression
-def test_per_layer_pruners_write_what_one_pruner_writes():
-    """The compressor with one pruner per layer (how output_aware is evaluated) equals the server's
-    call with one pruner when the per-layer pruners are that pruner."""
-    k, v = random_kv()
-    slots = torch.arange(64, 5 * 64)  # 4 blocks
-    groups = [(torch.ones(4, dtype=torch.bool), 0.5, 1.0)]
-    a, b = cpu_store(4), cpu_store(4)
-    vbs_a = compress_prefix(a, make_pruner("magnitude"), k, v, slots, groups)
-    vbs_b = compress_prefix(b, [make_pruner("magnitude")] * 3, k, v, slots, groups)
-    assert vbs_a == vbs_b
-    assert torch.equal(a.k_index, b.k_index) and torch.equal(a.v_index, b.v_index)
-    for pool in ("k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta"):
-        assert all(torch.equal(x, y) for x, y in zip(getattr(a, pool), getattr(b, pool))), pool
-
-
 def test_read_back_equals_the_reference_decompression_and_attention():
     k, v = random_kv()
     slots = torch.arange(64, 5 * 64)
@@ -186,7 +128,7 @@ def test_smoke_zero_sparsity_is_dense_and_kl_grows_with_sparsity(backend, corpus
     samples = qi.make_samples(qi.TaskBuilder(backend.tokenizer, hay), ["single", "multikey"], [1024], 1)
     windows = qi.make_windows(backend.tokenizer, held, [1024], 2, 64)
     names = ["dense", "magnitude:sk=0,sv=0", "magnitude:sk=0,sv=0.5", "magnitude:sk=0,sv=1",
-             "magnitude:sk=1,sv=0", "magnitude:sk=1,sv=1", "output_aware:sk=1,sv=1"]  # fmt: skip
+             "magnitude:sk=1,sv=0", "magnitude:sk=1,sv=1"]  # fmt: skip
     settings = [qi.setting_from_name(n) for n in names]
     records = backend.evaluate(settings, samples, windows)  # raises if S=0 differs from dense at all
     rows = {r["setting"]: r for r in qr.summarize(records, settings, GEOMETRY)}
@@ -196,7 +138,6 @@ def test_smoke_zero_sparsity_is_dense_and_kl_grows_with_sparsity(backend, corpus
     # Fidelity degrades monotonically along nested settings (checked on this fixed seed).
     assert 0 < kl["magnitude:sk=0,sv=0.5"] <= kl["magnitude:sk=0,sv=1"] <= kl["magnitude:sk=1,sv=1"]
     assert 0 < kl["magnitude:sk=1,sv=0"] <= kl["magnitude:sk=1,sv=1"]
-    assert kl["output_aware:sk=1,sv=1"] > 0
     assert rows["magnitude:sk=1,sv=1"]["kv_saved"] > rows["magnitude:sk=0,sv=1"]["kv_saved"] > 0
     assert {r["question"] for r in records if r["kind"] == "needle" and r["task"] == "multikey"} == {0, 1, 2, 3}
 
@@ -316,31 +257,6 @@ def test_prompts_longer_than_the_server_takes_are_refused(monkeypatch):
         qsrv.check_prompt_lengths(stand_in, [], [qi.Window(128, 0, list(range(81)), list(range(20)))])
 
 
-def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, corpus_dir, tmp_path):
-    """``--decode-select``: with K above the blocks every block is read, so S = 0 still answers as dense;
-    the rules choose per KV head (exact), per layer (pooled) or on anchors (panchor); a bad rule is
-    refused with one line."""
-    common = ["--backend", "reference", "--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", corpus_dir,
-              "--lengths", "1024", "--samples", "1", "--tasks", "single", "multikey", "--fidelity-windows", "0",
-              "--window-tokens", "128", "--settings", "magnitude:sk=0,sv=0"]  # fmt: skip
-    assert eq.main([*common, "--tag", "all", "--decode-select", "pooled:1000"]) == 0
-    data = json.loads((tmp_path / "quality_all.json").read_text())
-    assert data["meta"]["decode_select"] == "pooled:1000"
-    assert all(r["agrees_with_dense"] for r in data["records"] if r["setting"] == "magnitude:sk=0,sv=0")
-    g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 2, 400, 16, generator=g)
-    exact = qref.DecodeSelection("exact:2", 64, 64 * 5, 64, [True, False]).key_mask(q, k, 0.25)
-    assert (exact[0, :, 0, 64:320].sum(-1) == 128).all() and exact[1].all()
-    assert exact[0, :, 0, :64].all() and exact[0, :, 0, 320:].all()  # sink and window always read
-    pooled = qref.DecodeSelection("pooled:2", 64, 64 * 5, 64, [True, False]).key_mask(q, k, 0.25)
-    assert (pooled[0, :, 0, 64:320].sum(-1) == 128).all() and torch.equal(pooled[0, 0], pooled[0, 1])  # one choice
-    panchors = qref.DecodeSelection("panchor:2:2", 64, 64 * 5, 64, [True, False])
-    assert torch.equal(panchors.key_mask(q, k, 0.25, layer=0), pooled)
-    assert torch.equal(panchors.key_mask(-q, k, 0.25, layer=1), pooled)  # reused by the next layer
-    assert not torch.equal(panchors.key_mask(-q, k, 0.25, layer=2), pooled)  # a new anchor chooses again
-    assert eq.main([*common, "--decode-select", "pooled:0"]) == 2
-
-
 def test_server_backend_checks_the_k_head_map_before_any_server(tiny_model, corpus_dir, tmp_path, capsys):
     """``--backend server --k-head-map``: a map of another model's shape stops the run with one line
     before a server (or the tokenizer) is started."""
@@ -354,35 +270,18 @@ def test_server_backend_checks_the_k_head_map_before_any_server(tiny_model, corp
     assert code == 2 and "--k-head-map" in err and "the model has" in err and "\n" not in err
 
 
-def test_k_head_map_with_a_variant_or_a_bad_decode_mode_stops_the_run(tiny_model, corpus_dir, tmp_path, capsys):
-    """The reference's K variants choose their own K rows, so ``--k-head-map`` beside one is refused
-    (it used to be ignored silently); a setting's decode mode must be kascade or psa and needs servers."""
-    import json
-
-    from sglang_hs.k_head_map import KHeadMap
-
-    with open(f"{tiny_model}/config.json") as f:
-        config = json.load(f)
-    path = str(tmp_path / "map.pt")
-    KHeadMap(torch.ones(config["num_hidden_layers"], config["num_key_value_heads"], dtype=torch.bool)).save(path)
+def test_unknown_pruners_and_bad_decode_modes_stop_the_run(tiny_model, corpus_dir, tmp_path, capsys):
+    """A setting's pruner must be the server's (the study's variants run through ``lab/eval_study.py``);
+    its decode mode must be kascade or psa and needs servers."""
     common = ["--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", corpus_dir]
-    assert eq.main(["--backend", "reference", *common, "--k-head-map", path, "--settings", "headmap-needle+fperm:sk=1,sv=1"]) == 2
-    assert "prunes K its own way" in capsys.readouterr().err
+    for pruner in ("headmap-needle+fperm", "output_aware"):
+        assert eq.main(["--backend", "reference", *common, "--settings", f"{pruner}:sk=1,sv=1"]) == 2
+        err = capsys.readouterr().err
+        assert f"unknown pruner '{pruner}'" in err and "magnitude" in err
     assert eq.main(["--backend", "server", *common, "--settings", "magnitude:sk=0,sv=1,mode=topk"]) == 2
     assert "unknown decode mode" in capsys.readouterr().err
     assert eq.main(["--backend", "reference", *common, "--settings", "magnitude:sk=0,sv=1,mode=kascade"]) == 2
     assert "need --backend server" in capsys.readouterr().err
-
-
-def test_decode_select_rules_parse_with_one_line_errors():
-    from sglang_hs.launch.quality_reference import parse_decode_select
-
-    for rule in ("exact:8", "pooled:8", "panchor:8:4", "canchor:8:8", "canchor:8:0-3-11"):
-        assert parse_decode_select(rule) == rule
-    for bad in ("canchor:8:3-11", "canchor:8:0-11-3", "canchor:8:0", "canchor:0:4", "panchor:8", "topk:8", "mass:0.9"):
-        with pytest.raises(ValueError, match="expected") as info:
-            parse_decode_select(bad)
-        assert "\n" not in str(info.value)
 
 
 def test_calibrate_anchors_refuses_bad_input(tmp_path, capsys):
