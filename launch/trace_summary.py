@@ -15,8 +15,8 @@ question the kernel timings alone cannot: where a step's time goes when the kern
   ``prefill_kernels_per_forward`` the same for the other forwards (eager and breakable: prefills and
   extends), per forward. The project's TileLang kernels are named by role (``hs_decode`` the
   per-request decode, ``hs_decode_floor`` the shared-prefix decode's own pass, ``hs_extend_shared``
-  its shared pass, ``hs_extend``, ``hs_pack``, ``hs_loss``; traces before session 42 show
-  ``hs_decode_ss`` / ``_ds`` for the shared pass, on the decode kernel then).
+  its shared pass, ``hs_extend``, ``hs_pack``, ``hs_loss``; traces of code before commit 4112877
+  show ``hs_decode_ss`` / ``_ds`` for the shared pass, on the decode kernel then).
 - ``kernels``: GPU time per kernel name (all activity in the window, graph or not), the largest first.
 - ``runtime``: CUDA runtime calls by name, count and host time; a long ``cudaStreamSynchronize`` or
   device-to-host ``cudaMemcpyAsync`` is a host wait that stops the scheduler from running ahead.

@@ -40,7 +40,7 @@ def test_bad_setting_names_flag_and_allowed_values(values, flag):
 def test_shared_prefix_decode_values():
     for value in ("off", "on"):
         assert HieraSparseConfig.from_mapping({"shared_prefix_decode": value}).shared_prefix_decode == value
-    with pytest.raises(HieraSparseConfigError, match="'off' or 'on'"):  # session 41's 'extend' is now 'on'
+    with pytest.raises(HieraSparseConfigError, match="'off' or 'on'"):  # 'extend' became 'on' (4112877)
         HieraSparseConfig.from_mapping({"shared_prefix_decode": "extend"})
 
 
