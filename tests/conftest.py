@@ -45,6 +45,13 @@ def tiny_model(tmp_path_factory) -> str:
     return out
 
 
+@pytest.fixture(scope="module")
+def calibration_corpus(tmp_path_factory) -> str:
+    """Essays of seed 100: the head calibration's filler in the calibration and study tests (the
+    evaluation tests' haystacks use seed 0)."""
+    return write_essays(tmp_path_factory.mktemp("essays"), seed=100)
+
+
 def write_essays(folder, seed: int) -> str:
     """Ten 'essays' of sentences over the tiny tokenizer's training words (few tokens per word) in
     ``folder``; ``seed`` picks the sentences, so two test modules can hold disjoint corpora."""

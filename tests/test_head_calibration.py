@@ -10,7 +10,6 @@ import re
 
 import pytest
 import torch
-from conftest import write_essays
 
 from sglang_hs.k_head_map import KHeadMap
 from sglang_hs.launch import eval_quality as eq
@@ -70,14 +69,9 @@ def test_compressible_range_follows_the_geometry():
 
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> str:
-    return write_essays(tmp_path_factory.mktemp("essays"), seed=100)
-
-
-@pytest.fixture(scope="module")
-def calibrated(tiny_model, corpus_dir) -> hc.HeadScores:
+def calibrated(tiny_model, calibration_corpus) -> hc.HeadScores:
     backend = qref.ReferenceBackend(tiny_model, GEOMETRY)
-    return hc.calibrate_model(backend, hc.load_calibration_texts(corpus_dir), TINY_SPEC)
+    return hc.calibrate_model(backend, hc.load_calibration_texts(calibration_corpus), TINY_SPEC)
 
 
 def test_calibration_scores_every_head(calibrated):
@@ -90,13 +84,13 @@ def test_calibration_scores_every_head(calibrated):
     assert len(scores.meta["probes"]) == 5 and all(p["seed_key"].startswith(hc.SEED_NAMESPACE) for p in scores.meta["probes"])
 
 
-def test_calibrate_heads_runs_the_model_and_writes_the_map(tiny_model, corpus_dir, tmp_path):
+def test_calibrate_heads_runs_the_model_and_writes_the_map(tiny_model, calibration_corpus, tmp_path):
     """``calibrate_heads`` over the model (the calibration's default prompt lengths) writes a map of the
     share, and the scores it caches give the same map without a forward."""
     from sglang_hs.launch import calibrate_heads
 
     out, scores = str(tmp_path / "map.pt"), str(tmp_path / "scores.pt")
-    argv = ["--model-path", tiny_model, "--share", "0.5", "--calib-corpus", corpus_dir, "--out", out]
+    argv = ["--model-path", tiny_model, "--share", "0.5", "--calib-corpus", calibration_corpus, "--out", out]
     assert calibrate_heads.main([*argv, "--head-scores", scores]) == 0
     first = KHeadMap.load(out)
     assert first.sparse.shape == (2, 2) and first.share == 0.5

@@ -15,7 +15,6 @@ import eval_study as es
 import pytest
 import quality_variants as qv
 import torch
-from conftest import write_essays
 
 from sglang_hs.channel_order import ChannelOrder
 from sglang_hs.k_head_map import KHeadMap
@@ -116,14 +115,9 @@ def test_variant_names_parse():
 
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> str:
-    return write_essays(tmp_path_factory.mktemp("essays"), seed=100)
-
-
-@pytest.fixture(scope="module")
-def calibrated(tiny_model, corpus_dir) -> es.StudyBackend:
+def calibrated(tiny_model, calibration_corpus) -> es.StudyBackend:
     backend = es.StudyBackend(tiny_model, GEOMETRY)
-    backend.calibrate(hc.load_calibration_texts(corpus_dir), TINY_SPEC)
+    backend.calibrate(hc.load_calibration_texts(calibration_corpus), TINY_SPEC)
     return backend
 
 
@@ -204,8 +198,8 @@ def test_file_permutation_goes_through_the_store(calibrated, tmp_path):
     assert not torch.equal(calibrated._permuted(state, blocks, "file")[0], calibrated._permuted(state, blocks)[0])
 
 
-def test_evaluation_rows_report_effective_sparsity(calibrated, corpus_dir):
-    hay, held = qi.split_corpus(qi.load_corpus(corpus_dir))
+def test_evaluation_rows_report_effective_sparsity(calibrated, calibration_corpus):
+    hay, held = qi.split_corpus(qi.load_corpus(calibration_corpus))
     samples = qi.make_samples(qi.TaskBuilder(calibrated.tokenizer, hay), ["single"], [1024], 1)
     windows = qi.make_windows(calibrated.tokenizer, held, [1024], 1, 64)
     names = ["dense", "magnitude:sk=0,sv=1", "headmap-needle:sk=0,sv=0", "headmap-needle:sk=0,sv=1",
@@ -226,17 +220,17 @@ def test_evaluation_rows_report_effective_sparsity(calibrated, corpus_dir):
 
 
 # ------------------------------------------------------------------------------------------ the study's command line
-def test_eval_refuses_calibration_lengths(tiny_model, corpus_dir, capsys):
-    code = es.main(["--backend", "reference", "--model-path", tiny_model, "--corpus-dir", corpus_dir,
-                    "--calib-corpus", corpus_dir, "--lengths", "1536", "--settings", "headmap-needle:sk=0.5,sv=1"])  # fmt: skip
+def test_eval_refuses_calibration_lengths(tiny_model, calibration_corpus, capsys):
+    code = es.main(["--backend", "reference", "--model-path", tiny_model, "--corpus-dir", calibration_corpus,
+                    "--calib-corpus", calibration_corpus, "--lengths", "1536", "--settings", "headmap-needle:sk=0.5,sv=1"])  # fmt: skip
     assert code == 2 and "calibration lengths" in capsys.readouterr().err
 
 
-def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, corpus_dir, tmp_path):
+def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, calibration_corpus, tmp_path):
     """``--decode-select``: with K above the blocks every block is read, so S = 0 still answers as dense;
     the rules choose per KV head (exact), per layer (pooled) or on anchors (panchor); a bad rule is
     refused with one line."""
-    common = ["--backend", "reference", "--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", corpus_dir,
+    common = ["--backend", "reference", "--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", calibration_corpus,
               "--lengths", "1024", "--samples", "1", "--tasks", "single", "multikey", "--fidelity-windows", "0",
               "--window-tokens", "128", "--settings", "magnitude:sk=0,sv=0"]  # fmt: skip
     assert es.main([*common, "--tag", "all", "--decode-select", "pooled:1000"]) == 0
@@ -257,14 +251,14 @@ def test_decode_selection_reads_fewer_blocks_only_where_asked(tiny_model, corpus
     assert es.main([*common, "--decode-select", "pooled:0"]) == 2
 
 
-def test_k_head_map_with_a_variant_or_a_bad_decode_mode_stops_the_run(tiny_model, corpus_dir, tmp_path, capsys):
+def test_k_head_map_with_a_variant_or_a_bad_decode_mode_stops_the_run(tiny_model, calibration_corpus, tmp_path, capsys):
     """The reference's K variants choose their own K rows, so ``--k-head-map`` beside one is refused
     (it used to be ignored silently); a setting's decode mode must be kascade or psa and needs servers."""
     with open(f"{tiny_model}/config.json") as f:
         config = json.load(f)
     path = str(tmp_path / "map.pt")
     KHeadMap(torch.ones(config["num_hidden_layers"], config["num_key_value_heads"], dtype=torch.bool)).save(path)
-    common = ["--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", corpus_dir]
+    common = ["--model-path", tiny_model, "--out", str(tmp_path), "--corpus-dir", calibration_corpus]
     assert es.main(["--backend", "reference", *common, "--k-head-map", path, "--settings", "headmap-needle+fperm:sk=1,sv=1"]) == 2
     assert "prunes K its own way" in capsys.readouterr().err
     assert es.main(["--backend", "server", *common, "--settings", "magnitude:sk=0,sv=1,mode=topk"]) == 2
