@@ -409,3 +409,24 @@ def test_start_up_compiles_the_kernels_the_settings_use(monkeypatch):
     calls = len(seen)
     assert backend._prepare_kernels(SimpleNamespace(kernels_available=False, uses_kernel=lambda name: True)) == 0
     assert len(seen) == calls
+
+
+def test_sglang_reads_the_delegates_flags_and_nothing_else_of_it():
+    """The runners' capability flags are the dense delegate's; any other attribute the backend does not
+    define is missing (no forwarding to the delegate), and what SGLang calls is defined here or in the
+    base class."""
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    from sglang_hs.backend import HieraSparseAttnBackend
+
+    backend = make_backend(RecordingPlan())
+    flags = ("supports_ragged_verify_graph", "use_captured_forward_metadata_for_breakable_cuda_graph",
+             "supports_full_cuda_graph_chunked_prefix")  # fmt: skip
+    for value in (True, False):
+        backend.dense = SimpleNamespace(**dict.fromkeys(flags, value), kv_indptr="delegate state")
+        assert all(getattr(backend, flag) is value for flag in flags)
+    assert not hasattr(backend, "kv_indptr")  # the delegate's own state stays its own
+    called = ("init_forward_metadata", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph",
+              "init_cuda_graph_state", "get_cuda_graph_seq_len_fill_value", "forward_decode", "forward_extend")  # fmt: skip
+    assert all(getattr(HieraSparseAttnBackend, name) is not getattr(AttentionBackend, name) for name in called)
+    assert backend.needs_cpu_seq_lens and backend.get_cuda_graph_seq_len_fill_value() == 1
