@@ -67,7 +67,7 @@ tiny=/tmp/hs_tiny
 llama=/tmp/hs_llama8b
 [ -f $tiny/config.json ] || python3 -m sglang_hs.launch.make_model tiny $tiny > /dev/null
 [ -f $llama/config.json ] || python3 -m sglang_hs.launch.make_model llama8b $llama > /dev/null
-model_tag=""  # MODEL=llama70b: the prefix and warm steps serve the Llama-3.1-70B shape (TP=4 or 8), files get _llama70b
+model_tag="_llama8b"  # MODEL=llama70b: the prefix and warm steps serve the Llama-3.1-70B shape (TP=4 or 8)
 if [ "${MODEL:-llama8b}" = llama70b ]; then
   llama=/tmp/hs_llama70b model_tag="_llama70b"
   [ -f $llama/config.json ] || python3 -m sglang_hs.launch.make_model llama70b $llama > /dev/null
@@ -205,7 +205,7 @@ case "$step" in
   soak)
     python3 -m sglang_hs.launch.soak --model-path $llama --load-format dummy --minutes "${3:-8}" --context-length 16384 \
         --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64 \
-        --server-arg=--mem-fraction-static=0.6 --out "$out/soak_${gpu}.json" | tail -20
+        --server-arg=--mem-fraction-static=0.6 --out "$out/soak_llama8b_${gpu}.json" | tail -20
     ;;
   sanitize)
     # A decode, an extend and a compress test, each over several sparsities; compiled first (in parallel)
