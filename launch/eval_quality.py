@@ -104,7 +104,7 @@ class UsageError(ValueError):
     """A flag or setting the run cannot take; the message is one line."""
 
 
-ReferencePreparer = Callable[[argparse.Namespace, list[Setting], "KHeadMap | None", dict[str, str]],
+ReferencePreparer = Callable[[argparse.Namespace, list[Setting], KHeadMap | None, dict[str, str]],
                              tuple[ReferenceBackend, dict[str, Any]]]  # fmt: skip
 """Builds the reference backend of a run from the flags, the settings, the K head map and the corpus;
 returns it and what the run's ``meta`` records about it. ``UsageError`` / ``MissingInput`` stop the run."""
