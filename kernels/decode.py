@@ -16,7 +16,7 @@ Design (and why)
   shapes with ``T.gemm`` (``wgmma``), sparse blocks ``T.gemm_sp`` (``wgmma.sp``); the accumulators are
   shared, so both paths fold into one online softmax.
 * **GQA as the GEMM N dim.** One CTA (one warpgroup) serves the ``G = Hq/Hkv`` query heads of one KV
-  head, so every KV byte is read once. N is padded to 8 for G in {1, 2, 4, 8} (16 up to G = 16):
+  head, so every KV byte is read once. N is padded to 8 for G up to 8 (16 up to G = 16):
   ``m64n8`` is a legal wgmma shape and avoids TileLang's N = 24/40 bug (issue #2603) and wasted
   accumulator registers.
 * **Split-KV.** Grid ``(num_splits, Hkv, bs)``: each CTA walks a contiguous range of its request's
@@ -598,6 +598,8 @@ class HieraSparseDecode:
 PRECOMPILE = [
     (32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (4, 4, 64, "float16"), (8, 4, 128, "float16"),
     (8, 2, 64, "float16"), (4, 1, 64, "float16"),
+    (9, 3, 64, "float16"), (10, 2, 128, "bfloat16"), (12, 2, 64, "float16"), (14, 2, 128, "bfloat16"),
+    (28, 4, 128, "bfloat16"),
 ]
 
 

@@ -89,7 +89,8 @@ def shared_pass_k_sparse(k_form: str, every_form: tuple[bool, ...] = (False, Tru
     return {"sparse": (True,), "dense": (False,)}.get(k_form, every_form)
 
 
-GPU_SHAPES = ((32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (8, 2, 64, "float16"))
+GPU_SHAPES = ((32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (8, 2, 64, "float16"), (9, 3, 64, "float16"),
+              (28, 4, 128, "bfloat16"))  # the last two: GQA groups 3 and 7 (10 and 4 requests a column set)
 """The model shapes (q_heads, kv_heads, head_dim, dtype) of the GPU tests; their own-pass kernels are
 :data:`sglang_hs.kernels.decode.PRECOMPILE` entries, their shared-pass kernels (one per
 :data:`GPU_FORMS` entry) and own-pass kernels (the model's shape with a split floor) are compiled by

@@ -19,8 +19,9 @@ Design (and why)
 * **Trans-Both GEMMs, query rows x GQA heads as N.** Only the A operand of ``wgmma.sp`` may be sparse,
   so a block step computes ``S^T = K·Q^T`` (``[B, N]``, A = K, sparse along head_dim) and
   ``O^T += V^T·P^T`` (``[D, N]``, A = V^T, sparse along tokens). The N columns of a CTA are
-  ``TQ = N / G`` consecutive query tokens of one request times the ``G`` query heads of one KV head,
-  ordered (token, head): column ``c`` is token ``t0 + c // G``, head ``h*G + c % G``. Every KV byte a
+  ``TQ = N // G`` consecutive query tokens of one request times the ``G`` query heads of one KV head,
+  ordered (token, head): column ``c`` is token ``t0 + c // G``, head ``h*G + c % G``; a group that does
+  not divide N (3, 5, 6, 7) leaves ``N - TQ*G`` columns idle (at most 4 of 64). Every KV byte a
   CTA reads serves N columns. Each warpgroup owns 64 columns of ``S^T`` and of ``O^T``, so the softmax
   statistics of a column never leave its warpgroup. N is a multiple of 16 (no N = 24/40: TileLang
   issue #2603).
@@ -221,10 +222,11 @@ class HieraSparseExtend:
         if dynamic_splits and num_splits is None:
             raise ValueError("dynamic splits need num_splits, the grid's split count")
         group = q_heads // kv_heads
-        if group not in (1, 2, 4, 8, 16, 32, 64):  # 32: the shared pass's folded column sets
-            raise ValueError(f"GQA group {group} is not supported")
         if tile != "auto" and tile not in TILE_SHAPES:
             raise ValueError(f"tile must be 'auto' or one of {sorted(TILE_SHAPES)}")
+        columns = min(TILE_SHAPES[t][0] for t in (TILES if tile == "auto" else (tile,)))
+        if group > columns:  # the shared pass's folded column sets reach 32 on its n32 tile
+            raise ValueError(f"GQA group {group} exceeds the {columns} query columns of a tile")
         for t in TILES if tile == "auto" else (tile,):
             if stages is not None and stages not in STAGES[t]:
                 raise ValueError(f"tile {t!r} builds with stages in {STAGES[t]}, got {stages}")
@@ -378,6 +380,11 @@ PRECOMPILE = [
     (8, 2, 64, "float16", "n64", 2, False), (16, 2, 128, "float16", "n64", 2, False),
     (4, 4, 64, "float16", "n64", 2, True), (16, 2, 128, "bfloat16", "n64", 2, True),
     (8, 4, 128, "float16", "n64", 2, True),
+    # GQA groups 3, 5, 6 and 7 (columns of a tile idle), both tiles.
+    (9, 3, 64, "float16", "n64", 2, True), (6, 2, 64, "bfloat16", "n128", 2, True),
+    (10, 2, 128, "bfloat16", "n128", 2, False), (10, 2, 128, "float16", "n64", 2, True),
+    (12, 2, 64, "float16", "n128", 2, True), (12, 2, 128, "bfloat16", "n64", 2, True),
+    (14, 2, 128, "float16", "n128", 2, True), (28, 4, 64, "bfloat16", "n64", 2, False),
 ]
 
 

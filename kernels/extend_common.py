@@ -123,7 +123,9 @@ class ExtendParts:
         B, D = block_size, head_dim
         N, threads = TILE_SHAPES[tile]
         G = q_heads // kv_heads
-        assert q_heads % kv_heads == 0 and N % G == 0, "GQA group must divide the tile's N"
+        # A group that does not divide N leaves the last N - TQ * G columns idle: their token index c // G
+        # is TQ, past every tile's tokens, so they get a zero query and are never stored.
+        assert q_heads % kv_heads == 0 and G <= N, "the GQA group must fit the tile's N"
         assert D % 32 == 0 and B % 32 == 0 and stages >= 2
         HALF = resolve_chunk(tile)  # index entries resolved per pass; the ring holds two passes
         RB = 2 * HALF
@@ -135,7 +137,7 @@ class ExtendParts:
         assert forms[0] in KV_FORMS and forms[1] in KV_FORMS and (k_sparse or forms[0] != "sparse")
         self.k_form, self.v_form = ("dense" if not k_sparse else forms[0]), forms[1]
         self.dynamic_splits = dynamic_splits
-        self.TQ = N // G  # query tokens per tile
+        self.TQ = N // G  # query tokens per tile (TQ * G <= N columns in use)
         self.HALF, self.RB = HALF, RB
         self.accum = "float32"
         self.e_rows = B * D // 16 // 16  # metadata tile as [e_rows, 16] int16 (contiguous 2*B*D/16 bytes)

@@ -65,6 +65,11 @@ out=${2:-out}
 mkdir -p "$out"
 tiny=/tmp/hs_tiny
 llama=/tmp/hs_llama8b
+gqa_tag=""  # GQA=G: the tiny step serves a tiny model of 2G query heads over 2 KV heads (files get gqaG_)
+if [ -n "${GQA:-}" ]; then
+  tiny=/tmp/hs_tiny_gqa$GQA gqa_tag="gqa${GQA}_"
+  [ -f $tiny/config.json ] || python3 -m sglang_hs.launch.make_model tiny $tiny --q-heads $((2 * GQA)) --kv-heads 2 > /dev/null
+fi
 [ -f $tiny/config.json ] || python3 -m sglang_hs.launch.make_model tiny $tiny > /dev/null
 [ -f $llama/config.json ] || python3 -m sglang_hs.launch.make_model llama8b $llama > /dev/null
 model_tag="_llama8b"  # MODEL=llama70b: the prefix and warm steps serve the Llama-3.1-70B shape (TP=4 or 8)
@@ -147,7 +152,7 @@ case "$step" in
       check_args=(--hs-arg=--hierasparse-k-channel-order=$tiny/hierasparse_k_channel_order.pt)
       tp_tag="${tp_tag}_korder"
     fi
-    mem=0.3
+    mem=${MEM:-0.3}  # several checks can share one GPU (PORT apart) at a smaller MEM
     graph_bs=4
     if [ "${SHARED:-0}" = 1 ]; then  # decode batches grouped by shared prefix (--hierasparse-shared-prefix-decode):
       # 12 chats at once, so that decode batches reach the 8 requests column sets need
@@ -178,7 +183,7 @@ case "$step" in
         --common-arg=--sampling-backend=pytorch --common-arg=--grammar-backend=none \
         --hs-arg=--hierasparse-dense-backend=${HS_DENSE:-triton} --hs-arg=--hierasparse-sk-prefill=0 \
         --hs-arg=--hierasparse-sv-prefill=0 --hs-arg=--hierasparse-sk-decode=0 --hs-arg=--hierasparse-sv-decode=0 \
-        --out "$out/server_check_s0_kernels${tp_tag}_${gpu}.json" --log-prefix "$out/tiny$tp_tag" | tail -25
+        --out "$out/server_check_${gqa_tag}s0_kernels${tp_tag}_${gpu}.json" --log-prefix "$out/tiny_${gqa_tag}$tp_tag" | tail -25
     ;;
   prefix)
     servers=${3:?SERVERS, e.g. triton,hs:1:1:auto}

@@ -84,8 +84,9 @@ def write_tokenizer(out: str, vocab_size: int) -> None:
     wrapped.save_pretrained(out)
 
 
-def write_tiny(out: str, layers: int, seed: int) -> None:
-    """A 2-layer Llama with head_dim 64 (the smallest shape the kernels take) and fp16 weights.
+def write_tiny(out: str, layers: int, seed: int, q_heads: int = 8, kv_heads: int = 2) -> None:
+    """A 2-layer Llama with head_dim 64 (the smallest shape the kernels take) and fp16 weights;
+    ``q_heads`` / ``kv_heads`` set its GQA group (8 / 2 = 4 by default).
 
     At the default init a random model's greedy output hardly depends on its context (it repeats
     one token). Scaling the query/key projections by 3 (sharper attention), value/output by 2 and
@@ -102,8 +103,8 @@ def write_tiny(out: str, layers: int, seed: int) -> None:
         hidden_size=512,
         intermediate_size=1024,
         num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
+        num_attention_heads=q_heads,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=32768,
         rope_theta=10000.0,
@@ -135,10 +136,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="output folder (created)")
     parser.add_argument("--layers", type=int, default=2, help="tiny: number of layers")
     parser.add_argument("--seed", type=int, default=0, help="tiny: weight seed")
+    parser.add_argument("--q-heads", type=int, default=8, help="tiny: query heads")
+    parser.add_argument("--kv-heads", type=int, default=2, help="tiny: KV heads (a divisor of --q-heads)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.kind == "tiny":
-        write_tiny(args.out, args.layers, args.seed)
+        if args.q_heads % args.kv_heads:
+            parser.error(f"--kv-heads {args.kv_heads} does not divide --q-heads {args.q_heads}")
+        write_tiny(args.out, args.layers, args.seed, args.q_heads, args.kv_heads)
     else:
         write_llama_config(args.out, LLAMA_31_8B if args.kind == "llama8b" else LLAMA_31_70B)
     print(f"wrote {args.kind} model to {args.out}: {sorted(os.listdir(args.out))}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -176,6 +177,24 @@ def explain(baseline: Steps | None, ours: Steps | None, tie_gap: float) -> dict:
     return {"near_tie": False, "why": "the texts differ but no step's choice does"}
 
 
+def rank_gqa_group(model_path: str, common_args: list[str]) -> int:
+    """Query heads per KV head on one rank, as the kernels see them (KV heads fewer than the ranks are
+    replicated: one a rank)."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    tp = next((int(arg.split("=", 1)[1]) for arg in common_args if arg.startswith("--tp-size=")), 1)
+    q_heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", q_heads)
+    return (q_heads // tp) // max(kv_heads // tp, 1)
+
+
+def device_name() -> str | None:
+    """The GPU the servers ran on (None without one)."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", required=True)
@@ -235,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     results["top_tokens"] = steps
     summary = {
         "baseline": args.baseline,
+        "gqa_group": rank_gqa_group(args.model_path, args.common_arg),
+        "device": device_name(),
         "hs_args": args.hs_arg,
         "outputs": len(baseline) - 1,
         "mismatches": mismatches,

@@ -207,7 +207,7 @@ def test_fold_and_unfold_are_inverse():
     assert torch.equal(back[1], q[3]) and torch.equal(back[4], q[1]) and torch.equal(back[5], q[2])
 
 
-@pytest.mark.parametrize("q_heads, kv_heads", [(32, 8), (8, 4), (16, 2)])
+@pytest.mark.parametrize("q_heads, kv_heads", [(32, 8), (8, 4), (16, 2), (9, 3), (14, 2)])
 @pytest.mark.parametrize("sk, sv", [(0.5, 1.0), (1.0, 1.0), (0.0, 1.0), (0.0, 0.0)])
 def test_cascade_matches_reference_with_the_oracle_as_kernel(q_heads, kv_heads, sk, sv):
     """With the shared pass restricted to the forms of the case's compressed blocks (its dense sink and

@@ -20,6 +20,11 @@ SMALL = [
     (16, 2, 128, torch.bfloat16, 1.0, 1.0),
     (4, 4, 64, torch.float16, 1.0, 0.0),
     (8, 4, 128, torch.float16, 0.0, 1.0),
+    # Groups that pad to 8 columns: 3 (SmolLM2, Llama-3.2-3B), 5 (Qwen3-14B), 6 (Qwen2.5-1.5B), 7 (Qwen2.5-7B).
+    (9, 3, 64, torch.float16, 1.0, 0.5),
+    (10, 2, 128, torch.bfloat16, 0.5, 0.5),
+    (12, 2, 64, torch.float16, 0.0, 1.0),
+    (14, 2, 128, torch.bfloat16, 1.0, 1.0),
 ]
 SMALL_LENS = [1000, 64 * 7, 300, 64 * 12 + 1]  # partial and full last pages, a request of cache pages only
 SMALL_MAX_BLOCKS = 20
@@ -188,7 +193,7 @@ def test_split_count_respects_the_capacity():
     from sglang_hs.kernels.common import SMEM_PER_SM
     from sglang_hs.kernels.decode import plan_num_splits, smem_bytes
 
-    for group in (1, 2, 4, 8):
+    for group in range(1, 9):
         assert SMEM_PER_SM // (smem_bytes(128, 64, 2, group) + 1024) == 2
     assert min_splits(SPLIT_CAPACITY) == 1 and min_splits(SPLIT_CAPACITY + 1) == 2 and min_splits(2049) == 5
     for width in (512, 529):

@@ -48,6 +48,16 @@ SMALL = [
     (8, 4, 128, torch.float16, 0.5, 0.5, dict(tile="n64")),
     (4, 4, 64, torch.float16, 1.0, 0.0, dict(tile="n64")),
     (8, 2, 64, torch.float16, 0.0, 1.0, dict(tile="n64")),
+    # Groups that leave columns of a tile idle: 3 (SmolLM2, Llama-3.2-3B), 5 (Qwen3-14B), 6 (Qwen2.5-1.5B),
+    # 7 (Qwen2.5-7B), on both tiles.
+    (9, 3, 64, torch.float16, 1.0, 0.5, dict(tile="n64")),
+    (6, 2, 64, torch.bfloat16, 0.5, 1.0, dict(tile="n128")),
+    (10, 2, 128, torch.bfloat16, 0.0, 1.0, dict(tile="n128")),
+    (10, 2, 128, torch.float16, 1.0, 1.0, dict(tile="n64")),
+    (12, 2, 64, torch.float16, 0.5, 0.5, dict(tile="n128")),
+    (12, 2, 128, torch.bfloat16, 1.0, 0.0, dict(tile="n64")),
+    (14, 2, 128, torch.float16, 1.0, 1.0, dict(tile="n128")),
+    (28, 4, 64, torch.bfloat16, 0.0, 1.0, dict(tile="n64")),
 ]
 MID_PREFIX = [4096, 2500, 8192, 77]
 MID_NEW = [64, 300, 129, 1000]

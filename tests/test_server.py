@@ -110,3 +110,16 @@ def test_server_check_explains_a_difference_as_a_near_tie_only_when_both_servers
     assert not explain(base, [same, ("y", [("y", -0.69), ("z", -0.70)])], 0.05)["near_tie"]  # x not in our top two
     assert explain(base, None, 0.05) == {"near_tie": False, "why": "no logprobs"}
     assert not explain(base, base, 0.05)["near_tie"]  # texts differ elsewhere: not explained
+
+
+def test_server_check_records_the_rank_gqa_group(tmp_path):
+    """The record's gqa_group is the kernels' group on one rank: replicated KV heads count once a rank."""
+    import json
+
+    from sglang_hs.launch.server_check import rank_gqa_group
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 14, "num_key_value_heads": 2}))
+    assert rank_gqa_group(str(tmp_path), []) == 7
+    assert rank_gqa_group(str(tmp_path), ["--tp-size=2"]) == 7
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_key_value_heads": 2}))
+    assert rank_gqa_group(str(tmp_path), ["--mem-fraction-static=0.3", "--tp-size=4"]) == 2
