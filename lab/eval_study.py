@@ -33,7 +33,7 @@ from sglang_hs.launch.quality_reference import KeyMask, PrefixState, ReferenceBa
 from sglang_hs.pruner import PRUNERS
 from sglang_hs.reference import exact_block_mass, select_topk
 
-from quality_variants import VariantKV, needs_calibration, parse_variant  # lab/, this script's folder  # isort: skip
+from quality_variants import VariantKV, needs_calibration, parse_variant  # isort: skip (lab/, this script's folder)
 
 
 # ===================================================================================== decode-time selection
