@@ -72,7 +72,8 @@ llama=/tmp/hs_llama8b
 gqa_tag=""  # GQA=G: the tiny step serves a tiny model of 2G query heads over 2 KV heads (files get gqaG_)
 if [ -n "${GQA:-}" ]; then
   tiny=/tmp/hs_tiny_gqa$GQA gqa_tag="gqa${GQA}_"
-  [ -f $tiny/config.json ] || python3 -m sglang_hs.launch.make_model tiny $tiny --q-heads $((2 * GQA)) --kv-heads 2 > /dev/null
+  [ -f $tiny/config.json ] || python3 -m sglang_hs.launch.make_model tiny $tiny --q-heads $((2 * GQA)) --kv-heads 2 > /dev/null ||
+    exit 1
 fi
 [ -f $tiny/config.json ] || python3 -m sglang_hs.launch.make_model tiny $tiny > /dev/null
 [ -f $llama/config.json ] || python3 -m sglang_hs.launch.make_model llama8b $llama > /dev/null

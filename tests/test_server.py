@@ -123,3 +123,18 @@ def test_server_check_records_the_rank_gqa_group(tmp_path):
     assert rank_gqa_group(str(tmp_path), ["--tp-size=2"]) == 7
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_key_value_heads": 2}))
     assert rank_gqa_group(str(tmp_path), ["--mem-fraction-static=0.3", "--tp-size=4"]) == 2
+
+
+def test_tiny_model_takes_any_gqa_group(tmp_path):
+    """make_model tiny --q-heads 2G --kv-heads 2 writes a model transformers loads and runs (the GQA=G server
+    checks serve it); its hidden size follows the heads at head_dim 64."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from sglang_hs.launch.make_model import write_tiny
+
+    write_tiny(str(tmp_path), layers=1, seed=0, q_heads=14, kv_heads=2)
+    model = LlamaForCausalLM.from_pretrained(str(tmp_path))
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads, model.config.hidden_size) == (14, 2, 896)
+    logits = model(torch.tensor([[3, 4, 5, 6]])).logits
+    assert logits.shape == (1, 4, 1024) and torch.isfinite(logits).all()
