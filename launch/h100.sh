@@ -19,9 +19,9 @@
 #                                            variant) or all
 #   bash launch/h100.sh tiny OUT             tiny model, S = 0: greedy outputs identical to SGLang's triton
 #   bash launch/h100.sh verify OUT [GROUPS]  after a change, on one GPU: the S = 0 tiny check and the GQA=G tiny
-#                                            checks of GROUPS (default 3,5,6,7), five servers at a time (MEM 0.08,
-#                                            PORT apart), beside the test kernels' compilation; then every GPU test
-#                                            in tests/ (PART=checks or PART=tests: one half)
+#                                            checks of GROUPS (e.g. 3,5,6,7; the groups config.KERNEL_GQA_GROUPS
+#                                            takes), all at once (MEM 0.08, PORT apart), beside the test kernels'
+#                                            compilation; then every GPU test in tests/ (PART=checks|tests: one half)
 #   bash launch/h100.sh prefix OUT SERVERS [REGIMES] [API]
 #                                            Llama-3.1-8B-shaped prefix benchmark, e.g. SERVERS=triton,hs:1:1:auto,
 #                                            REGIMES=g10x20 (default: 200 requests over 10 prefixes), 1,2,3 (sized
@@ -197,7 +197,7 @@ case "$step" in
       ( python3 -m sglang_hs.kernels.extend --jobs 8 & python3 -m sglang_hs.kernels.decode --jobs 4 &
         python3 -m sglang_hs.kernels.decode_shared --jobs 4 & wait ) > "$out/compile_tests.log" 2>&1 &
       MEM=0.08 PORT=30000 bash "$0" tiny "$out" > "$out/check_default.txt" 2>&1 &
-      IFS=, read -ra groups <<< "${3:-3,5,6,7}"
+      IFS=, read -ra groups <<< "${3:-}"
       port=30100
       for g in "${groups[@]}"; do
         GQA=$g MEM=0.08 PORT=$port bash "$0" tiny "$out" > "$out/check_gqa$g.txt" 2>&1 &
