@@ -213,7 +213,8 @@ for path in sorted(glob.glob(sys.argv[1] + "/server_check_*.json")):
 PY
     fi
     if [ "${PART:-all}" != checks ]; then
-      timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -n 8 -m gpu tests > "$out/gpu_tests.log" 2>&1
+      # -v: a run cut by the timeout still names every test that passed
+      timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -p no:benchmark -n 8 -m gpu tests > "$out/gpu_tests.log" 2>&1
       tail -4 "$out/gpu_tests.log"
     fi
     ;;
