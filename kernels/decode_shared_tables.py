@@ -2,7 +2,7 @@
 
 :func:`.decode_shared.step_tables` (PyTorch) groups a decode batch in about 110 small kernels: at the
 benchmark's shape on an H200 they took 267.7 us a decode step under a CUDA graph
-(``bench_decode_shared_parts_s44_h200.log``), 2% of a regime-1 step. Here the same tables come from
+(``lab/profile_shared_decode.py``), 2% of a regime-1 step. Here the same tables come from
 two passes of a CTA per request (its group's leader and common blocks, then the blocks it would
 give the shared pass), one CTA for the column sets, and a CTA per output row for the stable
 compactions into the shared and own tables: four launches and four fills. The PyTorch form

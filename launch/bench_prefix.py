@@ -2,7 +2,7 @@
 
     python -m sglang_hs.launch.bench_prefix --model-path DIR --load-format dummy \\
         --servers flashinfer,hicache,hs:1:1,hs:0:1,hs+hicache:0:1 --regimes 1,2,3 --context 8192 \\
-        --hicache-size 40 --out launch/results/prefix_bench_h100.json
+        --hicache-size 40 --out launch/results/prefix_bench_llama8b_h100.json
 
 Servers: ``flashinfer`` and ``triton`` (dense SGLang), ``hicache`` (flashinfer with SGLang's
 hierarchical cache), ``hs:SK:SV[:F]`` (hierasparse, store fraction F or ``auto``) and
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-stacks", action="store_true",
                         help="record Python stacks in the trace: the summary then names the host code that "
                              "waited on the GPU (host_waits)")  # fmt: skip
-    parser.add_argument("--out", default="launch/results/prefix_bench_h100.json")
+    parser.add_argument("--out", default="launch/results/prefix_bench_llama8b_h100.json")
     args = parser.parse_args(argv)
     if args.report_only:
         with open(args.report_only) as f:

@@ -788,7 +788,7 @@ def test_small_calls_match_reference_on_the_gpu():
 def test_the_own_pass_plans_splits_for_the_whole_batch_with_a_floor_of_blocks(monkeypatch):
     """CPU (kernels stubbed): the own pass's split count is the per-request rule's for every request of
     the call (requests alone on a long prefix are sets of one, so the own pass holds tails; planning for
-    ceil(bs / 4) was 7-10 us a layer slower, docs/results.md), and its kernel keeps a floor of
+    ceil(bs / 4) was 7-10 us a layer slower, docs/kernels.md), and its kernel keeps a floor of
     OWN_MIN_SPLIT_BLOCKS blocks a split where the per-request plan keeps 1."""
     from types import SimpleNamespace
 
