@@ -206,6 +206,20 @@ class HieraSparseConfig:
         )
 
     @staticmethod
+    def validate_architecture(architecture: str, attention_arch: str, sliding_window: bool = False,
+                              encoder_decoder: bool = False, chunked_attention: bool = False) -> None:  # fmt: skip
+        """Refuse models whose attention is not the one KV pool of full causal MHA/GQA layers that the store,
+        the radix hook and the kernels are built on: MLA's latent cache, sliding-window layers (the kernels
+        read every cached block), chunked local attention, encoder-decoder cross attention."""
+        allowed = "a model whose every layer has full causal multi-head or grouped-query attention (Llama, Qwen2, ...)"
+        why = ("MLA attention" if attention_arch != "MHA" else
+               "sliding-window attention" if sliding_window else
+               "chunked local attention" if chunked_attention else
+               "encoder-decoder attention" if encoder_decoder else None)  # fmt: skip
+        if why is not None:
+            raise HieraSparseConfigError(f"hierasparse: --model-path is a {architecture} with {why}; allowed: {allowed}")
+
+    @staticmethod
     def validate_gpu(capability: tuple[int, int] | None, name: str = "") -> None:
         """Refuse GPUs without Hopper sparse tensor cores (wgmma.sp)."""
         wanted = "compute capability %d.%d (NVIDIA Hopper: H100/H200/H20)" % REQUIRED_COMPUTE_CAPABILITY

@@ -235,6 +235,16 @@ def apply_backend_defaults(_result, server_args) -> None:
         server_args.radix_cache_backend = BACKEND_NAME
 
     model_config = server_args.get_model_config()
+    HieraSparseConfig.validate_architecture(
+        architecture=(model_config.hf_config.architectures or ["model"])[0],
+        attention_arch=model_config.attention_arch.name,
+        # A window in the config counts unless the config turns it off (Qwen2/Qwen3: use_sliding_window false).
+        sliding_window=bool(getattr(model_config, "is_hybrid_swa", False)) or (
+            getattr(model_config, "sliding_window_size", None) is not None
+            and getattr(model_config.hf_text_config, "use_sliding_window", True) is not False),
+        encoder_decoder=bool(getattr(model_config, "is_encoder_decoder", False)),
+        chunked_attention=getattr(model_config, "attention_chunk_size", None) is not None,
+    )
     config.validate_model(
         head_dim=model_config.head_dim,
         dtype=str(model_config.dtype).removeprefix("torch."),

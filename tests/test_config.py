@@ -133,3 +133,37 @@ def test_launcher_refuses_decode_and_extend_kernels_for_an_unsupported_gqa_group
     # With the compressor alone the model passes the shape checks (and stops at the CPU device).
     result = run_python(*base, "--hierasparse-kernels", "compress", cwd="/")
     assert result.stderr.strip().splitlines()[-1] == "error: hierasparse: --device=cpu is invalid; allowed: cuda"
+
+
+def test_architectures_the_store_cannot_serve_are_refused_in_one_line():
+    """MLA, sliding-window, chunked-local and encoder-decoder attention: one line each, naming the model."""
+    HieraSparseConfig.validate_architecture("LlamaForCausalLM", "MHA")
+    cases = [(dict(attention_arch="MLA"), "MLA attention"),
+             (dict(attention_arch="MHA", sliding_window=True), "sliding-window attention"),
+             (dict(attention_arch="MHA", chunked_attention=True), "chunked local attention"),
+             (dict(attention_arch="MHA", encoder_decoder=True), "encoder-decoder attention")]
+    for kwargs, why in cases:
+        with pytest.raises(HieraSparseConfigError) as info:
+            HieraSparseConfig.validate_architecture("SomeForCausalLM", **kwargs)
+        message = str(info.value)
+        assert "\n" not in message and message.startswith(f"hierasparse: --model-path is a SomeForCausalLM with {why}; ")
+
+
+def _launch_with_config(tmp_path, **overrides):
+    from sglang_hs.launch.make_model import LLAMA_31_8B, write_llama_config
+
+    write_llama_config(str(tmp_path), LLAMA_31_8B)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **overrides}))
+    return run_python("-m", "sglang.launch_server", "--model-path", str(tmp_path), "--attention-backend",
+                      "hierasparse", "--device", "cpu", cwd="/")
+
+
+def test_launcher_refuses_sliding_window_models_before_loading_weights(tmp_path):
+    """A Mistral-style window on every layer is refused by the launcher; Qwen2's disabled window is not."""
+    result = _launch_with_config(tmp_path, sliding_window=4096)
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: hierasparse: --model-path is a LlamaForCausalLM with sliding-window attention; allowed: ")
+    result = _launch_with_config(tmp_path, sliding_window=131072, use_sliding_window=False)
+    assert result.stderr.strip().splitlines()[-1] == "error: hierasparse: --device=cpu is invalid; allowed: cuda"
