@@ -208,8 +208,9 @@ case "$step" in
 import glob, json, sys
 for path in sorted(glob.glob(sys.argv[1] + "/server_check_*.json")):
     r = json.load(open(path))
-    print(path.split("/")[-1], "group", r.get("gqa_group"), "outputs", r["outputs"], "mismatches", r["mismatches"],
-          "unexplained", sorted(r["unexplained_mismatches"]), "problems", len(r["problems"]))
+    print(path.split("/")[-1], "group", r.get("gqa_group"), "outputs", r["outputs"], "ties",
+          [m["key"] for m in r["mismatches"] if m["tie"]], "unexplained", r["unexplained_mismatches"],
+          "problems", len(r["problems"]))
 PY
     fi
     if [ "${PART:-all}" != checks ]; then

@@ -177,6 +177,12 @@ def explain(baseline: Steps | None, ours: Steps | None, tie_gap: float) -> dict:
     return {"near_tie": False, "why": "the texts differ but no step's choice does"}
 
 
+def mismatch_entry(key: str, why: dict) -> dict:
+    """A record's account of one differing output: ``{"key", "tie", "logprobs"}``, ``logprobs`` holding
+    :func:`explain`'s step, picks, both servers' top tokens and their gaps."""
+    return {"key": key, "tie": why["near_tie"], "logprobs": {k: v for k, v in why.items() if k != "near_tie"}}
+
+
 def rank_gqa_group(model_path: str, common_args: list[str]) -> int:
     """Query heads per KV head on one rank, as the kernels see them (KV heads fewer than the ranks are
     replicated: one a rank)."""
@@ -258,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_name(),
         "hs_args": args.hs_arg,
         "outputs": len(baseline) - 1,
-        "mismatches": mismatches,
-        "near_ties": {key: why[key] for key in mismatches if why[key]["near_tie"]},
+        # Each difference with both servers' top logprobs where the answers part; tie: a near tie (below).
+        "mismatches": [mismatch_entry(key, why[key]) for key in mismatches],
         "tie_gap": args.tie_gap,
-        "unexplained_mismatches": {key: why[key] for key in unexplained},
+        "unexplained_mismatches": unexplained,
         "status_lines": results["status_lines"][-3:],
         "shared_decode_lines": results.get("shared_decode_lines", []),
         "problems": results["problems"],

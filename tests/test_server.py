@@ -138,3 +138,20 @@ def test_tiny_model_takes_any_gqa_group(tmp_path):
     assert (model.config.num_attention_heads, model.config.num_key_value_heads, model.config.hidden_size) == (14, 2, 896)
     logits = model(torch.tensor([[3, 4, 5, 6]])).logits
     assert logits.shape == (1, 4, 1024) and torch.isfinite(logits).all()
+
+
+def test_a_difference_is_recorded_with_both_servers_logprobs():
+    """server_check's mismatches: {"key", "tie", "logprobs"}; a tie needs both picks within tie_gap on both
+    servers, otherwise the difference stays unexplained."""
+    from sglang_hs.launch.server_check import explain, mismatch_entry
+
+    base = [("a", [["a", -0.1], ["b", -3.0]]), ("c", [["c", -2.9132], ["d", -2.9132]])]
+    ours = [("a", [["a", -0.1], ["b", -3.0]]), ("d", [["d", -2.9095], ["c", -2.9134]])]
+    entry = mismatch_entry("frontend/2", explain(base, ours, tie_gap=0.05))
+    assert entry["key"] == "frontend/2" and entry["tie"] is True
+    assert entry["logprobs"]["step"] == 1 and entry["logprobs"]["picks"] == ["c", "d"]
+    assert entry["logprobs"]["gaps"] == [0.0, 0.0039]
+    far = [("a", [["a", -0.1], ["b", -3.0]]), ("d", [["d", -1.0], ["c", -2.0]])]
+    assert mismatch_entry("k", explain(base, far, tie_gap=0.05))["tie"] is False
+    assert mismatch_entry("k", explain(None, far, tie_gap=0.05)) == {"key": "k", "tie": False,
+                                                                      "logprobs": {"why": "no logprobs"}}
