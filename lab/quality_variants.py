@@ -31,6 +31,14 @@ orders; ``refit``: kept values re-fitted to the query second moment; ``output_aw
 scores from the prefix's own last queries) are described with their results in ``docs/quality.md``
 and live in git history (commit 8f42e89; ``output_aware``: ``git log -S OutputAwarePruner``).
 
+- ``fp8store``, ``fp8prefix``, ``fp8unit``: FP8 (e4m3) values, round-tripped: ``fp8store`` on the
+  compressed blocks only (dense and 2:4 alike: the compressor would quantize the kept values, with a scale
+  per block and KV head from their absolute maximum), ``fp8prefix`` on the whole cached prefix with the same
+  scales (an FP8 dense pool for sink and window beside the store), ``fp8unit`` on the whole prefix with a
+  unit scale, saturating at ±448 (SGLang's ``--kv-cache-dtype fp8_e4m3`` without scales, on the prefix
+  only: its questions' own K/V stay 16-bit here). Alone (``fp8store:sk=0,sv=1``) they take the magnitude
+  pruner's blocks.
+
 V is the magnitude pruner's (2:4, the server's block ranking at S_V), on every head unless ``vmap``,
 with its stored values unless ``vcomp``. The sparse K of the magnitude and head-map variants is the
 server compressor's output read back from the store.
@@ -58,6 +66,8 @@ HEADMAP = "headmap-"
 PERM = "perm"
 V_MAP = "vmap"
 V_COMP = "vcomp-"
+FP8_PARTS = {"fp8store": "store", "fp8prefix": "prefix", "fp8unit": "unit"}
+FP8_MAX = 448.0  # e4m3's largest finite value
 FILE_PERM = "fperm"
 RANDOM_SCORE = "random"
 
@@ -69,12 +79,13 @@ class Variant:
     perm_source: str = "calibration"  # or "file" (fperm)
     v_map: bool = False  # V sparse only where the head map stores K sparse
     v_comp: float = 0.0  # share of the dropped V group sum the kept values absorb
+    fp8: str = ""  # "", or FP8_PARTS' values: which tokens hold e4m3 values, and how they are scaled
 
 
 def parse_variant(pruner: str) -> Variant | None:
     """The variant a pruner name selects, or None for the server's own pruners."""
     parts = pruner.split("+")
-    score, perm, source, v_map, v_comp = None, False, "calibration", False, 0.0
+    score, perm, source, v_map, v_comp, fp8 = None, False, "calibration", False, 0.0, ""
     for part in parts:
         if part.startswith(HEADMAP) and score is None:
             score = part[len(HEADMAP) :].replace("-", "_")
@@ -88,19 +99,38 @@ def parse_variant(pruner: str) -> Variant | None:
             v_map = True
         elif part.startswith(V_COMP) and part[len(V_COMP) :].isdigit():
             v_comp = int(part[len(V_COMP) :]) / 100
+        elif part in FP8_PARTS and not fp8:
+            fp8 = FP8_PARTS[part]
         elif len(parts) == 1:
             return None
         else:
             raise ValueError(f"unknown variant part {part!r} in {pruner!r}")
     if v_map and score is None:
         raise ValueError(f"{V_MAP!r} needs a head map part ({HEADMAP}<score>) in {pruner!r}")
-    return Variant(score, perm, source, v_map, v_comp)
+    return Variant(score, perm, source, v_map, v_comp, fp8)
 
 
 def needs_calibration(pruners: list[str]) -> bool:
     variants = [parse_variant(p) for p in pruners if p != "dense"]
     return any(v and ((v.perm and v.perm_source == "calibration") or (v.score and v.score != RANDOM_SCORE))
                for v in variants)  # fmt: skip
+
+
+def fp8_round_trip(x: torch.Tensor, lo: int, hi: int, block: int, unit_scale: bool = False) -> torch.Tensor:
+    """``x [T, H, D]`` with tokens ``[lo, hi)`` stored as e4m3 and read back: a scale per ``block`` tokens
+    and head from the absolute maximum (a partial last block has its own), or a unit scale saturating at
+    ±448. Zeros (pruned elements) stay zero."""
+    seg = x[lo:hi].float()
+    n, heads, dim = seg.shape
+    padded = torch.nn.functional.pad(seg, (0, 0, 0, 0, 0, (-n) % block)).view(-1, block, heads, dim)
+    if unit_scale:
+        scale = torch.ones(1)
+    else:
+        scale = padded.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / FP8_MAX
+    stored = (padded / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    out = x.clone()
+    out[lo:hi] = (stored.float() * scale).view(-1, heads, dim)[:n].to(x.dtype)
+    return out
 
 
 def token_mask(mask: torch.Tensor, block: int) -> torch.Tensor:
@@ -211,6 +241,10 @@ class VariantKV:
         k_sparse = self._permuted(state, blocks, variant.perm_source) if variant.perm else [kb for kb, _ in layers]
         k = [torch.cat([kl[:lo], torch.where(token_mask(mask, b), kb, kl[lo:hi]), kl[hi:]])
              for kl, kb, mask in zip(state.k, k_sparse, sparse_k)]  # fmt: skip
+        if variant.fp8:
+            first, last = (lo, hi) if variant.fp8 == "store" else (0, k[0].shape[0])  # the reused prefix
+            k = [fp8_round_trip(x, first, last, b, variant.fp8 == "unit") for x in k]
+            v = [fp8_round_trip(x, first, last, b, variant.fp8 == "unit") for x in v]
         return k, v, kv_stats(blocks, (sparse_k, sparse_v), rows)
 
     def head_mask(self, state: Any, score: str, sk: float, blocks: range) -> torch.Tensor:

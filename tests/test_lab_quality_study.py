@@ -274,3 +274,19 @@ def test_decode_select_rules_parse_with_one_line_errors():
         with pytest.raises(ValueError, match="expected") as info:
             es.parse_decode_select(bad)
         assert "\n" not in str(info.value)
+
+
+def test_fp8_round_trip_quantizes_only_its_tokens():
+    """The FP8 variants' round trip: tokens outside [lo, hi) untouched, pruned zeros kept, e4m3's 3
+    mantissa bits (relative error at most 2^-4 of each block and head's scale), unit scale saturating."""
+    torch.manual_seed(0)
+    x = (torch.randn(300, 3, 64) * 5).half()
+    x[70:80, 1] = 0
+    y = qv.fp8_round_trip(x, 64, 300, 64)
+    assert torch.equal(y[:64], x[:64]) and torch.equal(y[70:80, 1], x[70:80, 1])
+    blocks = torch.nn.functional.pad(x[64:].float(), (0, 0, 0, 0, 0, 20)).view(-1, 64, 3, 64)
+    scale = blocks.abs().amax(dim=(1, 3), keepdim=True) / qv.FP8_MAX
+    err = torch.nn.functional.pad((y[64:] - x[64:]).float(), (0, 0, 0, 0, 0, 20)).view(-1, 64, 3, 64).abs()
+    assert (err <= blocks.abs() * 2**-4 + scale * 2**-9 + 1e-2).all() and err.max() > 0
+    assert qv.fp8_round_trip(x * 200, 0, 300, 64, unit_scale=True).float().abs().max() == qv.FP8_MAX
+    assert qv.parse_variant("fp8store").fp8 == "store" and qv.parse_variant("headmap-copy+fp8unit").fp8 == "unit"
