@@ -125,6 +125,11 @@ class StudyBackend(VariantKV, ReferenceBackend):
             return super().fast_kv(state, setting)
         return self.variant_kv(state, setting, variant, blocks)
 
+    def is_identity(self, setting: Setting) -> bool:
+        """S = 0 of a variant that quantizes (fp8*) moves the values: not an identity."""
+        variant = None if setting.is_dense else parse_variant(setting.pruner)
+        return super().is_identity(setting) and not (variant and variant.fp8)
+
     def decode_selection(self, chunk: list[Setting], blocks: range) -> KeyMask | None:
         if not self.decode_select:
             return None

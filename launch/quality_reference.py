@@ -305,6 +305,10 @@ class ReferenceBackend:
         return out.logits.float()
 
     # ------------------------------------------------------------------------- evaluation
+    def is_identity(self, setting: Setting) -> bool:
+        """Whether ``setting`` must reproduce dense bit for bit (checked on every question): S = 0."""
+        return setting.is_identity
+
     def decode_selection(self, chunk: list[Setting], blocks: range) -> KeyMask | None:
         """The keys the decode steps of a batch of settings read (``blocks``: the prefix's compressed
         ones); None: every key (the server's ``full`` decode). A study overrides it."""
@@ -333,7 +337,7 @@ class ReferenceBackend:
                     outputs.update({s: (i, views[s][2], select is None) for s, i in zip(chunk, ids)})
                 dense_ids = outputs[settings[0]][0]
                 for setting, (ids, stats, reads_all) in outputs.items():
-                    if setting.is_identity and reads_all and ids != dense_ids:
+                    if self.is_identity(setting) and reads_all and ids != dense_ids:
                         raise AssertionError(f"{sample.name} q{qi}: S=0 output differs from dense")
                     records.append(self._needle_record(setting, sample, qi, question, ids, ids == dense_ids, stats))
             del views, state
@@ -353,7 +357,7 @@ class ReferenceBackend:
                 for setting, logits, (_, _, stats) in zip(chunk, batch_logits, kvs):
                     if setting.is_dense:
                         dense_logits, dense_logp = logits, torch.log_softmax(logits, -1)
-                    elif setting.is_identity and not torch.equal(logits, dense_logits):
+                    elif self.is_identity(setting) and not torch.equal(logits, dense_logits):
                         raise AssertionError(f"{window.name}: S=0 logits differ from dense")
                     logq = torch.log_softmax(logits, -1)
                     kl = (dense_logp.exp() * (dense_logp - logq)).sum(-1).clamp_min(0)
