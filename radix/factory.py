@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 from sglang_hs.config import BACKEND_NAME
-from sglang_hs.radix.hicache import HieraSparseHiRadixCache
 from sglang_hs.radix.hook import HieraSparseRadixCache, PrometheusGauges
 from sglang_hs.radix.host_tier import dense_host_args, host_budget
 from sglang_hs.runtime import runtime_of
@@ -28,6 +27,8 @@ def create_radix_cache(ctx) -> HieraSparseRadixCache:
     k_buffers = [kv_pool.get_key_buffer(layer) for layer in layers]
     v_buffers = [kv_pool.get_value_buffer(layer) for layer in layers]
     if ctx.enable_hierarchical_cache:
+        from sglang_hs.radix.hicache import HieraSparseHiRadixCache  # needs SGLang's HiRadixCache (sglang_compat)
+
         budget = host_budget(ctx.server_args, kv_pool, runtime)
         logger.info("hierasparse: host budget %.2f GB = dense host pool %.2f GB + compressed store %.2f GB",
                     budget.total_bytes / 1e9, budget.dense_bytes / 1e9,

@@ -25,7 +25,6 @@ import torch
 
 from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
-from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.pool_host.base import HICACHE_HOST_MEMORY_RESERVE_BYTES
 from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS, HostTensorAllocator, _cuda_host_unregister
 from sglang.srt.mem_cache.radix_cache import TreeNode
@@ -35,11 +34,15 @@ from sglang_hs.radix.hook import HieraSparseRadixCache, virtual_tokens
 from sglang_hs.radix.host_tier import (HieraSparseCacheController, HieraSparseHostPool, make_host_tier,
                                        make_tier_controller)  # fmt: skip
 from sglang_hs.runtime import HieraSparseRuntime
+from sglang_hs.sglang_compat import hiradix_cache_class, record_remove_event
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
 logger = logging.getLogger(__name__)
+
+HiRadixCache = hiradix_cache_class()
+"""SGLang's hierarchical tree (sglang 0.5.17; a later SGLang without it raises ImportError with one line)."""
 
 STORE_POOLS = ("virtual", "k_dense", "k_sparse", "v_dense", "v_sparse")
 
@@ -149,7 +152,7 @@ class HieraSparseHiRadixCache(HieraSparseRadixCache, HiRadixCache):
     def _evict_host_leaf(self, node: TreeNode) -> None:
         """Free a host leaf's host slots and drop it from the tree (SGLang's ``evict_host``, one node)."""
         self.stats.host_evicted_blocks += self.host_virtual_tokens(node) // self.config.block_size
-        self._record_remove_event(node, medium=StorageMedium.CPU)
+        record_remove_event(self, node, medium=StorageMedium.CPU)
         self.cache_controller.evict_host(node.host_value)
         removed = node.parent.children.pop(node.key.child_key(self.page_size), None)
         assert removed is node, "parent does not hold the host leaf"

@@ -26,6 +26,7 @@ Policy (also in the README):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import logging
@@ -42,6 +43,7 @@ from sglang_hs.format import dense_block_bytes, sparse_count
 from sglang_hs.pools import CompressedStore, StoreFull, VirtualSlots
 from sglang_hs.pruner import make_pruner
 from sglang_hs.runtime import HieraSparseRuntime
+from sglang_hs.sglang_compat import record_remove_event, request_insert_mixin, watch_stored_nodes
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -89,7 +91,7 @@ def make_virtual_aware(allocator, store: CompressedStore, virtual: VirtualSlots)
     return allocator
 
 
-class HieraSparseRadixCache(RadixCache):
+class HieraSparseRadixCache(request_insert_mixin(), RadixCache):
     def __init__(
         self,
         params: CacheInitParams,
@@ -107,8 +109,9 @@ class HieraSparseRadixCache(RadixCache):
         self.pruner = make_pruner(self.config.pruner)
         self.stats = CompressionStats()
         self.prometheus: PrometheusGauges | None = None
-        self._prompt_len: int | None = None  # set while a finished request is inserted
+        self._prompt_len: int | None = None  # set while a request's tokens are inserted
         super().__init__(params, **cache_kwargs)
+        watch_stored_nodes(self, self._node_stored)
         make_virtual_aware(self.token_to_kv_pool_allocator, self.store, self.virtual)
 
     # ----------------------------------------------------------------------------- accounting
@@ -276,7 +279,7 @@ class HieraSparseRadixCache(RadixCache):
         """Free an unlocked leaf's slots (dense pages and store blocks) and drop it from the tree."""
         self.token_to_kv_pool_allocator.free(node.value)
         self._delete_leaf(node)
-        self._record_remove_event(node)
+        record_remove_event(self, node)
 
     def dense_tail(self, node: TreeNode) -> int:
         """Tokens of ``node`` after its last compressed one (its whole length if it has none); a
@@ -291,15 +294,19 @@ class HieraSparseRadixCache(RadixCache):
         return self.store.check()
 
     # ----------------------------------------------------------------------------- compression
-    def cache_finished_req(self, req, is_insert: bool = True, **kwargs):
+    @contextlib.contextmanager
+    def inserting_request(self, req):
+        """While SGLang inserts ``req``'s tokens (the method is ``sglang_compat.request_insert_mixin``'s),
+        blocks before its prompt length are compressed with the prefill sparsity, later ones with the
+        decode sparsity."""
         self._prompt_len = len(req.origin_input_ids)
         try:
-            return super().cache_finished_req(req, is_insert, **kwargs)
+            yield
         finally:
             self._prompt_len = None
 
-    def _record_store_event(self, node: TreeNode, medium=None):
-        super()._record_store_event(node, medium)
+    def _node_stored(self, node: TreeNode, medium=None) -> None:
+        """Called after SGLang records ``node`` entering the tree (``sglang_compat.watch_stored_nodes``)."""
         if self.disable or medium is not None:
             return  # a host-tier or load-back event (hierarchical cache): the node is compressed already
         try:

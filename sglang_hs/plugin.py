@@ -1,7 +1,9 @@
 """The ``sglang.srt.plugins`` entry point: makes ``--attention-backend hierasparse`` exist.
 
-SGLang 0.5.17 calls :func:`load` in the launcher, the engine and every scheduler process, then
-applies the hooks registered here through its ``HookRegistry``. Nothing in SGLang's files is edited.
+SGLang (0.5.17 to 0.5.23, :data:`sglang_hs.sglang_compat.SUPPORTED_SGLANG`) calls :func:`load` in the
+launcher, the engine and every scheduler process, then applies the hooks registered here through its
+``HookRegistry``. Nothing in SGLang's files is edited; where SGLang's private interfaces differ between
+the supported releases, :mod:`sglang_hs.sglang_compat` holds the difference.
 
 - ``--attention-backend hierasparse`` is added to the choices and its factory is registered.
 - ``--hierasparse-*`` flags are added to SGLang's parser; the launcher validates them and exports
@@ -11,7 +13,8 @@ applies the hooks registered here through its ``HookRegistry``. Nothing in SGLan
   are checked, so that a bad setting stops the launcher with one line instead of a traceback from a
   scheduler.
 - With ``--enable-hierarchical-cache`` the same radix-cache backend builds its hierarchical variant
-  (SGLang's HiRadixCache, host pool and controller; compressed prefixes on the host tier too).
+  (SGLang's HiRadixCache, host pool and controller; compressed prefixes on the host tier too; SGLang
+  releases without HiRadixCache refuse the flag with one line).
 - In each scheduler process the KV-budget hook, the attention-backend factory and the radix-cache
   factory set up one :class:`sglang_hs.runtime.HieraSparseRuntime` on the model runner; the log-line
   and idle-check hooks find the tree through the scheduler objects SGLang hands them.
@@ -24,14 +27,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-from importlib.metadata import PackageNotFoundError, version
 
 from sglang_hs.config import (BACKEND_NAME, HieraSparseConfig, HieraSparseConfigError, cli_flag, field_parser,
                               uses_backend)
+from sglang_hs.sglang_compat import (SUPPORTED_SGLANG, ServerArgsResolution, attention_defaults_target,
+                                     hierarchical_cache_problem, settings_error_targets, sglang_version,
+                                     version_problem)  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_SGLANG = "0.5.17"
+__all__ = ("SUPPORTED_SGLANG", "load")
 _SERVER_ARGS = "sglang.srt.server_args"
 
 
@@ -48,12 +53,9 @@ def load() -> None:
 
     HookRegistry.register(f"{_SERVER_ARGS}.ServerArgs.add_cli_args", add_cli_flags, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.ServerArgs.from_cli_args", read_cli_flags, HookType.AROUND)
-    HookRegistry.register(
-        f"{_SERVER_ARGS}.ServerArgs._handle_attention_backend_compatibility",
-        apply_backend_defaults,
-        HookType.AFTER,
-    )
-    HookRegistry.register(f"{_SERVER_ARGS}.prepare_server_args", exit_with_one_line, HookType.AROUND)
+    HookRegistry.register(attention_defaults_target(), apply_backend_defaults, HookType.AFTER)
+    for target in settings_error_targets():
+        HookRegistry.register(target, exit_with_one_line, HookType.AROUND)
     HookRegistry.register(
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget",
         reserve_store_budget,
@@ -181,11 +183,13 @@ def read_cli_flags(original, cls, args: argparse.Namespace):
 
 # --------------------------------------------------------------------------------------- defaults
 def apply_backend_defaults(_result, server_args) -> None:
-    """AFTER hook on ``ServerArgs._handle_attention_backend_compatibility``."""
+    """AFTER hook on SGLang's attention-backend resolution step (``sglang_compat.attention_defaults_target``)."""
     if not uses_backend(server_args):
         return
     config = HieraSparseConfig.from_env()
     check_sglang_version()
+    explicit = server_args
+    server_args = ServerArgsResolution(explicit)  # reads the values resolved so far; writes with declare()
     prefill, decode = server_args.prefill_attention_backend, server_args.decode_attention_backend
     if server_args.attention_backend != BACKEND_NAME or {prefill, decode} - {None, BACKEND_NAME}:
         raise HieraSparseConfigError(
@@ -197,7 +201,7 @@ def apply_backend_defaults(_result, server_args) -> None:
             f"hierasparse: --page-size={server_args.page_size} differs from "
             f"{cli_flag('block_size')}={config.block_size}; allowed: {config.block_size} or unset"
         )
-    server_args.page_size = config.block_size
+    server_args.declare(page_size=config.block_size)
     # Prefill CUDA graphs are off unless asked for with SGLang's --cuda-graph-backend-prefill breakable:
     # breakable graphs capture the layers' GEMMs and norms and run attention eagerly between the
     # captured segments with the live batch's metadata, which the compressed extend path needs (it
@@ -209,19 +213,19 @@ def apply_backend_defaults(_result, server_args) -> None:
 
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
-    prefill_graphs = getattr(server_args, "cuda_graph_backend_prefill", None)
+    prefill_graphs = getattr(explicit, "cuda_graph_backend_prefill", None)  # the flag as given
     if prefill_graphs not in (None, Backend.DISABLED, Backend.BREAKABLE):
         raise HieraSparseConfigError(
             f"hierasparse: --cuda-graph-backend-prefill={prefill_graphs} captures attention; allowed: "
             f"{Backend.BREAKABLE} or {Backend.DISABLED} (the default)"
         )
-    server_args.cuda_graph_config.prefill.backend = prefill_graphs or Backend.DISABLED
+    server_args.declare_cuda_graph_backend("prefill", prefill_graphs or Backend.DISABLED)
     has_tilelang = find_spec("tilelang") is not None
     if not has_tilelang:
         logger.warning("hierasparse: TileLang is not installed; the compressed paths run on PyTorch, decode "
                        "without CUDA graphs")
     if not (has_tilelang and config.uses_kernel("decode")):
-        server_args.cuda_graph_config.decode.backend = Backend.DISABLED
+        server_args.declare_cuda_graph_backend("decode", Backend.DISABLED)
     if not server_args.disable_radix_cache:
         if server_args.radix_cache_backend not in (None, BACKEND_NAME):
             raise HieraSparseConfigError(
@@ -232,9 +236,9 @@ def apply_backend_defaults(_result, server_args) -> None:
         if server_args.enable_hierarchical_cache:
             check_hierarchical_cache(server_args)
         # The factory builds the hierarchical variant when SGLang's build context asks for HiCache.
-        server_args.radix_cache_backend = BACKEND_NAME
+        server_args.declare(radix_cache_backend=BACKEND_NAME)
 
-    model_config = server_args.get_model_config()
+    model_config = server_args.model_config()
     HieraSparseConfig.validate_architecture(
         architecture=(model_config.hf_config.architectures or ["model"])[0],
         attention_arch=model_config.attention_arch.name,
@@ -275,6 +279,9 @@ def check_hierarchical_cache(server_args) -> None:
     (``docs/hicache.md``). Refused, one line each: L3 storage backends (they move fixed-size dense pages,
     and prefetch allocates dense host slots), speculative decoding (SGLang's draft host pool would reuse
     the dense-only transfer indices), IO backends and host layouts SGLang's MHA host pool lacks on CUDA."""
+    problem = hierarchical_cache_problem()
+    if problem is not None:
+        raise HieraSparseConfigError(problem)
     if server_args.hicache_storage_backend is not None:
         raise HieraSparseConfigError(
             f"hierasparse: --hicache-storage-backend={server_args.hicache_storage_backend} is not supported yet; "
@@ -303,19 +310,15 @@ def check_hierarchical_cache(server_args) -> None:
 
 
 def check_sglang_version() -> None:
-    try:
-        found = version("sglang")
-    except PackageNotFoundError:
-        found = "not installed"
-    if found != SUPPORTED_SGLANG:
-        raise HieraSparseConfigError(
-            f"hierasparse: sglang {found} is not supported; allowed: sglang=={SUPPORTED_SGLANG} "
-            "(the plugin hooks private SGLang APIs)"
-        )
+    """The installed SGLang must lie in the tested range (``sglang_compat.SUPPORTED_SGLANG``)."""
+    problem = version_problem(sglang_version())
+    if problem is not None:
+        raise HieraSparseConfigError(problem)
 
 
 def exit_with_one_line(original, *args, **kwargs):
-    """AROUND hook on ``prepare_server_args``: a settings error ends the launcher with one line."""
+    """AROUND hook on where the launcher checks its settings (``sglang_compat.settings_error_targets``): a
+    settings error ends the launcher with one line."""
     try:
         return original(*args, **kwargs)
     except HieraSparseConfigError as exc:

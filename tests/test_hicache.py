@@ -20,9 +20,14 @@ import torch
 from sglang_hs import reference as ref
 from sglang_hs.config import HieraSparseConfig
 from sglang_hs.pools import CompressedStore, StoreCapacity
+from sglang_hs.sglang_compat import has_hiradix_cache, sglang_version
 from test_radix_hook import DIM, HEADS, LAYERS, PAGE, POOL_TOKENS, balanced, insert, match, sglang_pools
 
 pytestmark = pytest.mark.sglang
+
+NO_HIRADIX = (f"sglang {sglang_version()} has no HiRadixCache (HiCache moved onto UnifiedRadixCache), which the "
+              "compressed host tier extends; hierasparse refuses --enable-hierarchical-cache there")  # fmt: skip
+needs_hiradix = pytest.mark.skipif(not has_hiradix_cache(), reason=NO_HIRADIX)
 
 TOKEN_BYTES = HEADS * DIM * LAYERS * 2 * 2
 """K and V of one token in every layer and head (fp16)."""
@@ -86,6 +91,8 @@ def one_rank(tmp_path_factory):
 def hienv(one_rank, monkeypatch):
     """A hierarchical tree over SGLang's real pools, with a host tier of ``host_tokens`` dense host
     slots and ``host_blocks`` compressed host blocks."""
+    if not has_hiradix_cache():
+        pytest.skip(NO_HIRADIX)
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.pool_host import mha
 
@@ -514,6 +521,7 @@ def hierarchical_server_args(**overrides) -> SimpleNamespace:
     return SimpleNamespace(**values), ModelConfigReached
 
 
+@needs_hiradix
 def test_hierarchical_cache_selects_the_compressed_hierarchical_tree():
     from sglang_hs.plugin import apply_backend_defaults
 
@@ -539,6 +547,9 @@ def test_unsupported_hierarchical_settings_stop_with_one_line(overrides, flag):
     from sglang_hs.config import HieraSparseConfigError
     from sglang_hs.plugin import apply_backend_defaults
 
+    hierarchical_only = not {"page_size", "radix_cache_backend"} & set(overrides)  # checked after HiRadixCache
+    if hierarchical_only and not has_hiradix_cache():
+        pytest.skip(NO_HIRADIX)
     server_args, _ = hierarchical_server_args(**overrides)
     with pytest.raises(HieraSparseConfigError) as info:
         apply_backend_defaults(None, server_args)

@@ -12,6 +12,7 @@ import torch
 from sglang_hs import reference as ref
 from sglang_hs.config import HieraSparseConfig
 from sglang_hs.pools import CompressedStore, StoreCapacity
+from sglang_hs.sglang_compat import match_device_indices
 
 pytestmark = pytest.mark.sglang
 
@@ -24,13 +25,14 @@ def sglang_pools(seed: int = 0, device: str = "cpu") -> SimpleNamespace:
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-    torch.manual_seed(seed)
     req_pool = ReqToTokenPool(size=4, max_context_len=4096, device=device, enable_memory_saver=False)
     kv = MHATokenToKVPool(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
                           layer_num=LAYERS, device=device, enable_memory_saver=False)  # fmt: skip
+    # Drawn in float32 from a generator of its own (fp16 normal_ draws differ between torch releases).
+    generator = torch.Generator().manual_seed(seed)
     for layer in range(LAYERS):
-        kv.k_buffer[layer].normal_()
-        kv.v_buffer[layer].normal_()
+        for buffer in (kv.k_buffer[layer], kv.v_buffer[layer]):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator))
     allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size=PAGE, dtype=torch.float16, device=device,
                                             kvcache=kv, need_sort=False)  # fmt: skip
     return SimpleNamespace(req_pool=req_pool, kv=kv, allocator=allocator)
@@ -82,6 +84,11 @@ def match(e, tokens):
     return e.tree.match_prefix(MatchPrefixParams(key=key(tokens)))
 
 
+def hit(e, tokens):
+    """The device slots of the cached prefix of ``tokens``."""
+    return match_device_indices(e.tree, match(e, tokens))
+
+
 def balanced(e) -> bool:
     """SGLang's idle check: every dense slot is free, evictable or protected."""
     t = e.tree
@@ -108,7 +115,7 @@ def test_matching_request_reads_compressed_copy(env):
     tokens = list(range(5000, 5000 + 1000))  # 15 full blocks + 40 tokens: only 960 tokens enter the tree
     _, snapshot = insert(e, tokens)
     result = match(e, tokens)
-    row = result.device_indices
+    row = match_device_indices(e.tree, result)
     assert len(row) == 960 and int(e.virtual.mask(row).sum()) == 10 * 64
     table = e.virtual.block_table(row[None])
     assert (table[0, 1:11] < 0).all() and (table[0, [0, 11, 12, 13, 14]] >= 0).all()
@@ -142,7 +149,7 @@ def test_split_lock_evict_and_flush_return_every_slot(env, caplog):
     insert(e, base[:512] + list(range(7000, 7512)))
     assert balanced(e)
     result = match(e, base[:600])
-    assert len(result.device_indices) == 576
+    assert len(match_device_indices(e.tree, result)) == 576
     e.tree.inc_lock_ref(result.last_device_node)
     assert balanced(e) and e.tree.protected_size() == 64  # only the sink page of the locked path is dense
     e.tree.evict(EvictParams(num_tokens=10**6))  # the locked path survives
@@ -178,13 +185,13 @@ def test_eviction_for_dense_pages_spares_compressed_prefixes(env):
     insert(e, list(range(9000, 9256)))  # newer: 256 tokens, all within sink + window: dense only
     result = e.tree.evict(EvictParams(num_tokens=64))
     assert result.num_tokens_evicted == 256
-    assert e.store.used_blocks() == 11 and len(match(e, prefix).device_indices) == 1024
-    assert len(match(e, list(range(9000, 9256))).device_indices) == 0 and balanced(e)
+    assert e.store.used_blocks() == 11 and len(hit(e, prefix)) == 1024
+    assert len(hit(e, list(range(9000, 9256)))) == 0 and balanced(e)
     # Only a compressed leaf left: its window is cut off; the sink and the compressed blocks stay.
     result = e.tree.evict(EvictParams(num_tokens=64))
     assert result.num_tokens_evicted == 256 and e.store.used_blocks() == 11
-    hit = match(e, prefix).device_indices
-    assert len(hit) == 768 and int(e.virtual.mask(hit).sum()) == 11 * 64 and balanced(e)
+    found = hit(e, prefix)
+    assert len(found) == 768 and int(e.virtual.mask(found).sum()) == 11 * 64 and balanced(e)
     status = e.tree.status()
     assert status["tails_trimmed_total"] == 1 and status["blocks_evicted_for_dense_total"] == 0
     # No tail left to cut: the next request for dense pages evicts the leaf and its blocks.
@@ -209,7 +216,7 @@ def test_trimmed_prefix_keeps_its_age_and_is_extended_again(env):
     assert kept is not leaf and len(kept.key) == 768 and kept.last_access_time == accessed
     assert e.tree.dense_tail(kept) == 0 and kept in e.tree.evictable_leaves
     insert(e, prefix + list(range(8000, 8128)))  # the hit's own window and tokens enter below it
-    assert len(match(e, prefix).device_indices) == 1024 and balanced(e) and e.store.check() is None
+    assert len(hit(e, prefix)) == 1024 and balanced(e) and e.store.check() is None
 
 
 def test_eviction_prefers_a_mostly_dense_suffix_to_a_compressed_prefix(env):
@@ -225,34 +232,78 @@ def test_eviction_prefers_a_mostly_dense_suffix_to_a_compressed_prefix(env):
     used = e.store.used_blocks()
     result = e.tree.evict(EvictParams(num_tokens=64))
     assert result.num_tokens_evicted == 256 and e.store.used_blocks() == used - 1
-    assert len(match(e, older).device_indices) == 1024 and len(match(e, shared).device_indices) == 1024
+    assert len(hit(e, older)) == 1024 and len(hit(e, shared)) == 1024
     assert balanced(e)
 
 
+class RequestDriver:
+    """A request whose tokens enter the tree the way the installed SGLang's scheduler inserts them
+    (``sglang_compat.request_insert_method``): SGLang 0.5.17 ``cache_unfinished_req`` after a prefill
+    chunk and ``cache_finished_req`` at the finish; SGLang 0.5.23 ``checkpoint`` at both, then the
+    release of the row past the tree's part and of the request's lock (``release_kv_cache``)."""
+
+    def __init__(self, e, prompt: list[int]):
+        from sglang_hs.sglang_compat import request_insert_method
+
+        self.e, self.checkpoints = e, request_insert_method() == "checkpoint"
+        req = SimpleNamespace(origin_input_ids=array("q", prompt), output_ids=array("q"), extra_key=None,
+                              cache_salt=None, priority=0, last_node=e.tree.root_node, lock=None)  # fmt: skip
+        if self.checkpoints:
+            from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+            req.kv = ReqKvInfo()
+        else:
+            for name, value in dict(cache_protected_len=0, inflight_middle_chunks=0, kv_committed_len=0,
+                                    req_pool_idx=None, prefix_indices=torch.empty(0, dtype=torch.int64)).items():
+                setattr(req, name, value)
+        req.get_fill_ids = lambda: req.origin_input_ids + req.output_ids
+        self.req = req
+        e.req_pool.alloc([req])
+
+    @property
+    def row(self) -> int:
+        return self.req.kv.req_pool_idx if self.checkpoints else self.req.req_pool_idx
+
+    def compute(self, start: int, end: int) -> None:
+        """The KV of positions ``start:end`` is written to new slots of the request's row."""
+        slots = self.e.allocator.alloc(end - start)
+        self.e.req_pool.write((self.row, slice(start, end)), slots.to(torch.int32))
+        if self.checkpoints:
+            self.req.kv.kv_allocated_len = self.req.kv.kv_committed_len = end
+
+    def chunk_done(self, end: int) -> None:
+        if self.checkpoints:
+            self.req.full_untruncated_fill_ids = self.req.get_fill_ids()
+            self.e.tree.checkpoint(self.req, up_to=end)
+        else:
+            self.e.tree.cache_unfinished_req(self.req)
+
+    def finish(self, end: int) -> None:
+        tree = self.e.tree
+        if self.checkpoints:
+            self.chunk_done(end)
+            tree.free_kv_row(self.req.kv, [(self.req.kv.cache_protected_len, end)])
+            tree.unlock(self.req.lock)
+        else:
+            tree.cache_finished_req(self.req, kv_len_to_handle=end)
+
+
 def test_finished_request_rows_and_generated_blocks(env):
-    """cache_unfinished_req rewrites the running request's row to the compressed copy;
-    cache_finished_req compresses generated tokens with the decode sparsity."""
+    """A running request's insert rewrites its row to the compressed copy; its finish compresses
+    generated tokens with the decode sparsity."""
     e = env(sk=0.0, sv=1.0, window=128)
-    prompt = list(range(300, 300 + 640))
-    req = SimpleNamespace(origin_input_ids=array("q", prompt), output_ids=array("q"), extra_key=None,
-                          cache_protected_len=0, priority=0, inflight_middle_chunks=0, kv_committed_len=0,
-                          last_node=e.tree.root_node, prefix_indices=torch.empty(0, dtype=torch.int64),
-                          req_pool_idx=None)  # fmt: skip
-    req.get_fill_ids = lambda: req.origin_input_ids + req.output_ids
-    e.req_pool.alloc([req])
-    slots = e.allocator.alloc(640)
-    e.req_pool.write((req.req_pool_idx, slice(0, 640)), slots.to(torch.int32))
+    driver = RequestDriver(e, list(range(300, 300 + 640)))
+    driver.compute(0, 640)
     e.tree.inc_lock_ref(e.tree.root_node)
-    e.tree.cache_unfinished_req(req)
-    row = e.req_pool.req_to_token[req.req_pool_idx, :640]
+    driver.chunk_done(640)
+    row = e.req_pool.req_to_token[driver.row, :640]
     assert int(e.virtual.mask(row).sum()) == 7 * 64  # blocks 1..7 of 10 (sink 1, window 2)
     assert balanced(e) and e.tree.protected_size() == 640 - 7 * 64
     # The request generates 256 tokens and finishes: blocks 10..13 enter the tree and the two before
     # the 128-token window are compressed, with the decode sparsity.
-    req.output_ids = array("q", range(9000, 9256))
-    more = e.allocator.alloc(256)
-    e.req_pool.write((req.req_pool_idx, slice(640, 896)), more.to(torch.int32))
-    e.tree.cache_finished_req(req, kv_len_to_handle=896)
+    driver.req.output_ids = array("q", range(9000, 9256))
+    driver.compute(640, 896)
+    driver.finish(896)
     assert e.store.used_blocks() == 7 + 2
     assert balanced(e) and e.tree.protected_size() == 0
     status = e.tree.status()
@@ -292,7 +343,7 @@ def test_tensor_parallel_ranks_stay_in_step(env):
     from sglang_hs.pools import compress_prefix
 
     def run_ranks(reduce: bool) -> list:
-        ranks = [env(sk=0.5, sv=1.0, store_blocks=30, seed=seed) for seed in (0, 1)]
+        ranks = [env(sk=0.5, sv=1.0, store_blocks=30, seed=seed) for seed in (0, 2)]
         deposit, barrier = [None, None], threading.Barrier(2)
 
         def all_reduce(rank: int, losses: torch.Tensor) -> torch.Tensor:
@@ -343,7 +394,7 @@ def test_fractional_sparsity_evicts_for_the_pool_that_runs_out(env):
     insert(e, prefixes[3])
     status = e.tree.status()
     assert status["prefixes_kept_dense_total"] == 0 and status["blocks_evicted_for_store_total"] == 5
-    assert len(match(e, prefixes[0]).device_indices) == 0  # the oldest prefix made room
-    hit = match(e, prefixes[3]).device_indices
-    assert len(hit) == 640 and int(e.virtual.mask(hit).sum()) == 5 * 64
+    assert len(hit(e, prefixes[0])) == 0  # the oldest prefix made room
+    found = hit(e, prefixes[3])
+    assert len(found) == 640 and int(e.virtual.mask(found).sum()) == 5 * 64
     assert balanced(e) and e.store.check() is None
