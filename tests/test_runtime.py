@@ -113,7 +113,9 @@ def _ordered_sum_rank(rank: int, world: int, init_file: str, seed_base: int, que
     try:
         mine = torch.randn(2, 37, generator=torch.Generator().manual_seed(seed_base + rank)) * 10 ** (rank - 1)
         total = ordered_sum(mine, SimpleNamespace(world_size=world, cpu_group=dist.group.WORLD))
-        queue.put((rank, total))
+        # By value (numpy pickles its bytes): a torch tensor would travel as a shared-memory file
+        # descriptor, which the parent can no longer fetch once this process has exited.
+        queue.put((rank, total.numpy().copy()))
     finally:
         dist.destroy_process_group()
 
@@ -140,4 +142,4 @@ def test_ordered_sum_gives_every_rank_the_same_bits(tmp_path):
     for part in parts[1:]:
         expected += part
     for rank in range(world):
-        assert torch.equal(results[rank], expected)
+        assert torch.equal(torch.from_numpy(results[rank]), expected)
