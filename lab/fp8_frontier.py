@@ -1,0 +1,80 @@
+"""Merge runs of the FP8 study (``eval_study.py`` with the ``fp8*`` variants) into one record whose rows give
+each setting's prefix KV bytes against bf16 (sink, window, 2:4 metadata and fp32 scales counted, averaged
+over the questions' prefixes), needle accuracy and KL per question set.
+
+    python lab/fp8_frontier.py --commit C --out launch/results/quality_fp8_reference_smollm2.json \
+        RUN.json "question set name" [RUN.json "name" ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+HEAD_DIM = 64  # SmolLM2-135M: only the scales' share depends on it
+BLOCK = 64
+SCALE = 4 / (BLOCK * HEAD_DIM * 2)  # an fp32 scale per block and KV head, per side, against bf16 bytes
+V24 = 0.5 + 0.0625        # 2:4 values + metadata, 16-bit values
+V24_FP8 = 0.25 + 0.0625   # 2:4 values + metadata, e4m3 values
+
+def bytes_vs_bf16(setting, rec):
+    a, sv_b = rec["prefix_tokens"], rec["sparse_v_blocks"] * BLOCK
+    c = rec["compressed_blocks"] * BLOCK
+    name = setting.split(":")[0]
+    if name == "dense":
+        return 1.0
+    if name == "magnitude":
+        return (a + (a - sv_b) + V24 * sv_b) / (2 * a)
+    if name == "fp8unit":
+        return 0.5
+    if name == "fp8prefix":
+        k = 0.5 * a + SCALE * a
+        v = 0.5 * (a - sv_b) + V24_FP8 * sv_b + SCALE * a
+        return (k + v) / (2 * a)
+    if name == "fp8store":
+        k = (a - c) + 0.5 * c + SCALE * c
+        v = (a - c) + 0.5 * (c - sv_b) + V24_FP8 * sv_b + SCALE * c
+        return (k + v) / (2 * a)
+    raise ValueError(setting)
+
+
+def merge(runs_named: list[tuple[str, str]], commit: str) -> dict:
+    rows, runs = [], {}
+    for path, question_set in runs_named:
+        with open(path) as f:
+            d = json.load(f)
+        runs[question_set] = {"meta": d["meta"], "summary": d["summary"]}
+        needles = [r for r in d["records"] if r["kind"] == "needle"]
+        dense_acc = next(x["accuracy"] for x in d["summary"] if x["setting"] == "dense")
+        for s in d["summary"]:
+            mine = [r for r in needles if r["setting"] == s["setting"]]
+            kv = sum(bytes_vs_bf16(s["setting"], r) for r in mine) / len(mine)
+            rows.append({"setting": s["setting"], "kv_bytes_vs_bf16": round(kv, 4), "needle_acc": round(s["accuracy"], 4),
+                         "dense_acc": round(dense_acc, 4), "kl": s["kl"], "answer_equals_dense": s["agree"],
+                         "questions": s["questions"], "question_set": question_set, "backend": "reference"})
+    return {
+        "description": "FP8 (e4m3) values on the cached prefix, on the PyTorch reference (lab/eval_study.py): fp8unit = "
+                       "the whole prefix at a unit scale (SGLang's fp8_e4m3 without scales, prefix only: the question's "
+                       "own K/V stay 16-bit), fp8prefix = the whole prefix with a scale per 64-token block and KV head, "
+                       "sv=1 = 2:4 V on the compressed blocks; magnitude:sk=0,sv=1 is the shipped default (bf16 values). "
+                       "kv_bytes_vs_bf16 counts sink, window, 2:4 metadata and fp32 scales, averaged over the questions' "
+                       "prefixes (lab/fp8_frontier.py).",
+        "device": "CPU", "model": "SmolLM2-135M-Instruct", "commit": commit, "rows": rows, "runs": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", required=True, help="the commit the runs ran on")
+    parser.add_argument("--out", required=True, help="the merged record")
+    parser.add_argument("runs", nargs="+", help="pairs: an eval_study JSON, then its question set's name")
+    args = parser.parse_args()
+    if len(args.runs) % 2:
+        parser.error("runs come in pairs: JSON, question set name")
+    record = merge(list(zip(args.runs[::2], args.runs[1::2])), args.commit)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=2)
+    for r in record["rows"]:
+        print(r["question_set"], r["setting"], r["kv_bytes_vs_bf16"], r["needle_acc"], r["dense_acc"], round(r["kl"], 4))
+
+
+if __name__ == "__main__":
+    main()
