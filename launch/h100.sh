@@ -21,7 +21,8 @@
 #   bash launch/h100.sh verify OUT [GROUPS]  after a change, on one GPU: the S = 0 tiny check and the GQA=G tiny
 #                                            checks of GROUPS (e.g. 3,5,6,7; the groups config.KERNEL_GQA_GROUPS
 #                                            takes), all at once (MEM 0.08, PORT apart), beside the test kernels'
-#                                            compilation; then every GPU test in tests/ (PART=checks|tests: one half)
+#                                            compilation; then every GPU test in tests/ (PART=checks|tests: one half;
+#                                            TEST_TIMEOUT, 540 s; RESUME=LOG: the tests a cut run's log lacks)
 #   bash launch/h100.sh prefix OUT SERVERS [REGIMES] [API]
 #                                            Llama-3.1-8B-shaped prefix benchmark, e.g. SERVERS=triton,hs:1:1:auto,
 #                                            REGIMES=g10x20 (default: 200 requests over 10 prefixes), 1,2,3 (sized
@@ -34,7 +35,7 @@
 #                                            SmolLM2-135M quality through real servers: dense and the SETTINGs
 #                                            (e.g. magnitude:sk=0,sv=1) -> OUT/quality_TAG.*; parts run side by
 #                                            side (one per GPU: CUDA_VISIBLE_DEVICES, PORT) merge with eval_quality
-#                                            --merge; compressor kernel only (GQA group 3: decode/extend in PyTorch)
+#                                            --merge; KERNELS=compress: decode and extend in PyTorch
 #
 # KORDER=1 runs the tiny step with a K channel order calibrated on the tiny model (file names get
 # _korder); KORDER=FILE gives the quality step's hierasparse servers that K channel order, KHEADMAP=FILE that K
@@ -214,8 +215,21 @@ for path in sorted(glob.glob(sys.argv[1] + "/server_check_*.json")):
 PY
     fi
     if [ "${PART:-all}" != checks ]; then
-      # -v: a run cut by the timeout still names every test that passed
-      timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -p no:benchmark -n 8 -m gpu tests > "$out/gpu_tests.log" 2>&1
+      # -v: a run cut by the timeout still names every test that passed; RESUME=LOG runs only the GPU tests
+      # that LOG (such a run's log) does not list as passed or skipped
+      timeout "${TEST_TIMEOUT:-540}" python3 - "${RESUME:-}" > "$out/gpu_tests.log" 2>&1 <<'PY'
+import re, subprocess, sys
+import pytest
+args = ["-v", "-p", "no:benchmark", "-n", "8", "-m", "gpu"]
+if sys.argv[1]:
+    done = set(re.findall(r"(?:PASSED|SKIPPED|XFAIL) (tests/\S+)", open(sys.argv[1]).read()))
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:benchmark", "-m", "gpu", "tests"],
+                            capture_output=True, text=True).stdout.splitlines()
+    rest = [test for test in listed if test.startswith("tests/") and test not in done]
+    print(f"resume: {len(done)} done in {sys.argv[1]}, {len(rest)} to run", flush=True)
+    sys.exit(pytest.main(args + rest) if rest else 0)
+sys.exit(pytest.main(args + ["tests"]))
+PY
       tail -4 "$out/gpu_tests.log"
     fi
     ;;
@@ -264,11 +278,12 @@ PY
     ;;
   quality)
     tag=${3:?TAG}
-    # SmolLM2's GQA group (3) has no decode/extend kernel: the fused compressor only
+    # KERNELS: the hierasparse servers' --hierasparse-kernels (default every kernel; compress: decode and
+    # extend over compressed blocks in PyTorch)
     python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" --tag "$tag" \
         --lengths 1024 2048 4096 8128 --samples 2 --seed "${SEED:-0}" --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
         --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=${MEM:-0.5} \
-        --server-arg=--hierasparse-kernels=compress \
+        --server-arg=--hierasparse-kernels=${KERNELS:-decode,extend,compress} \
         ${KORDER:+--server-arg=--hierasparse-k-channel-order=$KORDER} ${KHEADMAP:+--k-head-map=$KHEADMAP} \
         ${DECODE_ANCHORS:+--decode-anchors=$DECODE_ANCHORS} ${DECODE_TOPK:+--decode-topk=$DECODE_TOPK} \
         ${DECODE_TAU:+--decode-tau=$DECODE_TAU} \

@@ -60,12 +60,15 @@ def test_model_and_gpu_checks():
         config.validate_model(head_dim=64, dtype="float32", kv_cache_dtype="auto", gqa_group=4)
     with pytest.raises(HieraSparseConfigError, match="kv-cache-dtype"):
         config.validate_model(head_dim=64, dtype="float16", kv_cache_dtype="fp8_e4m3", gqa_group=4)
-    # SmolLM2: 9 query / 3 KV heads. The decode and extend kernels take groups 1, 2, 4, 8 only.
-    with pytest.raises(HieraSparseConfigError, match="--hierasparse-kernels='decode,extend,compress'.*3 query heads"):
-        config.validate_model(head_dim=64, dtype="float16", kv_cache_dtype="auto", gqa_group=3)
+    # The decode and extend kernels take every group from 1 to 8 (SmolLM2 and Llama-3.2-3B: 3, Qwen3-14B: 5,
+    # Qwen2.5-1.5B: 6, Qwen2.5-7B: 7); a larger group runs those paths in PyTorch or is refused.
+    for group in range(1, 9):
+        config.validate_model(head_dim=64, dtype="float16", kv_cache_dtype="auto", gqa_group=group)
+    with pytest.raises(HieraSparseConfigError, match="--hierasparse-kernels='decode,extend,compress'.*12 query heads"):
+        config.validate_model(head_dim=64, dtype="float16", kv_cache_dtype="auto", gqa_group=12)
     for kernels in ("compress", "none"):
         HieraSparseConfig(kernels=kernels).validate_model(head_dim=64, dtype="float16", kv_cache_dtype="auto",
-                                                          gqa_group=3)  # fmt: skip
+                                                          gqa_group=12)  # fmt: skip
     HieraSparseConfig.validate_gpu((9, 0), "H100")
     with pytest.raises(HieraSparseConfigError, match="compute capability 8.9"):
         HieraSparseConfig.validate_gpu((8, 9), "L40S")
@@ -119,7 +122,7 @@ def test_launcher_refuses_decode_and_extend_kernels_for_an_unsupported_gqa_group
     write_llama_config(str(tmp_path), LLAMA_31_8B)
     config_path = tmp_path / "config.json"
     config = json.loads(config_path.read_text())
-    config.update(num_attention_heads=24, num_key_value_heads=8, hidden_size=3072, head_dim=128)  # group 3
+    config.update(num_attention_heads=96, num_key_value_heads=8, hidden_size=12288, head_dim=128)  # group 12
     config_path.write_text(json.dumps(config))
     base = ["-m", "sglang.launch_server", "--model-path", str(tmp_path), "--attention-backend", "hierasparse",
             "--device", "cpu"]
@@ -127,8 +130,8 @@ def test_launcher_refuses_decode_and_extend_kernels_for_an_unsupported_gqa_group
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "error: hierasparse: --hierasparse-kernels='decode,extend,compress' is invalid; allowed: 'compress' or "
-        "'none' for this model: its 3 query heads per KV head are not a GQA group of the decode and extend "
-        "kernels ([1, 2, 4, 8])"
+        "'none' for this model: its 12 query heads per KV head are not a GQA group of the decode and extend "
+        "kernels ([1, 2, 3, 4, 5, 6, 7, 8])"
     )
     # With the compressor alone the model passes the shape checks (and stops at the CPU device).
     result = run_python(*base, "--hierasparse-kernels", "compress", cwd="/")

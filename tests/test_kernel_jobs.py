@@ -30,7 +30,8 @@ def test_model_jobs_do_not_depend_on_batch_or_context():
     server = J.model_jobs(8, 2, 64, "float16", extend_k_sparse=(False,), loss_operands=())
     assert [kind for kind, _ in server] == ["decode", "extend", "extend", "pack"]
     assert {args[5] for kind, args in server if kind == "extend"} == {"n64", "n128"}
-    assert [kind for kind, _ in J.model_jobs(9, 3, 64, "float16")] == ["pack", "loss", "loss"]  # GQA 3
+    assert [kind for kind, _ in J.model_jobs(9, 3, 64, "float16")] == [kind for kind, _ in jobs]  # GQA 3 (SmolLM2)
+    assert [kind for kind, _ in J.model_jobs(18, 2, 64, "float16")] == ["pack", "loss", "loss"]  # GQA 9: none
     # Shared-prefix decode adds the own pass's kernel (a split floor of 4 blocks) and the shared pass's: the
     # extend kernel's n32 tile over 32 // G folded requests (256 heads of 8 KV heads at G = 4, 64 of 2 at
     # G = 8), for the store's forms, split counts read from the GPU, for the store's K (both without the

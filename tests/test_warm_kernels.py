@@ -27,8 +27,10 @@ def test_model_shape_and_jobs(tmp_path):
     assert [(args[7], args[8]) for args in shared] == [(False, ("dense", "sparse")), (True, ("sparse", "sparse")),
                                                        (False, ("any", "any")), (True, ("any", "any"))]
     assert all(args[0] == 128 and args[-1] is True for args in shared)  # G = 4: 8 requests a set, 4 x 8 x 4 heads
-    smollm2 = {"q_heads": 9, "kv_heads": 3, "head_dim": 64, "dtype": "float16"}  # group 3: compressor only
-    assert [kind for kind, _ in W.kernel_jobs(smollm2)] == ["pack", "loss", "loss"]
+    smollm2 = {"q_heads": 9, "kv_heads": 3, "head_dim": 64, "dtype": "float16"}  # group 3: every kernel
+    assert [kind for kind, _ in W.kernel_jobs(smollm2)] == kinds
+    group9 = {"q_heads": 18, "kv_heads": 2, "head_dim": 64, "dtype": "float16"}  # beyond 8: compressor only
+    assert [kind for kind, _ in W.kernel_jobs(group9)] == ["pack", "loss", "loss"]
     with pytest.raises(SystemExit, match="does not divide"):
         W.model_shape(str(tmp_path), tp_size=3)
     (tmp_path / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
