@@ -38,6 +38,8 @@ class TimedServer(SGLangServer):
     """A server whose start counts as done at the first ``/health_generate`` 200 (a generation ran),
     timed from just before the launcher process starts."""
 
+    start_retries = 0  # a retried start would not time one cold start
+
     def __init__(self, *args, env: dict[str, str], **kwargs):
         super().__init__(*args, **kwargs)
         self.env = env

@@ -95,7 +95,7 @@ from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry
                                              make_samples, make_settings, make_windows, setting_from_name,
                                              split_corpus)  # fmt: skip
 from sglang_hs.launch.quality_reference import ReferenceBackend
-from sglang_hs.launch.quality_report import merge_runs, save_run, summarize, write_report
+from sglang_hs.launch.quality_report import compare_runs, merge_runs, save_run, summarize, write_report
 from sglang_hs.launch.quality_server import ServerBackend
 from sglang_hs.pruner import PRUNERS
 
@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report-only", metavar="JSON", help="rewrite the .md and .png of an earlier run's JSON")
     parser.add_argument("--merge", metavar="JSON", nargs="+", help="combine the JSONs of one evaluation run in parts "
                         "(each with its own dense server, e.g. one per GPU) into quality_<tag> in --out")  # fmt: skip
+    parser.add_argument("--compare", metavar="JSON", nargs=2, help="the needle answers two server runs give differently "
+                        "(e.g. the kernel and PyTorch paths) and whether each parts at a near tie -> comparison_<tag>.json "
+                        "in --out; exit 1 on any other difference")  # fmt: skip
+    parser.add_argument("--tie-gap", type=float, default=0.05, metavar="NATS", help="--compare: a near tie's largest "
+                        "logprob gap between the two choices, on both runs")  # fmt: skip
     parser.set_defaults(command="python -m sglang_hs.launch.eval_quality")
     parser.add_argument("--out", default="launch/results", help="output folder")
     parser.add_argument("--tag", help="output file stem quality_<tag> (default: cpu / server)")
@@ -190,6 +195,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, reference: ReferencePr
         return 0
     if args.merge:
         return merge_main(args)
+    if args.compare:
+        return compare_main(args)
     if not args.backend or not args.model_path:
         print("eval_quality: --backend and --model-path are required (or --report-only JSON)", file=sys.stderr)
         return 2
@@ -294,6 +301,26 @@ def merge_main(args: argparse.Namespace) -> int:
     save_run(os.path.join(args.out, f"quality_{args.tag or meta['backend']}"), meta, settings,
              summarize(records, settings, geometry), records)  # fmt: skip
     return 0
+
+
+def compare_main(args: argparse.Namespace) -> int:
+    try:
+        runs = []
+        for path in args.compare:
+            with open(path) as f:
+                runs.append(json.load(f))
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"eval_quality: {exc}", file=sys.stderr)
+        return 2
+    result = {"runs": list(args.compare), **compare_runs(runs[0], runs[1], args.tie_gap)}
+    path = os.path.join(args.out, f"comparison_{args.tag or 'runs'}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    for d in result["differences"]:
+        print(f"[compare] {d['setting']} {d['key']}: {'near tie' if d['tie'] else 'NOT a near tie'} {d['logprobs']}")
+    print(f"[compare] {result['questions']} questions, {len(result['differences'])} answers differ, "
+          f"{len(result['unexplained'])} not near ties; wrote {path}", flush=True)  # fmt: skip
+    return 1 if result["unexplained"] else 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from typing import Any
 from sglang_hs.format import SAVING_PER_SPARSE_SIDE
 from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry, Question, Sample, Setting,
                                              score_answer, setting_from_name)  # fmt: skip
+from sglang_hs.launch.server_check import explain
 from sglang_hs.plotting import pyplot
 
 
@@ -338,3 +339,24 @@ def needle_record(setting: Setting, sample: Sample, qi: int, question: Question,
         "answers": question.answers, "output": text, "score": score_answer(text, question.answers),
         "agrees_with_dense": agrees, **(stats or {}),
     }  # fmt: skip
+
+
+def compare_runs(a: dict, b: dict, tie_gap: float) -> dict:
+    """Every needle question two runs (JSONs of ``eval_quality --backend server``) answer differently in a
+    setting both ran, with :func:`~sglang_hs.launch.server_check.explain`'s account of where the answers
+    part: a near tie (both runs hold both choices within ``tie_gap`` nats among their top two tokens) or
+    not. Two paths computing the same attention (the kernels and PyTorch) should differ in near ties only."""
+    def needles(run: dict) -> dict:
+        return {(r["setting"], r["task"], r["length"], r["sample"], r["question"]): r
+                for r in run["records"] if r["kind"] == "needle"}  # fmt: skip
+    ours, theirs = needles(a), needles(b)
+    differences = []
+    for key in sorted(ours.keys() & theirs.keys()):
+        x, y = ours[key], theirs[key]
+        if x["output"] != y["output"]:
+            why = explain(x.get("steps"), y.get("steps"), tie_gap)
+            differences.append({"setting": key[0], "key": "/".join(map(str, key[1:])), "tie": why["near_tie"],
+                                "scores": [x["score"], y["score"]],
+                                "logprobs": {k: v for k, v in why.items() if k != "near_tie"}})  # fmt: skip
+    return {"questions": len(ours.keys() & theirs.keys()), "tie_gap": tie_gap, "differences": differences,
+            "unexplained": [f"{d['setting']} {d['key']}" for d in differences if not d["tie"]]}  # fmt: skip

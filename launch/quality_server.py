@@ -8,6 +8,7 @@ import math
 
 from sglang_hs.launch.quality_inputs import MissingInput, PrefixGeometry, Sample, Setting, Window
 from sglang_hs.launch.quality_report import Progress, needle_record
+from sglang_hs.launch.server_check import TOP, Steps, meta_steps
 from sglang_hs.pruner import PRUNERS
 
 
@@ -69,12 +70,13 @@ class ServerBackend:
                 for sample in samples:
                     self._prime(server, sample.prefix_ids)
                     for qi, question in enumerate(sample.questions):
-                        text = self._answer(server, sample.prefix_ids + question.suffix_ids, question.max_new_tokens)
+                        text, steps = self._answer(server, sample.prefix_ids + question.suffix_ids,
+                                                   question.max_new_tokens)  # fmt: skip
                         key = (sample.name, qi)
                         if setting.is_dense:
                             self.dense_outputs[key] = text
-                        records.append(needle_record(setting, sample, qi, question, text,
-                                                     text == self.dense_outputs[key], self.geometry))  # fmt: skip
+                        records.append(needle_record(setting, sample, qi, question, text, text == self.dense_outputs[key],
+                                                     self.geometry, {"steps": steps}))  # fmt: skip
                     progress.step(f"{setting.name} {sample.name}")
                 for window in windows:
                     self._prime(server, window.prefix_ids)
@@ -96,12 +98,15 @@ class ServerBackend:
         server.post("/flush_cache?timeout=30")
         server.post("/generate", {"input_ids": prefix_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
 
-    def _answer(self, server, input_ids: list[int], max_new_tokens: int) -> str:
-        reply = server.post("/generate", {"input_ids": input_ids,
+    def _answer(self, server, input_ids: list[int], max_new_tokens: int) -> tuple[str, Steps | None]:
+        """The greedy answer, and each step's choice and two most likely tokens: where two runs' answers
+        part, :func:`~sglang_hs.launch.quality_report.compare_runs` tells a near tie from a real change."""
+        reply = server.post("/generate", {"input_ids": input_ids, "return_logprob": True, "top_logprobs_num": TOP,
                                           "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}})  # fmt: skip
+        steps = meta_steps(reply.get("meta_info", {}))
         if reply.get("output_ids") is not None:
-            return self.tokenizer.decode(reply["output_ids"], skip_special_tokens=True)
-        return reply["text"]
+            return self.tokenizer.decode(reply["output_ids"], skip_special_tokens=True), steps
+        return reply["text"], steps
 
     def _logprobs(self, server, window: Window, token_ids: list[int] | None) -> dict:
         payload = {

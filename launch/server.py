@@ -24,6 +24,14 @@ _RANK_STATE_LINE = re.compile(r"^(.*?)hierasparse: tree state (.*)$")
 _RANK_PREFIX = re.compile(r"\bTP(\d+)\b")
 
 
+# SGLang sizes its KV pool from the free memory it saw before loading weights; when servers start side by side
+# on one GPU (the verify and quality steps), another one's allocations in between make that check fail. Such
+# a start is retried after a pause; any other failure is not.
+_MEMORY_RACE = "leave no GPU memory for the KV cache"
+START_RETRIES = 2
+START_RETRY_DELAY_S = 20
+
+
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message ends with its log tail."""
 
@@ -49,6 +57,8 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 600, metho
 class SGLangServer:
     """``python -m sglang.launch_server`` in its own process group, logging to a file."""
 
+    start_retries = START_RETRIES  # starts retried after the KV-pool memory race (above)
+
     def __init__(self, model_path: str, args: list[str], port: int, log_path: str, start_timeout: float = 900):
         if not os.path.exists(os.path.join(model_path, "config.json")):
             raise ServerStartError(f"--model-path {model_path} has no config.json")
@@ -65,15 +75,24 @@ class SGLangServer:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> "SGLangServer":
-        print(f"[server] starting: {' '.join(self.command)}", flush=True)
-        log = open(self.log_path, "w")
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1 + self.start_retries):
+            print(f"[server] starting: {' '.join(self.command)}", flush=True)
+            log = open(self.log_path, "w")
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            log.close()
+            try:
+                self._wait_healthy()
+                return self
+            except ServerStartError as error:
+                self.stop()
+                if attempt == self.start_retries or _MEMORY_RACE not in str(error):
+                    raise
+                print(f"[server] another process took GPU memory while this one sized its KV pool; "
+                      f"starting again in {START_RETRY_DELAY_S} s", flush=True)
+                time.sleep(START_RETRY_DELAY_S)
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def __exit__(self, *exc) -> None:

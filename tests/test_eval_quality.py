@@ -292,3 +292,31 @@ def test_calibrate_anchors_refuses_bad_input(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     assert main(["--model-path", str(tmp_path), "--count", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_compare_tells_near_ties_from_real_differences(tmp_path, capsys):
+    """--compare lists the needle answers two runs give differently, each with where they part; a part at
+    a near tie (both runs hold both choices within --tie-gap among their top two) is explained, another
+    one fails the comparison."""
+    def needle(question: int, output: str, steps) -> dict:
+        return {"kind": "needle", "setting": "magnitude:sk=0,sv=1", "task": "multikey", "length": 1024, "sample": 0,
+                "question": question, "output": output, "score": float(output == "7"), "steps": steps}  # fmt: skip
+    tie = [("5", [("5", -0.50), ("9", -0.52)])]  # " 5" over " 9" by 0.02 nats
+    kernels = {"records": [needle(0, "7", [("7", [("7", -0.1), ("1", -3.0)])]), needle(1, "5", tie),
+                           {"kind": "fidelity", "setting": "dense"}]}  # fmt: skip
+    pytorch = {"records": [needle(0, "7", [("7", [("7", -0.1), ("1", -3.0)])]),
+                           needle(1, "9", [("9", [("9", -0.50), ("5", -0.51)])])]}  # fmt: skip
+    paths = []
+    for name, run in (("k", kernels), ("c", pytorch)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        json.dump(run, open(paths[-1], "w"))
+    assert eq.main(["--compare", *paths, "--out", str(tmp_path), "--tag", "paths"]) == 0
+    result = json.load(open(tmp_path / "comparison_paths.json"))
+    assert result["questions"] == 2 and result["unexplained"] == []
+    differences = [(d["key"], d["tie"], d["logprobs"]["gaps"]) for d in result["differences"]]
+    assert differences == [("multikey/1024/0/1", True, [0.02, 0.01])]
+    # A wide gap on one run is not a near tie: the comparison fails and names the question.
+    pytorch["records"][1]["steps"] = [("9", [("9", -0.1), ("5", -2.0)])]
+    json.dump(pytorch, open(paths[1], "w"))
+    assert eq.main(["--compare", *paths, "--out", str(tmp_path), "--tag", "paths"]) == 1
+    assert "NOT a near tie" in capsys.readouterr().out

@@ -155,3 +155,24 @@ def test_a_difference_is_recorded_with_both_servers_logprobs():
     assert mismatch_entry("k", explain(base, far, tie_gap=0.05))["tie"] is False
     assert mismatch_entry("k", explain(None, far, tie_gap=0.05)) == {"key": "k", "tie": False,
                                                                       "logprobs": {"why": "no logprobs"}}
+
+
+@pytest.mark.parametrize("message, starts", [
+    ("ValueError: Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=0.08.", 3),
+    ("ValueError: some other start failure", 1),
+])  # fmt: skip
+def test_a_start_is_retried_only_after_the_kv_pool_memory_race(tmp_path, monkeypatch, message, starts):
+    """Servers started side by side on one GPU can see another's allocations while sizing their KV pool;
+    only that failure is retried (twice), any other one is raised at once."""
+    import sglang_hs.launch.server as server_module
+
+    monkeypatch.setattr(server_module, "START_RETRY_DELAY_S", 0)
+    (tmp_path / "config.json").write_text("{}")
+    counter = tmp_path / "starts"
+    server = SGLangServer(str(tmp_path), [], free_port(), str(tmp_path / "log"))
+    server.command = [sys.executable, "-c",
+                      f"open({str(counter)!r}, 'a').write('x'); print({message!r}); raise SystemExit(1)"]  # fmt: skip
+    with pytest.raises(ServerStartError, match=message.split(":")[0]):
+        with server:
+            pass
+    assert len(counter.read_text()) == starts
