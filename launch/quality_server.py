@@ -39,7 +39,8 @@ class ServerBackend:
         common = ["--page-size", str(g.block), "--chunked-prefill-size", str(self.chunk),
                   "--max-prefill-tokens", str(self.chunk), *self.server_args]  # fmt: skip
         if setting.is_dense:
-            return ["--attention-backend", self.dense_backend, *common]
+            kv = [] if setting.kv == "auto" else ["--kv-cache-dtype", setting.kv]
+            return ["--attention-backend", self.dense_backend, *kv, *common]
         flags = {
             "sk-prefill": setting.sk, "sv-prefill": setting.sv, "sk-decode": setting.sk, "sv-decode": setting.sv,
             "pruner": setting.pruner, "sink-tokens": g.sink, "window-tokens": g.window,
@@ -49,14 +50,19 @@ class ServerBackend:
             flags["k-head-map"] = self.k_head_map[0]
         if setting.mode != "full":
             flags.update({"decode-mode": setting.mode, **self.decode_mode_flags})
+        # FP8 store values and FP8 pages run on the PyTorch paths (the TileLang kernels take 16-bit blocks
+        # and pages): the last --hierasparse-kernels wins.
+        fp8 = [] if setting.store == "auto" else [f"--hierasparse-store-dtype={setting.store}"]
+        fp8 += [] if setting.kv == "auto" else ["--kv-cache-dtype", setting.kv]
+        fp8 += ["--hierasparse-kernels=none"] if fp8 else []
         return ["--attention-backend", "hierasparse", *[f"--hierasparse-{k}={v:g}" if isinstance(v, float) else
-                f"--hierasparse-{k}={v}" for k, v in flags.items()], *common]  # fmt: skip
+                f"--hierasparse-{k}={v}" for k, v in flags.items()], *common, *fp8]  # fmt: skip
 
     def evaluate(self, settings: list[Setting], samples: list[Sample], windows: list[Window]) -> list[dict]:
         from sglang_hs.launch.server import SGLangServer
 
-        if not settings or not settings[0].is_dense:
-            raise ValueError("the server backend needs the dense setting first (it is the reference)")
+        if not settings or not settings[0].is_baseline:
+            raise ValueError("the server backend needs the dense 16-bit setting first (it is the reference)")
         runnable = [s for s in settings if s.is_dense or s.pruner in PRUNERS]
         for s in settings:
             if s not in runnable:
@@ -73,7 +79,7 @@ class ServerBackend:
                         text, steps = self._answer(server, sample.prefix_ids + question.suffix_ids,
                                                    question.max_new_tokens)  # fmt: skip
                         key = (sample.name, qi)
-                        if setting.is_dense:
+                        if setting.is_baseline:
                             self.dense_outputs[key] = text
                         records.append(needle_record(setting, sample, qi, question, text, text == self.dense_outputs[key],
                                                      self.geometry, {"steps": steps}))  # fmt: skip
@@ -121,14 +127,14 @@ class ServerBackend:
 
     def _fidelity(self, server, setting: Setting, window: Window) -> dict:
         n = len(window.continuation_ids)
-        if setting.is_dense:
+        if setting.is_baseline:
             top = self._logprobs(server, window, None)["input_top_logprobs"][-n:]
             self.support[window.name] = sorted({int(t[1]) for pos in top for t in pos} | set(window.continuation_ids))
         meta = self._logprobs(server, window, self.support[window.name])
         dist = [{int(t[1]): float(t[0]) for t in pos} for pos in meta["input_token_ids_logprobs"][-n:]]
         top1 = [int(pos[0][1]) for pos in meta["input_top_logprobs"][-n:]]
         nll = [-float(t[0]) for t in meta["input_token_logprobs"][-n:]]
-        if setting.is_dense:
+        if setting.is_baseline:
             self.dense_fidelity[window.name] = (dist, top1)
         p_dist, p_top1 = self.dense_fidelity[window.name]
         kls = [coarse_kl(p, q) for p, q in zip(p_dist, dist)]

@@ -24,6 +24,8 @@ SUPPORTED_BLOCK_SIZES = (64,)
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 DENSE_BACKENDS = ("flashinfer", "triton")
+# Values of the compressed store: the model's dtype, or FP8 e4m3 with a scale per pool row.
+STORE_DTYPES = ("auto", "fp8_e4m3")
 # TileLang kernels the backend can use; each one left out runs on the PyTorch path instead.
 KERNELS = ("decode", "extend", "compress")
 # Query heads per KV head (on one tensor-parallel rank) that the decode and extend kernels' GPU tests
@@ -68,6 +70,9 @@ class HieraSparseConfig:
     """SGLang backend that attends over the dense tokens (new tokens, sink, window)."""
     kernels: str = "decode,extend,compress"
     """TileLang kernels to use (comma list); ``none`` runs every compressed path in PyTorch."""
+    store_dtype: str = "auto"
+    """Values of the compressed blocks: ``auto`` (the model's dtype) or ``fp8_e4m3`` (half the bytes; a
+    float32 scale per block, KV head and layer, computed by the compressor after pruning)."""
     k_channel_order: str = ""
     """File of a calibrated permutation of head_dim per (layer, KV head) applied to q and k (see
     ``sglang_hs.channel_order``), so that 2:4 K drops fewer large channels; empty: natural order."""
@@ -163,6 +168,10 @@ class HieraSparseConfig:
         )
         _require(self.shared_prefix_decode == "off" or self.uses_kernel("decode"), cli_flag("shared_prefix_decode"),
                  self.shared_prefix_decode, "'off' unless --hierasparse-kernels includes decode")  # fmt: skip
+        _require(self.store_dtype in STORE_DTYPES, cli_flag("store_dtype"), self.store_dtype, f"one of {list(STORE_DTYPES)}")
+        # The TileLang kernels read and write 16-bit blocks: FP8 values run on the PyTorch paths.
+        _require(self.store_dtype == "auto" or self.kernels == "none", cli_flag("kernels"), self.kernels,
+                 f"'none' with --hierasparse-store-dtype={self.store_dtype}")  # fmt: skip
 
     def _check_anchors(self, num_layers: int | None) -> None:
         """``--hierasparse-decode-anchors`` parses (and, given ``num_layers``, fits the model)."""
@@ -172,6 +181,15 @@ class HieraSparseConfig:
             parse_anchors(self.decode_anchors, num_layers)
         except ValueError as exc:
             raise HieraSparseConfigError(str(exc)) from None
+
+    @property
+    def store_value_dtype(self):
+        """The torch dtype of FP8 store values, or None for the model's dtype (``store_dtype`` auto)."""
+        if self.store_dtype == "auto":
+            return None
+        import torch  # local: this module is read before torch loads (launcher flags)
+
+        return torch.float8_e4m3fn
 
     def uses_kernel(self, name: str) -> bool:
         """Whether the TileLang kernel ``name`` (one of ``KERNELS``) is enabled by the settings."""
@@ -197,11 +215,12 @@ class HieraSparseConfig:
             f"one of {list(SUPPORTED_HEAD_DIMS)}",
         )
         _require(dtype in SUPPORTED_DTYPES, "--dtype", dtype, f"one of {list(SUPPORTED_DTYPES)}")
+        # SGLang's FP8 pages (unit scales) are read by the PyTorch paths only; the kernels read 16-bit pages.
         _require(
-            kv_cache_dtype in ("auto", dtype),
+            kv_cache_dtype in ("auto", dtype) or (kv_cache_dtype == "fp8_e4m3" and self.kernels == "none"),
             "--kv-cache-dtype",
             kv_cache_dtype,
-            f"'auto' or the model dtype '{dtype}' (no quantized KV cache)",
+            f"'auto' or the model dtype '{dtype}', or 'fp8_e4m3' with --hierasparse-kernels none",
         )
 
     @staticmethod

@@ -23,22 +23,25 @@ def dense_view(
     block_row: torch.Tensor,
     seq_len: int,
     block_size: int,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's ``[seq_len, H, D]`` K and V, compressed blocks decompressed; no host syncs.
+    """One request's ``[seq_len, H, D]`` K and V in ``dtype`` (default: the cache's), compressed blocks
+    decompressed, FP8 pages and blocks scaled back; no host syncs.
 
     ``block_row`` is the request's block-table row: ``e >= 0`` is SGLang KV page ``e`` of the layer's
     ``k_cache``/``v_cache`` ``[slots, H, D]``; ``e < 0`` is compressed block ``~e``, resolved per KV
     head through the index maps ``k_index``/``v_index`` ``[H, n_compressed]`` into ``pools``.
     """
     heads, dim = k_cache.shape[1], k_cache.shape[2]
+    dtype = dtype or k_cache.dtype
     table = block_row[: -(-seq_len // block_size)].long()
     compressed = table < 0
     pages = table.clamp(min=0)
     virtual = (-table - 1).clamp(min=0)
 
     def operand(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
-        from_cache = cache.reshape(-1, block_size, heads, dim)[pages]  # [n, B, H, D]
-        from_store = decompress_blocks(pools, index[:, virtual], name).permute(1, 2, 0, 3)
+        from_cache = cache.reshape(-1, block_size, heads, dim)[pages].to(dtype)  # [n, B, H, D]; FP8 pages: unit scale
+        from_store = decompress_blocks(pools, index[:, virtual], name, dtype).permute(1, 2, 0, 3)
         merged = torch.where(compressed[:, None, None, None], from_store, from_cache)
         return merged.reshape(-1, heads, dim)[:seq_len]
 
@@ -70,7 +73,7 @@ def decompressed_paged_attention(
     for r, seq_len in enumerate(seq_lens):
         rows = slice(qo_indptr[r], qo_indptr[r + 1])
         n_q = rows.stop - rows.start
-        k, v = dense_view(k_cache, v_cache, pools, k_index, v_index, block_table[r], seq_len, block_size)
+        k, v = dense_view(k_cache, v_cache, pools, k_index, v_index, block_table[r], seq_len, block_size, q.dtype)
         mask = None
         if n_q > 1:
             mask = torch.arange(seq_len, device=q.device)[None, :] <= (seq_len - n_q + torch.arange(n_q, device=q.device))[:, None]

@@ -24,6 +24,11 @@ one int16, the first group in the lowest 4 bits. One int16 thus covers 16 dense 
 
 Index map: one int32 per (KV head, block). ``i >= 0`` means dense block ``i`` of the dense pool;
 ``i < 0`` means sparse block ``~i`` (that is ``-i - 1``) of the sparse pools.
+
+Value dtype: 16-bit (the model's dtype), or FP8 e4m3 (``--hierasparse-store-dtype fp8_e4m3``) with one
+float32 scale per pool row, i.e. per block, KV head and layer: a row's values are its 16-bit values
+divided by ``amax / 448`` (a 2:4 row: of its kept values, pruned first), read back as ``value * scale``.
+The metadata and the index maps do not change.
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ NIBBLES_PER_META = 4
 """Groups described by one int16 metadata word."""
 ELEMS_PER_META = GROUP * NIBBLES_PER_META
 """Dense elements covered by one int16 metadata word (16)."""
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+"""e4m3's largest finite value: a row's scale maps its absolute maximum there."""
+SCALE_BYTES = 4
+"""One float32 scale per pool row of an FP8 store."""
 
 SPARSE_BLOCK_FRACTION = 0.5 + 1 / ELEMS_PER_META
 """Bytes of a 2:4 block relative to its dense block at 16-bit values: half the values plus one
@@ -64,9 +75,44 @@ class BlockPools:
     v_dense: torch.Tensor  # [Nd_v, B, D]
     v_values: torch.Tensor  # [Ns_v, D, B/2]   (V^T, sparse along tokens)
     v_meta: torch.Tensor  # [Ns_v, D, B/16] int16
+    # FP8 values: float32 [rows] scales of the four value pools; None for 16-bit values.
+    k_dense_scale: torch.Tensor | None = None
+    k_values_scale: torch.Tensor | None = None
+    v_dense_scale: torch.Tensor | None = None
+    v_values_scale: torch.Tensor | None = None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values())
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_dense_scale is not None
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> "BlockPools":
+        """The same blocks with ``dtype`` values (``value * scale``; 16-bit pools are only cast): for
+        readers that take 16-bit or float32 rows, such as the reference and its gathers."""
+        def read(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+            return values.to(dtype) if scale is None else dequantize_rows(values, scale, dtype)
+
+        return BlockPools(read(self.k_dense, self.k_dense_scale), read(self.k_values, self.k_values_scale), self.k_meta,
+                          read(self.v_dense, self.v_dense_scale), read(self.v_values, self.v_values_scale), self.v_meta)
+
+
+# --------------------------------------------------------------------------------------- FP8 values
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values and float32 ``[N]`` scales of ``N`` rows ``x [N, ...]``: a scale per row maps the
+    row's absolute maximum to :data:`FP8_MAX` (an all-zero row gets scale 1)."""
+    rows = x.float().reshape(x.shape[0], max(1, x[0].numel()) if x.shape[0] else 0)
+    amax = rows.abs().amax(dim=1) if rows.numel() else rows.new_zeros(rows.shape[0])
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    values = (rows / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return values.reshape(x.shape), scale
+
+
+def dequantize_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``values [N, ...] * scale [N]`` in ``dtype`` (the product is formed in float32)."""
+    shape = (-1,) + (1,) * (values.dim() - 1)
+    return (values.float() * scale.reshape(shape)).to(dtype)
 
 
 # --------------------------------------------------------------------------------------- 2:4 packing
@@ -126,17 +172,26 @@ def decode_entry(entry):
     return is_sparse, torch.where(is_sparse, -entry - 1, entry)
 
 
-def decompress_blocks(pools: BlockPools, index: torch.Tensor, operand: str) -> torch.Tensor:
+def decompress_blocks(pools: BlockPools, index: torch.Tensor, operand: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[H, n, B, D]`` blocks of one operand (``"k"`` or ``"v"``) for index-map entries ``[H, n]``:
-    dense rows as stored, 2:4 rows unpacked (zeros at the pruned positions, V^T transposed back).
+    dense rows as stored, 2:4 rows unpacked (zeros at the pruned positions, V^T transposed back), FP8
+    rows scaled back. ``dtype``: of the result (default: the pools', float32 for FP8 pools).
     Vectorized, no host synchronisation."""
     dense, values, meta = (getattr(pools, f"{operand}_{kind}") for kind in ("dense", "values", "meta"))
+    dense_scale, values_scale = getattr(pools, f"{operand}_dense_scale"), getattr(pools, f"{operand}_values_scale")
+    dtype = dtype or (torch.float32 if pools.quantized else dense.dtype)
+
+    def gather(pool: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        if scale is None:
+            return pool[rows].to(dtype)
+        return (pool[rows].float() * scale[rows][..., None, None]).to(dtype)
+
     parts = []
     if dense.shape[0]:
-        parts.append((index >= 0, dense[index.clamp(min=0)]))
+        parts.append((index >= 0, gather(dense, dense_scale, index.clamp(min=0))))
     if values.shape[0]:
         row = (-index - 1).clamp(min=0)
-        unpacked = unpack_2to4(values[row], meta[row])
+        unpacked = unpack_2to4(gather(values, values_scale, row), meta[row])
         parts.append((index < 0, unpacked.transpose(-1, -2) if operand == "v" else unpacked))
     if len(parts) == 1:
         return parts[0][1]
@@ -151,13 +206,15 @@ def sparse_count(num_blocks: int, sparsity: float) -> int:
 
 
 def dense_block_bytes(block_size: int, head_dim: int, elem_bytes: int = 2) -> int:
-    return block_size * head_dim * elem_bytes
+    """Values, plus a float32 scale for 1-byte (FP8) values."""
+    return block_size * head_dim * elem_bytes + (SCALE_BYTES if elem_bytes == 1 else 0)
 
 
 def sparse_block_bytes(block_size: int, head_dim: int, elem_bytes: int = 2) -> int:
-    """Values (half the elements) plus one int16 of metadata per 16 elements."""
+    """Values (half the elements) plus one int16 of metadata per 16 elements, plus a float32 scale for
+    1-byte (FP8) values."""
     elems = block_size * head_dim
-    return elems // 2 * elem_bytes + elems // ELEMS_PER_META * 2
+    return elems // 2 * elem_bytes + elems // ELEMS_PER_META * 2 + (SCALE_BYTES if elem_bytes == 1 else 0)
 
 
 def store_bytes(num_blocks: int, block_size: int, head_dim: int, n_sparse_k: int, n_sparse_v: int) -> int:
@@ -168,6 +225,14 @@ def store_bytes(num_blocks: int, block_size: int, head_dim: int, n_sparse_k: int
     k = (num_blocks - n_sparse_k) * dense + n_sparse_k * sparse
     v = (num_blocks - n_sparse_v) * dense + n_sparse_v * sparse
     return k + v
+
+
+def compressed_fraction(sk: float, sv: float, elem_bytes: int = 2, block_size: int = 64, head_dim: int = 64) -> float:
+    """Bytes of compressed blocks (values at ``elem_bytes``, metadata, FP8 scales) against the same
+    blocks dense at 16 bits, when fractions ``sk`` / ``sv`` of their K / V rows are 2:4."""
+    dense16 = dense_block_bytes(block_size, head_dim)
+    dense, sparse = dense_block_bytes(block_size, head_dim, elem_bytes), sparse_block_bytes(block_size, head_dim, elem_bytes)
+    return ((1 - sk) * dense + sk * sparse + (1 - sv) * dense + sv * sparse) / (2 * dense16)
 
 
 def compression_ratio(sk: float, sv: float) -> float:

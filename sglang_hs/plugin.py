@@ -142,6 +142,7 @@ _FLAG_HELP = {
     "host_store_fraction": "With --enable-hierarchical-cache: share of the host tier given to compressed blocks.",
     "dense_backend": "SGLang backend that attends over the dense tokens.",
     "kernels": "TileLang kernels to use (decode,extend,compress); 'none' runs the PyTorch paths.",
+    "store_dtype": "Values of the compressed blocks: 'auto' (the model's dtype) or 'fp8_e4m3' (a scale per block and head).",
     "k_channel_order": "K channel order file (python -m sglang_hs.launch.calibrate_channels); 2:4 K loses less with it.",
     "k_head_map": "K head map file (python -m sglang_hs.launch.calibrate_heads): K stays dense on the heads that retrieve.",
     "shared_prefix_decode": "'on': requests of a decode batch that share a prefix read it once per group.",
@@ -234,7 +235,7 @@ def apply_backend_defaults(_result, server_args) -> None:
                 "--enable-hierarchical-cache)"
             )
         if server_args.enable_hierarchical_cache:
-            check_hierarchical_cache(server_args)
+            check_hierarchical_cache(server_args, config)
         # The factory builds the hierarchical variant when SGLang's build context asks for HiCache.
         server_args.declare(radix_cache_backend=BACKEND_NAME)
 
@@ -274,7 +275,7 @@ HICACHE_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head"
 """SGLang's MHA host pool layouts; the compressed blocks have their own host store in any of them."""
 
 
-def check_hierarchical_cache(server_args) -> None:
+def check_hierarchical_cache(server_args, config: HieraSparseConfig | None = None) -> None:
     """``--enable-hierarchical-cache`` with hierasparse keeps compressed prefixes on the host tier
     (``docs/hicache.md``). Refused, one line each: L3 storage backends (they move fixed-size dense pages,
     and prefetch allocates dense host slots), speculative decoding (SGLang's draft host pool would reuse
@@ -282,6 +283,11 @@ def check_hierarchical_cache(server_args) -> None:
     problem = hierarchical_cache_problem()
     if problem is not None:
         raise HieraSparseConfigError(problem)
+    if config is not None and config.store_dtype != "auto":
+        raise HieraSparseConfigError(
+            f"hierasparse: --hierasparse-store-dtype={config.store_dtype} with --enable-hierarchical-cache is "
+            "not supported yet; allowed: auto"
+        )
     if server_args.hicache_storage_backend is not None:
         raise HieraSparseConfigError(
             f"hierasparse: --hicache-storage-backend={server_args.hicache_storage_backend} is not supported yet; "

@@ -38,7 +38,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from sglang_hs.format import BlockPools, dense_block_bytes, pack_2to4, sparse_block_bytes, sparse_entry
+from sglang_hs.format import (FP8_DTYPE, BlockPools, dense_block_bytes, pack_2to4, quantize_rows, sparse_block_bytes,
+                               sparse_entry)  # fmt: skip
 from sglang_hs.pruner import Operand, Pruner, rank_sparse
 
 logger = logging.getLogger(__name__)
@@ -94,13 +95,13 @@ class StoreCapacity:
     @classmethod
     def from_budget(
         cls, budget_bytes: int, num_layers: int, kv_heads: int, head_dim: int, block_size: int, sk: float, sv: float,
-        k_sparse_share: float = 1.0,
+        k_sparse_share: float = 1.0, elem_bytes: int = 2,
     ) -> "StoreCapacity":
         """Split a byte budget between the pools in the proportions the expected S_K/S_V need.
         ``k_sparse_share``: the share of (layer, head) pairs whose K a K-sparse block stores 2:4 (the
-        K head map's; 1 without one)."""
-        dense = dense_block_bytes(block_size, head_dim) * kv_heads * num_layers
-        sparse = sparse_block_bytes(block_size, head_dim) * kv_heads * num_layers
+        K head map's; 1 without one); ``elem_bytes``: of the stored values (1: FP8 with row scales)."""
+        dense = dense_block_bytes(block_size, head_dim, elem_bytes) * kv_heads * num_layers
+        sparse = sparse_block_bytes(block_size, head_dim, elem_bytes) * kv_heads * num_layers
         k_sparse = k_sparse_share * sparse + (1 - k_sparse_share) * dense
         per_block = (1 - sk) * dense + sk * k_sparse + (1 - sv) * dense + sv * sparse
         blocks = int(budget_bytes // per_block)
@@ -113,11 +114,13 @@ class StoreCapacity:
             v_sparse=math.floor(sv * blocks),
         )
 
-    def nbytes(self, num_layers: int, kv_heads: int, head_dim: int, block_size: int, k_sparse_share: float = 1.0) -> int:
-        """Bytes of a store of this capacity (16-bit values): what allocating it takes
-        (``k_sparse_share`` as in :meth:`from_budget`)."""
+    def nbytes(self, num_layers: int, kv_heads: int, head_dim: int, block_size: int, k_sparse_share: float = 1.0,
+               elem_bytes: int = 2) -> int:  # fmt: skip
+        """Bytes of a store of this capacity: what allocating it takes (``k_sparse_share`` and
+        ``elem_bytes`` as in :meth:`from_budget`)."""
         rows = kv_heads * num_layers
-        dense_row, sparse_row = dense_block_bytes(block_size, head_dim), sparse_block_bytes(block_size, head_dim)
+        dense_row = dense_block_bytes(block_size, head_dim, elem_bytes)
+        sparse_row = sparse_block_bytes(block_size, head_dim, elem_bytes)
         k_sparse_rows = round(k_sparse_share * rows)  # rows of a K-sparse slot stored 2:4
         k_sparse_block = k_sparse_rows * sparse_row + (rows - k_sparse_rows) * dense_row
         return (self.k_dense + self.v_dense) * rows * dense_row + self.k_sparse * k_sparse_block + self.v_sparse * rows * sparse_row
@@ -139,12 +142,20 @@ class CompressedStore:
         device: torch.device | str,
         allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
         k_sparse_heads: torch.Tensor | None = None,
+        value_dtype: torch.dtype | None = None,
     ):
         """``allocate(shape, dtype)`` makes the zero-filled pool tensors (default: ``torch.zeros`` on
         ``device``); a host-tier store passes SGLang's pinned host allocation, which GPU copy kernels
         read and write directly. ``k_sparse_heads``: the K head map, bool ``[L, H]`` (module
-        docstring); None: every head's K follows its block."""
+        docstring); None: every head's K follows its block. ``value_dtype``: of the stored values,
+        ``dtype`` (the model's, default) or :data:`~sglang_hs.format.FP8_DTYPE` with a float32 scale per
+        pool row (:mod:`sglang_hs.format`)."""
         self.capacity = capacity
+        self.value_dtype = value_dtype or dtype
+        self.quantized = self.value_dtype == FP8_DTYPE
+        if self.value_dtype not in (dtype, FP8_DTYPE):
+            raise ValueError(f"store values of {self.value_dtype}; allowed: the model's {dtype} or {FP8_DTYPE}")
+        self.elem_bytes = self.value_dtype.itemsize
         self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
         # The concrete device ("cuda:0", not "cuda"): callers compare it with their tensors' devices.
         self.dtype, self.device = dtype, torch.empty(0, device=device).device
@@ -183,12 +194,19 @@ class CompressedStore:
                     else allocate((n, *shape), dtype) for n in rows]  # fmt: skip
 
         c = capacity
-        self.k_dense = pool([c.k_dense * h + c.k_sparse * (h - n) for n in self._k_sparse_rows], b, d)
-        self.k_values = pool([c.k_sparse * n for n in self._k_sparse_rows], b, d // 2)
-        self.k_meta = pool([c.k_sparse * n for n in self._k_sparse_rows], b, d // 16, dtype=torch.int16)
-        self.v_dense = pool([c.v_dense * h] * num_layers, b, d)
-        self.v_values = pool([c.v_sparse * h] * num_layers, d, b // 2)
-        self.v_meta = pool([c.v_sparse * h] * num_layers, d, b // 16, dtype=torch.int16)
+        k_dense_rows = [c.k_dense * h + c.k_sparse * (h - n) for n in self._k_sparse_rows]
+        k_sparse_rows = [c.k_sparse * n for n in self._k_sparse_rows]
+        v_dense_rows, v_sparse_rows = [c.v_dense * h] * num_layers, [c.v_sparse * h] * num_layers
+        self.k_dense = pool(k_dense_rows, b, d, dtype=self.value_dtype)
+        self.k_values = pool(k_sparse_rows, b, d // 2, dtype=self.value_dtype)
+        self.k_meta = pool(k_sparse_rows, b, d // 16, dtype=torch.int16)
+        self.v_dense = pool(v_dense_rows, b, d, dtype=self.value_dtype)
+        self.v_values = pool(v_sparse_rows, d, b // 2, dtype=self.value_dtype)
+        self.v_meta = pool(v_sparse_rows, d, b // 16, dtype=torch.int16)
+        # FP8 values: a float32 scale per row of each value pool (empty lists for 16-bit values).
+        scales = (k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows) if self.quantized else ([],) * 4
+        self.k_dense_scale, self.k_values_scale, self.v_dense_scale, self.v_values_scale = (
+            pool(rows, dtype=torch.float32) for rows in scales)
         k_maps = (num_layers,) if k_sparse_heads is not None else ()
         self.k_index = torch.zeros(*k_maps, h, capacity.virtual_blocks, dtype=torch.int32, device=device)
         self.v_index = torch.zeros(h, capacity.virtual_blocks, dtype=torch.int32, device=device)
@@ -254,8 +272,8 @@ class CompressedStore:
         """Bytes of the blocks currently held (all layers), from the pools' slots in use (free counts
         against capacity, which :meth:`check` verifies): the tree publishes this after every
         compression and eviction, so it must not walk the blocks."""
-        dense_row = dense_block_bytes(self.block_size, self.head_dim)
-        sparse_row = sparse_block_bytes(self.block_size, self.head_dim)
+        dense_row = dense_block_bytes(self.block_size, self.head_dim, self.elem_bytes)
+        sparse_row = sparse_block_bytes(self.block_size, self.head_dim, self.elem_bytes)
         rows = self.kv_heads * self.num_layers
         k_sparse_rows = sum(self._k_sparse_rows)
         k_sparse_block = k_sparse_rows * sparse_row + (rows - k_sparse_rows) * dense_row
@@ -351,21 +369,26 @@ class CompressedStore:
         ``first + s*rows .. first + (s+1)*rows - 1``. Without a K head map every slot owns ``H`` rows
         from row 0; with one, a sparse-K slot owns each layer's mapped heads in ``k_values``/``k_meta``
         and its other heads in the tail of ``k_dense`` (module docstring), so copies between two stores
-        of one map move the same rows."""
+        of one map move the same rows. An FP8 store's value tensors bring their ``*_scale`` rows along."""
         h = self.kv_heads
         if pool == "k_sparse":
             items = [(name, 0, list(self._k_sparse_rows)) for name in ("k_values", "k_meta")]
             dense_heads = [h - n for n in self._k_sparse_rows]
             if any(dense_heads):
                 items.append(("k_dense", self.capacity.k_dense * h, dense_heads))
-            return items
-        names = {"k_dense": ("k_dense",), "v_dense": ("v_dense",), "v_sparse": ("v_values", "v_meta")}[pool]
-        return [(name, 0, [h] * self.num_layers) for name in names]
+        else:
+            names = {"k_dense": ("k_dense",), "v_dense": ("v_dense",), "v_sparse": ("v_values", "v_meta")}[pool]
+            items = [(name, 0, [h] * self.num_layers) for name in names]
+        if self.quantized:
+            items += [(f"{name}_scale", first, rows) for name, first, rows in items if not name.endswith("_meta")]
+        return items
 
     def layer_pools(self, layer: int) -> BlockPools:
+        scales = ((self.k_dense_scale[layer], self.k_values_scale[layer], self.v_dense_scale[layer],
+                   self.v_values_scale[layer]) if self.quantized else ())  # fmt: skip
         return BlockPools(
             self.k_dense[layer], self.k_values[layer], self.k_meta[layer],
-            self.v_dense[layer], self.v_values[layer], self.v_meta[layer],
+            self.v_dense[layer], self.v_values[layer], self.v_meta[layer], *scales,
         )  # fmt: skip
 
     def write_layer(self, layer: int, vbs: list[int], k_blocks: torch.Tensor, v_blocks: torch.Tensor,
@@ -384,7 +407,7 @@ class CompressedStore:
 
         cols, rows = split(self._k_slot, False)
         if cols is not None:
-            self.k_dense[layer][rows] = k_blocks[:, cols].reshape(-1, *k_blocks.shape[2:])
+            self._put("k_dense", layer, rows, k_blocks[:, cols].reshape(-1, *k_blocks.shape[2:]))
         picked = [(i, self._k_slot[vb][1]) for i, vb in enumerate(vbs) if self._k_slot[vb][0]]
         if picked:  # K-sparse blocks: the layer's mapped heads 2:4, the others dense (module docstring)
             cols = torch.tensor([i for i, _ in picked], device=self.device)
@@ -397,28 +420,39 @@ class CompressedStore:
             if n_s:
                 rows = (slots[None, :] * n_s + torch.arange(n_s, device=self.device)[:, None]).reshape(-1)
                 values, meta = pack_2to4(sparse_blocks, sparse_keep)
-                self.k_values[layer][rows] = values.reshape(-1, *values.shape[2:])
+                self._put("k_values", layer, rows, values.reshape(-1, *values.shape[2:]))
                 self.k_meta[layer][rows] = meta.reshape(-1, *meta.shape[2:])
             if n_s < h:
                 n_d = h - n_s
                 ranks = torch.arange(n_d, device=self.device)
                 rows = (self.capacity.k_dense * h + slots[None, :] * n_d + ranks[:, None]).reshape(-1)
-                self.k_dense[layer][rows] = blocks[split_heads[1]].reshape(-1, *k_blocks.shape[2:])
+                self._put("k_dense", layer, rows, blocks[split_heads[1]].reshape(-1, *k_blocks.shape[2:]))
         cols, rows = split(self._v_slot, False)
         if cols is not None:
-            self.v_dense[layer][rows] = v_blocks[:, cols].reshape(-1, *v_blocks.shape[2:])
+            self._put("v_dense", layer, rows, v_blocks[:, cols].reshape(-1, *v_blocks.shape[2:]))
         cols, rows = split(self._v_slot, True)
         if cols is not None:
             v_t, keep_t = v_blocks[:, cols].transpose(-1, -2), v_keep[:, cols].transpose(-1, -2)
             values, meta = pack_2to4(v_t, keep_t)
-            self.v_values[layer][rows] = values.reshape(-1, *values.shape[2:])
+            self._put("v_values", layer, rows, values.reshape(-1, *values.shape[2:]))
             self.v_meta[layer][rows] = meta.reshape(-1, *meta.shape[2:])
+
+    def _put(self, name: str, layer: int, rows: torch.Tensor, x: torch.Tensor) -> None:
+        """Write 16-bit rows ``x`` into value pool ``name`` (FP8: quantized, each row's scale beside)."""
+        if self.quantized:
+            x, scale = quantize_rows(x)
+            getattr(self, f"{name}_scale")[layer][rows] = scale
+        getattr(self, name)[layer][rows] = x
 
 
 def prefix_blocks(buffer: torch.Tensor, slots: torch.Tensor, block_size: int, kv_heads: int) -> torch.Tensor:
-    """``[H, n, B, D]`` blocks of one layer's ``[slots, H, D]`` buffer at page-aligned token ``slots``."""
+    """``[H, n, B, D]`` blocks of one layer's ``[slots, H, D]`` buffer at page-aligned token ``slots``;
+    SGLang's FP8 pages (``--kv-cache-dtype fp8_e4m3``, unit scales) are read as float32."""
     n = slots.numel() // block_size
-    return buffer[slots].reshape(n, block_size, kv_heads, -1).permute(2, 0, 1, 3)
+    rows = buffer[slots]
+    if rows.element_size() == 1:
+        rows = rows.float()
+    return rows.reshape(n, block_size, kv_heads, -1).permute(2, 0, 1, 3)
 
 
 def block_losses(

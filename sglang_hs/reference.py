@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_hs.format import BlockPools, decode_entry, meta_to_positions, pack_2to4, sparse_entry, unpack_2to4
+from sglang_hs.format import (FP8_DTYPE, BlockPools, decode_entry, meta_to_positions, pack_2to4, quantize_rows,
+                               sparse_entry, unpack_2to4)  # fmt: skip
 from sglang_hs.pruner import PruneResult, Pruner, prunable_mask
 
 
@@ -63,12 +64,21 @@ def _pack_operand(blocks: torch.Tensor, result: PruneResult, transpose: bool):
 
 
 def compress_blocks(
-    k_blocks: torch.Tensor, v_blocks: torch.Tensor, k_result: PruneResult, v_result: PruneResult
+    k_blocks: torch.Tensor, v_blocks: torch.Tensor, k_result: PruneResult, v_result: PruneResult,
+    value_dtype: torch.dtype | None = None,
 ) -> tuple[BlockPools, torch.Tensor, torch.Tensor]:
-    """Compress ``[H, n, B, D]`` K and V blocks by their prune results into pools + index maps."""
+    """Compress ``[H, n, B, D]`` K and V blocks by their prune results into pools + index maps;
+    ``value_dtype`` FP8: the kept values quantized with a scale per pool row (``sglang_hs.format``)."""
     k_dense, k_values, k_meta, k_index = _pack_operand(k_blocks, k_result, transpose=False)
     v_dense, v_values, v_meta, v_index = _pack_operand(v_blocks, v_result, transpose=True)
-    pools = BlockPools(k_dense, k_values, k_meta, v_dense, v_values, v_meta)
+    if value_dtype is None or value_dtype == k_blocks.dtype:
+        return BlockPools(k_dense, k_values, k_meta, v_dense, v_values, v_meta), k_index, v_index
+    if value_dtype != FP8_DTYPE:
+        raise ValueError(f"values of {value_dtype}; allowed: the blocks' dtype or {FP8_DTYPE}")
+    (k_dense, k_dense_scale), (k_values, k_values_scale), (v_dense, v_dense_scale), (v_values, v_values_scale) = (
+        quantize_rows(x) for x in (k_dense, k_values, v_dense, v_values))  # fmt: skip
+    pools = BlockPools(k_dense, k_values, k_meta, v_dense, v_values, v_meta,
+                       k_dense_scale, k_values_scale, v_dense_scale, v_values_scale)  # fmt: skip
     return pools, k_index, v_index
 
 
@@ -81,8 +91,10 @@ def compress_sequence(
     block_size: int = 64,
     sink_tokens: int = 64,
     window_tokens: int = 256,
+    value_dtype: torch.dtype | None = None,
 ) -> CompressedSequence:
-    """Prune and compress one sequence's ``[L, H, D]`` K and V (one layer)."""
+    """Prune and compress one sequence's ``[L, H, D]`` K and V (one layer); ``value_dtype`` as in
+    :func:`compress_blocks` (the dense tail keeps the cache's dtype)."""
     seq_len, heads, dim = k.shape
     n_blocks = seq_len // block_size
     full = n_blocks * block_size
@@ -94,7 +106,7 @@ def compress_sequence(
     prunable = prunable_mask(n_blocks, seq_len, block_size, sink_tokens, window_tokens, device=k.device)
     k_result = pruner(k_blocks, "k", sk, prunable)
     v_result = pruner(v_blocks, "v", sv, prunable)
-    pools, k_index, v_index = compress_blocks(k_blocks, v_blocks, k_result, v_result)
+    pools, k_index, v_index = compress_blocks(k_blocks, v_blocks, k_result, v_result, value_dtype)
     return CompressedSequence(pools, k_index, v_index, k[full:], v[full:])
 
 
@@ -108,8 +120,9 @@ def _block(index_entry: int, dense: torch.Tensor, values: torch.Tensor, meta: to
 
 
 def decompress(seq: CompressedSequence) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dense ``[L, H, D]`` K and V the compressed sequence represents (pruned elements are 0)."""
-    p = seq.pools
+    """The dense ``[L, H, D]`` K and V the compressed sequence represents (pruned elements are 0; FP8
+    values scaled back, in float32)."""
+    p = seq.pools.dequantized() if seq.pools.quantized else seq.pools
     heads, n = seq.k_index.shape
 
     def operand(index, dense, values, meta, transpose, tail):
@@ -117,7 +130,7 @@ def decompress(seq: CompressedSequence) -> tuple[torch.Tensor, torch.Tensor]:
             torch.stack([_block(int(index[h, i]), dense, values, meta, transpose) for h in range(heads)], 1)
             for i in range(n)
         ]
-        return torch.cat(rows + [tail], 0) if rows else tail
+        return torch.cat(rows + [tail.to(dense.dtype)], 0) if rows else tail
 
     k = operand(seq.k_index, p.k_dense, p.k_values, p.k_meta, False, seq.tail_k)
     v = operand(seq.v_index, p.v_dense, p.v_values, p.v_meta, True, seq.tail_v)
@@ -150,7 +163,7 @@ def attention(
     group = q_heads // heads
     q_offset = seq.seq_len - n_q if q_offset is None else q_offset
     sm_scale = 1.0 / math.sqrt(dim) if sm_scale is None else sm_scale
-    p = seq.pools
+    p = seq.pools.dequantized() if seq.pools.quantized else seq.pools  # FP8: value * scale, exact in float32
     kv_pos = torch.arange(seq.seq_len, device=q.device)
     q_pos = (q_offset + torch.arange(n_q, device=q.device)).repeat_interleave(group)
     out = torch.empty(n_q, q_heads, dim, dtype=q.dtype, device=q.device)
@@ -240,6 +253,8 @@ def gather_paged_sequence(
     ``[H, n_compressed]`` into ``pools``. Only the last block may be partial (``seq_len``).
     """
     block = pools.k_dense.shape[1] if pools.k_dense.numel() else pools.k_values.shape[1]
+    if pools.quantized:  # the view's dense pool takes cache pages too: FP8 rows scaled back to float32 first
+        pools = pools.dequantized()
     heads = k_cache.shape[1]
     n_full = seq_len // block
     pages = block_row[: -(-seq_len // block)].tolist()
@@ -249,8 +264,8 @@ def gather_paged_sequence(
     cache_pages = [p for p in pages[:n_full] if p >= 0]
     extra_k = [cache_k[p, :, h] for p in cache_pages for h in range(heads)]
     extra_v = [cache_v[p, :, h] for p in cache_pages for h in range(heads)]
-    k_dense = torch.cat([pools.k_dense, torch.stack(extra_k)]) if extra_k else pools.k_dense
-    v_dense = torch.cat([pools.v_dense, torch.stack(extra_v)]) if extra_v else pools.v_dense
+    k_dense = torch.cat([pools.k_dense, torch.stack(extra_k).to(pools.k_dense.dtype)]) if extra_k else pools.k_dense
+    v_dense = torch.cat([pools.v_dense, torch.stack(extra_v).to(pools.v_dense.dtype)]) if extra_v else pools.v_dense
     view_k = torch.empty(heads, n_full, dtype=torch.int32)
     view_v = torch.empty(heads, n_full, dtype=torch.int32)
     next_cache = 0

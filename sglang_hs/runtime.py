@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from sglang_hs.channel_order import ChannelOrder
-from sglang_hs.config import HieraSparseConfig, uses_backend
+from sglang_hs.config import HieraSparseConfig, HieraSparseConfigError, uses_backend
 from sglang_hs.k_head_map import KHeadMap
 from sglang_hs.pools import CompressedStore, LossReducer, StoreCapacity, VirtualSlots, compress_prefix
 
@@ -91,14 +91,16 @@ class HieraSparseRuntime:
         dense_rows = model_runner.token_to_kv_pool_allocator.size + model_runner.page_size
         virtual = VirtualSlots(base=-(-dense_rows // block) * block, block_size=block)
         kv_pool = model_runner.token_to_kv_pool
+        if kv_pool.dtype.itemsize == 1:
+            check_unit_kv_scales(model_runner.model)
         head_map = rank_k_head_map(config.k_head_map, kv_pool) if config.k_head_map else None
         capacity = StoreCapacity.from_budget(
             budget, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, config.sk_prefill, config.sv_prefill,
-            head_map.share if head_map is not None else 1.0,
+            head_map.share if head_map is not None else 1.0, 1 if config.store_value_dtype is not None else 2,
         )  # fmt: skip
         store = CompressedStore(
             capacity, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, kv_pool.dtype, kv_pool.device,
-            k_sparse_heads=head_map.sparse if head_map is not None else None,
+            k_sparse_heads=head_map.sparse if head_map is not None else None, value_dtype=config.store_value_dtype,
         )  # fmt: skip
         kernels = tilelang_kernels_available()
         compressor: Compressor = compress_prefix
@@ -111,6 +113,17 @@ class HieraSparseRuntime:
             compressor = functools.partial(compressor, reduce_losses=reduce_losses)
         order = rank_channel_order(config.k_channel_order, kv_pool) if config.k_channel_order else None
         return cls(config, store, virtual, compressor, budget, kernels, order)
+
+
+def check_unit_kv_scales(model: torch.nn.Module) -> None:
+    """SGLang's FP8 pages hold K and V divided by the checkpoint's per-layer scales; the PyTorch paths and
+    the compressor read them with unit scales, so a checkpoint that ships other scales is refused."""
+    for module in model.modules():
+        scales = {getattr(module, name, None) for name in ("k_scale_float", "v_scale_float")} - {None, 1.0}
+        if scales:
+            raise HieraSparseConfigError(
+                f"hierasparse: --kv-cache-dtype fp8 with this checkpoint's KV scales ({sorted(scales)[0]:g}, ...) is "
+                "invalid; allowed: a checkpoint without KV scales (unit scales), or --kv-cache-dtype auto")
 
 
 def attention_tp_rank() -> tuple[int, int]:

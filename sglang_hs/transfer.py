@@ -61,10 +61,10 @@ def plan_block_copy(src: CompressedStore, src_vbs: Sequence[int], dst: Compresse
                     dst_vbs: Sequence[int]) -> BlockCopy:  # fmt: skip
     """The slot pairs that move virtual blocks ``src_vbs`` of ``src`` into the (allocated) blocks
     ``dst_vbs`` of ``dst``. Each pair must have the same placement kinds (sparse or dense K and V)."""
-    if (src.num_layers, src.kv_heads, src.head_dim, src.block_size, src.dtype) != (
-        dst.num_layers, dst.kv_heads, dst.head_dim, dst.block_size, dst.dtype,
+    if (src.num_layers, src.kv_heads, src.head_dim, src.block_size, src.dtype, src.value_dtype) != (
+        dst.num_layers, dst.kv_heads, dst.head_dim, dst.block_size, dst.dtype, dst.value_dtype,
     ):  # fmt: skip
-        raise ValueError("block copies need two stores of the same layers, heads, head_dim, block size and dtype")
+        raise ValueError("block copies need two stores of the same layers, heads, head_dim, block size and dtypes")
     maps = (src.k_sparse_heads, dst.k_sparse_heads)  # CPU tensors, or None without a map
     if (maps[0] is None) != (maps[1] is None) or (maps[0] is not None and not torch.equal(*maps)):
         raise ValueError("block copies need two stores of the same K head map")

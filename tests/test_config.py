@@ -28,6 +28,9 @@ from sglang_hs.config import ENV_VAR, HieraSparseConfig, HieraSparseConfigError
         ({"shared_prefix_decode": "yes"}, "--hierasparse-shared-prefix-decode"),
         ({"shared_prefix_decode": "on", "kernels": "extend,compress"}, "--hierasparse-shared-prefix-decode"),
         ({"shared_prefix_decode": "extend", "kernels": "extend,compress"}, "--hierasparse-shared-prefix-decode"),
+        ({"store_dtype": "fp8_e5m2", "kernels": "none"}, "--hierasparse-store-dtype"),
+        ({"store_dtype": "fp8_e4m3"}, "--hierasparse-kernels"),  # the TileLang kernels take 16-bit blocks
+        ({"store_dtype": "fp8_e4m3", "kernels": "compress"}, "--hierasparse-kernels"),
     ],
 )
 def test_bad_setting_names_flag_and_allowed_values(values, flag):
@@ -44,6 +47,14 @@ def test_shared_prefix_decode_values():
         HieraSparseConfig.from_mapping({"shared_prefix_decode": "extend"})
 
 
+def test_store_dtype():
+    import torch
+
+    assert HieraSparseConfig().store_value_dtype is None
+    config = HieraSparseConfig.from_mapping({"store_dtype": "fp8_e4m3", "kernels": "none"})
+    assert config.store_value_dtype == torch.float8_e4m3fn
+
+
 def test_kernel_selection():
     assert all(HieraSparseConfig().uses_kernel(name) for name in ("decode", "extend", "compress"))
     config = HieraSparseConfig(kernels="decode,compress")
@@ -58,8 +69,12 @@ def test_model_and_gpu_checks():
         config.validate_model(head_dim=96, dtype="float16", kv_cache_dtype="auto", gqa_group=4)
     with pytest.raises(HieraSparseConfigError, match="--dtype='float32'"):
         config.validate_model(head_dim=64, dtype="float32", kv_cache_dtype="auto", gqa_group=4)
-    with pytest.raises(HieraSparseConfigError, match="kv-cache-dtype"):
+    with pytest.raises(HieraSparseConfigError, match="kv-cache-dtype.*'fp8_e4m3' with --hierasparse-kernels none"):
         config.validate_model(head_dim=64, dtype="float16", kv_cache_dtype="fp8_e4m3", gqa_group=4)
+    with pytest.raises(HieraSparseConfigError, match="kv-cache-dtype"):
+        HieraSparseConfig(kernels="none").validate_model(head_dim=64, dtype="float16", kv_cache_dtype="fp8_e5m2",
+                                                         gqa_group=4)  # fmt: skip
+    HieraSparseConfig(kernels="none").validate_model(head_dim=64, dtype="float16", kv_cache_dtype="fp8_e4m3", gqa_group=4)
     # The decode and extend kernels take every group from 1 to 8 (SmolLM2 and Llama-3.2-3B: 3, Qwen3-14B: 5,
     # Qwen2.5-1.5B: 6, Qwen2.5-7B: 7); a larger group runs those paths in PyTorch or is refused.
     for group in range(1, 9):

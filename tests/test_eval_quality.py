@@ -320,3 +320,71 @@ def test_compare_tells_near_ties_from_real_differences(tmp_path, capsys):
     json.dump(pytorch, open(paths[1], "w"))
     assert eq.main(["--compare", *paths, "--out", str(tmp_path), "--tag", "paths"]) == 1
     assert "NOT a near tie" in capsys.readouterr().out
+
+
+def test_fp8_settings_name_their_flags_and_bytes():
+    """FP8 settings: SGLang's FP8 pages for a dense server (``dense:kv=fp8_e4m3``), FP8 store values for
+    hierasparse (``store=fp8_e4m3``, on the PyTorch paths), each with the prefix bytes it keeps."""
+    for name in ("dense:kv=fp8_e4m3", "magnitude:sk=0,sv=0,store=fp8_e4m3", "magnitude:sk=1,sv=0,mode=kascade,store=fp8_e4m3"):
+        assert qi.setting_from_name(name).name == name
+    fp8_pages, fp8_store = qi.setting_from_name("dense:kv=fp8_e4m3"), qi.setting_from_name("magnitude:sk=0,sv=0,store=fp8_e4m3")
+    assert not fp8_pages.is_baseline and qi.Setting("dense").is_baseline and not fp8_store.is_identity
+    backend = qsrv.ServerBackend.__new__(qsrv.ServerBackend)
+    backend.geometry, backend.chunk, backend.server_args, backend.dense_backend = GEOMETRY, 512, ["--x"], "triton"
+    backend.k_head_map, backend.decode_mode_flags = None, {}
+    assert backend.launch_args(fp8_pages)[:4] == ["--attention-backend", "triton", "--kv-cache-dtype", "fp8_e4m3"]
+    assert backend.launch_args(fp8_store)[-2:] == ["--hierasparse-store-dtype=fp8_e4m3", "--hierasparse-kernels=none"]
+    both = qi.setting_from_name("magnitude:sk=0,sv=0,store=fp8_e4m3,kv=fp8_e4m3")
+    assert backend.launch_args(both)[-4:] == ["--hierasparse-store-dtype=fp8_e4m3", "--kv-cache-dtype", "fp8_e4m3",
+                                              "--hierasparse-kernels=none"]  # fmt: skip
+    assert GEOMETRY.kv_bytes_fraction(8 * 64, both) == pytest.approx((5 * (64 * 64 + 4) / (64 * 64) + 3) / 16)
+    # 8 whole blocks: sink block and window (2 blocks) 16-bit, 5 blocks FP8 with a scale each.
+    prefix = 8 * 64
+    expected = (5 * 64 * (64 * 64 + 4) / (2 * 64 * 64) + 3 * 64) / prefix
+    assert GEOMETRY.kv_bytes_fraction(prefix, fp8_store) == pytest.approx(expected)
+    assert GEOMETRY.kv_bytes_fraction(prefix, fp8_pages) == 0.5 and GEOMETRY.kv_bytes_fraction(prefix, qi.Setting("dense")) == 1
+
+
+def test_fp8_settings_need_the_server_backend(tiny_model, corpus_dir, tmp_path, capsys):
+    for setting, message in (("magnitude:sk=0,sv=0,store=fp8_e4m3", "need --backend server"),
+                             ("magnitude:sk=0,sv=0,kv=fp8_e4m3", "need --backend server"),
+                             ("dense:kv=fp8_e5m2", "allowed: fp8_e4m3")):  # fmt: skip
+        code = eq.main(["--backend", "reference", "--model-path", tiny_model, "--corpus-dir", corpus_dir,
+                        "--out", str(tmp_path), "--settings", setting])  # fmt: skip
+        assert code == 2 and message in capsys.readouterr().err
+
+
+def test_make_corpus_writes_held_out_prose(tmp_path, capsys):
+    """The corpora for question sets no method was tuned on: texts Python ships, long enough to read."""
+    from sglang_hs.launch import make_corpus
+
+    assert make_corpus.main(["pydoc-topics", str(tmp_path / "topics")]) == 0
+    texts = qi.load_corpus(str(tmp_path / "topics"))
+    assert len(texts) >= 20 and min(map(len, texts.values())) >= make_corpus.MIN_CHARS
+    assert "pydoc-topics: " in capsys.readouterr().out
+    docs = make_corpus.stdlib_docstrings()
+    assert "json.txt" in docs and len(docs) >= 20 and not {"this.txt", "antigravity.txt"} & docs.keys()
+
+
+def test_quality_frontier_pools_sets_and_labels_presets(tmp_path, capsys):
+    from sglang_hs.launch import quality_frontier as qf
+
+    def run(seed: int, acc: float, k_head_map: str | None) -> str:
+        summary = [{"setting": "dense", "accuracy": 0.6, "questions": 10, "kv_bytes_vs_bf16": 1.0, "kl": 0.0},
+                   {"setting": "magnitude:sk=1,sv=0,store=fp8_e4m3", "accuracy": acc, "questions": 10,
+                    "kv_bytes_vs_bf16": 0.45, "kl": 0.01}]  # fmt: skip
+        path = tmp_path / f"q{seed}.json"
+        json.dump({"meta": {"backend": "server", "k_head_map": k_head_map, "command": "c"}, "summary": summary}, open(path, "w"))
+        return f"{path}=essays seed {seed}"
+
+    out = tmp_path / "frontier.json"
+    assert qf.main(["--run", run(1, 0.5, "map.pt"), "--run", run(2, 0.7, "map.pt"), "--run", run(3, 0.2, None),
+                    "--out", str(out)]) == 0  # fmt: skip
+    record = json.load(open(out))
+    assert len(record["rows"]) == 6 and (tmp_path / "frontier.png").exists()
+    pooled = {row["setting"]: row for row in record["pooled"]}
+    assert pooled["magnitude:sk=1,sv=0,store=fp8_e4m3+kheadmap"]["needle_acc"] == pytest.approx(0.6)
+    assert pooled["magnitude:sk=1,sv=0,store=fp8_e4m3+kheadmap"]["question_sets"] == 2
+    assert pooled["magnitude:sk=1,sv=0,store=fp8_e4m3"]["vs_dense_points"] == pytest.approx(-40.0)
+    assert pooled["dense"]["question_sets"] == 3
+    assert qf.main(["--run", "no-name.json", "--out", str(out)]) == 2

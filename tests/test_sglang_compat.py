@@ -171,3 +171,15 @@ def test_server_args_resolution_on_sglangs_resolving_server_args():
     view = resolved_view(args)
     assert view.page_size == 64 and resolution.page_size == 64 and args.page_size is None  # the input stays
     assert view.cuda_graph_config.prefill.backend == Backend.DISABLED
+
+
+def test_the_plugin_refuses_fp8_store_values_on_the_host_tier(monkeypatch):
+    from sglang_hs import plugin
+    from sglang_hs.config import HieraSparseConfig, HieraSparseConfigError
+
+    monkeypatch.setattr(plugin, "hierarchical_cache_problem", lambda: None)
+    args = SimpleNamespace(hicache_storage_backend=None, speculative_algorithm=None, hicache_io_backend="kernel",
+                           hicache_mem_layout="page_first", hicache_size=0, hicache_ratio=2.0)  # fmt: skip
+    config = HieraSparseConfig(store_dtype="fp8_e4m3", kernels="none")
+    with pytest.raises(HieraSparseConfigError, match="--hierasparse-store-dtype=fp8_e4m3 with --enable-hierarchical"):
+        plugin.check_hierarchical_cache(args, config)

@@ -1,0 +1,116 @@
+"""Quality per byte across question sets: merge ``eval_quality`` runs into one frontier record and plot.
+
+Each run (its JSON) is one question set under one server configuration; ``--run FILE=NAME`` names the set
+(e.g. ``essays seed 21``). A run's hierasparse servers may carry a K head map or a K channel order (its
+``meta``); those settings are labelled ``+kheadmap`` / ``+korder`` so that presets stay apart. Every
+setting of every run becomes a row ``{setting, kv_bytes_vs_bf16, needle_acc, dense_acc, question_set,
+backend}`` (bytes: the prefix's K+V against 16-bit dense, sink, window, 2:4 metadata and FP8 scales counted,
+from the run's summary); ``pooled`` gives each setting's accuracy over the sets that ran it (question
+weighted) and the dense baseline over the same sets.
+
+    python -m sglang_hs.launch.quality_frontier --out launch/results/quality_frontier.json \\
+        --run q21.json="essays seed 21" --run q23.json="pydoc topics seed 23" ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sglang_hs.plotting import pyplot
+
+
+def preset_label(setting: str, meta: dict) -> str:
+    """The setting's name, with the run's calibration files that change what it stores."""
+    if setting.startswith("dense"):
+        return setting
+    extra = ("+kheadmap" if meta.get("k_head_map") else "") + (
+        "+korder" if "k-channel-order" in meta.get("command", "") else "")
+    return setting + extra
+
+
+def frontier_rows(runs: list[tuple[dict, str]]) -> list[dict]:
+    rows = []
+    for run, question_set in runs:
+        summary = {row["setting"]: row for row in run["summary"]}
+        dense = summary["dense"]["accuracy"]
+        for name, row in summary.items():
+            rows.append({"setting": preset_label(name, run["meta"]), "kv_bytes_vs_bf16": row.get("kv_bytes_vs_bf16"),
+                         "needle_acc": round(row["accuracy"], 4), "dense_acc": round(dense, 4),
+                         "questions": row["questions"], "kl": row.get("kl"), "question_set": question_set,
+                         "backend": run["meta"]["backend"]})  # fmt: skip
+    return rows
+
+
+def pooled(rows: list[dict]) -> list[dict]:
+    """Per setting: question-weighted accuracy and bytes over its sets, and dense's over the same sets."""
+    out = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        mine = [r for r in rows if r["setting"] == setting]
+        n = sum(r["questions"] for r in mine)
+        sets = {r["question_set"] for r in mine}
+        out.append({
+            "setting": setting, "question_sets": len(sets), "questions": n,
+            "needle_acc": round(sum(r["needle_acc"] * r["questions"] for r in mine) / n, 4),
+            "dense_acc": round(sum(r["dense_acc"] * r["questions"] for r in mine) / n, 4),
+            "kv_bytes_vs_bf16": round(sum(r["kv_bytes_vs_bf16"] * r["questions"] for r in mine) / n, 4),
+        })  # fmt: skip
+        out[-1]["vs_dense_points"] = round(100 * (out[-1]["needle_acc"] - out[-1]["dense_acc"]), 1)
+    return out
+
+
+def plot(pool: list[dict], path: str, title: str) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in pool:
+        ax.scatter(row["kv_bytes_vs_bf16"], row["needle_acc"], s=30)
+        ax.annotate(row["setting"], (row["kv_bytes_vs_bf16"], row["needle_acc"]), fontsize=7,
+                    xytext=(4, 2), textcoords="offset points")  # fmt: skip
+    ax.set_xlabel("prefix KV bytes against bf16 (sink, window, metadata, scales)")
+    ax.set_ylabel("needle accuracy, pooled over the question sets")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", action="append", required=True, metavar="FILE=NAME",
+                        help="an eval_quality JSON and the name of its question set (repeat)")  # fmt: skip
+    parser.add_argument("--out", required=True, help="the record's path (.json; the PNG beside it)")
+    parser.add_argument("--device", default="", help="the record's device field (default: the runs' own)")
+    args = parser.parse_args(argv)
+    runs = []
+    for item in args.run:
+        path, sep, name = item.partition("=")
+        if not sep or not name:
+            print(f"quality_frontier: --run {item!r} is invalid; allowed: FILE=NAME", file=sys.stderr)
+            return 2
+        with open(path) as f:
+            runs.append((json.load(f), name))
+    rows = frontier_rows(runs)
+    missing = sorted({r["setting"] for r in rows if r["kv_bytes_vs_bf16"] is None})
+    if missing:
+        print(f"quality_frontier: runs without kv_bytes_vs_bf16 for {missing}; rerun or --report-only them "
+              "with this version of eval_quality", file=sys.stderr)  # fmt: skip
+        return 2
+    pool = pooled(rows)
+    devices = sorted({str(run.get("device") or run["meta"].get("device") or "") for run, _ in runs} - {""})
+    record = {"description": "Quality per byte: every setting of every question set (rows) and pooled over the sets "
+                             "(pooled); bytes are the prefix's K+V against 16-bit dense.",
+              "device": args.device or ", ".join(devices), "commands": [r["meta"].get("command") for r, _ in runs],
+              "pooled": pool, "rows": rows}  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    plot(pool, args.out.removesuffix(".json") + ".png", f"{len(runs)} question sets, {len(pool)} settings")
+    for row in pool:
+        print(f"[frontier] {row['setting']}: bytes {row['kv_bytes_vs_bf16']:.3f}, needles {row['needle_acc']:.3f} "
+              f"({row['vs_dense_points']:+.1f} against dense over {row['question_sets']} sets)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
