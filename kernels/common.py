@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import linecache
 import os
 from typing import Callable, NamedTuple
 
@@ -120,6 +121,20 @@ def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any"):
                 T.tma_copy(src.v_meta[v_row, :, :], stage.v_meta, barrier=stage.full)
 
     return load_k, load_v
+
+
+def pin_source(path: str) -> None:
+    """Keep a kernel module's text as it was imported for TileLang's frontend, which reads each macro's
+    and prim_func's source back (``inspect.getsource``, through ``linecache``) whenever a kernel is
+    built: after an edit of the file since import, it would parse other lines than the running code's
+    (``Attribute assignment not supported yet, `...load_k` ``, or another kernel). An entry whose
+    mtime is None is never reloaded by ``linecache.checkcache``. The generated TIR is unchanged."""
+    with open(path) as f:
+        lines = f.read().splitlines(keepends=True)
+    linecache.cache[path] = (sum(map(len, lines)), None, lines, path)
+
+
+pin_source(__file__)
 
 
 def check_plan_shape(q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> None:

@@ -91,10 +91,11 @@ import logging
 import torch
 
 from sglang_hs.format import sparse_count
-from sglang_hs.kernels.common import compile_cached
+from sglang_hs.kernels.common import compile_cached, pin_source
 from sglang_hs.pools import compress_prefix
 from sglang_hs.pruner import MagnitudePruner, Pruner
 
+pin_source(__file__)
 logger = logging.getLogger(__name__)
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}

@@ -78,8 +78,10 @@ import torch
 from sglang_hs.format import BlockPools
 from sglang_hs.kernels.common import (
     ANY_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
-    compile_cached, precompile_main, split_count, stage_form_bytes, tma_loads,
+    compile_cached, pin_source, precompile_main, split_count, stage_form_bytes, tma_loads,
 )
+
+pin_source(__file__)
 
 STAGES = 2
 THREADS = 128  # one warpgroup: wgmma M = 64 per instruction

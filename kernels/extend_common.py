@@ -17,7 +17,9 @@ Importing this module needs neither TileLang nor a GPU; constructing :class:`Ext
 
 from typing import NamedTuple
 
-from sglang_hs.kernels.common import ANY_FORMS, KV_FORMS, LN2, LOG2E, KvSources, Stage, tma_loads
+from sglang_hs.kernels.common import ANY_FORMS, KV_FORMS, LN2, LOG2E, KvSources, Stage, pin_source, tma_loads
+
+pin_source(__file__)
 
 # name -> (N query columns per CTA, threads of the consumer warpgroups): the tiles an extend call picks from.
 TILES = {"n64": (64, 128), "n128": (128, 256)}

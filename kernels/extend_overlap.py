@@ -23,7 +23,10 @@ up shared-prefix decode's shared pass, which is bound by its block steps: ``docs
 
 from __future__ import annotations
 
+from sglang_hs.kernels.common import pin_source
 from sglang_hs.kernels.extend_common import ExtendParts
+
+pin_source(__file__)
 
 
 class OverlapSchedule:

@@ -20,7 +20,10 @@ warpgroup's block-step phases, 10 + wg its turn to issue, 12 + wg its softmax vo
 
 from __future__ import annotations
 
+from sglang_hs.kernels.common import pin_source
 from sglang_hs.kernels.extend_common import ExtendParts
+
+pin_source(__file__)
 
 PRODUCER_THREADS = 128
 REGISTERS = (40, 232)  # setmaxnreg of the producer and of the consumers
