@@ -10,7 +10,9 @@ CUDA-graph settings twice: first with empty kernel caches (``cache: "empty"``: a
 ``TILELANG_CACHE_DIR``, ``TRITON_CACHE_DIR`` and FlashInfer workspace (``FLASHINFER_WORKSPACE_BASE``:
 its JIT-compiled sampling and attention ops) under ``--cache-root``, default ``OUT/caches/``), then
 again with the caches that first start filled (``"warm"``). So each server's empty start pays every
-JIT compilation a fresh machine would, whichever server runs first. Hierasparse attends dense tokens with the dense server's backend (``--hs-dense-backend``,
+JIT compilation a fresh machine would, whichever server runs first. ``--prebuilt ARCHIVE`` first installs
+a ``prebuilt_kernels`` archive into the hierasparse server's fresh TileLang cache, as a user would after
+``pip install`` (its records name the archive in ``prebuilt_kernels``). Hierasparse attends dense tokens with the dense server's backend (``--hs-dense-backend``,
 default ``--dense-backend``), so both start the same SGLang kernels. ``kernels_compiled`` counts the
 ``hierasparse: compiling N kernels (k/N)`` progress lines in the server's log (0 for a dense server).
 Writes ``OUT/cold_start_<model>[_tpN]_<tag>.json`` after every start: a list of ``{"server":
@@ -25,6 +27,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -103,6 +107,13 @@ def tp_size(args: argparse.Namespace) -> int:
     return 1
 
 
+def install_prebuilt(archive: str, tilelang_cache: str) -> None:
+    """``prebuilt_kernels install ARCHIVE`` into the server's fresh TileLang cache, as a user would run it
+    once after ``pip install`` (a separate process: it reads ``TILELANG_CACHE_DIR`` from its environment)."""
+    env = {**os.environ, "TILELANG_CACHE_DIR": tilelang_cache}
+    subprocess.run([sys.executable, "-m", "sglang_hs.launch.prebuilt_kernels", "install", archive], env=env, check=True)
+
+
 def run(args: argparse.Namespace, save) -> list[dict]:
     """Start each server twice (empty, then warm caches); ``save(records)`` after every start."""
     device = device_name()
@@ -113,6 +124,8 @@ def run(args: argparse.Namespace, save) -> list[dict]:
         env = {"TILELANG_CACHE_DIR": os.path.join(caches, "tilelang"),
                "TRITON_CACHE_DIR": os.path.join(caches, "triton"),
                "FLASHINFER_WORKSPACE_BASE": os.path.join(caches, "flashinfer")}
+        if server == "hierasparse" and args.prebuilt:  # the user's install step: kernels, no JIT caches
+            install_prebuilt(args.prebuilt, env["TILELANG_CACHE_DIR"])
         for cache in ("empty", "warm"):
             log = os.path.join(args.out, f"cold_start_{server}_{args.model}_{cache}.log")
             record = dict(server="hierasparse" if server == "hierasparse" else "dense", model=args.model, cache=cache,
@@ -120,6 +133,8 @@ def run(args: argparse.Namespace, save) -> list[dict]:
                           backend=args.dense_backend if server != "hierasparse" else
                           f"hierasparse (dense tokens: {args.hs_dense_backend})",
                           server_args=server_args(server, args), log=os.path.basename(log))  # fmt: skip
+            if server == "hierasparse" and args.prebuilt:
+                record["prebuilt_kernels"] = os.path.basename(args.prebuilt)
             try:
                 with TimedServer(args.model_path, record["server_args"], args.port, log, args.timeout, env=env) as srv:
                     record["ready_s"] = round(srv.ready_s, 1)
@@ -154,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--timeout", type=float, default=900, help="seconds a start may take")
     parser.add_argument("--tag", default=None, help="file tag (default: h100/h200 from the GPU's name)")
+    parser.add_argument("--prebuilt", metavar="ARCHIVE", help="install this prebuilt_kernels archive into the "
+                        "hierasparse server's fresh TileLang cache first (records get prebuilt_kernels)")  # fmt: skip
     args = parser.parse_args(argv)
     args.hs_dense_backend = args.hs_dense_backend or args.dense_backend
     if not set(args.servers.split(",")) <= {"hierasparse", "dense"}:

@@ -13,7 +13,8 @@
 #   bash launch/h100.sh cold_start OUT [MODEL]
 #                                            first start of a server (tiny (default) or llama8b): hierasparse and
 #                                            triton, each with empty then warm kernel caches, ready = the first
-#                                            /health_generate 200 -> OUT/cold_start_MODEL[_tpN]_GPU.json
+#                                            /health_generate 200 -> OUT/cold_start_MODEL[_tpN]_GPU.json;
+#                                            PREBUILT=ARCHIVE: a prebuilt_kernels archive installed first
 #   bash launch/h100.sh extend OUT [PART]    the extend kernel: PART tests (its GPU tests), bench (extend at NEW new
 #                                            tokens (64), then full prefill at L (32768), every tile / stages
 #                                            variant) or all
@@ -134,7 +135,7 @@ case "$step" in
     tp_args=()
     [ "${TP:-1}" = 1 ] || tp_args=(--server-arg=--tp-size=$TP)
     python3 -m sglang_hs.launch.cold_start --model "$model" --model-path $path --out "$out" \
-        --cache-root /tmp/hs_cold_caches --port "${PORT:-30000}" "${tp_args[@]}" 2>&1 |
+        --cache-root /tmp/hs_cold_caches --port "${PORT:-30000}" "${tp_args[@]}" ${PREBUILT:+--prebuilt=$PREBUILT} 2>&1 |
         grep "\[cold_start\]" | cut -c1-300
     ;;
   extend)

@@ -87,3 +87,39 @@ def test_records_from_fake_servers(tmp_path, monkeypatch):
         ("hierasparse", "empty", 2), ("hierasparse", "warm", 0), ("dense", "empty", 0), ("dense", "warm", 0)]
     assert all(0 < r["ready_s"] < 60 and r["device"] == "NVIDIA H100 80GB HBM3" for r in records)
     assert records[1]["kernel_log"].startswith("2 kernels loaded")
+
+
+def test_prebuilt_kernels_are_installed_into_the_fresh_cache_first(tmp_path, monkeypatch):
+    """--prebuilt: the archive goes into the hierasparse server's fresh TileLang cache before its first
+    start (here: the stand-in finds its cache and compiles nothing), and its records name it."""
+    import json
+    import os
+    import socket
+    import sys
+
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+
+    class FakeTimedServer(C.TimedServer):
+        def __init__(self, model_path, args, port, log, timeout, env):
+            super().__init__(model_path, args, port, log, timeout, env=env)
+            self.command = [sys.executable, str(script), str(port), *args]
+
+    installed = []
+    monkeypatch.setattr(C, "TimedServer", FakeTimedServer)
+    monkeypatch.setattr(C, "device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(C, "install_prebuilt", lambda archive, cache: (installed.append((archive, cache)),
+                                                                       os.makedirs(cache)))  # fmt: skip
+    out = tmp_path / "out"
+    assert C.main(["--model", "tiny", "--model-path", str(tmp_path / "model"), "--out", str(out), "--port", str(port),
+                   "--timeout", "60", "--prebuilt", "/x/hs-kernels.tar.gz"]) == 0  # fmt: skip
+    records = json.loads((out / "cold_start_tiny_h200.json").read_text())
+    assert len(installed) == 1 and installed[0][1].endswith(os.path.join("hierasparse_tiny", "tilelang"))
+    assert [(r["server"], r["cache"], r["kernels_compiled"], r.get("prebuilt_kernels")) for r in records] == [
+        ("hierasparse", "empty", 0, "hs-kernels.tar.gz"), ("hierasparse", "warm", 0, "hs-kernels.tar.gz"),
+        ("dense", "empty", 0, None), ("dense", "warm", 0, None)]
