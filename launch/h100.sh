@@ -32,6 +32,9 @@
 #   bash launch/h100.sh soak OUT [MINUTES]   soak with faults on the Llama-3.1-8B shape (default 8 minutes)
 #   bash launch/h100.sh sanitize OUT         a short run of the kernels' GPU tests under compute-sanitizer memcheck
 #   bash launch/h100.sh smollm2              convert SmolLM2's GGUF (/tmp/smollm2.gguf, .whl/; launch/README.md)
+#   bash launch/h100.sh frontier OUT SETS SETTING...
+#                                            quality per byte: the quality step over question sets side by side
+#                                            (SETS e.g. 21,22,23:topics,24:stdlib,25) -> OUT/quality_frontier[TAG]_GPU.json
 #   bash launch/h100.sh quality OUT TAG SETTING...
 #                                            SmolLM2-135M quality through real servers: dense and the SETTINGs
 #                                            (e.g. magnitude:sk=0,sv=1) -> OUT/quality_TAG.*; parts run side by
@@ -40,7 +43,8 @@
 #
 # KORDER=1 runs the tiny step with a K channel order calibrated on the tiny model (file names get
 # _korder); KORDER=FILE gives the quality step's hierasparse servers that K channel order, KHEADMAP=FILE that K
-# head map (the prefix step's hierasparse servers too), SEED=N its question set (default 0), CORPUS=DIR its haystacks
+# head map (the prefix step's hierasparse servers too), SEED=N its question set (default 0), FIDELITY its fidelity
+# windows a length (4), CORPUS=DIR its haystacks
 # (default: the essays; launch/make_corpus.py writes others), MEM its servers'
 # --mem-fraction-static (0.5), DECODE_ANCHORS/DECODE_TOPK/DECODE_TAU the flags of settings with mode=kascade|psa
 # (e.g. magnitude:sk=0,sv=1,mode=kascade). HICACHE=1 runs
@@ -283,7 +287,7 @@ PY
     # KERNELS: the hierasparse servers' --hierasparse-kernels (default every kernel; compress: decode and
     # extend over compressed blocks in PyTorch)
     python3 -m sglang_hs.launch.eval_quality --backend server --model-path $smol --out "$out" --tag "$tag" \
-        --lengths 1024 2048 4096 8128 --samples 2 --seed "${SEED:-0}" --fidelity-windows 4 --dense-backend triton --port "${PORT:-30000}" \
+        --lengths 1024 2048 4096 8128 --samples 2 --seed "${SEED:-0}" --fidelity-windows "${FIDELITY:-4}" --dense-backend triton --port "${PORT:-30000}" \
         ${CORPUS:+--corpus-dir=$CORPUS} \
         --log-prefix "$out/eval_$tag" --server-arg=--cuda-graph-max-bs=4 --server-arg=--mem-fraction-static=${MEM:-0.5} \
         --server-arg=--hierasparse-kernels=${KERNELS:-decode,extend,compress} \
@@ -292,8 +296,29 @@ PY
         ${DECODE_TAU:+--decode-tau=$DECODE_TAU} \
         --settings "${@:4}" 2>&1 | grep -v "^\[eval server\] [0-9]" | tail -30
     ;;
+  frontier)
+    # Question sets side by side on one GPU (one quality process each, MEM 0.08, ports apart), then one
+    # quality-per-byte record: SETS = comma list of SEED or SEED:CORPUS (topics | stdlib: make_corpus's
+    # held-out texts, written here if missing; no corpus: the essays); TAG names the record.
+    IFS=, read -ra sets <<< "${3:?SETS, e.g. 21,22,23:topics,24:stdlib,25}"
+    port=${PORT:-30000} runs=()
+    for spec in "${sets[@]}"; do
+      seed=${spec%%:*} corpus="" name="essays seed $seed"
+      if [ "$spec" != "$seed" ]; then
+        corpus=/tmp/corpus_${spec#*:} name="${spec#*:} seed $seed"
+        [ -d "$corpus" ] || python3 -m sglang_hs.launch.make_corpus "$( [ "${spec#*:}" = topics ] && echo pydoc-topics ||
+                                                                        echo stdlib-docstrings )" "$corpus" || exit 1
+      fi
+      SEED=$seed CORPUS=$corpus PORT=$port MEM=${MEM:-0.08} bash "$0" quality "$out" "fr${TAG:-}_$seed" "${@:4}" \
+          > "$out/frontier${TAG:-}_$seed.txt" 2>&1 &
+      runs+=(--run "$out/quality_fr${TAG:-}_$seed.json=$name")
+      port=$((port + 100))
+    done
+    wait
+    python3 -m sglang_hs.launch.quality_frontier --out "$out/quality_frontier${TAG:-}_${gpu}.json" "${runs[@]}"
+    ;;
   *)
-    echo "unknown step $step; allowed: warm, kernels, decode, modes, cold_start, extend, tiny, verify, prefix, warmfi, soak, sanitize, smollm2, quality" >&2
+    echo "unknown step $step; allowed: warm, kernels, decode, modes, cold_start, extend, tiny, verify, prefix, warmfi, soak, sanitize, smollm2, quality, frontier" >&2
     exit 2
     ;;
 esac
