@@ -17,11 +17,13 @@ import math
 
 import torch
 
-from sglang_hs.format import BlockPools, decompress_blocks, pack_2to4, sparse_count
+from sglang_hs.format import BlockPools, decompress_blocks, pack_2to4, quantize_rows, sparse_count
 
 CHUNK = 2048  # pool rows per chunk when packing or decompressing large pools
 POOL_KEYS = ("k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta")
 """A case's pool tensors, in :class:`sglang_hs.format.BlockPools` field order."""
+SCALE_KEYS = ("k_dense_scale", "k_values_scale", "v_dense_scale", "v_values_scale")
+"""An FP8 case's (:func:`quantize_case`) float32 row scales of its value pools."""
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -135,9 +137,24 @@ def make_case(seq_lens, q_heads=32, kv_heads=8, head_dim=128, sk=0.0, sv=0.0, dt
     )
 
 
+def quantize_case(case: dict, seed: int = 0, spread: float = 1.5) -> dict:
+    """The case with an FP8 store (``--hierasparse-store-dtype fp8_e4m3``): every value pool row (dense
+    K/V, 2:4 K/V values) first multiplied by its own random factor in ``[2^-spread, 2^spread]`` (so that
+    rows have unequal scales, and a row read with another's scale shows), then quantized to e4m3 with
+    its float32 scale (:func:`sglang_hs.format.quantize_rows`). Cache pages stay 16-bit."""
+    gen = torch.Generator(device=case["q"].device).manual_seed(seed + 11)
+    out = dict(case)
+    for name in ("k_dense", "k_values", "v_dense", "v_values"):
+        x = case[name]
+        factor = torch.exp2((torch.rand(x.shape[0], device=x.device, generator=gen) * 2 - 1) * spread)
+        out[name], out[f"{name}_scale"] = quantize_rows(x.float() * factor.view(-1, *([1] * (x.dim() - 1))))
+    return out
+
+
 def pools_of(case: dict, device=None) -> BlockPools:
-    """The case's pools (on ``device`` when given)."""
-    return BlockPools(*(case[k] if device is None else case[k].to(device) for k in POOL_KEYS))
+    """The case's pools (on ``device`` when given), with their row scales for an FP8 case."""
+    keys = POOL_KEYS + (SCALE_KEYS if "k_dense_scale" in case else ())
+    return BlockPools(*(case[k] if device is None else case[k].to(device) for k in keys))
 
 
 def run_args(case: dict) -> list:

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from sglang_hs.format import BlockPools
+from sglang_hs.format import FP8_DTYPE, BlockPools
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -31,7 +31,9 @@ class Stage(NamedTuple):
     """One stage of a kernel's shared-memory ring: a block's K and V in each form, and its barriers
     (``full``: the stage's loads landed; ``empty``: every consumer warp is done with it, where the
     kernel has one). Only one form per operand is filled per block; ``k_values``/``k_meta`` are None
-    in a kernel without 2:4 K rows."""
+    in a kernel without 2:4 K rows. A kernel over FP8 pool rows (the decode kernel's ``store_fp8``) also
+    has their TMA landing tiles (``*8``, e4m3, the pool's dtype), which the warpgroup converts into
+    the 16-bit tiles above before the block's GEMMs; None otherwise."""
 
     k_dense: object  # [B, D]
     k_values: object  # [B, D/2]
@@ -41,6 +43,10 @@ class Stage(NamedTuple):
     v_meta: object  # [B*D/256, 16] int16 (viewed as [D, B/16])
     full: object
     empty: object
+    k_dense8: object = None  # [B, D] e4m3
+    k_values8: object = None  # [B, D/2] e4m3
+    v_dense8: object = None  # [B, D] e4m3
+    v_values8: object = None  # [D, B/2] e4m3
 
 
 class KvSources(NamedTuple):
@@ -71,16 +77,25 @@ def stage_form_bytes(form: str, block_size: int, head_dim: int) -> int:
     return (elems * 2 if form in ("any", "dense") else 0) + (elems + elems // 8 if form in ("any", "sparse") else 0)
 
 
-def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any"):
+def fp8_landing_bytes(form: str, block_size: int, head_dim: int) -> int:
+    """Shared memory (bytes) of one operand's FP8 landing tiles in a stage holding ``form``: e4m3 pool
+    rows, dense ``[B, D]`` and/or 2:4 values (half the elements), at one byte a value."""
+    elems = block_size * head_dim
+    return (elems if form in ("any", "dense") else 0) + (elems // 2 if form in ("any", "sparse") else 0)
+
+
+def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any", store_fp8: bool = False):
     """The TileLang macros ``load_k(mode, k_row, h, stage, src)`` and ``load_v(mode, v_row, h, stage,
     src)``: the TMA loads of a block's K (mode ``& 3``) or V (mode ``>> 2``) of KV head ``h`` into a
     :class:`Stage` from a :class:`KvSources`, on the stage's ``full`` barrier. Mode 0: a cache page (the
     row is the page, a strided 3-D box); 1: a dense pool row; 2: 2:4 values and metadata of a pool row
     (the metadata tile is contiguous and moved as a ``[B*D/256, 16]`` box: TMA needs an inner box of
     >= 16 bytes). ``k_form`` / ``v_form`` (:data:`KV_FORMS`): the forms the stage holds; the branches
-    of the others are not generated."""
+    of the others are not generated. ``store_fp8`` (``form`` ``any`` only): pool rows are e4m3 and land
+    in the stage's FP8 tiles (``k_dense8`` ..), cache pages in its 16-bit tiles."""
     B = block_size
     assert k_form in KV_FORMS and v_form in KV_FORMS
+    assert not store_fp8 or (k_form, v_form) == ANY_FORMS
 
     @T.macro
     def load_k(mode, k_row, h, stage, src):
@@ -92,6 +107,14 @@ def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any"):
                 T.tma_copy(src.k_cache[k_row * B:(k_row + 1) * B, h, :], stage.k_dense, barrier=stage.full)
             else:
                 T.tma_copy(src.k_dense[k_row, :, :], stage.k_dense, barrier=stage.full)
+        elif store_fp8:
+            if (mode & 3) == 0:
+                T.tma_copy(src.k_cache[k_row * B:(k_row + 1) * B, h, :], stage.k_dense, barrier=stage.full)
+            elif (mode & 3) == 1:
+                T.tma_copy(src.k_dense[k_row, :, :], stage.k_dense8, barrier=stage.full)
+            else:
+                T.tma_copy(src.k_values[k_row, :, :], stage.k_values8, barrier=stage.full)
+                T.tma_copy(src.k_meta[k_row, :, :], stage.k_meta, barrier=stage.full)
         else:
             if (mode & 3) == 0:
                 T.tma_copy(src.k_cache[k_row * B:(k_row + 1) * B, h, :], stage.k_dense, barrier=stage.full)
@@ -111,6 +134,14 @@ def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any"):
                 T.tma_copy(src.v_cache[v_row * B:(v_row + 1) * B, h, :], stage.v_dense, barrier=stage.full)
             else:
                 T.tma_copy(src.v_dense[v_row, :, :], stage.v_dense, barrier=stage.full)
+        elif store_fp8:
+            if (mode >> 2) == 0:
+                T.tma_copy(src.v_cache[v_row * B:(v_row + 1) * B, h, :], stage.v_dense, barrier=stage.full)
+            elif (mode >> 2) == 1:
+                T.tma_copy(src.v_dense[v_row, :, :], stage.v_dense8, barrier=stage.full)
+            else:
+                T.tma_copy(src.v_values[v_row, :, :], stage.v_values8, barrier=stage.full)
+                T.tma_copy(src.v_meta[v_row, :, :], stage.v_meta, barrier=stage.full)
         else:
             if (mode >> 2) == 0:
                 T.tma_copy(src.v_cache[v_row * B:(v_row + 1) * B, h, :], stage.v_dense, barrier=stage.full)
@@ -170,8 +201,10 @@ class PoolArgs:
     """One layer's pools and the index maps as the kernels take them.
 
     A TMA descriptor cannot describe a zero-length tensor, so an empty pool (no 2:4 K rows at
-    S_K = 0, say) or index map is replaced by a one-row stand-in; no block-table entry points at it,
-    so it is never read. Metadata pools are viewed as ``[rows, B*D/256, 16]`` int16.
+    S_K = 0, say) or index map is replaced by a one-row stand-in (of the pool's dtype: 16-bit or
+    e4m3); no block-table entry points at it, so it is never read. Metadata pools are viewed as
+    ``[rows, B*D/256, 16]`` int16. FP8 pools' float32 row scales (``scales=True``) likewise: an empty
+    (or absent) one is a one-row stand-in of scale 1.
     """
 
     def __init__(self, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device):
@@ -183,23 +216,37 @@ class PoolArgs:
             "v_values": torch.zeros(1, head_dim, block_size // 2, dtype=dtype, **kw),
             "meta": torch.zeros(1, self.meta_rows, 16, dtype=torch.int16, **kw),
             "index": torch.zeros(kv_heads, 1, dtype=torch.int32, **kw),
+            "scale": torch.ones(1, dtype=torch.float32, **kw),
         }
+        self._fp8_dummy: dict[str, torch.Tensor] = {}
 
     def _or_dummy(self, t: torch.Tensor, key: str) -> torch.Tensor:
-        return t if t.numel() else self.dummy[key]
+        if t.numel():
+            return t
+        if t.dtype == FP8_DTYPE:  # an empty e4m3 pool: an e4m3 stand-in (the kernel's argument type)
+            if key not in self._fp8_dummy:
+                self._fp8_dummy[key] = self.dummy[key].to(FP8_DTYPE)
+            return self._fp8_dummy[key]
+        return self.dummy[key]
 
-    def __call__(self, pools: BlockPools, k_index: torch.Tensor, v_index: torch.Tensor) -> tuple:
-        """``(k_dense, k_values, k_meta, v_dense, v_values, v_meta, k_index, v_index)``, ready to launch."""
+    def __call__(self, pools: BlockPools, k_index: torch.Tensor, v_index: torch.Tensor, scales: bool = False) -> tuple:
+        """``(k_dense, k_values, k_meta, v_dense, v_values, v_meta, k_index, v_index)``, ready to launch;
+        with ``scales`` the four float32 row scales (``k_dense_scale, k_values_scale, v_dense_scale,
+        v_values_scale``) follow ``v_meta``: the arguments of a kernel over FP8 pools."""
         k_index, v_index = self._or_dummy(k_index, "index"), self._or_dummy(v_index, "index")
         if k_index.shape[1] != v_index.shape[1]:  # one of them empty: both must be stand-ins then
             k_index = v_index = self.dummy["index"]
-        return (
+        values = (
             self._or_dummy(pools.k_dense, "dense"), self._or_dummy(pools.k_values, "k_values"),
             self._or_dummy(pools.k_meta, "meta").reshape(-1, self.meta_rows, 16),
             self._or_dummy(pools.v_dense, "dense"), self._or_dummy(pools.v_values, "v_values"),
             self._or_dummy(pools.v_meta, "meta").reshape(-1, self.meta_rows, 16),
-            k_index, v_index,
         )  # fmt: skip
+        if scales:
+            values += tuple(self.dummy["scale"] if t is None or not t.numel() else t
+                            for t in (pools.k_dense_scale, pools.k_values_scale, pools.v_dense_scale,
+                                      pools.v_values_scale))  # fmt: skip
+        return values + (k_index, v_index)
 
 
 KERNEL_SOURCES = ("common.py", "decode.py", "extend.py", "extend_common.py", "extend_overlap.py",

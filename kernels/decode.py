@@ -60,6 +60,11 @@ Design (and why)
   add its probabilities per query head across the column's lanes and store the block's own LSE, from
   which an anchor layer's choice is made (``sglang_hs.decode_modes``); the other layers read a
   compacted block table with the same kernel.
+* **FP8 store values.** A compile-time variant (``store_fp8``) reads e4m3 pool rows and their float32
+  row scales: the rows land by TMA in e4m3 tiles of the stage and the warpgroup converts them to the
+  stage's 16-bit tiles before the GEMMs; the K scale multiplies the block's scores, the V scale the
+  probabilities of the V GEMM (:func:`build_decode_prim_func`). Its landing tiles leave one CTA an SM at
+  d 128 (two at d 64).
 * **CUDA graphs.** ``run`` is one launch; scratch is allocated once, for the plan's largest batch,
   and every call views its prefix, so graphs captured at different batch sizes share it at fixed
   addresses; no host synchronisation (seq_lens stay on the GPU: block ranges, masks and empty splits
@@ -75,10 +80,10 @@ from typing import Callable
 
 import torch
 
-from sglang_hs.format import BlockPools
+from sglang_hs.format import FP8_DTYPE, BlockPools
 from sglang_hs.kernels.common import (
     ANY_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
-    compile_cached, pin_source, precompile_main, split_count, stage_form_bytes, tma_loads,
+    compile_cached, fp8_landing_bytes, pin_source, precompile_main, split_count, stage_form_bytes, tma_loads,
 )
 
 pin_source(__file__)
@@ -103,12 +108,18 @@ def _n_pad(group: int) -> int:
     return next(n for n in (8, 16) if group <= n)
 
 
-def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int = SPLIT_CAPACITY) -> int:
+def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int = SPLIT_CAPACITY,
+               store_fp8: bool = False) -> int:  # fmt: skip
     """Shared memory of one CTA (bytes), an upper bound of the buffers of :func:`build_decode_prim_func`
-    (its index maps hold ``blocks_per_split`` entries: the kernel's :data:`SPLIT_CAPACITY`)."""
+    (its index maps hold ``blocks_per_split`` entries: the kernel's :data:`SPLIT_CAPACITY`). ``store_fp8``:
+    each stage also has the e4m3 landing tiles of K and V pool rows, and the maps the blocks' K and V
+    scales (float32)."""
     n = _n_pad(group)
     stage = 2 * stage_form_bytes("any", block_size, head_dim)  # K and V, every form
     other = n * head_dim * 2 + block_size * n * 6 + 3 * blocks_per_split * 4 + 4 * 512  # Q, P, S^T, maps
+    if store_fp8:
+        stage += 2 * fp8_landing_bytes("any", block_size, head_dim)
+        other += 2 * blocks_per_split * 4
     return stages * stage + other
 
 
@@ -120,7 +131,7 @@ def min_splits(max_blocks: int, capacity: int = SPLIT_CAPACITY) -> int:
 
 def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64, dtype: str = "float16",
                            stages: int = STAGES, split_capacity: int = SPLIT_CAPACITY,
-                           min_split_blocks: int = 1):  # fmt: skip
+                           min_split_blocks: int = 1, store_fp8: bool = False):  # fmt: skip
     """The TileLang ``prim_func`` of one model shape. The batch size, the block table's width and the
     split count are dynamic (bound from the arguments' shapes), so one kernel serves every plan.
     ``min_split_blocks`` > 1 gives every split of a request at least that many blocks and lets the
@@ -139,6 +150,15 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     (int32: non-zero also writes each block's own LSE), ``block_lse [bs*Hq, W]`` (fp32, natural log:
     row ``r*Hq + head``, column = the block's place in the request's table; a ``[1, 1]`` stand-in when
     not wanted). Every tensor is contiguous.
+
+    ``store_fp8``: the pools' values (``k_dense``, ``k_values``, ``v_dense``, ``v_values``) are e4m3
+    (:data:`sglang_hs.format.FP8_DTYPE`) and their float32 row scales follow ``v_meta``
+    (``k_dense_scale [k_dense_rows]``, ``k_values_scale [k_sparse_rows]``, ``v_dense_scale
+    [v_dense_rows]``, ``v_values_scale [v_sparse_rows]``, as ``PoolArgs(..., scales=True)`` gives them);
+    cache pages stay 16-bit. Pool rows land by TMA in e4m3 tiles of the stage and are converted to its
+    16-bit tiles after the stage's barrier (exact: every e4m3 value is a 16-bit value); the K scale
+    multiplies the block's scores before the softmax, the V scale the probabilities written for the V
+    GEMM (the row sums take them unscaled). Cache pages have scale 1.
     """
     import tilelang.language as T
 
@@ -157,13 +177,52 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     (num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual, batch, max_blocks,
      S, lse_rows, lse_cols) = T.dynamic("num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, "
                                        "num_virtual, batch, max_blocks, num_splits, lse_rows, lse_cols")
-    load_k, load_v = tma_loads(T, B, *ANY_FORMS)
+    pool_dtype = "float8_e4m3" if store_fp8 else dtype  # the pools' values (cache pages: dtype)
+    load_k, load_v = tma_loads(T, B, *ANY_FORMS, store_fp8=store_fp8)
+
+    def fp8_landing():  # e4m3 tiles that pool rows land in (store_fp8), converted to the 16-bit ones
+        return (T.alloc_shared([B, D], pool_dtype), T.alloc_shared([B, D // 2], pool_dtype),
+                T.alloc_shared([B, D], pool_dtype), T.alloc_shared([D, B // 2], pool_dtype)) if store_fp8 else ()
 
     def alloc_stages():  # every form of K and V: a block table mixes cache pages, dense and 2:4 rows
         return [Stage(T.alloc_shared([B, D], dtype), T.alloc_shared([B, D // 2], dtype),
                       T.alloc_shared([e_rows, 16], "int16"), T.alloc_shared([B, D], dtype),
                       T.alloc_shared([D, B // 2], dtype), T.alloc_shared([e_rows, 16], "int16"),
-                      T.alloc_barrier(threads), None) for _ in range(stages)]
+                      T.alloc_barrier(threads), None, *fp8_landing()) for _ in range(stages)]
+
+    # Plain Python helpers (store_fp8): the blocks' K and V scales (float32, shared, resolved with the
+    # modes), appended to the maps; a 16-bit kernel has none and its expressions are unchanged.
+    def alloc_scale_maps():
+        return (T.alloc_shared([bps], accum), T.alloc_shared([bps], accum)) if store_fp8 else ()
+
+    def make_maps(block_mode, block_k_row, block_v_row, scale_maps):
+        return (block_mode, block_k_row, block_v_row) + tuple(scale_maps)
+
+    def k_scaled(x, maps, j):  # a score of block j times its K scale
+        return x * maps[3][j] if store_fp8 else x
+
+    def v_scaled(x, maps, j):  # a probability of block j times its V scale (for the V GEMM only)
+        return x * maps[4][j] if store_fp8 else x
+
+    @T.macro
+    def convert_fp8(mode, stage):
+        # store_fp8: the block's e4m3 pool rows (landed in the stage's e4m3 tiles) into its 16-bit tiles,
+        # by every thread, then made visible to the wgmma (async proxy). Cache pages (mode 0) need nothing.
+        if mode != 0:
+            if (mode & 3) == 1:
+                for r, c in T.Parallel(B, D):
+                    stage.k_dense[r, c] = T.cast(T.cast(stage.k_dense8[r, c], accum), dtype)
+            else:
+                for r, c in T.Parallel(B, D // 2):
+                    stage.k_values[r, c] = T.cast(T.cast(stage.k_values8[r, c], accum), dtype)
+            if (mode >> 2) == 1:
+                for r, c in T.Parallel(B, D):
+                    stage.v_dense[r, c] = T.cast(T.cast(stage.v_dense8[r, c], accum), dtype)
+            else:
+                for r, c in T.Parallel(D, B // 2):
+                    stage.v_values[r, c] = T.cast(T.cast(stage.v_values8[r, c], accum), dtype)
+            T.fence_proxy_async()
+            T.sync_threads()
 
     @T.macro
     def issue(i, h, maps, stage, src):
@@ -180,6 +239,8 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row):
         # Block j: S^T = K·Q^T, the lane softmax (TPC consecutive lanes own a column), O^T += V^T·P^T.
         mode = maps[0][j]
+        if store_fp8:
+            convert_fp8(mode, stage)
         if (mode & 3) == 2:
             T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                       clear_accum=True)
@@ -193,7 +254,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         block_max = T.alloc_local([1], accum)
         block_max[0] = -T.infinity(accum)
         for i in T.unroll(RPT):
-            lane_scores[i] = T.if_then_else(first_pos + row0 + i < seq_len, scores_sh[row0 + i, col],
+            lane_scores[i] = T.if_then_else(first_pos + row0 + i < seq_len, k_scaled(scores_sh[row0 + i, col], maps, j),
                                             -T.infinity(accum))
             block_max[0] = T.max(block_max[0], lane_scores[i])
         for k in T.unroll(len(SHUF)):
@@ -206,7 +267,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         for i in T.unroll(RPT):
             p = T.exp2(lane_scores[i] * scale_log2 - new_max * scale_log2)
             block_sum[0] = block_sum[0] + p
-            P_s[row0 + i, col] = T.cast(p, dtype)
+            P_s[row0 + i, col] = T.cast(v_scaled(p, maps, j), dtype)
         run_sum[0] = run_sum[0] + block_sum[0]
         if tid % TPC == 0:
             rescale_sh[col] = rescale
@@ -267,30 +328,10 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     def cta_guard(split, live_splits):  # (used inline: binding S to a new name would rename the kernel's argument)
         return True if every_split_live else split < live_splits
 
-    @T.prim_func
-    def main(
-        q: T.Tensor([batch, q_heads, D], dtype),
-        k_cache: T.Tensor([num_slots, kv_heads, D], dtype),
-        v_cache: T.Tensor([num_slots, kv_heads, D], dtype),
-        k_dense: T.Tensor([k_dense_rows, B, D], dtype),
-        k_values: T.Tensor([k_sparse_rows, B, D // 2], dtype),
-        k_meta: T.Tensor([k_sparse_rows, e_rows, 16], "int16"),
-        v_dense: T.Tensor([v_dense_rows, B, D], dtype),
-        v_values: T.Tensor([v_sparse_rows, D, B // 2], dtype),
-        v_meta: T.Tensor([v_sparse_rows, e_rows, 16], "int16"),
-        k_index: T.Tensor([kv_heads, num_virtual], "int32"),
-        v_index: T.Tensor([kv_heads, num_virtual], "int32"),
-        block_table: T.Tensor([batch, max_blocks], "int32"),
-        seq_lens: T.Tensor([batch], "int32"),
-        sm_scale: T.float32,
-        o_part: T.Tensor([batch, q_heads, S, D], accum),
-        lse_part: T.Tensor([batch, q_heads, S], accum),
-        out: T.Tensor([batch, q_heads, D], dtype),
-        lse: T.Tensor([batch, q_heads], accum),
-        tickets: T.Tensor([batch, kv_heads], "int32"),
-        want_block_lse: T.int32,
-        block_lse: T.Tensor([lse_rows, lse_cols], accum),
-    ):
+    @T.macro
+    def kernel_body(q, k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta, scales, k_index, v_index,
+                    block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse):
+        # The kernel (``main``'s arguments; ``scales``: the four row-scale tensors with store_fp8, else None).
         with T.Kernel(S, kv_heads, batch, threads=threads) as (split, h, request):
             Q_s = T.alloc_shared([NH, D], dtype)
             P_s = T.alloc_shared([B, NH], dtype)
@@ -300,6 +341,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             block_k_row = T.alloc_shared([bps], "int32")
             block_v_row = T.alloc_shared([bps], "int32")
             ring_stages = alloc_stages()
+            scale_maps = alloc_scale_maps()
             sT = T.alloc_fragment([B, NH], accum)
             oT = T.alloc_fragment([D, NH], accum)
             scores_sh = T.alloc_shared([B, NH], accum)
@@ -330,12 +372,20 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                             block_mode[i] = 0
                             block_k_row[i] = entry
                             block_v_row[i] = entry
+                            if store_fp8:  # a cache page: 16-bit, scale 1
+                                scale_maps[0][i] = 1.0
+                                scale_maps[1][i] = 1.0
                         else:
                             k_entry = k_index[h, -entry - 1]
                             v_entry = v_index[h, -entry - 1]
                             block_mode[i] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
                             block_k_row[i] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
                             block_v_row[i] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
+                            if store_fp8:  # the rows' scales (both indices clamped into their pools)
+                                scale_maps[0][i] = T.if_then_else(k_entry >= 0, scales[0][T.max(k_entry, 0)],
+                                                                  scales[1][T.max(-k_entry - 1, 0)])
+                                scale_maps[1][i] = T.if_then_else(v_entry >= 0, scales[2][T.max(v_entry, 0)],
+                                                                  scales[3][T.max(-v_entry - 1, 0)])
                 for g, d in T.Parallel(NH, D):
                     Q_s[g, d] = T.if_then_else(g < G, q[request, h * G + g, d], T.cast(0, dtype))
                 T.fill(oT, 0)
@@ -345,7 +395,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 T.sync_threads()
 
                 src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
-                maps = (block_mode, block_k_row, block_v_row)
+                maps = make_maps(block_mode, block_k_row, block_v_row, scale_maps)
                 frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse,
                          request * q_heads + h * G)
                 emit_prologue(num_blocks, h, maps, ring_stages, src)
@@ -399,27 +449,92 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                     if tid == 0:
                         tickets[request, h] = 0
 
+    if store_fp8:
+        @T.prim_func
+        def main(
+            q: T.Tensor([batch, q_heads, D], dtype),
+            k_cache: T.Tensor([num_slots, kv_heads, D], dtype),
+            v_cache: T.Tensor([num_slots, kv_heads, D], dtype),
+            k_dense: T.Tensor([k_dense_rows, B, D], pool_dtype),
+            k_values: T.Tensor([k_sparse_rows, B, D // 2], pool_dtype),
+            k_meta: T.Tensor([k_sparse_rows, e_rows, 16], "int16"),
+            v_dense: T.Tensor([v_dense_rows, B, D], pool_dtype),
+            v_values: T.Tensor([v_sparse_rows, D, B // 2], pool_dtype),
+            v_meta: T.Tensor([v_sparse_rows, e_rows, 16], "int16"),
+            k_dense_scale: T.Tensor([k_dense_rows], accum),
+            k_values_scale: T.Tensor([k_sparse_rows], accum),
+            v_dense_scale: T.Tensor([v_dense_rows], accum),
+            v_values_scale: T.Tensor([v_sparse_rows], accum),
+            k_index: T.Tensor([kv_heads, num_virtual], "int32"),
+            v_index: T.Tensor([kv_heads, num_virtual], "int32"),
+            block_table: T.Tensor([batch, max_blocks], "int32"),
+            seq_lens: T.Tensor([batch], "int32"),
+            sm_scale: T.float32,
+            o_part: T.Tensor([batch, q_heads, S, D], accum),
+            lse_part: T.Tensor([batch, q_heads, S], accum),
+            out: T.Tensor([batch, q_heads, D], dtype),
+            lse: T.Tensor([batch, q_heads], accum),
+            tickets: T.Tensor([batch, kv_heads], "int32"),
+            want_block_lse: T.int32,
+            block_lse: T.Tensor([lse_rows, lse_cols], accum),
+        ):
+            kernel_body(q, k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta,
+                        (k_dense_scale, k_values_scale, v_dense_scale, v_values_scale), k_index, v_index,
+                        block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse,
+                        block_lse)  # fmt: skip
+
+        return main
+
+    @T.prim_func
+    def main(
+        q: T.Tensor([batch, q_heads, D], dtype),
+        k_cache: T.Tensor([num_slots, kv_heads, D], dtype),
+        v_cache: T.Tensor([num_slots, kv_heads, D], dtype),
+        k_dense: T.Tensor([k_dense_rows, B, D], dtype),
+        k_values: T.Tensor([k_sparse_rows, B, D // 2], dtype),
+        k_meta: T.Tensor([k_sparse_rows, e_rows, 16], "int16"),
+        v_dense: T.Tensor([v_dense_rows, B, D], dtype),
+        v_values: T.Tensor([v_sparse_rows, D, B // 2], dtype),
+        v_meta: T.Tensor([v_sparse_rows, e_rows, 16], "int16"),
+        k_index: T.Tensor([kv_heads, num_virtual], "int32"),
+        v_index: T.Tensor([kv_heads, num_virtual], "int32"),
+        block_table: T.Tensor([batch, max_blocks], "int32"),
+        seq_lens: T.Tensor([batch], "int32"),
+        sm_scale: T.float32,
+        o_part: T.Tensor([batch, q_heads, S, D], accum),
+        lse_part: T.Tensor([batch, q_heads, S], accum),
+        out: T.Tensor([batch, q_heads, D], dtype),
+        lse: T.Tensor([batch, q_heads], accum),
+        tickets: T.Tensor([batch, kv_heads], "int32"),
+        want_block_lse: T.int32,
+        block_lse: T.Tensor([lse_rows, lse_cols], accum),
+    ):
+        kernel_body(q, k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta, None, k_index, v_index,
+                    block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse)
+
     return main
 
 
 def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
-                       split_capacity=SPLIT_CAPACITY, min_split_blocks=1) -> tuple:  # fmt: skip
+                       split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False) -> tuple:  # fmt: skip
     """The arguments that key a decode kernel in TileLang's cache (and a compile job): the shape, then
-    the split capacity and the split floor up to the last that is not its default (so the default
-    kernels keep their keys)."""
-    extra = (split_capacity, min_split_blocks)
-    defaults = (SPLIT_CAPACITY, 1)
+    the split capacity, the split floor and ``store_fp8`` up to the last that is not its default (so
+    the default kernels keep their keys)."""
+    extra = (split_capacity, min_split_blocks, bool(store_fp8))
+    defaults = (SPLIT_CAPACITY, 1, False)
     kept = max((i + 1 for i in range(len(extra)) if extra[i] != defaults[i]), default=0)
     return (q_heads, kv_heads, head_dim, block_size, dtype, stages) + extra[:kept]
 
 
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
-                        split_capacity=SPLIT_CAPACITY, min_split_blocks=1, target=None):  # fmt: skip
-    """Compile (or load from TileLang's cache) the kernel of one model shape. Needs TileLang, not a GPU."""
-    args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, min_split_blocks)
+                        split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False, target=None):  # fmt: skip
+    """Compile (or load from TileLang's cache) the kernel of one model shape (``store_fp8``: over e4m3
+    pools, see :func:`build_decode_prim_func`). Needs TileLang, not a GPU."""
+    args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, min_split_blocks,
+                              store_fp8)  # fmt: skip
     return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target,
-                          name="hs_decode" + ("_floor" if min_split_blocks > 1 else ""))
+                          name="hs_decode" + ("_floor" if min_split_blocks > 1 else "") + ("_fp8" if store_fp8 else ""))
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
@@ -434,21 +549,22 @@ def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
 
 @functools.lru_cache(maxsize=4096)
 def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                    stages: int, num_sms: int, split_capacity: int = SPLIT_CAPACITY) -> int:
+                    stages: int, num_sms: int, split_capacity: int = SPLIT_CAPACITY, store_fp8: bool = False) -> int:
     """The split count of a call with ``batch`` requests and a block table ``max_blocks`` wide on a GPU
     of ``num_sms`` SMs (host arithmetic on shapes only: no device value is read).
 
     A CTA's shared memory does not depend on the call (its index maps hold :data:`SPLIT_CAPACITY`
     blocks), so the CTAs per SM are fixed by the model shape: two at d 128 for the GQA groups the
     server takes. At a 32K context (512-529 blocks) and 8 requests of 8 KV heads that is 4 splits."""
-    ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity)
+    ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity, store_fp8)
     return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas, capacity=split_capacity)
 
 
 def ctas_per_sm(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
-                split_capacity: int = SPLIT_CAPACITY) -> int:
-    """CTAs of the model shape's kernel that fit an SM (shared memory; fixed by the shape, not the call)."""
-    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity) + 1024
+                split_capacity: int = SPLIT_CAPACITY, store_fp8: bool = False) -> int:
+    """CTAs of the model shape's kernel that fit an SM (shared memory; fixed by the shape, not the call).
+    The FP8 kernel's landing tiles leave one at d 128 (two at d 64; see :func:`smem_bytes`)."""
+    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity, store_fp8) + 1024
     return max(1, min(SMEM_PER_SM // per_cta, 8))
 
 
@@ -463,16 +579,21 @@ class HieraSparseDecode:
     ``num_splits`` forces the split count (else :func:`plan_num_splits` per call shape, on
     ``num_sms`` SMs: this GPU's by default).
     ``block_lse``: also keep scratch for :meth:`run`'s per-block LSE (the decode modes' anchor layers).
-    ``min_split_blocks``: the kernel's floor of blocks a split (:func:`build_decode_prim_func`). One
-    call at a time per plan.
+    ``min_split_blocks``: the kernel's floor of blocks a split (:func:`build_decode_prim_func`).
+    ``store_dtype``: the values of the pools the plan reads, the model's dtype (None, default) or
+    :data:`~sglang_hs.format.FP8_DTYPE` (the kernel's ``store_fp8`` variant, given the pools' row
+    scales); :meth:`run` refuses pools of the other kind. One call at a time per plan.
     """
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None, stages: int = STAGES,
                  num_sms: int | None = None, split_capacity: int = SPLIT_CAPACITY,
                  block_lse: bool = False,
-                 min_split_blocks: int = 1):
+                 min_split_blocks: int = 1, store_dtype: torch.dtype | None = None):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
+        if store_dtype not in (None, dtype, FP8_DTYPE):
+            raise ValueError(f"store values of {store_dtype}; allowed: the model's {dtype} or {FP8_DTYPE}")
+        self.store_fp8 = store_dtype == FP8_DTYPE
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
         self.dtype, self.device, self.stages = dtype, torch.device(device), stages
@@ -485,8 +606,9 @@ class HieraSparseDecode:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = num_sms
         dt = "float16" if dtype == torch.float16 else "bfloat16"
+        fp8 = {"store_fp8": True} if self.store_fp8 else {}  # (a 16-bit plan calls the builder as before)
         self.kernel = build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
-                                          split_capacity=split_capacity, min_split_blocks=min_split_blocks)
+                                          split_capacity=split_capacity, min_split_blocks=min_split_blocks, **fp8)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
         self.with_block_lse = block_lse
@@ -501,7 +623,7 @@ class HieraSparseDecode:
         if self.forced_splits is not None:
             return self.forced_splits
         return plan_num_splits(batch, self.q_heads, self.kv_heads, self.head_dim, self.block_size, width,
-                               self.stages, self.num_sms, self.split_capacity)
+                               self.stages, self.num_sms, self.split_capacity, self.store_fp8)
 
     def call_splits(self, batch: int, width: int) -> int:
         """The split count a launch of ``batch`` requests (at most ``batch_size``) uses: the planned one,
@@ -538,7 +660,8 @@ class HieraSparseDecode:
           ``e*B .. e*B + B - 1``).
         * ``pools``: the layer's :class:`~sglang_hs.format.BlockPools`: ``k_dense [Nd_k, B, D]``,
           ``k_values [Ns_k, B, D/2]``, ``k_meta [Ns_k, B, D/16]`` int16, ``v_dense [Nd_v, B, D]``,
-          ``v_values [Ns_v, D, B/2]``, ``v_meta [Ns_v, D, B/16]`` int16 (any of them may be empty).
+          ``v_values [Ns_v, D, B/2]``, ``v_meta [Ns_v, D, B/16]`` int16 (any of them may be empty);
+          for a plan of ``store_dtype=FP8_DTYPE`` e4m3 values with their float32 row scales.
         * ``k_index``, ``v_index``: ``[Hkv, n_virtual]`` int32, virtual block -> pool row (``>= 0``
           dense row, ``< 0`` 2:4 row ``-i - 1``).
         * ``block_table``: ``[bs, W]`` int32, contiguous, ``W <= max_blocks``: a request's blocks in
@@ -570,7 +693,10 @@ class HieraSparseDecode:
             if bs > self.batch_size:
                 raise ValueError(f"return_block_lse with {bs} requests > the plan's batch_size {self.batch_size}")
             block_lse = self.block_lse[: bs * self.q_heads * width].view(bs, self.q_heads, width)
-        kv = (k_cache, v_cache, *self.pools(pools, k_index, v_index))
+        if pools.quantized != self.store_fp8:
+            raise ValueError(f"{'FP8' if pools.quantized else '16-bit'} pools given to a decode plan for "
+                             f"{'FP8' if self.store_fp8 else '16-bit'} store values (HieraSparseDecode(store_dtype=))")
+        kv = (k_cache, v_cache, *self.pools(pools, k_index, v_index, scales=self.store_fp8))
         for start in range(0, bs, self.batch_size):
             stop = min(bs, start + self.batch_size)
             self._launch(q[start:stop], kv, block_table[start:stop], seq_lens[start:stop], float(sm_scale),
@@ -603,11 +729,19 @@ PRECOMPILE = [
     (9, 3, 64, "float16"), (10, 2, 128, "bfloat16"), (12, 2, 64, "float16"), (14, 2, 128, "bfloat16"),
     (28, 4, 128, "bfloat16"),
 ]
+# The FP8-store variants of the GPU tests (``tests/test_kernels_decode.py``): (q_heads, kv_heads, head_dim,
+# dtype, "fp8"), GQA groups 1, 3, 4 and 8 at head_dim 64 and 128, fp16 and bf16.
+FP8_PRECOMPILE = [
+    (4, 4, 64, "float16", "fp8"), (9, 3, 64, "bfloat16", "fp8"), (8, 2, 64, "bfloat16", "fp8"),
+    (8, 1, 64, "float16", "fp8"), (8, 8, 128, "bfloat16", "fp8"), (12, 4, 128, "float16", "fp8"),
+    (16, 4, 128, "float16", "fp8"), (32, 4, 128, "bfloat16", "fp8"),
+]
+PRECOMPILE += FP8_PRECOMPILE
 
 
 def _precompile_one(cfg):
-    hq, hkv, d, dt = cfg
-    build_decode_kernel(hq, hkv, d, 64, dt, STAGES)
+    hq, hkv, d, dt, *variant = cfg
+    build_decode_kernel(hq, hkv, d, 64, dt, STAGES, **({"store_fp8": True} if variant == ["fp8"] else {}))
     return cfg
 
 

@@ -294,7 +294,9 @@ class HieraSparseAttnBackend(AttentionBackend):
                  self.max_blocks, kv_pool.dtype, kv_pool.device)  # fmt: skip
         if self.shared_prefix_decode:
             return SharedPrefixDecode(*shape, forms=self.shared_forms)
-        return HieraSparseDecode(*shape, block_lse=self.selection is not None)
+        # An FP8 store: the kernel's store_fp8 variant (the store's value dtype; shared-prefix decode is off).
+        fp8 = {"store_dtype": self.store.value_dtype} if self.store.quantized else {}
+        return HieraSparseDecode(*shape, block_lse=self.selection is not None, **fp8)
 
     def _prepare_kernels(self, runtime: HieraSparseRuntime) -> int:
         """Compile, in parallel processes, the TileLang kernels this server will use that TileLang's disk
@@ -316,6 +318,7 @@ class HieraSparseAttnBackend(AttentionBackend):
             decode=runtime.uses_kernel("decode"),
             extend_k_sparse=(self.store.capacity.k_sparse > 0,) if runtime.uses_kernel("extend") else (),
             compress=compress, loss_operands=tuple(loss), shared_decode_forms=self.shared_forms,
+            store_fp8=self.store.quantized,
         )  # fmt: skip
         return prepare_kernels(jobs, logger.info) if jobs else 0
 

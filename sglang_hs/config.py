@@ -169,9 +169,12 @@ class HieraSparseConfig:
         _require(self.shared_prefix_decode == "off" or self.uses_kernel("decode"), cli_flag("shared_prefix_decode"),
                  self.shared_prefix_decode, "'off' unless --hierasparse-kernels includes decode")  # fmt: skip
         _require(self.store_dtype in STORE_DTYPES, cli_flag("store_dtype"), self.store_dtype, f"one of {list(STORE_DTYPES)}")
-        # The TileLang kernels read and write 16-bit blocks: FP8 values run on the PyTorch paths.
-        _require(self.store_dtype == "auto" or self.kernels == "none", cli_flag("kernels"), self.kernels,
-                 f"'none' with --hierasparse-store-dtype={self.store_dtype}")  # fmt: skip
+        # FP8 values: the decode kernel reads them (its store_fp8 variant); extend and compress run on
+        # the PyTorch paths, and so does the shared-prefix decode's shared pass (the extend kernel).
+        _require(self.store_dtype == "auto" or self.kernels in ("none", "decode"), cli_flag("kernels"), self.kernels,
+                 f"'none' or 'decode' with --hierasparse-store-dtype={self.store_dtype}")  # fmt: skip
+        _require(self.store_dtype == "auto" or self.shared_prefix_decode == "off", cli_flag("shared_prefix_decode"),
+                 self.shared_prefix_decode, f"'off' with --hierasparse-store-dtype={self.store_dtype}")  # fmt: skip
 
     def _check_anchors(self, num_layers: int | None) -> None:
         """``--hierasparse-decode-anchors`` parses (and, given ``num_layers``, fits the model)."""

@@ -26,11 +26,12 @@ class RecordingPlan:
         return q
 
 
-def make_backend(extend_plan, layers: int = LAYERS):
+def make_backend(extend_plan, layers: int = LAYERS, value_dtype=None):
     from sglang_hs.backend import HieraSparseAttnBackend
 
     backend = HieraSparseAttnBackend.__new__(HieraSparseAttnBackend)
-    store = CompressedStore(StoreCapacity(8, 8, 0, 8, 0), layers, HKV, D, B, torch.float16, "cpu")
+    store = CompressedStore(StoreCapacity(8, 8, 0, 8, 0), layers, HKV, D, B, torch.float16, "cpu",
+                            value_dtype=value_dtype)  # fmt: skip
     store.allocate([False, False], [False, False])  # two compressed blocks in use: virtual blocks 0 and 1
     virtual = VirtualSlots(base=1024, block_size=B)
     req_to_token = torch.zeros(3, 512, dtype=torch.int32)
@@ -180,11 +181,14 @@ class RecordingDecodeKernel:
     def __init__(self):
         self.batches = []
         self.tables = []  # per launch: (wants the per-block LSE, block table, seq_lens)
+        self.scales = []  # per launch of the FP8 variant: the four row-scale arguments (after the six pools)
 
     def __call__(self, q, *args):
         out, lse, want_block_lse, block_lse = args[-5], args[-4], args[-2], args[-1]
         self.batches.append(q.shape[0])
-        self.tables.append((want_block_lse, args[10].clone(), args[11].clone()))
+        self.tables.append((want_block_lse, args[-10].clone(), args[-9].clone()))
+        if len(args) == 24:  # k_cache, v_cache, 6 pools, 4 scales, 2 index maps and the 10 launch arguments
+            self.scales.append(args[8:12])
         out.fill_(1.0)
         lse.fill_(0.0)
         if want_block_lse:  # the third block of every request gets the most attention
@@ -215,13 +219,13 @@ def graph_step(backend, forward_batch) -> None:
     backend.init_forward_metadata_in_graph(forward_batch)
 
 
-def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", **settings):
+def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", value_dtype=None, **settings):
     from sglang_hs.config import HieraSparseConfig
     from sglang_hs.decode_modes import BlockSelection
     from sglang_hs.kernels import decode, extend
 
-    def record(*args, split_capacity=decode.SPLIT_CAPACITY, min_split_blocks=1):
-        key = decode.decode_kernel_args(*args, split_capacity, min_split_blocks)  # the cache key
+    def record(*args, split_capacity=decode.SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False):
+        key = decode.decode_kernel_args(*args, split_capacity, min_split_blocks, store_fp8)  # the cache key
         return built.setdefault(key, RecordingDecodeKernel())
 
     def record_extend(*args):
@@ -230,7 +234,7 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
     monkeypatch.setattr(decode, "build_decode_kernel", record)
     monkeypatch.setattr(extend, "build_extend_kernel", record_extend)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    backend = make_backend(None, layers=2)
+    backend = make_backend(None, layers=2, value_dtype=value_dtype)
     pool = backend.token_to_kv_pool
     pool.__dict__.update(head_num=HKV, head_dim=D, dtype=torch.float16, device=torch.device("cpu"))
     config = HieraSparseConfig(shared_prefix_decode=shared_prefix_decode, **settings)
@@ -322,6 +326,37 @@ def test_every_decode_batch_size_shares_one_plan_and_one_kernel(monkeypatch):
                                  save_kv_cache=False)
     assert out.shape == (300, HQ * D) and bool((out == 1).all())
     assert list(built) == [(HQ, HKV, D, 64, "float16", 2)]
+
+
+def test_fp8_store_decodes_on_the_kernels_fp8_variant(monkeypatch):
+    """CPU, with a recording kernel: with --hierasparse-store-dtype fp8_e4m3 (kernels: decode) the
+    decode plan is the kernel's store_fp8 variant, compiled at start-up as such, and each layer's launch
+    gets that layer's e4m3 pools and row scales (the empty 2:4 pools' as one-row stand-ins)."""
+    from sglang_hs.format import FP8_DTYPE
+    from sglang_hs.kernels import jobs
+
+    built = {}
+    backend = decode_backend(monkeypatch, built, value_dtype=FP8_DTYPE, store_dtype="fp8_e4m3", kernels="decode")
+    backend.init_cuda_graph_state(4, 4)
+    assert backend._decode_plan_obj.store_fp8
+    graph_step(backend, decode_batch(2))
+    for layer_id in (0, 1):
+        layer = SimpleNamespace(layer_id=layer_id, tp_q_head_num=HQ, head_dim=D, v_head_dim=D, scaling=0.125)
+        out = backend.forward_decode(torch.zeros(2, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(2),
+                                     save_kv_cache=False)  # fmt: skip
+        assert bool((out == 1).all())
+    ((key, kernel),) = built.items()
+    assert key == (HQ, HKV, D, 64, "float16", 2, 512, 1, True)
+    assert len(kernel.scales) == 2
+    for layer_id, scales in enumerate(kernel.scales):
+        pools = backend.store.layer_pools(layer_id)
+        assert pools.quantized and pools.k_dense.dtype == FP8_DTYPE
+        assert scales[0].data_ptr() == pools.k_dense_scale.data_ptr() and scales[2].data_ptr() == pools.v_dense_scale.data_ptr()
+        assert scales[1].tolist() == scales[3].tolist() == [1.0]  # no 2:4 rows in this store: stand-ins
+    seen = []
+    monkeypatch.setattr(jobs, "prepare_kernels", lambda job_list, log: seen.append(job_list) or 0)
+    backend._prepare_kernels(SimpleNamespace(kernels_available=True, uses_kernel=lambda name: name == "decode"))
+    assert seen[-1] == [("decode", key)]
 
 
 def test_shared_prefix_decode_runs_both_passes_from_graph_buffers(monkeypatch):

@@ -47,6 +47,9 @@ def test_model_jobs_do_not_depend_on_batch_or_context():
     ext = J.model_jobs(32, 8, 128, "bfloat16", extend_k_sparse=(True,), shared_decode_forms=("sparse", "sparse"))
     assert ext[2] == ("extend", (256, 8, 128, 64, "bfloat16", "n32", 2, True, ("sparse", "sparse"), True))
     assert [kind for kind, _ in ext].count("decode") == 2 and ext[3][1][5:7] == ("n64", 2) and len(ext[3][1]) == 8
+    # An FP8 store (kernels: decode): the decode kernel's store_fp8 variant, under its own cache key.
+    fp8 = J.model_jobs(8, 2, 64, "bfloat16", extend_k_sparse=(), compress=False, loss_operands=(), store_fp8=True)
+    assert fp8 == [("decode", (8, 2, 64, 64, "bfloat16", 2, 512, 1, True))]
 
 
 def test_job_arguments_are_the_builders_cache_keys(monkeypatch):
@@ -65,6 +68,7 @@ def test_job_arguments_are_the_builders_cache_keys(monkeypatch):
                     compress.build_loss_kernel):
         builder.cache_clear()
     jobs = J.model_jobs(4, 1, 64, "bfloat16") + J.model_jobs(32, 8, 128, "float16", shared_decode_forms=("dense", "sparse"))[1:3]
+    jobs += J.model_jobs(4, 1, 64, "bfloat16", store_fp8=True)[:1]
     for job in jobs:
         J.build(job)
     assert seen == jobs

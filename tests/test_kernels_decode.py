@@ -12,6 +12,7 @@ import torch
 from sglang_hs import reference as R
 from sglang_hs.kernels import cases
 from sglang_hs.kernels import decode as decode_module
+from sglang_hs.format import FP8_DTYPE
 from sglang_hs.kernels.decode import SPLIT_CAPACITY, HieraSparseDecode, choose_num_splits, min_splits
 
 # (q_heads, kv_heads, head_dim, dtype, S_K, S_V): GQA groups 4, 8, 1, 2; head_dim 128 and 64; fp16/bf16.
@@ -75,6 +76,75 @@ def test_matches_reference(shape):
     assert (lse.cpu() - ref_lse).abs().max().item() < 2e-2
     again = plan.run(*cases.run_args(case))  # repeated calls: scratch and split tickets are reusable
     assert torch.equal(again, got) and not plan.counter.any()
+
+
+# FP8 store values (the kernel's store_fp8 variant, ``decode.FP8_PRECOMPILE``): (q_heads, kv_heads, head_dim,
+# dtype, S_K, S_V): GQA groups 1, 3, 4 and 8 at head_dim 64 and 128, fp16 and bf16, S in {0, 1} and mixed.
+FP8_SMALL = [
+    (4, 4, 64, torch.float16, 0.0, 0.0),
+    (9, 3, 64, torch.bfloat16, 1.0, 1.0),
+    (8, 2, 64, torch.bfloat16, 0.5, 1.0),
+    (8, 1, 64, torch.float16, 1.0, 0.5),
+    (8, 8, 128, torch.bfloat16, 0.0, 1.0),
+    (12, 4, 128, torch.float16, 0.5, 0.5),
+    (16, 4, 128, torch.float16, 1.0, 0.0),
+    (32, 4, 128, torch.bfloat16, 1.0, 1.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", FP8_SMALL, ids=_id)
+def test_fp8_store_matches_reference(shape):
+    """FP8 pool rows (dense and 2:4, each row with its own scale) beside 16-bit cache pages: the kernel
+    equals the oracle over the same FP8 pools (which scales them back in float32), as does the per-block
+    LSE of the decode modes' anchor layers (the same launch with block_lse)."""
+    hq, hkv, d, dtype, sk, sv = shape
+    case = cases.quantize_case(cases.make_case(SMALL_LENS, hq, hkv, d, sk, sv, dtype, "cuda",
+                                               max_blocks=SMALL_MAX_BLOCKS, seed=7))  # fmt: skip
+    assert case["k_dense"].dtype == FP8_DTYPE and cases.pools_of(case).quantized
+    plan = _plan(case, num_splits=SMALL_SPLITS, store_dtype=FP8_DTYPE, block_lse=True)
+    out = torch.full_like(case["q"], float("nan"))
+    got, lse = plan.run(*cases.run_args(case), out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(got).all(), "unwritten or non-finite outputs"
+    ref_out, ref_lse = _reference(case)
+    for r in range(len(SMALL_LENS)):
+        err = cases.rel_err(got[r].cpu(), ref_out[r])
+        assert err < _tol(dtype), f"request {r}: rel err {err:.2e}"
+    assert (lse.cpu() - ref_lse).abs().max().item() < 2e-2
+    again, block_lse = plan.run(*cases.run_args(case), return_block_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(again, got) and not plan.counter.any()
+    # Each block's own LSE: the oracle over a table of that block alone (its tokens only).
+    table = case["block_table"].cpu()
+    for r, length in enumerate(SMALL_LENS):
+        for j in (0, 1, -(-length // 64) - 1):
+            tokens = min(64, length - j * 64)
+            one = dict(case, q=case["q"][r:r + 1], block_table=table[r:r + 1, j:j + 1].to(table.device),
+                       seq_lens_list=[tokens])
+            _, ref_block = _reference(one)
+            assert (block_lse[r, :, j].cpu() - ref_block[0]).abs().max().item() < 2e-2, (r, j)
+
+
+@pytest.mark.gpu
+def test_fp8_store_mid_context_matches_decompressed():
+    """FP8 pools at a few thousand tokens on the Llama-3.1-8B decode shape (mixed dense / 2:4 rows):
+    dense attention over the pools' dequantized (pruned) KV."""
+    case = cases.quantize_case(cases.make_case(MID_LENS, 32, 8, 128, 0.5, 1.0, torch.bfloat16, "cuda",
+                                               max_blocks=MID_MAX_BLOCKS, seed=8))  # fmt: skip
+    plan = _plan(case, store_dtype=FP8_DTYPE)
+    out = plan.run(*cases.run_args(case))
+    torch.cuda.synchronize()
+    deq = dict(case, **{name: case[name].float() * case[f"{name}_scale"].view(-1, 1, 1)
+                        for name in ("k_dense", "k_values", "v_dense", "v_values")})  # fmt: skip
+    for name in cases.SCALE_KEYS:
+        deq.pop(name)
+    deq.update(k_cache=case["k_cache"].float(), v_cache=case["v_cache"].float())
+    paged = cases.paged_dense(deq)
+    for r in range(len(MID_LENS)):
+        k, v = cases.dense_kv(deq, paged, r)
+        ref, _ = R.dense_attention(case["q"][r:r + 1].float(), k, v, sm_scale=case["sm_scale"])
+        assert cases.rel_err(out[r:r + 1].float(), ref) < 1e-2, f"request {r}"
 
 
 @pytest.mark.gpu
@@ -195,6 +265,7 @@ def test_split_count_respects_the_capacity():
 
     for group in range(1, 9):
         assert SMEM_PER_SM // (smem_bytes(128, 64, 2, group) + 1024) == 2
+        assert SMEM_PER_SM // (smem_bytes(128, 64, 2, group, store_fp8=True) + 1024) == 1  # FP8 landing tiles
     assert min_splits(SPLIT_CAPACITY) == 1 and min_splits(SPLIT_CAPACITY + 1) == 2 and min_splits(2049) == 5
     for width in (512, 529):
         assert plan_num_splits(8, 32, 8, 128, 64, width, 2, 132) == 4
@@ -211,7 +282,11 @@ class RecordingKernel:
         self.key, self.launches = key, []
 
     def __call__(self, q, k_cache, v_cache, *rest):
-        block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse = rest[8:]
+        fp8 = len(self.key) > 8 and self.key[8]  # store_fp8: the four row scales follow the six pools
+        self.scales = rest[6:10] if fp8 else None
+        self.pools = rest[:6]
+        block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse = rest[
+            12 if fp8 else 8:]
         n, hq, s, d = o_part.shape
         assert want_block_lse in (0, 1) and block_lse.shape == ((n * hq, block_table.shape[1]) if want_block_lse else (1, 1))
         assert q.shape == out.shape == (n, hq, d) and block_table.shape[0] == seq_lens.shape[0] == n
@@ -228,9 +303,9 @@ def recording_builder(monkeypatch):
     kernel}."""
     built = {}
 
-    def record(*args, split_capacity=SPLIT_CAPACITY, min_split_blocks=1):
-        key = decode_module.decode_kernel_args(*args, split_capacity, min_split_blocks)
-        return built.setdefault(key, RecordingKernel(args))
+    def record(*args, split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False):
+        key = decode_module.decode_kernel_args(*args, split_capacity, min_split_blocks, store_fp8)
+        return built.setdefault(key, RecordingKernel(key))
 
     monkeypatch.setattr(decode_module, "build_decode_kernel", record)
     return built
@@ -245,6 +320,40 @@ def test_one_kernel_for_every_batch_size_and_context(recording_builder):
         for bs in CAPTURE_SIZES[::5] + [256, 300]:
             HieraSparseDecode(bs, 32, 8, 128, 64, width, torch.float16, "cpu", num_sms=132)
     assert list(recording_builder) == [(32, 8, 128, 64, "float16", 2)]
+
+
+def test_fp8_store_plan_runs_the_fp8_kernel_with_the_row_scales(recording_builder):
+    """CPU: a plan for FP8 store values builds the kernel's store_fp8 variant (its own cache key; the
+    16-bit plan keeps its key) and launches it with the e4m3 pools and their row scales after them (an
+    empty pool and its scales as one-row stand-ins: e4m3, scale 1); pools of the other kind are refused.
+    Its landing tiles leave one CTA an SM at d 128 (two at d 64), which the split count follows."""
+    from sglang_hs.kernels.decode import ctas_per_sm, smem_bytes
+
+    case = cases.quantize_case(cases.make_case([300, 64 * 5 + 7], 8, 2, 64, 0.5, 1.0, torch.float16, "cpu",
+                                               window_blocks=1))  # fmt: skip
+    assert case["v_dense"].shape[0] == 0 and case["k_dense"].shape[0] and case["k_values"].shape[0]
+    plan = _plan(case, store_dtype=FP8_DTYPE, num_sms=132)
+    assert plan.store_fp8 and list(recording_builder) == [(8, 2, 64, 64, "float16", 2, SPLIT_CAPACITY, 1, True)]
+    plan.run(*cases.run_args(case))
+    kernel = plan.kernel
+    assert len(kernel.launches) == 1
+    k_dense, k_values, k_meta, v_dense, v_values, v_meta = kernel.pools
+    assert k_dense is case["k_dense"] and k_values is case["k_values"] and v_values is case["v_values"]
+    assert v_dense.dtype == FP8_DTYPE and v_dense.shape == (1, 64, 64)  # the empty pool's stand-in
+    assert kernel.scales[0] is case["k_dense_scale"] and kernel.scales[1] is case["k_values_scale"]
+    assert kernel.scales[3] is case["v_values_scale"] and kernel.scales[2].tolist() == [1.0]
+    assert all(t.dtype == torch.float32 for t in kernel.scales)
+    plain = _plan(case, num_sms=132)
+    assert not plain.store_fp8 and (8, 2, 64, 64, "float16", 2) in recording_builder
+    with pytest.raises(ValueError, match="FP8 pools given to a decode plan for 16-bit"):
+        plain.run(*cases.run_args(case))
+    with pytest.raises(ValueError, match="16-bit pools given to a decode plan for FP8"):
+        plan.run(*cases.run_args(cases.make_case([300], 8, 2, 64, 0.5, 1.0, torch.float16, "cpu", window_blocks=1)))
+    with pytest.raises(ValueError, match="store values"):
+        _plan(case, store_dtype=torch.float8_e5m2, num_sms=132)
+    for group in (1, 3, 4, 8):
+        assert ctas_per_sm(group, 1, 128, 64, 2, store_fp8=True) == 1 and ctas_per_sm(group, 1, 64, 64, 2, store_fp8=True) == 2
+        assert smem_bytes(128, 64, 2, group, store_fp8=True) - smem_bytes(128, 64, 2, group) == 2 * 2 * 3 * 64 * 128 // 2 + 2 * 512 * 4
 
 
 def _cpu_run(plan, bs, width, out=None):
