@@ -336,7 +336,7 @@ def test_fp8_store_decodes_on_the_kernels_fp8_variant(monkeypatch):
     from sglang_hs.kernels import jobs
 
     built = {}
-    backend = decode_backend(monkeypatch, built, value_dtype=FP8_DTYPE, store_dtype="fp8_e4m3", kernels="decode")
+    backend = decode_backend(monkeypatch, built, value_dtype=FP8_DTYPE, store_dtype="fp8_e4m3", kernels="none")
     backend.init_cuda_graph_state(4, 4)
     assert backend._decode_plan_obj.store_fp8
     graph_step(backend, decode_batch(2))
