@@ -56,10 +56,8 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 '''
 
 
-def test_records_from_fake_servers(tmp_path, monkeypatch):
-    """The whole run against a stand-in server (an HTTP process that answers /health_generate and logs
-    progress lines when its TILELANG_CACHE_DIR does not exist yet): four records, the empty starts of
-    hierasparse counting its compiled kernels, the warm one none."""
+def run_against_fake_servers(tmp_path, monkeypatch, device: str, *flags: str) -> list[dict]:
+    """``cold_start.main`` against the stand-in server (``FAKE_SERVER``); returns the records."""
     import json
     import socket
     import sys
@@ -78,11 +76,19 @@ def test_records_from_fake_servers(tmp_path, monkeypatch):
             self.command = [sys.executable, str(script), str(port), *args]
 
     monkeypatch.setattr(C, "TimedServer", FakeTimedServer)
-    monkeypatch.setattr(C, "device_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(C, "device_name", lambda: device)
     out = tmp_path / "out"
     assert C.main(["--model", "tiny", "--model-path", str(tmp_path / "model"), "--out", str(out),
-                   "--port", str(port), "--timeout", "60"]) == 0
-    records = json.loads((out / "cold_start_tiny_h100.json").read_text())
+                   "--port", str(port), "--timeout", "60", *flags]) == 0  # fmt: skip
+    tag = "h200" if "H200" in device else "h100"
+    return json.loads((out / f"cold_start_tiny_{tag}.json").read_text())
+
+
+def test_records_from_fake_servers(tmp_path, monkeypatch):
+    """The whole run against a stand-in server (an HTTP process that answers /health_generate and logs
+    progress lines when its TILELANG_CACHE_DIR does not exist yet): four records, the empty starts of
+    hierasparse counting its compiled kernels, the warm one none."""
+    records = run_against_fake_servers(tmp_path, monkeypatch, "NVIDIA H100 80GB HBM3")
     assert [(r["server"], r["cache"], r["kernels_compiled"]) for r in records] == [
         ("hierasparse", "empty", 2), ("hierasparse", "warm", 0), ("dense", "empty", 0), ("dense", "warm", 0)]
     assert all(0 < r["ready_s"] < 60 and r["device"] == "NVIDIA H100 80GB HBM3" for r in records)
@@ -92,33 +98,12 @@ def test_records_from_fake_servers(tmp_path, monkeypatch):
 def test_prebuilt_kernels_are_installed_into_the_fresh_cache_first(tmp_path, monkeypatch):
     """--prebuilt: the archive goes into the hierasparse server's fresh TileLang cache before its first
     start (here: the stand-in finds its cache and compiles nothing), and its records name it."""
-    import json
     import os
-    import socket
-    import sys
-
-    script = tmp_path / "fake_server.py"
-    script.write_text(FAKE_SERVER)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-
-    class FakeTimedServer(C.TimedServer):
-        def __init__(self, model_path, args, port, log, timeout, env):
-            super().__init__(model_path, args, port, log, timeout, env=env)
-            self.command = [sys.executable, str(script), str(port), *args]
 
     installed = []
-    monkeypatch.setattr(C, "TimedServer", FakeTimedServer)
-    monkeypatch.setattr(C, "device_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(C, "install_prebuilt", lambda archive, cache: (installed.append((archive, cache)),
                                                                        os.makedirs(cache)))  # fmt: skip
-    out = tmp_path / "out"
-    assert C.main(["--model", "tiny", "--model-path", str(tmp_path / "model"), "--out", str(out), "--port", str(port),
-                   "--timeout", "60", "--prebuilt", "/x/hs-kernels.tar.gz"]) == 0  # fmt: skip
-    records = json.loads((out / "cold_start_tiny_h200.json").read_text())
+    records = run_against_fake_servers(tmp_path, monkeypatch, "NVIDIA H200", "--prebuilt", "/x/hs-kernels.tar.gz")
     assert len(installed) == 1 and installed[0][1].endswith(os.path.join("hierasparse_tiny", "tilelang"))
     assert [(r["server"], r["cache"], r["kernels_compiled"], r.get("prebuilt_kernels")) for r in records] == [
         ("hierasparse", "empty", 0, "hs-kernels.tar.gz"), ("hierasparse", "warm", 0, "hs-kernels.tar.gz"),

@@ -129,12 +129,14 @@ def test_paged_attention_over_cache_pages_and_compressed_blocks():
         assert torch.allclose(lse[rows], expected_lse, atol=1e-4)
 
 
+@pytest.mark.parametrize("value_dtype", [None, torch.float8_e4m3fn], ids=["16bit", "fp8"])
 @pytest.mark.parametrize("sk, sv", [(0.0, 0.0), (1.0, 1.0), (0.0, 1.0), (0.5, 0.5)])
-def test_decompressed_fallback_matches_oracle(sk, sv):
+def test_decompressed_fallback_matches_oracle(sk, sv, value_dtype):
+    """The fallback (16-bit gathers) against the oracle (float32), 16-bit and FP8 store values."""
     torch.manual_seed(7)
     heads, dim, q_heads, block = 2, 64, 8, 64
     k, v = random_kv(6 * block, heads, dim, torch.float16, seed=8)
-    store = ref.compress_sequence(k, v, PRUNER, sk, sv, block, sink_tokens=0, window_tokens=0)
+    store = ref.compress_sequence(k, v, PRUNER, sk, sv, block, sink_tokens=0, window_tokens=0, value_dtype=value_dtype)
     cache_k, cache_v = torch.randn(10 * block, heads, dim).half(), torch.randn(10 * block, heads, dim).half()
     table = torch.tensor([[3, -1, -2, -3, -4, -5, -6, 5, 7], [2, -5, 4, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)
     seq_lens, qo_indptr = [8 * block + 20, 2 * block + 33], [0, 5, 6]
