@@ -91,15 +91,18 @@ class HieraSparseRuntime:
         dense_rows = model_runner.token_to_kv_pool_allocator.size + model_runner.page_size
         virtual = VirtualSlots(base=-(-dense_rows // block) * block, block_size=block)
         kv_pool = model_runner.token_to_kv_pool
+        # The store's blocks are 16-bit values of the model's dtype (or FP8 with scales), also over FP8 pages.
+        model_dtype = kv_pool.dtype
         if kv_pool.dtype.itemsize == 1:
             check_unit_kv_scales(model_runner.model)
+            model_dtype = model_runner.dtype
         head_map = rank_k_head_map(config.k_head_map, kv_pool) if config.k_head_map else None
         capacity = StoreCapacity.from_budget(
             budget, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, config.sk_prefill, config.sv_prefill,
             head_map.share if head_map is not None else 1.0, 1 if config.store_value_dtype is not None else 2,
         )  # fmt: skip
         store = CompressedStore(
-            capacity, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, kv_pool.dtype, kv_pool.device,
+            capacity, kv_pool.layer_num, kv_pool.head_num, kv_pool.head_dim, block, model_dtype, kv_pool.device,
             k_sparse_heads=head_map.sparse if head_map is not None else None, value_dtype=config.store_value_dtype,
         )  # fmt: skip
         kernels = tilelang_kernels_available()

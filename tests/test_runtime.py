@@ -60,6 +60,24 @@ def test_runtime_is_built_once_from_the_reservation(monkeypatch):
     assert not runtime.uses_kernel("decode")
 
 
+def test_over_fp8_pages_the_store_keeps_the_models_dtype():
+    """SGLang's FP8 pages (--kv-cache-dtype fp8_e4m3): the store's blocks stay 16-bit values of the model's
+    dtype (FP8 only with --hierasparse-store-dtype), and a checkpoint's KV scales are refused."""
+    from sglang_hs.config import HieraSparseConfig, HieraSparseConfigError
+    from sglang_hs.runtime import RESERVATION_ATTR, HieraSparseRuntime, StoreReservation
+
+    for store_dtype, value_dtype in (("auto", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
+        config = HieraSparseConfig(kernels="none", store_dtype=store_dtype)
+        runner = fake_runner(SimpleNamespace(**{RESERVATION_ATTR: StoreReservation(config, 8 << 20)}))
+        runner.token_to_kv_pool.dtype, runner.dtype = torch.float8_e4m3fn, torch.bfloat16
+        runner.model = torch.nn.Linear(1, 1)
+        store = HieraSparseRuntime.build(runner).store
+        assert store.dtype == torch.bfloat16 and store.value_dtype == value_dtype
+    runner.model.k_scale_float = 0.5
+    with pytest.raises(HieraSparseConfigError, match="KV scales"):
+        HieraSparseRuntime.build(runner)
+
+
 def test_without_a_reservation_the_store_is_empty_and_settings_come_from_the_environment(monkeypatch):
     from sglang_hs.config import ENV_VAR, HieraSparseConfig
     from sglang_hs.runtime import attach_runtime
