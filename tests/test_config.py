@@ -157,6 +157,20 @@ def test_launcher_refuses_decode_and_extend_kernels_for_an_unsupported_gqa_group
     assert result.stderr.strip().splitlines()[-1] == "error: hierasparse: --device=cpu is invalid; allowed: cuda"
 
 
+def test_launcher_takes_fp8_pages_on_the_pytorch_paths_only(tmp_path):
+    """--kv-cache-dtype fp8_e4m3: refused in one line with the kernels, accepted with --hierasparse-kernels
+    none (then the run stops at the CPU device, after every shape check)."""
+    from sglang_hs.launch.make_model import LLAMA_31_8B, write_llama_config
+
+    write_llama_config(str(tmp_path), LLAMA_31_8B)
+    base = ["-m", "sglang.launch_server", "--model-path", str(tmp_path), "--attention-backend", "hierasparse",
+            "--device", "cpu", "--kv-cache-dtype", "fp8_e4m3"]  # fmt: skip
+    last = run_python(*base, cwd="/").stderr.strip().splitlines()[-1]
+    assert last.startswith("error: hierasparse: --kv-cache-dtype='fp8_e4m3' is invalid; allowed:") and "kernels none" in last
+    result = run_python(*base, "--hierasparse-kernels", "none", "--hierasparse-store-dtype", "fp8_e4m3", cwd="/")
+    assert result.stderr.strip().splitlines()[-1] == "error: hierasparse: --device=cpu is invalid; allowed: cuda"
+
+
 def test_architectures_the_store_cannot_serve_are_refused_in_one_line():
     """MLA, sliding-window, chunked-local and encoder-decoder attention: one line each, naming the model."""
     HieraSparseConfig.validate_architecture("LlamaForCausalLM", "MHA")
