@@ -214,11 +214,13 @@ class HieraSparseConfig:
             f"'compress' or 'none' for this model: its {gqa_group} query heads per KV head are not a GQA "
             f"group of the decode and extend kernels ({list(KERNEL_GQA_GROUPS)})",
         )
+        # The kernels' tiles take head_dim 64 and 128; the PyTorch paths any multiple of 16 (2:4 metadata
+        # words cover 16 channels), e.g. Phi-3's 96 or 256.
         _require(
-            head_dim in SUPPORTED_HEAD_DIMS,
+            head_dim in SUPPORTED_HEAD_DIMS or (self.kernels == "none" and head_dim % 16 == 0),
             "the model's head_dim",
             head_dim,
-            f"one of {list(SUPPORTED_HEAD_DIMS)}",
+            f"one of {list(SUPPORTED_HEAD_DIMS)}, or a multiple of 16 with --hierasparse-kernels none",
         )
         _require(dtype in SUPPORTED_DTYPES, "--dtype", dtype, f"one of {list(SUPPORTED_DTYPES)}")
         # SGLang's FP8 pages (unit scales) are read by the PyTorch paths only; the kernels read 16-bit pages.

@@ -69,8 +69,13 @@ def test_kernel_selection():
 def test_model_and_gpu_checks():
     config = HieraSparseConfig()
     config.validate_model(head_dim=128, dtype="bfloat16", kv_cache_dtype="auto", gqa_group=4)
-    with pytest.raises(HieraSparseConfigError, match="head_dim=96"):
+    with pytest.raises(HieraSparseConfigError, match="head_dim=96.*multiple of 16 with --hierasparse-kernels none"):
         config.validate_model(head_dim=96, dtype="float16", kv_cache_dtype="auto", gqa_group=4)
+    for head_dim in (96, 256):  # Phi-3, Gemma-sized heads: the PyTorch paths
+        HieraSparseConfig(kernels="none").validate_model(head_dim=head_dim, dtype="float16", kv_cache_dtype="auto",
+                                                         gqa_group=4)  # fmt: skip
+    with pytest.raises(HieraSparseConfigError, match="head_dim=72"):
+        HieraSparseConfig(kernels="none").validate_model(head_dim=72, dtype="float16", kv_cache_dtype="auto", gqa_group=4)
     with pytest.raises(HieraSparseConfigError, match="--dtype='float32'"):
         config.validate_model(head_dim=64, dtype="float32", kv_cache_dtype="auto", gqa_group=4)
     with pytest.raises(HieraSparseConfigError, match="kv-cache-dtype.*'fp8_e4m3' with --hierasparse-kernels none"):

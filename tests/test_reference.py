@@ -129,12 +129,14 @@ def test_paged_attention_over_cache_pages_and_compressed_blocks():
         assert torch.allclose(lse[rows], expected_lse, atol=1e-4)
 
 
-@pytest.mark.parametrize("value_dtype", [None, torch.float8_e4m3fn], ids=["16bit", "fp8"])
+@pytest.mark.parametrize("value_dtype, dim", [(None, 64), (torch.float8_e4m3fn, 64), (None, 96), (None, 256)],
+                         ids=["16bit", "fp8", "d96", "d256"])  # fmt: skip
 @pytest.mark.parametrize("sk, sv", [(0.0, 0.0), (1.0, 1.0), (0.0, 1.0), (0.5, 0.5)])
-def test_decompressed_fallback_matches_oracle(sk, sv, value_dtype):
-    """The fallback (16-bit gathers) against the oracle (float32), 16-bit and FP8 store values."""
+def test_decompressed_fallback_matches_oracle(sk, sv, value_dtype, dim):
+    """The fallback (16-bit gathers) against the oracle (float32): 16-bit and FP8 store values, and the
+    head_dims only the PyTorch paths take (96, 256)."""
     torch.manual_seed(7)
-    heads, dim, q_heads, block = 2, 64, 8, 64
+    heads, q_heads, block = 2, 8, 64
     k, v = random_kv(6 * block, heads, dim, torch.float16, seed=8)
     store = ref.compress_sequence(k, v, PRUNER, sk, sv, block, sink_tokens=0, window_tokens=0, value_dtype=value_dtype)
     cache_k, cache_v = torch.randn(10 * block, heads, dim).half(), torch.randn(10 * block, heads, dim).half()
