@@ -110,8 +110,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``values [N, ...] * scale [N]`` in ``dtype`` (the product is formed in float32)."""
-    shape = (-1,) + (1,) * (values.dim() - 1)
+    """``values [*rows, ...] * scale [*rows]`` in ``dtype`` (the product is formed in float32): ``scale``
+    holds one entry per row, over ``values``' leading dimensions."""
+    shape = (*scale.shape, *(1,) * (values.dim() - scale.dim()))
     return (values.float() * scale.reshape(shape)).to(dtype)
 
 
@@ -182,9 +183,7 @@ def decompress_blocks(pools: BlockPools, index: torch.Tensor, operand: str, dtyp
     dtype = dtype or (torch.float32 if pools.quantized else dense.dtype)
 
     def gather(pool: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
-        if scale is None:
-            return pool[rows].to(dtype)
-        return (pool[rows].float() * scale[rows][..., None, None]).to(dtype)
+        return pool[rows].to(dtype) if scale is None else dequantize_rows(pool[rows], scale[rows], dtype)
 
     parts = []
     if dense.shape[0]:
