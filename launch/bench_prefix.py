@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from sglang_hs.config import HieraSparseConfig
 from sglang_hs.format import dense_block_bytes, sparse_block_bytes
-from sglang_hs.launch.server import SGLangServer, ServerStartError, http_json
+from sglang_hs.launch.server import SGLangServer, ServerStartError, device_name, http_json
 from sglang_hs.launch.trace_summary import load_events, summarize
 from sglang_hs.plotting import pyplot
 
@@ -384,15 +384,6 @@ def host_tier(spec: ServerSpec, hicache_size: int | None) -> str | None:
     if not spec.hicache:
         return None
     return f"{hicache_size} GB" if hicache_size else "hicache-ratio default"
-
-
-def device_name() -> str:
-    try:
-        import torch
-
-        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "unknown"
 
 
 def plot(records: list[dict], png_path: str) -> None:

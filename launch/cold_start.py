@@ -33,7 +33,7 @@ import time
 import urllib.error
 import urllib.request
 
-from sglang_hs.launch.server import ServerStartError, SGLangServer
+from sglang_hs.launch.server import ServerStartError, SGLangServer, device_name
 
 PROGRESS = re.compile(r"hierasparse: compiling (\d+) kernels \((\d+)/\1\)")
 
@@ -83,12 +83,6 @@ def kernels_compiled(log_text: str) -> int:
     """Kernels the server compiled: its ``(k/N)`` progress lines with k >= 1 (one rank compiles; the
     others wait on the compile lock and load)."""
     return sum(1 for match in PROGRESS.finditer(log_text) if int(match.group(2)) >= 1)
-
-
-def device_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def server_args(server: str, args: argparse.Namespace) -> list[str]:

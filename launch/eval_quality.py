@@ -97,6 +97,7 @@ from sglang_hs.launch.quality_inputs import (TASKS, MissingInput, PrefixGeometry
 from sglang_hs.launch.quality_reference import ReferenceBackend
 from sglang_hs.launch.quality_report import compare_runs, merge_runs, save_run, summarize, write_report
 from sglang_hs.launch.quality_server import ServerBackend
+from sglang_hs.launch.server import device_name
 from sglang_hs.pruner import PRUNERS
 
 
@@ -261,6 +262,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, reference: ReferencePr
             backend.k_head_map = (os.path.abspath(args.k_head_map), k_map.share)
         backend.decode_mode_flags = {"decode-anchors": args.decode_anchors, "decode-topk": args.decode_topk,
                                      "decode-tau": args.decode_tau}  # fmt: skip
+        backend_meta = {"device": device_name()}  # the GPU the servers ran on (the frontier's device field)
     tokenizer = backend.tokenizer
     haystack, heldout = split_corpus(texts)
     builder = TaskBuilder(tokenizer, haystack, args.seed)

@@ -34,7 +34,8 @@
 #   bash launch/h100.sh smollm2              convert SmolLM2's GGUF (/tmp/smollm2.gguf, .whl/; launch/README.md)
 #   bash launch/h100.sh frontier OUT SETS SETTING...
 #                                            quality per byte: the quality step over question sets side by side
-#                                            (SETS e.g. 21,22,23:topics,24:stdlib,25) -> OUT/quality_frontier[TAG]_GPU.json
+#                                            (SETS e.g. 21,22,23:topics,24:stdlib,25; PARTS, BASE: the step's
+#                                            comments) -> OUT/quality_frontier_smollm2[TAG]_GPU.json
 #   bash launch/h100.sh quality OUT TAG SETTING...
 #                                            SmolLM2-135M quality through real servers: dense and the SETTINGs
 #                                            (e.g. magnitude:sk=0,sv=1) -> OUT/quality_TAG.*; parts run side by
@@ -299,8 +300,11 @@ PY
   frontier)
     # Question sets side by side on one GPU (one quality process each, MEM 0.08, ports apart), then one
     # quality-per-byte record: SETS = comma list of SEED or SEED:CORPUS (topics | stdlib: make_corpus's
-    # held-out texts, written here if missing; no corpus: the essays); TAG names the record.
+    # held-out texts, written here if missing; no corpus: the essays); TAG names the record. PARTS=N splits
+    # each set's settings over N processes (each with its own dense server; merged with eval_quality --merge);
+    # BASE=RECORD adds the sets to an earlier frontier record.
     IFS=, read -ra sets <<< "${3:?SETS, e.g. 21,22,23:topics,24:stdlib,25}"
+    settings=("${@:4}") parts=${PARTS:-1}
     port=${PORT:-30000} runs=()
     for spec in "${sets[@]}"; do
       seed=${spec%%:*} corpus="" name="essays seed $seed"
@@ -309,13 +313,23 @@ PY
         [ -d "$corpus" ] || python3 -m sglang_hs.launch.make_corpus "$( [ "${spec#*:}" = topics ] && echo pydoc-topics ||
                                                                         echo stdlib-docstrings )" "$corpus" || exit 1
       fi
-      SEED=$seed CORPUS=$corpus PORT=$port MEM=${MEM:-0.08} bash "$0" quality "$out" "fr${TAG:-}_$seed" "${@:4}" \
-          > "$out/frontier${TAG:-}_$seed.txt" 2>&1 &
+      for ((part = 0; part < parts; part++)); do
+        mine=()
+        for ((i = part; i < ${#settings[@]}; i += parts)); do mine+=("${settings[$i]}"); done
+        SEED=$seed CORPUS=$corpus PORT=$port MEM=${MEM:-0.08} bash "$0" quality "$out" "fr${TAG:-}_${seed}_$part" "${mine[@]}" \
+            > "$out/frontier${TAG:-}_${seed}_$part.txt" 2>&1 &
+        port=$((port + 50))
+      done
       runs+=(--run "$out/quality_fr${TAG:-}_$seed.json=$name")
-      port=$((port + 100))
     done
     wait
-    python3 -m sglang_hs.launch.quality_frontier --out "$out/quality_frontier${TAG:-}_${gpu}.json" "${runs[@]}"
+    for spec in "${sets[@]}"; do
+      seed=${spec%%:*}
+      python3 -m sglang_hs.launch.eval_quality --merge "$out"/quality_fr${TAG:-}_${seed}_*.json --out "$out" \
+          --tag "fr${TAG:-}_$seed" | tail -1
+    done
+    python3 -m sglang_hs.launch.quality_frontier --out "$out/quality_frontier_smollm2${TAG:-}_${gpu}.json" \
+        ${BASE:+--base=$BASE} "${runs[@]}"
     ;;
   *)
     echo "unknown step $step; allowed: warm, kernels, decode, modes, cold_start, extend, tiny, verify, prefix, warmfi, soak, sanitize, smollm2, quality, frontier" >&2

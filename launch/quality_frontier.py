@@ -6,10 +6,11 @@ Each run (its JSON) is one question set under one server configuration; ``--run 
 setting of every run becomes a row ``{setting, kv_bytes_vs_bf16, needle_acc, dense_acc, question_set,
 backend}`` (bytes: the prefix's K+V against 16-bit dense, sink, window, 2:4 metadata and FP8 scales counted,
 from the run's summary); ``pooled`` gives each setting's accuracy over the sets that ran it (question
-weighted) and the dense baseline over the same sets.
+weighted; KL: the mean over the sets) and the dense baseline over the same sets. ``--base RECORD`` starts from
+an earlier frontier record's rows, so that question sets run at another time join it without their runs.
 
-    python -m sglang_hs.launch.quality_frontier --out launch/results/quality_frontier.json \\
-        --run q21.json="essays seed 21" --run q23.json="pydoc topics seed 23" ...
+    python -m sglang_hs.launch.quality_frontier --out launch/results/quality_frontier_smollm2_h200.json \\
+        [--base EARLIER.json] --run q21.json="essays seed 21" --run q23.json="pydoc topics seed 23" ...
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def pooled(rows: list[dict]) -> list[dict]:
             "needle_acc": round(sum(r["needle_acc"] * r["questions"] for r in mine) / n, 4),
             "dense_acc": round(sum(r["dense_acc"] * r["questions"] for r in mine) / n, 4),
             "kv_bytes_vs_bf16": round(sum(r["kv_bytes_vs_bf16"] * r["questions"] for r in mine) / n, 4),
+            "kl": round(sum(r["kl"] or 0.0 for r in mine) / len(mine), 5),
         })  # fmt: skip
         out[-1]["vs_dense_points"] = round(100 * (out[-1]["needle_acc"] - out[-1]["dense_acc"]), 1)
     return out
@@ -78,11 +80,17 @@ def plot(pool: list[dict], path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", action="append", required=True, metavar="FILE=NAME",
+    parser.add_argument("--run", action="append", default=[], metavar="FILE=NAME",
                         help="an eval_quality JSON and the name of its question set (repeat)")  # fmt: skip
     parser.add_argument("--out", required=True, help="the record's path (.json; the PNG beside it)")
+    parser.add_argument("--base", metavar="RECORD", help="an earlier frontier record whose rows (and commands) this one "
+                        "keeps; a question set in both is taken from the runs")  # fmt: skip
     parser.add_argument("--device", default="", help="the record's device field (default: the runs' own)")
+    parser.add_argument("--commit", default="", help="the commit the runs ran at (the record's commit field)")
     args = parser.parse_args(argv)
+    if not args.run and not args.base:
+        print("quality_frontier: nothing to merge; give --run FILE=NAME (repeat) and/or --base RECORD", file=sys.stderr)
+        return 2
     runs = []
     for item in args.run:
         path, sep, name = item.partition("=")
@@ -92,20 +100,29 @@ def main(argv: list[str] | None = None) -> int:
         with open(path) as f:
             runs.append((json.load(f), name))
     rows = frontier_rows(runs)
+    base = {"rows": [], "commands": [], "device": ""}
+    if args.base:
+        with open(args.base) as f:
+            base = json.load(f)
+    new_sets = {r["question_set"] for r in rows}
+    rows = [r for r in base["rows"] if r["question_set"] not in new_sets] + rows
     missing = sorted({r["setting"] for r in rows if r["kv_bytes_vs_bf16"] is None})
     if missing:
         print(f"quality_frontier: runs without kv_bytes_vs_bf16 for {missing}; rerun or --report-only them "
               "with this version of eval_quality", file=sys.stderr)  # fmt: skip
         return 2
     pool = pooled(rows)
-    devices = sorted({str(run.get("device") or run["meta"].get("device") or "") for run, _ in runs} - {""})
+    devices = {str(run.get("device") or run["meta"].get("device") or "") for run, _ in runs}
+    devices = sorted((devices | set(base["device"].split(", "))) - {""})
+    commands = [c for r, _ in runs for c in (r["meta"].get("commands") or [r["meta"].get("command")])]
     record = {"description": "Quality per byte: every setting of every question set (rows) and pooled over the sets "
                              "(pooled); bytes are the prefix's K+V against 16-bit dense.",
-              "device": args.device or ", ".join(devices), "commands": [r["meta"].get("command") for r, _ in runs],
-              "pooled": pool, "rows": rows}  # fmt: skip
+              "device": args.device or ", ".join(devices), "commit": args.commit or base.get("commit", ""),
+              "commands": base["commands"] + commands, "pooled": pool, "rows": rows}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-    plot(pool, args.out.removesuffix(".json") + ".png", f"{len(runs)} question sets, {len(pool)} settings")
+    sets = len({r["question_set"] for r in rows})
+    plot(pool, args.out.removesuffix(".json") + ".png", f"{sets} question sets, {len(pool)} settings")
     for row in pool:
         print(f"[frontier] {row['setting']}: bytes {row['kv_bytes_vs_bf16']:.3f}, needles {row['needle_acc']:.3f} "
               f"({row['vs_dense_points']:+.1f} against dense over {row['question_sets']} sets)")  # fmt: skip

@@ -32,6 +32,16 @@ START_RETRIES = 2
 START_RETRY_DELAY_S = 20
 
 
+def device_name() -> str:
+    """The GPU servers started from this process run on (CUDA device 0), ``cpu`` without one: the
+    records' ``device`` field."""
+    try:
+        import torch
+    except ImportError:
+        return "unknown"
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message ends with its log tail."""
 

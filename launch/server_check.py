@@ -35,7 +35,7 @@ import random
 import sys
 import time
 
-from sglang_hs.launch.server import SGLangServer
+from sglang_hs.launch.server import SGLangServer, device_name
 
 TOP = 2  # most likely tokens returned a step
 Steps = list[tuple[str, list[tuple[str, float]]]]  # per generated token: the choice, and the top (token, logprob)
@@ -192,13 +192,6 @@ def rank_gqa_group(model_path: str, common_args: list[str]) -> int:
     q_heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", q_heads)
     return (q_heads // tp) // max(kv_heads // tp, 1)
-
-
-def device_name() -> str | None:
-    """The GPU the servers ran on (None without one)."""
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def main(argv: list[str] | None = None) -> int:

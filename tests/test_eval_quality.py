@@ -388,3 +388,15 @@ def test_quality_frontier_pools_sets_and_labels_presets(tmp_path, capsys):
     assert pooled["magnitude:sk=1,sv=0,store=fp8_e4m3"]["vs_dense_points"] == pytest.approx(-40.0)
     assert pooled["dense"]["question_sets"] == 3
     assert qf.main(["--run", "no-name.json", "--out", str(out)]) == 2
+    # --base: an earlier record's sets stay, a set run again replaces its rows, commands and devices add up
+    json.dump({**json.load(open(out)), "device": "NVIDIA H100"}, open(out, "w"))
+    merged = tmp_path / "merged.json"
+    assert qf.main(["--base", str(out), "--run", run(3, 0.6, None), "--run", run(4, 0.4, None), "--device", "",
+                    "--out", str(merged)]) == 0  # fmt: skip
+    record = json.load(open(merged))
+    assert sorted({r["question_set"] for r in record["rows"]}) == [f"essays seed {s}" for s in (1, 2, 3, 4)]
+    assert len(record["rows"]) == 8 and record["device"] == "NVIDIA H100" and len(record["commands"]) == 5
+    pooled = {row["setting"]: row for row in record["pooled"]}
+    assert pooled["magnitude:sk=1,sv=0,store=fp8_e4m3"]["needle_acc"] == pytest.approx(0.5)  # seeds 3 (new) and 4
+    assert pooled["magnitude:sk=1,sv=0,store=fp8_e4m3"]["kl"] == pytest.approx(0.01)
+    assert qf.main(["--out", str(merged)]) == 2
