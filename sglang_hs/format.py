@@ -100,11 +100,18 @@ class BlockPools:
 
 # --------------------------------------------------------------------------------------- FP8 values
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 values and float32 ``[N]`` scales of ``N`` rows ``x [N, ...]``: a scale per row maps the
-    row's absolute maximum to :data:`FP8_MAX` (an all-zero row gets scale 1)."""
+    """e4m3 values and float32 ``[N]`` scales of ``N`` rows ``x [N, ...]``: each row's scale is the
+    smallest power of two that brings the row's absolute maximum within :data:`FP8_MAX` (an all-zero
+    row gets scale 1).
+
+    Why powers of two: dividing by one only shifts exponents, so rows that already hold e4m3 values
+    (SGLang's FP8 pages, which the compressor reads) are stored exactly instead of rounded a second
+    time; for 16-bit rows e4m3's relative precision is the same at any scale."""
     rows = x.float().reshape(x.shape[0], max(1, x[0].numel()) if x.shape[0] else 0)
     amax = rows.abs().amax(dim=1) if rows.numel() else rows.new_zeros(rows.shape[0])
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    mantissa, exponent = torch.frexp(amax / FP8_MAX)  # amax / FP8_MAX = mantissa * 2^exponent, mantissa in [0.5, 1)
+    scale = torch.ldexp(torch.ones_like(amax), exponent - (mantissa == 0.5).int())  # 2^ceil(log2(amax / FP8_MAX))
+    scale = torch.where(amax > 0, scale, torch.ones_like(amax))
     values = (rows / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return values.reshape(x.shape), scale
 

@@ -24,11 +24,23 @@ def test_rows_quantize_to_their_absolute_maximum():
     values, scale = quantize_rows(x)
     assert values.dtype == FP8_DTYPE and scale.dtype == torch.float32 and scale.shape == (5,)
     assert scale[3] == 1.0  # an all-zero row
-    assert torch.equal(values.float().abs().amax(dim=(1, 2))[[0, 1, 2, 4]], torch.full((4,), FP8_MAX))
+    peak = values.float().abs().amax(dim=(1, 2))[[0, 1, 2, 4]]  # a power-of-two scale puts it in (FP8_MAX / 2, FP8_MAX]
+    assert ((peak > FP8_MAX / 2) & (peak <= FP8_MAX)).all()
+    assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)
     back = dequantize_rows(values, scale)
     # e4m3 keeps 3 mantissa bits: a relative error of at most 2^-4 of each element (normal range).
     big = x.float().abs() > x.float().abs().amax(dim=(1, 2), keepdim=True) / 64
     assert ((back - x.float()).abs()[big] <= x.float().abs()[big] / 16 + 1e-6).all()
+
+
+def test_rows_that_hold_e4m3_values_are_stored_exactly():
+    """The compressor reads SGLang's FP8 pages (unit scale) into 16-bit rows: storing them again must not
+    round them a second time."""
+    torch.manual_seed(1)
+    x = torch.randn(4, B, D) * torch.tensor([1e-3, 0.2, 3.0, 100.0]).view(4, 1, 1)
+    pages = x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(torch.bfloat16)  # exact: e4m3 fits in bf16
+    values, scale = quantize_rows(pages)
+    assert torch.equal(dequantize_rows(values, scale), pages.float())
 
 
 def test_byte_accounting_counts_values_metadata_and_scales():
