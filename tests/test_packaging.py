@@ -36,3 +36,25 @@ def test_launch_server_help_lists_backend_and_settings():
     assert "hierasparse}" in result.stdout  # in the --attention-backend choices
     for flag in ("--hierasparse-sk-prefill", "--hierasparse-sv-decode", "--hierasparse-block-size"):
         assert flag in result.stdout
+
+
+def test_results_index_and_docs_match_the_records():
+    """Every record in launch/results/ is in its index, every record the index or docs/results.md names
+    exists, and the user-facing docs stay within their length limits."""
+    import os
+    import re
+
+    results = os.path.join(REPO_ROOT, "launch", "results")
+    records = set(os.listdir(results)) - {"README.md"}
+    index = open(os.path.join(results, "README.md")).read()
+    named = set()
+    for name in re.findall(r"`([\w{},.-]+\.(?:json|png|log|pt))`", index):
+        braces = re.search(r"\{([\w,]+)\}", name)  # server_check_gqa{3,5}_...: one record per item
+        named |= {name.replace(braces.group(0), item) for item in braces.group(1).split(",")} if braces else {name}
+    assert records - named == set(), "records missing from launch/results/README.md"
+    assert named - records == set(), "the index names records that are not in launch/results/"
+    cited = set(re.findall(r"`((?:quality|server_check|cold_start|prefix_bench|kernels|soak|gpu_tests|dense_prefill)"
+                           r"_[\w.-]+\.(?:json|log))`", open(os.path.join(REPO_ROOT, "docs", "results.md")).read()))
+    assert cited - records == set(), "docs/results.md cites records that are not in launch/results/"
+    for doc, limit in (("README.md", 200), ("docs/results.md", 300)):
+        assert len(open(os.path.join(REPO_ROOT, doc)).read().splitlines()) <= limit, doc
