@@ -82,6 +82,23 @@ class DecodeSelection:
         return keep
 
 
+@dataclass
+class StreamingHeads:
+    """Streaming heads on the rows of a batch: ``heads[row]`` (bool ``[L, H]`` or None) marks the
+    (layer, KV head) pairs whose compressed prefix tokens ``[lo, hi)`` no query reads."""
+
+    lo: int
+    hi: int
+    heads: list[torch.Tensor | None]
+
+    def key_mask(self, query: torch.Tensor, key: torch.Tensor, scaling: float, layer: int = 0) -> torch.Tensor:
+        keep = torch.ones(key.shape[0], key.shape[1], 1, key.shape[2], dtype=torch.bool)
+        for row, heads in enumerate(self.heads):
+            if heads is not None:
+                keep[row, heads[layer], 0, self.lo : self.hi] = False
+        return keep
+
+
 def parse_decode_select(rule: str | None) -> str | None:
     """``exact:K`` / ``pooled:K`` (K >= 1), ``panchor:K:S``, ``canchor:K:M`` (M anchors placed on
     calibration prompts) / ``canchor:K:0-A-B..`` (those anchor layers); ValueError with one line otherwise.
@@ -126,9 +143,17 @@ class StudyBackend(VariantKV, ReferenceBackend):
         return self.variant_kv(state, setting, variant, blocks)
 
     def is_identity(self, setting: Setting) -> bool:
-        """S = 0 of a variant that quantizes (fp8*) moves the values: not an identity."""
+        """S = 0 of a variant that quantizes (fp8*) or streams heads moves the output: not an identity."""
         variant = None if setting.is_dense else parse_variant(setting.pruner)
-        return super().is_identity(setting) and not (variant and variant.fp8)
+        return super().is_identity(setting) and not (variant and (variant.fp8 or variant.stream))
+
+    def hidden_keys(self, chunk: list[Setting], blocks: range) -> KeyMask | None:
+        variants = [None if s.is_dense else parse_variant(s.pruner) for s in chunk]
+        if not any(v and v.stream for v in variants) or len(blocks) == 0:
+            return None
+        b = self.geometry.block
+        return StreamingHeads(blocks.start * b, blocks.stop * b,
+                              [self.streaming_heads(v) if v and v.stream else None for v in variants])  # fmt: skip
 
     def decode_selection(self, chunk: list[Setting], blocks: range) -> KeyMask | None:
         if not self.decode_select:

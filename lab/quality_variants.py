@@ -31,6 +31,11 @@ orders; ``refit``: kept values re-fitted to the query second moment; ``output_aw
 scores from the prefix's own last queries) are described with their results in ``docs/quality.md``
 and live in git history (commit 8f42e89; ``output_aware``: ``git log -S OutputAwarePruner``).
 
+- ``stream-<percent>``: streaming heads (DuoAttention's split): the ``percent`` of (layer, KV head) pairs
+  with the lowest head-map score (the ``headmap-<score>`` part's, else ``needle``) keep only sink, window and
+  the question's own tokens of a cached prefix: no query reads their compressed blocks
+  (``eval_study.StreamingHeads``), which the store would not hold. The other heads store what the rest
+  of the setting says.
 - ``fp8store``, ``fp8prefix``, ``fp8unit``: FP8 (e4m3) values, round-tripped: ``fp8store`` on the
   compressed blocks only (dense and 2:4 alike: the compressor would quantize the kept values, with a scale
   per block and KV head from their absolute maximum), ``fp8prefix`` on the whole cached prefix with the same
@@ -66,6 +71,7 @@ HEADMAP = "headmap-"
 PERM = "perm"
 V_MAP = "vmap"
 V_COMP = "vcomp-"
+STREAM = "stream-"
 FP8_PARTS = {"fp8store": "store", "fp8prefix": "prefix", "fp8unit": "unit"}
 FP8_MAX = 448.0  # e4m3's largest finite value
 FILE_PERM = "fperm"
@@ -80,12 +86,13 @@ class Variant:
     v_map: bool = False  # V sparse only where the head map stores K sparse
     v_comp: float = 0.0  # share of the dropped V group sum the kept values absorb
     fp8: str = ""  # "", or FP8_PARTS' values: which tokens hold e4m3 values, and how they are scaled
+    stream: float = 0.0  # share of (layer, KV head) pairs that keep only sink and window of a cached prefix
 
 
 def parse_variant(pruner: str) -> Variant | None:
     """The variant a pruner name selects, or None for the server's own pruners."""
     parts = pruner.split("+")
-    score, perm, source, v_map, v_comp, fp8 = None, False, "calibration", False, 0.0, ""
+    score, perm, source, v_map, v_comp, fp8, stream = None, False, "calibration", False, 0.0, "", 0.0
     for part in parts:
         if part.startswith(HEADMAP) and score is None:
             score = part[len(HEADMAP) :].replace("-", "_")
@@ -101,19 +108,21 @@ def parse_variant(pruner: str) -> Variant | None:
             v_comp = int(part[len(V_COMP) :]) / 100
         elif part in FP8_PARTS and not fp8:
             fp8 = FP8_PARTS[part]
+        elif part.startswith(STREAM) and part[len(STREAM) :].isdigit() and int(part[len(STREAM) :]) <= 100:
+            stream = int(part[len(STREAM) :]) / 100
         elif len(parts) == 1:
             return None
         else:
             raise ValueError(f"unknown variant part {part!r} in {pruner!r}")
     if v_map and score is None:
         raise ValueError(f"{V_MAP!r} needs a head map part ({HEADMAP}<score>) in {pruner!r}")
-    return Variant(score, perm, source, v_map, v_comp, fp8)
+    return Variant(score, perm, source, v_map, v_comp, fp8, stream)
 
 
 def needs_calibration(pruners: list[str]) -> bool:
     variants = [parse_variant(p) for p in pruners if p != "dense"]
-    return any(v and ((v.perm and v.perm_source == "calibration") or (v.score and v.score != RANDOM_SCORE))
-               for v in variants)  # fmt: skip
+    return any(v and ((v.perm and v.perm_source == "calibration") or (v.score and v.score != RANDOM_SCORE)
+                      or (v.stream and v.score is None)) for v in variants)  # fmt: skip
 
 
 def fp8_round_trip(x: torch.Tensor, lo: int, hi: int, block: int, unit_scale: bool = False) -> torch.Tensor:
@@ -245,7 +254,14 @@ class VariantKV:
             first, last = (lo, hi) if variant.fp8 == "store" else (0, k[0].shape[0])  # the reused prefix
             k = [fp8_round_trip(x, first, last, b, variant.fp8 == "unit") for x in k]
             v = [fp8_round_trip(x, first, last, b, variant.fp8 == "unit") for x in v]
-        return k, v, kv_stats(blocks, (sparse_k, sparse_v), rows)
+        stats = kv_stats(blocks, (sparse_k, sparse_v), rows)
+        if variant.stream:
+            stats["streaming_heads"] = round(float(self.streaming_heads(variant).double().mean()), 4)
+        return k, v, stats
+
+    def streaming_heads(self, variant: Variant) -> torch.Tensor:
+        """bool ``[L, H]``: the (layer, KV head) pairs that keep only sink and window (lowest score first)."""
+        return budget_map(self.scores_of(variant.score or "needle"), variant.stream) >= 1.0
 
     def head_mask(self, state: Any, score: str, sk: float, blocks: range) -> torch.Tensor:
         """bool ``[L, H, n]``: the K rows the head map of ``score`` at budget ``sk`` stores sparse."""

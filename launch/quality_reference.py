@@ -67,6 +67,7 @@ class CalibrationCapture:
     def __init__(self):
         self.probe: LayerProbe | None = None  # calibration: called per layer of a prefix forward
         self.select: KeyMask | None = None  # decode steps read only the keys this leaves in
+        self.hide: KeyMask | None = None  # keys no query reads, prefill and decode (a streaming head's middle)
 
     def attach(self, model) -> None:
         for module in model.modules():
@@ -90,6 +91,8 @@ def capture_attention(module, query, key, value, attention_mask, scaling=None, *
     mask = attention_mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(attention_mask.shape[0], 1, group * q_len, kv_len)
     if capture is not None and capture.select is not None and q_len == 1:
         mask = mask & capture.select.key_mask(query, key, scaling, module.layer_idx)
+    if capture is not None and capture.hide is not None:
+        mask = mask & capture.hide.key_mask(query, key, scaling, module.layer_idx)
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(batch, heads, group * q_len, dim), key, value, attn_mask=mask, scale=scaling
     )
@@ -267,18 +270,21 @@ class ReferenceBackend:
 
     @torch.no_grad()
     def greedy(self, kvs, suffix_ids: list[int], max_new_tokens: int,
-               select: KeyMask | None = None) -> list[list[int]]:  # fmt: skip
+               select: KeyMask | None = None, hide: KeyMask | None = None) -> list[list[int]]:  # fmt: skip
         """Greedy continuations of ``suffix_ids`` over each of ``kvs`` (one batch row per setting: all
         rows have the same length at every step, so no padding is involved); the decode steps (not the
-        suffix's prefill) read only the blocks ``select`` picks on its rows."""
+        suffix's prefill) read only the blocks ``select`` picks on its rows, and no step reads the keys
+        ``hide`` masks."""
         cache = self._cache(kvs, room=len(suffix_ids) + max_new_tokens)
         rows = len(kvs)
-        out = self.model(input_ids=torch.tensor([suffix_ids] * rows), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        self.capture.select = select
+        self.capture.hide = hide
         try:
+            out = self.model(input_ids=torch.tensor([suffix_ids] * rows), past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)  # fmt: skip
+            self.capture.select = select
             return self._decode(out, cache, rows, max_new_tokens)
         finally:
-            self.capture.select = None
+            self.capture.select = self.capture.hide = None
 
     def _decode(self, out, cache, rows: int, max_new_tokens: int) -> list[list[int]]:
         generated: list[list[int]] = [[] for _ in range(rows)]
@@ -297,11 +303,16 @@ class ReferenceBackend:
         return generated
 
     @torch.no_grad()
-    def logits(self, kvs, suffix_ids: list[int], first: int, count: int) -> torch.Tensor:
-        """float32 ``[len(kvs), count, vocab]``: logits of suffix positions ``first .. first+count-1``."""
+    def logits(self, kvs, suffix_ids: list[int], first: int, count: int, hide: KeyMask | None = None) -> torch.Tensor:
+        """float32 ``[len(kvs), count, vocab]``: logits of suffix positions ``first .. first+count-1``
+        (no position reading the keys ``hide`` masks)."""
         keep = torch.arange(first, first + count)
-        out = self.model(input_ids=torch.tensor([suffix_ids] * len(kvs)), past_key_values=self._cache(kvs),
-                         use_cache=True, logits_to_keep=keep)  # fmt: skip
+        self.capture.hide = hide
+        try:
+            out = self.model(input_ids=torch.tensor([suffix_ids] * len(kvs)), past_key_values=self._cache(kvs),
+                             use_cache=True, logits_to_keep=keep)  # fmt: skip
+        finally:
+            self.capture.hide = None
         return out.logits.float()
 
     # ------------------------------------------------------------------------- evaluation
@@ -312,6 +323,11 @@ class ReferenceBackend:
     def decode_selection(self, chunk: list[Setting], blocks: range) -> KeyMask | None:
         """The keys the decode steps of a batch of settings read (``blocks``: the prefix's compressed
         ones); None: every key (the server's ``full`` decode). A study overrides it."""
+        return None
+
+    def hidden_keys(self, chunk: list[Setting], blocks: range) -> KeyMask | None:
+        """Keys no query of a batch of settings reads, at any step (e.g. the compressed blocks of heads
+        that keep only sink and window); None: none. A study overrides it."""
         return None
 
     def evaluate(self, settings: list[Setting], samples: list[Sample], windows: list[Window]) -> list[dict]:
@@ -332,9 +348,9 @@ class ReferenceBackend:
                 suffix = sample.prefix_ids[reused:] + question.suffix_ids
                 outputs: dict[Setting, tuple[list[int], dict, bool]] = {}
                 for chunk in chunks:
-                    select = self.decode_selection(chunk, blocks)
-                    ids = self.greedy([views[s][:2] for s in chunk], suffix, question.max_new_tokens, select)
-                    outputs.update({s: (i, views[s][2], select is None) for s, i in zip(chunk, ids)})
+                    select, hide = self.decode_selection(chunk, blocks), self.hidden_keys(chunk, blocks)
+                    ids = self.greedy([views[s][:2] for s in chunk], suffix, question.max_new_tokens, select, hide)
+                    outputs.update({s: (i, views[s][2], select is None and hide is None) for s, i in zip(chunk, ids)})
                 dense_ids = outputs[settings[0]][0]
                 for setting, (ids, stats, reads_all) in outputs.items():
                     if self.is_identity(setting) and reads_all and ids != dense_ids:
@@ -350,10 +366,12 @@ class ReferenceBackend:
             suffix = window.prefix_ids[reused:] + window.continuation_ids
             first = prefix_len - 1 - reused  # suffix position predicting the first scored token
             targets = torch.tensor(window.continuation_ids)
+            blocks = self.geometry.compressed_blocks(prefix_len, reused)
             dense_logits = dense_logp = None
             for chunk in chunks:
                 kvs = [self.fast_kv(state, setting) for setting in chunk]
-                batch_logits = self.logits([(k, v) for k, v, _ in kvs], suffix, first, len(targets))
+                hide = self.hidden_keys(chunk, blocks)
+                batch_logits = self.logits([(k, v) for k, v, _ in kvs], suffix, first, len(targets), hide)
                 for setting, logits, (_, _, stats) in zip(chunk, batch_logits, kvs):
                     if setting.is_dense:
                         dense_logits, dense_logp = logits, torch.log_softmax(logits, -1)

@@ -111,6 +111,10 @@ def test_variant_names_parse():
         with pytest.raises(ValueError):
             qv.parse_variant(name)
     assert qv.needs_calibration(["magnitude", "headmap-needle"]) and not qv.needs_calibration(["headmap-random"])
+    assert qv.parse_variant("headmap-random+stream-50") == qv.Variant("random", stream=0.5)
+    assert qv.needs_calibration(["stream-25"]) and not qv.needs_calibration(["headmap-random+stream-25"])
+    with pytest.raises(ValueError):
+        qv.parse_variant("headmap-needle+stream-101")
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -152,6 +156,32 @@ def test_all_dense_map_equals_sk0_bit_for_bit_and_all_sparse_equals_sk1(calibrat
         assert all(torch.equal(a, b) for a, b in zip(k1 + v1, k0 + v0)), name
         k1, _, s1 = calibrated.fast_kv(state, qi.Setting(name, 1.0, 1.0))
         assert s1["sparse_k_blocks"] == n and not torch.equal(k1[0], k0[0]), name
+
+
+def test_streaming_heads_never_read_their_compressed_blocks(calibrated):
+    """A streaming head's compressed blocks are hidden from every query: with every head streaming, what
+    those blocks hold cannot move the logits; with half of them streaming, the lowest-scored half is
+    hidden there, and the logits differ from both ends."""
+    torch.manual_seed(4)
+    ids = torch.randint(5, 1000, (900,)).tolist()
+    state = calibrated.prefix_state(ids, GEOMETRY.reused(900, 900))
+    blocks = GEOMETRY.compressed_blocks(900, state.reused)
+    chunk = [qi.Setting("headmap-needle+stream-100", 0.0, 0.0), qi.Setting("headmap-needle+stream-100", 1.0, 1.0),
+             qi.Setting("headmap-needle+stream-50", 0.0, 0.0), qi.Setting("headmap-needle", 0.0, 0.0)]  # fmt: skip
+    views = [calibrated.fast_kv(state, s) for s in chunk]
+    assert views[2][2]["streaming_heads"] == 0.5 and "streaming_heads" not in views[3][2]
+    assert not torch.equal(views[0][0][0], views[1][0][0])  # the hidden blocks hold different K
+    hide = calibrated.hidden_keys(chunk, blocks)
+    suffix = ids[state.reused :] + [7, 8, 9]
+    logits = calibrated.logits([v[:2] for v in views], suffix, 0, len(suffix), hide)
+    assert torch.equal(logits[0], logits[1])
+    assert not torch.equal(logits[2], logits[3]) and not torch.equal(logits[0], logits[2])
+    assert calibrated.hidden_keys(chunk[3:], blocks) is None and calibrated.capture.hide is None
+    streamed = qv.budget_map(calibrated.head_scores.scores["needle"], 0.5) >= 1.0
+    mask = hide.key_mask(torch.zeros(4, 4, 1, 16), torch.zeros(4, 2, 1000, 16), 0.25, layer=1)
+    lo, hi = blocks.start * 64, blocks.stop * 64
+    assert (~mask[2, :, 0, lo:hi]).all(-1).tolist() == streamed[1].tolist() and mask[3].all()
+    assert mask[2, :, 0, :lo].all() and mask[2, :, 0, hi:].all()  # sink, window and the question stay visible
 
 
 def test_v_compensation_keeps_the_store_support_and_the_group_sums(calibrated):
