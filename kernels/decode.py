@@ -727,7 +727,8 @@ PRECOMPILE = [
     (32, 8, 128, "float16"), (16, 2, 128, "bfloat16"), (4, 4, 64, "float16"), (8, 4, 128, "float16"),
     (8, 2, 64, "float16"), (4, 1, 64, "float16"),
     (9, 3, 64, "float16"), (10, 2, 128, "bfloat16"), (12, 2, 64, "float16"), (14, 2, 128, "bfloat16"),
-    (28, 4, 128, "bfloat16"),
+    (28, 4, 128, "bfloat16"), (9, 3, 128, "bfloat16"), (10, 2, 64, "float16"), (12, 2, 128, "float16"),
+    (14, 2, 64, "bfloat16"),
 ]
 # The FP8-store variants of the GPU tests (``tests/test_kernels_decode.py``): (q_heads, kv_heads, head_dim,
 # dtype, "fp8"), GQA groups 1, 3, 4 and 8 at head_dim 64 and 128, fp16 and bf16.

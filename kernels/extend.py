@@ -385,6 +385,7 @@ PRECOMPILE = [
     (10, 2, 128, "bfloat16", "n128", 2, False), (10, 2, 128, "float16", "n64", 2, True),
     (12, 2, 64, "float16", "n128", 2, True), (12, 2, 128, "bfloat16", "n64", 2, True),
     (14, 2, 128, "float16", "n128", 2, True), (28, 4, 64, "bfloat16", "n64", 2, False),
+    (9, 3, 128, "bfloat16", "n128", 2, True), (10, 2, 64, "float16", "n64", 2, True),
 ]
 
 

@@ -26,6 +26,11 @@ SMALL = [
     (10, 2, 128, torch.bfloat16, 0.5, 0.5),
     (12, 2, 64, torch.float16, 0.0, 1.0),
     (14, 2, 128, torch.bfloat16, 1.0, 1.0),
+    # ... and each at the other head_dim.
+    (9, 3, 128, torch.bfloat16, 0.5, 1.0),
+    (10, 2, 64, torch.float16, 1.0, 0.0),
+    (12, 2, 128, torch.float16, 1.0, 1.0),
+    (14, 2, 64, torch.bfloat16, 0.0, 1.0),
 ]
 SMALL_LENS = [1000, 64 * 7, 300, 64 * 12 + 1]  # partial and full last pages, a request of cache pages only
 SMALL_MAX_BLOCKS = 20

@@ -58,6 +58,8 @@ SMALL = [
     (12, 2, 128, torch.bfloat16, 1.0, 0.0, dict(tile="n64")),
     (14, 2, 128, torch.float16, 1.0, 1.0, dict(tile="n128")),
     (28, 4, 64, torch.bfloat16, 0.0, 1.0, dict(tile="n64")),
+    (9, 3, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128")),  # groups 3 and 5 at their other head_dim
+    (10, 2, 64, torch.float16, 1.0, 0.5, dict(tile="n64")),
 ]
 MID_PREFIX = [4096, 2500, 8192, 77]
 MID_NEW = [64, 300, 129, 1000]
