@@ -1,9 +1,9 @@
-"""Merge runs of the FP8 study (``eval_study.py`` with the ``fp8*`` variants) into one record whose rows give
-each setting's prefix KV bytes against bf16 (sink, window, 2:4 metadata and fp32 scales counted, averaged
-over the questions' prefixes), needle accuracy and KL per question set.
+"""Merge reference runs of the byte studies (``eval_study.py`` with the ``fp8*`` and ``stream-<p>`` variants)
+into one record whose rows give each setting's prefix KV bytes against bf16 (sink, window, 2:4 metadata and
+fp32 scales counted, averaged over the questions' prefixes), needle accuracy and KL per question set.
 
     python lab/fp8_frontier.py --commit C --out launch/results/quality_fp8_reference_smollm2.json \
-        RUN.json "question set name" [RUN.json "name" ...]
+        [--description TEXT] RUN.json "question set name" [RUN.json "name" ...]
 """
 
 from __future__ import annotations
@@ -13,31 +13,33 @@ import json
 HEAD_DIM = 64  # SmolLM2-135M: only the scales' share depends on it
 BLOCK = 64
 SCALE = 4 / (BLOCK * HEAD_DIM * 2)  # an fp32 scale per block and KV head, per side, against bf16 bytes
-V24 = 0.5 + 0.0625        # 2:4 values + metadata, 16-bit values
-V24_FP8 = 0.25 + 0.0625   # 2:4 values + metadata, e4m3 values
+SPARSE_24 = 0.5 + 0.0625      # 2:4 values + metadata, 16-bit values
+SPARSE_24_FP8 = 0.25 + 0.0625  # 2:4 values + metadata, e4m3 values
 
-def bytes_vs_bf16(setting, rec):
-    a, sv_b = rec["prefix_tokens"], rec["sparse_v_blocks"] * BLOCK
-    c = rec["compressed_blocks"] * BLOCK
+
+def bytes_vs_bf16(setting: str, rec: dict) -> float:
+    """The prefix's K+V bytes against bf16 for one question's record: ``fp8prefix`` holds every prefix
+    token in e4m3 (scales counted), ``fp8store`` the compressed blocks only, ``fp8unit`` every token at a
+    unit scale; ``stream-<p>`` heads (the record's ``streaming_heads`` share) store no compressed block;
+    2:4 K and V blocks hold values and metadata."""
     name = setting.split(":")[0]
+    parts = set(name.split("+"))
     if name == "dense":
         return 1.0
-    if name == "magnitude":
-        return (a + (a - sv_b) + V24 * sv_b) / (2 * a)
-    if name == "fp8unit":
+    if "fp8unit" in parts:
         return 0.5
-    if name == "fp8prefix":
-        k = 0.5 * a + SCALE * a
-        v = 0.5 * (a - sv_b) + V24_FP8 * sv_b + SCALE * a
-        return (k + v) / (2 * a)
-    if name == "fp8store":
-        k = (a - c) + 0.5 * c + SCALE * c
-        v = (a - c) + 0.5 * (c - sv_b) + V24_FP8 * sv_b + SCALE * c
-        return (k + v) / (2 * a)
-    raise ValueError(setting)
+    a, c = rec["prefix_tokens"], rec["compressed_blocks"] * BLOCK
+    sk, sv = rec["sparse_k_blocks"] * BLOCK, rec["sparse_v_blocks"] * BLOCK
+    kept = 1.0 - rec.get("streaming_heads", 0.0)  # the heads that store the compressed blocks
+    outside = 0.5 + SCALE if "fp8prefix" in parts else 1.0  # sink, window, tail: per element against bf16
+    fp8_blocks = bool(parts & {"fp8prefix", "fp8store"})
+    dense, sparse = (0.5 + SCALE, SPARSE_24_FP8 + SCALE) if fp8_blocks else (1.0, SPARSE_24)
+    k = (a - c) * outside + kept * ((c - sk) * dense + sk * sparse)
+    v = (a - c) * outside + kept * ((c - sv) * dense + sv * sparse)
+    return (k + v) / (2 * a)
 
 
-def merge(runs_named: list[tuple[str, str]], commit: str) -> dict:
+def merge(runs_named: list[tuple[str, str]], commit: str, description: str | None = None) -> dict:
     rows, runs = [], {}
     for path, question_set in runs_named:
         with open(path) as f:
@@ -52,7 +54,7 @@ def merge(runs_named: list[tuple[str, str]], commit: str) -> dict:
                          "dense_acc": round(dense_acc, 4), "kl": s["kl"], "answer_equals_dense": s["agree"],
                          "questions": s["questions"], "question_set": question_set, "backend": "reference"})
     return {
-        "description": "FP8 (e4m3) values on the cached prefix, on the PyTorch reference (lab/eval_study.py): fp8unit = "
+        "description": description or "FP8 (e4m3) values on the cached prefix, on the PyTorch reference (lab/eval_study.py): fp8unit = "
                        "the whole prefix at a unit scale (SGLang's fp8_e4m3 without scales, prefix only: the question's "
                        "own K/V stay 16-bit), fp8prefix = the whole prefix with a scale per 64-token block and KV head, "
                        "sv=1 = 2:4 V on the compressed blocks; magnitude:sk=0,sv=1 is the shipped default (bf16 values). "
@@ -65,11 +67,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", required=True, help="the commit the runs ran on")
     parser.add_argument("--out", required=True, help="the merged record")
+    parser.add_argument("--description", help="the record's description (default: the FP8 study's)")
     parser.add_argument("runs", nargs="+", help="pairs: an eval_study JSON, then its question set's name")
     args = parser.parse_args()
     if len(args.runs) % 2:
         parser.error("runs come in pairs: JSON, question set name")
-    record = merge(list(zip(args.runs[::2], args.runs[1::2])), args.commit)
+    record = merge(list(zip(args.runs[::2], args.runs[1::2])), args.commit, args.description)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=2)
     for r in record["rows"]:

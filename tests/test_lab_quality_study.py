@@ -320,3 +320,16 @@ def test_fp8_round_trip_quantizes_only_its_tokens():
     assert (err <= blocks.abs() * 2**-4 + scale * 2**-9 + 1e-2).all() and err.max() > 0
     assert qv.fp8_round_trip(x * 200, 0, 300, 64, unit_scale=True).float().abs().max() == qv.FP8_MAX
     assert qv.parse_variant("fp8store").fp8 == "store" and qv.parse_variant("headmap-copy+fp8unit").fp8 == "unit"
+
+
+def test_byte_accounting_of_the_study_variants():
+    import fp8_frontier as ff
+
+    rec = {"prefix_tokens": 2048, "compressed_blocks": 26, "sparse_k_blocks": 0, "sparse_v_blocks": 26}
+    c = 26 * 64
+    assert ff.bytes_vs_bf16("dense", rec) == 1.0 and ff.bytes_vs_bf16("fp8unit:sk=0,sv=0", rec) == 0.5
+    assert ff.bytes_vs_bf16("magnitude:sk=0,sv=1", rec) == pytest.approx(1 - c * (1 - ff.SPARSE_24) / (2 * 2048))
+    streamed = dict(rec, sparse_v_blocks=0, streaming_heads=0.5)  # half the heads drop the compressed blocks
+    assert ff.bytes_vs_bf16("headmap-needle+stream-50:sk=0,sv=0", streamed) == pytest.approx(1 - 0.5 * c / 2048)
+    fp8 = ff.bytes_vs_bf16("headmap-needle+stream-50+fp8prefix:sk=0,sv=0", streamed)
+    assert fp8 == pytest.approx((0.5 + ff.SCALE) * (1 - 0.5 * c / 2048))
