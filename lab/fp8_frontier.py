@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+from sglang_hs.launch.quality_frontier import pooled
 HEAD_DIM = 64  # SmolLM2-135M: only the scales' share depends on it
 BLOCK = 64
 SCALE = 4 / (BLOCK * HEAD_DIM * 2)  # an fp32 scale per block and KV head, per side, against bf16 bytes
@@ -60,7 +62,7 @@ def merge(runs_named: list[tuple[str, str]], commit: str, description: str | Non
                        "sv=1 = 2:4 V on the compressed blocks; magnitude:sk=0,sv=1 is the shipped default (bf16 values). "
                        "kv_bytes_vs_bf16 counts sink, window, 2:4 metadata and fp32 scales, averaged over the questions' "
                        "prefixes (lab/fp8_frontier.py).",
-        "device": "CPU", "model": "SmolLM2-135M-Instruct", "commit": commit, "rows": rows, "runs": runs}
+        "device": "CPU", "model": "SmolLM2-135M-Instruct", "commit": commit, "pooled": pooled(rows), "rows": rows, "runs": runs}
 
 
 def main() -> None:
