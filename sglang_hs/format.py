@@ -27,7 +27,8 @@ Index map: one int32 per (KV head, block). ``i >= 0`` means dense block ``i`` of
 
 Value dtype: 16-bit (the model's dtype), or FP8 e4m3 (``--hierasparse-store-dtype fp8_e4m3``) with one
 float32 scale per pool row, i.e. per block, KV head and layer: a row's values are its 16-bit values
-divided by ``amax / 448`` (a 2:4 row: of its kept values, pruned first), read back as ``value * scale``.
+divided by the smallest power of two at or above ``amax / 448`` (a 2:4 row: of its kept values, pruned
+first), read back as ``value * scale`` (:func:`quantize_rows`).
 The metadata and the index maps do not change.
 """
 
