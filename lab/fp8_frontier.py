@@ -11,19 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 
+from sglang_hs.format import compressed_fraction, dense_block_bytes
 from sglang_hs.launch.quality_frontier import pooled
+
 HEAD_DIM = 64  # SmolLM2-135M: only the scales' share depends on it
 BLOCK = 64
-SCALE = 4 / (BLOCK * HEAD_DIM * 2)  # an fp32 scale per block and KV head, per side, against bf16 bytes
-SPARSE_24 = 0.5 + 0.0625      # 2:4 values + metadata, 16-bit values
-SPARSE_24_FP8 = 0.25 + 0.0625  # 2:4 values + metadata, e4m3 values
 
 
 def bytes_vs_bf16(setting: str, rec: dict) -> float:
     """The prefix's K+V bytes against bf16 for one question's record: ``fp8prefix`` holds every prefix
     token in e4m3 (scales counted), ``fp8store`` the compressed blocks only, ``fp8unit`` every token at a
     unit scale; ``stream-<p>`` heads (the record's ``streaming_heads`` share) store no compressed block;
-    2:4 K and V blocks hold values and metadata."""
+    compressed blocks count as the store does (:func:`sglang_hs.format.compressed_fraction`: values, 2:4
+    metadata, FP8 scales)."""
     name = setting.split(":")[0]
     parts = set(name.split("+"))
     if name == "dense":
@@ -31,14 +31,15 @@ def bytes_vs_bf16(setting: str, rec: dict) -> float:
     if "fp8unit" in parts:
         return 0.5
     a, c = rec["prefix_tokens"], rec["compressed_blocks"] * BLOCK
-    sk, sv = rec["sparse_k_blocks"] * BLOCK, rec["sparse_v_blocks"] * BLOCK
     kept = 1.0 - rec.get("streaming_heads", 0.0)  # the heads that store the compressed blocks
-    outside = 0.5 + SCALE if "fp8prefix" in parts else 1.0  # sink, window, tail: per element against bf16
-    fp8_blocks = bool(parts & {"fp8prefix", "fp8store"})
-    dense, sparse = (0.5 + SCALE, SPARSE_24_FP8 + SCALE) if fp8_blocks else (1.0, SPARSE_24)
-    k = (a - c) * outside + kept * ((c - sk) * dense + sk * sparse)
-    v = (a - c) * outside + kept * ((c - sv) * dense + sv * sparse)
-    return (k + v) / (2 * a)
+    # sink, window, tail: dense tokens at 8 bits (a scale per block and head) or 16
+    outside = dense_block_bytes(BLOCK, HEAD_DIM, 1 if "fp8prefix" in parts else 2) / dense_block_bytes(BLOCK, HEAD_DIM)
+    blocks = 0.0
+    if c:
+        elem = 1 if parts & {"fp8prefix", "fp8store"} else 2
+        blocks = compressed_fraction(rec["sparse_k_blocks"] * BLOCK / c, rec["sparse_v_blocks"] * BLOCK / c, elem,
+                                     BLOCK, HEAD_DIM)  # fmt: skip
+    return ((a - c) * outside + kept * c * blocks) / a
 
 
 def merge(runs_named: list[tuple[str, str]], commit: str, description: str | None = None) -> dict:

@@ -328,8 +328,9 @@ def test_byte_accounting_of_the_study_variants():
     rec = {"prefix_tokens": 2048, "compressed_blocks": 26, "sparse_k_blocks": 0, "sparse_v_blocks": 26}
     c = 26 * 64
     assert ff.bytes_vs_bf16("dense", rec) == 1.0 and ff.bytes_vs_bf16("fp8unit:sk=0,sv=0", rec) == 0.5
-    assert ff.bytes_vs_bf16("magnitude:sk=0,sv=1", rec) == pytest.approx(1 - c * (1 - ff.SPARSE_24) / (2 * 2048))
+    sparse_24, scale = 0.5 + 0.0625, 4 / (64 * 64 * 2)  # 2:4 values + metadata; an fp32 scale a block and head
+    assert ff.bytes_vs_bf16("magnitude:sk=0,sv=1", rec) == pytest.approx(1 - c * (1 - sparse_24) / (2 * 2048))
     streamed = dict(rec, sparse_v_blocks=0, streaming_heads=0.5)  # half the heads drop the compressed blocks
     assert ff.bytes_vs_bf16("headmap-needle+stream-50:sk=0,sv=0", streamed) == pytest.approx(1 - 0.5 * c / 2048)
     fp8 = ff.bytes_vs_bf16("headmap-needle+stream-50+fp8prefix:sk=0,sv=0", streamed)
-    assert fp8 == pytest.approx((0.5 + ff.SCALE) * (1 - 0.5 * c / 2048))
+    assert fp8 == pytest.approx((0.5 + scale) * (1 - 0.5 * c / 2048))
