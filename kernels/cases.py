@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from sglang_hs.format import BlockPools, decompress_blocks, pack_2to4, quantize_rows, sparse_count
+from sglang_hs.format import FP8_DTYPE, BlockPools, decompress_blocks, pack_2to4, quantize_rows, sparse_count
 
 CHUNK = 2048  # pool rows per chunk when packing or decompressing large pools
 POOL_KEYS = ("k_dense", "k_values", "k_meta", "v_dense", "v_values", "v_meta")
@@ -149,6 +149,17 @@ def quantize_case(case: dict, seed: int = 0, spread: float = 1.5) -> dict:
         factor = torch.exp2((torch.rand(x.shape[0], device=x.device, generator=gen) * 2 - 1) * spread)
         out[name], out[f"{name}_scale"] = quantize_rows(x.float() * factor.view(-1, *([1] * (x.dim() - 1))))
     return out
+
+
+def fp8_pages(case: dict) -> tuple[dict, dict]:
+    """SGLang's FP8 pages (``--kv-cache-dtype fp8_e4m3``, unit scales) for the case's cache pages:
+    ``(fp8, oracle)``, the case with e4m3 ``k_cache``/``v_cache``, and the same case with those e4m3 values
+    in the 16-bit dtype (exact: every e4m3 value is an fp16 and a bf16 value), which the oracle takes."""
+    fp8, oracle = dict(case), dict(case)
+    for name in ("k_cache", "v_cache"):
+        fp8[name] = case[name].to(FP8_DTYPE)
+        oracle[name] = fp8[name].to(case[name].dtype)
+    return fp8, oracle
 
 
 def pools_of(case: dict, device=None) -> BlockPools:

@@ -32,8 +32,8 @@ class Stage(NamedTuple):
     (``full``: the stage's loads landed; ``empty``: every consumer warp is done with it, where the
     kernel has one). Only one form per operand is filled per block; ``k_values``/``k_meta`` are None
     in a kernel without 2:4 K rows. A kernel over FP8 pool rows (the decode kernel's ``store_fp8``) also
-    has their TMA landing tiles (``*8``, e4m3, the pool's dtype), which the warpgroup converts into
-    the 16-bit tiles above before the block's GEMMs; None otherwise."""
+    has their TMA landing tiles (``*8``, e4m3, the pool's dtype; FP8 cache pages land in the dense ones),
+    which the warpgroup converts into the 16-bit tiles above before the block's GEMMs; None otherwise."""
 
     k_dense: object  # [B, D]
     k_values: object  # [B, D/2]
@@ -84,7 +84,8 @@ def fp8_landing_bytes(form: str, block_size: int, head_dim: int) -> int:
     return (elems if form in ("any", "dense") else 0) + (elems // 2 if form in ("any", "sparse") else 0)
 
 
-def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any", store_fp8: bool = False):
+def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any", store_fp8: bool = False,
+              cache_fp8: bool = False):
     """The TileLang macros ``load_k(mode, k_row, h, stage, src)`` and ``load_v(mode, v_row, h, stage,
     src)``: the TMA loads of a block's K (mode ``& 3``) or V (mode ``>> 2``) of KV head ``h`` into a
     :class:`Stage` from a :class:`KvSources`, on the stage's ``full`` barrier. Mode 0: a cache page (the
@@ -92,10 +93,12 @@ def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any", stor
     (the metadata tile is contiguous and moved as a ``[B*D/256, 16]`` box: TMA needs an inner box of
     >= 16 bytes). ``k_form`` / ``v_form`` (:data:`KV_FORMS`): the forms the stage holds; the branches
     of the others are not generated. ``store_fp8`` (``form`` ``any`` only): pool rows are e4m3 and land
-    in the stage's FP8 tiles (``k_dense8`` ..), cache pages in its 16-bit tiles."""
+    in the stage's FP8 tiles (``k_dense8`` ..), cache pages in its 16-bit tiles; ``cache_fp8`` (with
+    ``store_fp8``): cache pages are e4m3 too (SGLang's FP8 pages) and land in the dense FP8 tiles."""
     B = block_size
     assert k_form in KV_FORMS and v_form in KV_FORMS
     assert not store_fp8 or (k_form, v_form) == ANY_FORMS
+    assert store_fp8 or not cache_fp8
 
     @T.macro
     def load_k(mode, k_row, h, stage, src):
@@ -109,7 +112,10 @@ def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any", stor
                 T.tma_copy(src.k_dense[k_row, :, :], stage.k_dense, barrier=stage.full)
         elif store_fp8:
             if (mode & 3) == 0:
-                T.tma_copy(src.k_cache[k_row * B:(k_row + 1) * B, h, :], stage.k_dense, barrier=stage.full)
+                if cache_fp8:
+                    T.tma_copy(src.k_cache[k_row * B:(k_row + 1) * B, h, :], stage.k_dense8, barrier=stage.full)
+                else:
+                    T.tma_copy(src.k_cache[k_row * B:(k_row + 1) * B, h, :], stage.k_dense, barrier=stage.full)
             elif (mode & 3) == 1:
                 T.tma_copy(src.k_dense[k_row, :, :], stage.k_dense8, barrier=stage.full)
             else:
@@ -136,7 +142,10 @@ def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any", stor
                 T.tma_copy(src.v_dense[v_row, :, :], stage.v_dense, barrier=stage.full)
         elif store_fp8:
             if (mode >> 2) == 0:
-                T.tma_copy(src.v_cache[v_row * B:(v_row + 1) * B, h, :], stage.v_dense, barrier=stage.full)
+                if cache_fp8:
+                    T.tma_copy(src.v_cache[v_row * B:(v_row + 1) * B, h, :], stage.v_dense8, barrier=stage.full)
+                else:
+                    T.tma_copy(src.v_cache[v_row * B:(v_row + 1) * B, h, :], stage.v_dense, barrier=stage.full)
             elif (mode >> 2) == 1:
                 T.tma_copy(src.v_dense[v_row, :, :], stage.v_dense8, barrier=stage.full)
             else:

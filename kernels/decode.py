@@ -131,7 +131,7 @@ def min_splits(max_blocks: int, capacity: int = SPLIT_CAPACITY) -> int:
 
 def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64, dtype: str = "float16",
                            stages: int = STAGES, split_capacity: int = SPLIT_CAPACITY,
-                           min_split_blocks: int = 1, store_fp8: bool = False):  # fmt: skip
+                           min_split_blocks: int = 1, store_fp8: bool = False, cache_fp8: bool = False):  # fmt: skip
     """The TileLang ``prim_func`` of one model shape. The batch size, the block table's width and the
     split count are dynamic (bound from the arguments' shapes), so one kernel serves every plan.
     ``min_split_blocks`` > 1 gives every split of a request at least that many blocks and lets the
@@ -159,6 +159,9 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     16-bit tiles after the stage's barrier (exact: every e4m3 value is a 16-bit value); the K scale
     multiplies the block's scores before the softmax, the V scale the probabilities written for the V
     GEMM (the row sums take them unscaled). Cache pages have scale 1.
+
+    ``cache_fp8`` (with ``store_fp8``): ``k_cache``/``v_cache`` are e4m3 too (SGLang's FP8 pages, unit
+    scales); they land in the e4m3 dense tiles and are converted like dense pool rows.
     """
     import tilelang.language as T
 
@@ -177,8 +180,10 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     (num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, num_virtual, batch, max_blocks,
      S, lse_rows, lse_cols) = T.dynamic("num_slots, k_dense_rows, k_sparse_rows, v_dense_rows, v_sparse_rows, "
                                        "num_virtual, batch, max_blocks, num_splits, lse_rows, lse_cols")
-    pool_dtype = "float8_e4m3" if store_fp8 else dtype  # the pools' values (cache pages: dtype)
-    load_k, load_v = tma_loads(T, B, *ANY_FORMS, store_fp8=store_fp8)
+    assert store_fp8 or not cache_fp8
+    pool_dtype = "float8_e4m3" if store_fp8 else dtype  # the pools' values
+    cache_dtype = "float8_e4m3" if cache_fp8 else dtype  # the cache pages'
+    load_k, load_v = tma_loads(T, B, *ANY_FORMS, store_fp8=store_fp8, cache_fp8=cache_fp8)
 
     def fp8_landing():  # e4m3 tiles that pool rows land in (store_fp8), converted to the 16-bit ones
         return (T.alloc_shared([B, D], pool_dtype), T.alloc_shared([B, D // 2], pool_dtype),
@@ -205,24 +210,32 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         return x * maps[4][j] if store_fp8 else x
 
     @T.macro
+    def convert_tiles(mode, stage):
+        # The block's e4m3 tiles into its 16-bit ones (dense: a pool row, or a cache page with cache_fp8).
+        if (mode & 3) != 2:
+            for r, c in T.Parallel(B, D):
+                stage.k_dense[r, c] = T.cast(T.cast(stage.k_dense8[r, c], accum), dtype)
+        else:
+            for r, c in T.Parallel(B, D // 2):
+                stage.k_values[r, c] = T.cast(T.cast(stage.k_values8[r, c], accum), dtype)
+        if (mode >> 2) != 2:
+            for r, c in T.Parallel(B, D):
+                stage.v_dense[r, c] = T.cast(T.cast(stage.v_dense8[r, c], accum), dtype)
+        else:
+            for r, c in T.Parallel(D, B // 2):
+                stage.v_values[r, c] = T.cast(T.cast(stage.v_values8[r, c], accum), dtype)
+        T.fence_proxy_async()
+        T.sync_threads()
+
+    @T.macro
     def convert_fp8(mode, stage):
         # store_fp8: the block's e4m3 pool rows (landed in the stage's e4m3 tiles) into its 16-bit tiles,
-        # by every thread, then made visible to the wgmma (async proxy). Cache pages (mode 0) need nothing.
-        if mode != 0:
-            if (mode & 3) == 1:
-                for r, c in T.Parallel(B, D):
-                    stage.k_dense[r, c] = T.cast(T.cast(stage.k_dense8[r, c], accum), dtype)
-            else:
-                for r, c in T.Parallel(B, D // 2):
-                    stage.k_values[r, c] = T.cast(T.cast(stage.k_values8[r, c], accum), dtype)
-            if (mode >> 2) == 1:
-                for r, c in T.Parallel(B, D):
-                    stage.v_dense[r, c] = T.cast(T.cast(stage.v_dense8[r, c], accum), dtype)
-            else:
-                for r, c in T.Parallel(D, B // 2):
-                    stage.v_values[r, c] = T.cast(T.cast(stage.v_values8[r, c], accum), dtype)
-            T.fence_proxy_async()
-            T.sync_threads()
+        # by every thread, then made visible to the wgmma (async proxy). 16-bit cache pages (mode 0) need
+        # nothing; e4m3 ones (cache_fp8) are converted too.
+        if cache_fp8:
+            convert_tiles(mode, stage)
+        elif mode != 0:
+            convert_tiles(mode, stage)
 
     @T.macro
     def issue(i, h, maps, stage, src):
@@ -372,7 +385,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                             block_mode[i] = 0
                             block_k_row[i] = entry
                             block_v_row[i] = entry
-                            if store_fp8:  # a cache page: 16-bit, scale 1
+                            if store_fp8:  # a cache page: scale 1 (16-bit, or SGLang's unit-scale FP8)
                                 scale_maps[0][i] = 1.0
                                 scale_maps[1][i] = 1.0
                         else:
@@ -453,8 +466,8 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         @T.prim_func
         def main(
             q: T.Tensor([batch, q_heads, D], dtype),
-            k_cache: T.Tensor([num_slots, kv_heads, D], dtype),
-            v_cache: T.Tensor([num_slots, kv_heads, D], dtype),
+            k_cache: T.Tensor([num_slots, kv_heads, D], cache_dtype),
+            v_cache: T.Tensor([num_slots, kv_heads, D], cache_dtype),
             k_dense: T.Tensor([k_dense_rows, B, D], pool_dtype),
             k_values: T.Tensor([k_sparse_rows, B, D // 2], pool_dtype),
             k_meta: T.Tensor([k_sparse_rows, e_rows, 16], "int16"),
@@ -516,25 +529,29 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
 
 def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
-                       split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False) -> tuple:  # fmt: skip
+                       split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False,
+                       cache_fp8=False) -> tuple:  # fmt: skip
     """The arguments that key a decode kernel in TileLang's cache (and a compile job): the shape, then
-    the split capacity, the split floor and ``store_fp8`` up to the last that is not its default (so
-    the default kernels keep their keys)."""
-    extra = (split_capacity, min_split_blocks, bool(store_fp8))
-    defaults = (SPLIT_CAPACITY, 1, False)
+    the split capacity, the split floor, ``store_fp8`` and ``cache_fp8`` up to the last that is not its
+    default (so the default kernels keep their keys)."""
+    extra = (split_capacity, min_split_blocks, bool(store_fp8), bool(cache_fp8))
+    defaults = (SPLIT_CAPACITY, 1, False, False)
     kept = max((i + 1 for i in range(len(extra)) if extra[i] != defaults[i]), default=0)
     return (q_heads, kv_heads, head_dim, block_size, dtype, stages) + extra[:kept]
 
 
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
-                        split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False, target=None):  # fmt: skip
+                        split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False, cache_fp8=False,
+                        target=None):  # fmt: skip
     """Compile (or load from TileLang's cache) the kernel of one model shape (``store_fp8``: over e4m3
-    pools, see :func:`build_decode_prim_func`). Needs TileLang, not a GPU."""
+    pools, ``cache_fp8``: and e4m3 cache pages, see :func:`build_decode_prim_func`). Needs TileLang, not
+    a GPU."""
     args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, min_split_blocks,
-                              store_fp8)  # fmt: skip
+                              store_fp8, cache_fp8)  # fmt: skip
+    suffix = ("_floor" if min_split_blocks > 1 else "") + ("_fp8" if store_fp8 else "") + ("kv" if cache_fp8 else "")
     return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target,
-                          name="hs_decode" + ("_floor" if min_split_blocks > 1 else "") + ("_fp8" if store_fp8 else ""))
+                          name="hs_decode" + suffix)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
@@ -582,18 +599,25 @@ class HieraSparseDecode:
     ``min_split_blocks``: the kernel's floor of blocks a split (:func:`build_decode_prim_func`).
     ``store_dtype``: the values of the pools the plan reads, the model's dtype (None, default) or
     :data:`~sglang_hs.format.FP8_DTYPE` (the kernel's ``store_fp8`` variant, given the pools' row
-    scales); :meth:`run` refuses pools of the other kind. One call at a time per plan.
+    scales); :meth:`run` refuses pools of the other kind. ``cache_dtype``: of the cache pages, the
+    model's ``dtype`` (None, default) or FP8 (SGLang's ``--kv-cache-dtype fp8_e4m3``; with an FP8 store
+    only). One call at a time per plan.
     """
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                  max_blocks: int, dtype: torch.dtype, device, num_splits: int | None = None, stages: int = STAGES,
                  num_sms: int | None = None, split_capacity: int = SPLIT_CAPACITY,
                  block_lse: bool = False,
-                 min_split_blocks: int = 1, store_dtype: torch.dtype | None = None):
+                 min_split_blocks: int = 1, store_dtype: torch.dtype | None = None,
+                 cache_dtype: torch.dtype | None = None):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         if store_dtype not in (None, dtype, FP8_DTYPE):
             raise ValueError(f"store values of {store_dtype}; allowed: the model's {dtype} or {FP8_DTYPE}")
         self.store_fp8 = store_dtype == FP8_DTYPE
+        self.cache_dtype = cache_dtype or dtype
+        if self.cache_dtype not in (dtype, FP8_DTYPE) or (self.cache_dtype == FP8_DTYPE and not self.store_fp8):
+            raise ValueError(f"cache pages of {self.cache_dtype} with store values of {store_dtype or dtype}; allowed: "
+                             f"the model's {dtype}, or {FP8_DTYPE} with an {FP8_DTYPE} store")
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
         self.dtype, self.device, self.stages = dtype, torch.device(device), stages
@@ -607,6 +631,8 @@ class HieraSparseDecode:
         self.num_sms = num_sms
         dt = "float16" if dtype == torch.float16 else "bfloat16"
         fp8 = {"store_fp8": True} if self.store_fp8 else {}  # (a 16-bit plan calls the builder as before)
+        if self.cache_dtype == FP8_DTYPE:
+            fp8["cache_fp8"] = True
         self.kernel = build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
                                           split_capacity=split_capacity, min_split_blocks=min_split_blocks, **fp8)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
@@ -657,7 +683,7 @@ class HieraSparseDecode:
 
         * ``q``: ``[bs, Hq, D]``, contiguous, one query token per request.
         * ``k_cache``, ``v_cache``: ``[slots, Hkv, D]``, SGLang's buffers of the layer (page ``e`` = slots
-          ``e*B .. e*B + B - 1``).
+          ``e*B .. e*B + B - 1``), in the plan's ``cache_dtype``.
         * ``pools``: the layer's :class:`~sglang_hs.format.BlockPools`: ``k_dense [Nd_k, B, D]``,
           ``k_values [Ns_k, B, D/2]``, ``k_meta [Ns_k, B, D/16]`` int16, ``v_dense [Nd_v, B, D]``,
           ``v_values [Ns_v, D, B/2]``, ``v_meta [Ns_v, D, B/16]`` int16 (any of them may be empty);
@@ -696,6 +722,9 @@ class HieraSparseDecode:
         if pools.quantized != self.store_fp8:
             raise ValueError(f"{'FP8' if pools.quantized else '16-bit'} pools given to a decode plan for "
                              f"{'FP8' if self.store_fp8 else '16-bit'} store values (HieraSparseDecode(store_dtype=))")
+        if k_cache.dtype != self.cache_dtype or v_cache.dtype != self.cache_dtype:
+            raise ValueError(f"cache pages of {k_cache.dtype} given to a decode plan for {self.cache_dtype} pages "
+                             "(HieraSparseDecode(cache_dtype=))")
         kv = (k_cache, v_cache, *self.pools(pools, k_index, v_index, scales=self.store_fp8))
         for start in range(0, bs, self.batch_size):
             stop = min(bs, start + self.batch_size)
@@ -730,19 +759,23 @@ PRECOMPILE = [
     (28, 4, 128, "bfloat16"), (9, 3, 128, "bfloat16"), (10, 2, 64, "float16"), (12, 2, 128, "float16"),
     (14, 2, 64, "bfloat16"),
 ]
-# The FP8-store variants of the GPU tests (``tests/test_kernels_decode.py``): (q_heads, kv_heads, head_dim,
-# dtype, "fp8"), GQA groups 1, 3, 4 and 8 at head_dim 64 and 128, fp16 and bf16.
+# The FP8 variants of the GPU tests (``tests/test_kernels_decode.py``): (q_heads, kv_heads, head_dim,
+# dtype, "fp8" | "fp8kv"), GQA groups 1, 3, 4 and 8 at head_dim 64 and 128, fp16 and bf16; "fp8kv": FP8
+# cache pages too.
 FP8_PRECOMPILE = [
     (4, 4, 64, "float16", "fp8"), (9, 3, 64, "bfloat16", "fp8"), (8, 2, 64, "bfloat16", "fp8"),
     (8, 1, 64, "float16", "fp8"), (8, 8, 128, "bfloat16", "fp8"), (12, 4, 128, "float16", "fp8"),
     (16, 4, 128, "float16", "fp8"), (32, 4, 128, "bfloat16", "fp8"),
+    (4, 4, 64, "float16", "fp8kv"), (9, 3, 64, "bfloat16", "fp8kv"), (8, 1, 64, "float16", "fp8kv"),
+    (12, 4, 128, "float16", "fp8kv"), (32, 8, 128, "bfloat16", "fp8kv"),
 ]
 PRECOMPILE += FP8_PRECOMPILE
+FP8_VARIANTS = {"fp8": {"store_fp8": True}, "fp8kv": {"store_fp8": True, "cache_fp8": True}}
 
 
 def _precompile_one(cfg):
     hq, hkv, d, dt, *variant = cfg
-    build_decode_kernel(hq, hkv, d, 64, dt, STAGES, **({"store_fp8": True} if variant == ["fp8"] else {}))
+    build_decode_kernel(hq, hkv, d, 64, dt, STAGES, **(FP8_VARIANTS[variant[0]] if variant else {}))
     return cfg
 
 

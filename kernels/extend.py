@@ -386,6 +386,8 @@ PRECOMPILE = [
     (12, 2, 64, "float16", "n128", 2, True), (12, 2, 128, "bfloat16", "n64", 2, True),
     (14, 2, 128, "float16", "n128", 2, True), (28, 4, 64, "bfloat16", "n64", 2, False),
     (9, 3, 128, "bfloat16", "n128", 2, True), (10, 2, 64, "float16", "n64", 2, True),
+    # FP8 KV through 16-bit copies (no 2:4 K buffers).
+    (9, 3, 64, "bfloat16", "n64", 2, False), (8, 2, 64, "float16", "n128", 2, False),
 ]
 
 

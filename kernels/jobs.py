@@ -38,7 +38,8 @@ LOCK_NAME = "hierasparse-compile.lock"
 def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode: bool = True,
                extend_k_sparse: tuple[bool, ...] = (False, True), compress: bool = True,
                loss_operands: tuple[str, ...] = ("k", "v"),
-               shared_decode_forms: tuple[str, str] | None = None, store_fp8: bool = False) -> list[Job]:  # fmt: skip
+               shared_decode_forms: tuple[str, str] | None = None, store_fp8: bool = False,
+               cache_fp8: bool = False) -> list[Job]:  # fmt: skip
     """The kernels of one model shape (per tensor-parallel rank): the decode kernel (``decode``) and,
     with ``shared_decode_forms`` (the block forms of its shared pass, ``decode_shared.compressed_forms``),
     the shared-prefix decode's own-pass kernel (a split floor) and shared-pass kernels (the extend
@@ -46,8 +47,9 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
     without for dense K, else as ``extend_k_sparse`` lists, both when it is empty), the extend tiles, each with and
     without 2:4 K rows as ``extend_k_sparse`` lists (empty: none), the pack kernel (``compress``) and
     the loss kernels of ``loss_operands``. A GQA group the attention kernels do not take gets the
-    compressor's kernels only. ``store_fp8`` (an FP8 store): the decode kernel is its ``store_fp8``
-    variant (the settings then enable no other kernel: extend and compress read 16-bit blocks)."""
+    compressor's kernels only. ``store_fp8`` (an FP8 store), ``cache_fp8`` (and FP8 cache pages): the
+    decode kernel is that variant; the extend kernel runs over 16-bit copies of a batch's blocks (the
+    caller asks for its tiles without 2:4 K rows), and the settings enable no compress kernel."""
     from sglang_hs.kernels.decode import STAGES as DECODE_STAGES
     from sglang_hs.kernels.decode import decode_kernel_args
     from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, fold_of, shared_heads, shared_pass_k_sparse
@@ -59,7 +61,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
     if q_heads // kv_heads in KERNEL_GQA_GROUPS:
         if decode:
             jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
-                                                      store_fp8=store_fp8)))  # fmt: skip
+                                                      store_fp8=store_fp8, cache_fp8=cache_fp8)))  # fmt: skip
         if decode and shared_decode_forms and fold_of(q_heads, kv_heads) >= 2:
             jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
                                                       min_split_blocks=OWN_MIN_SPLIT_BLOCKS)))  # fmt: skip

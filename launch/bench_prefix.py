@@ -4,8 +4,10 @@
         --servers flashinfer,hicache,hs:1:1,hs:0:1,hs+hicache:0:1 --regimes 1,2,3 --context 8192 \\
         --hicache-size 40 --out launch/results/prefix_bench_llama8b_h100.json
 
-Servers: ``flashinfer`` and ``triton`` (dense SGLang), ``hicache`` (flashinfer with SGLang's
-hierarchical cache), ``hs:SK:SV[:F]`` (hierasparse, store fraction F or ``auto``) and
+Servers: ``flashinfer`` and ``triton`` (dense SGLang), ``flashinfer-fp8`` and ``triton-fp8`` (the same with
+``--kv-cache-dtype fp8_e4m3``), ``hicache`` (flashinfer with SGLang's hierarchical cache), ``hs:SK:SV[:F]``
+(hierasparse, store fraction F or ``auto``), ``hs-fp8:SK:SV[:F]`` (hierasparse over FP8 KV: an FP8 store,
+SGLang's FP8 pages, the decode and extend kernels) and
 ``hs+hicache[:SK:SV[:F]]`` (hierasparse with ``--enable-hierarchical-cache``: compressed prefixes
 on the host tier too; S_K/S_V default to the plugin's 0 and 1). ``--hicache-size`` gives both
 hierarchical servers the same host memory (hierasparse splits it between SGLang's dense host pool
@@ -56,14 +58,18 @@ import time
 from dataclasses import dataclass
 
 from sglang_hs.config import HieraSparseConfig
-from sglang_hs.format import dense_block_bytes, sparse_block_bytes
+from sglang_hs.format import compressed_fraction
 from sglang_hs.launch.server import SGLangServer, ServerStartError, device_name, http_json
 from sglang_hs.launch.trace_summary import load_events, summarize
 from sglang_hs.plotting import pyplot
 
 REGIME_WORKING_SET = {1: 0.5, 2: 1.4, 3: 2.5}
 DENSE_SERVERS = ("flashinfer", "triton")  # plain SGLang servers: their KV capacity sizes the regimes
-BASELINES = (*DENSE_SERVERS, "hicache")  # what hierasparse records are compared with
+FP8_DENSE_SERVERS = ("flashinfer-fp8", "triton-fp8")  # the same over SGLang's FP8 pages
+CAPACITY_SERVERS = (*DENSE_SERVERS, "hicache")  # 16-bit GPU pools: the regimes' unit
+BASELINES = (*CAPACITY_SERVERS, *FP8_DENSE_SERVERS)  # what hierasparse records are compared with
+FP8_FLAGS = ["--kv-cache-dtype", "fp8_e4m3"]
+MAX_STORE_FRACTION = 0.95
 _PREFILL_LINE = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
 _DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?cuda graph: (True|False), "
                           r"gen throughput \(token/s\): ([0-9.]+)")
@@ -86,6 +92,8 @@ class ServerSpec:
     """Runs SGLang's hierarchical cache (a host tier): gets --hicache-size."""
     k_head_share: float = 1.0
     """With ``--k-head-map``: the share of (layer, KV head) pairs whose K a K-sparse block stores 2:4."""
+    fp8: bool = False
+    """FP8 KV: SGLang's FP8 pages (and, for hierasparse, FP8 store values)."""
 
     @property
     def effective_sk(self) -> float | None:
@@ -96,24 +104,31 @@ class ServerSpec:
     def parse(cls, text: str, store_fraction: float) -> "ServerSpec":
         if text in DENSE_SERVERS:
             return cls(text, text, ["--attention-backend", text])
+        if text in FP8_DENSE_SERVERS:
+            backend = text.removesuffix("-fp8")
+            return cls(text, backend, ["--attention-backend", backend, *FP8_FLAGS], fp8=True)
         if text == "hicache":
             return cls("hicache", "flashinfer+hicache", ["--attention-backend", "flashinfer",
                                                          "--enable-hierarchical-cache", "--page-size", "64"],
                        hicache=True)  # fmt: skip
         hicache = text.startswith("hs+hicache")
         pattern = r"hs\+hicache(?::([0-9.]+):([0-9.]+)(?::([0-9.]+|auto))?)?" if hicache else (
-            r"hs:([0-9.]+):([0-9.]+)(?::([0-9.]+|auto))?")  # fmt: skip
+            r"hs(?:-fp8)?:([0-9.]+):([0-9.]+)(?::([0-9.]+|auto))?")  # fmt: skip
         match = re.fullmatch(pattern, text)
         if not match:
-            raise SystemExit(f"error: --servers entry {text!r}; allowed: flashinfer, triton, hicache, hs:SK:SV[:F], "
-                             "hs+hicache[:SK:SV[:F]] (F: this server's store fraction, or auto)")
+            raise SystemExit(f"error: --servers entry {text!r}; allowed: flashinfer, triton, flashinfer-fp8, triton-fp8, "
+                             "hicache, hs:SK:SV[:F], hs-fp8:SK:SV[:F], hs+hicache[:SK:SV[:F]] (F: this server's store "
+                             "fraction, or auto)")  # fmt: skip
         defaults = HieraSparseConfig()
         sk = float(match.group(1)) if match.group(1) else defaults.sk_prefill
         sv = float(match.group(2)) if match.group(2) else defaults.sv_prefill
         args = ["--attention-backend", "hierasparse"] + (["--enable-hierarchical-cache"] if hicache else [])
         for phase in ("prefill", "decode"):
             args += [f"--hierasparse-sk-{phase}={sk}", f"--hierasparse-sv-{phase}={sv}"]
-        spec = cls(text, "hierasparse", args, sk, sv, hicache=hicache)
+        fp8 = text.startswith("hs-fp8")
+        if fp8:  # the kernels that read FP8 KV (the compressor is PyTorch's)
+            args += ["--hierasparse-store-dtype=fp8_e4m3", *FP8_FLAGS, "--hierasparse-kernels=decode,extend"]
+        spec = cls(text, "hierasparse", args, sk, sv, hicache=hicache, fp8=fp8)
         spec.store_fraction = match.group(3) or store_fraction
         return spec
 
@@ -125,7 +140,8 @@ class ServerSpec:
         if fraction == "auto":
             if not dense_capacity:
                 raise SystemExit("error: hs:SK:SV:auto needs the dense capacity: run a dense server first")
-            fraction, prefixes = auto_store_fraction(dense_capacity, context, self.effective_sk, self.sv, head_dim)
+            fraction, prefixes = auto_store_fraction(dense_capacity, context, self.effective_sk, self.sv, head_dim,
+                                                     fp8=self.fp8)  # fmt: skip
             print(f"[bench] {self.label}: store fraction {fraction:.4f} (room for {prefixes} prefixes of {context} "
                   f"tokens; dense holds {dense_capacity // context})", flush=True)
         self.store_fraction = float(fraction)
@@ -150,22 +166,27 @@ def apply_k_head_map(specs: list[ServerSpec], path: str) -> None:
 def auto_store_fraction(
     dense_tokens: int, context: int, sk: float, sv: float, head_dim: int = 128,
     sink: int = HieraSparseConfig.sink_tokens, window: int = HieraSparseConfig.window_tokens,
-    block: int = HieraSparseConfig.block_size,
+    block: int = HieraSparseConfig.block_size, fp8: bool = False,
 ) -> tuple[float, int]:  # fmt: skip
-    """The store fraction that holds the most cached prefixes of ``context`` tokens at this KV budget.
+    """The store fraction that holds the most cached prefixes of ``context`` tokens at this KV budget
+    (``dense_tokens``: what it holds as 16-bit pages).
 
     A cached prefix keeps its sink and its last ``window`` tokens in SGLang's dense pool and the
-    blocks between them in the store, which costs ``ratio`` dense-token equivalents per token. The
-    dense pool also needs room for one prompt being prefilled (``context`` tokens and one output
-    page) before its blocks are compressed. Returns the fraction and the prefixes it has room for.
+    blocks between them in the store, which costs ``ratio`` 16-bit-token equivalents per token (``fp8``:
+    FP8 values and scales in the store, and FP8 pages at half a 16-bit token each). The dense pool also
+    needs room for one prompt being prefilled (``context`` tokens and one output page) before its blocks
+    are compressed. Returns the fraction and the prefixes it has room for.
     """
     compressed = max(0, (context - window) // block - sink // block) * block
-    sparse_share = sparse_block_bytes(block, head_dim) / dense_block_bytes(block, head_dim)
-    ratio = 1 - (sk + sv) / 2 * (1 - sparse_share)  # stored bytes per dense byte of K and V
-    reserve = context + block
-    prefixes = int((dense_tokens - reserve) // (context - compressed + compressed * ratio))
+    ratio = compressed_fraction(sk, sv, 1 if fp8 else 2, block, head_dim)  # stored bytes per 16-bit byte of K and V
+    page = 0.5 if fp8 else 1.0  # a dense token's bytes against a 16-bit one's
+    reserve = (context + block) * page
+    prefixes = int((dense_tokens - reserve) // ((context - compressed) * page + compressed * ratio))
     store_tokens = prefixes * compressed * ratio + block  # one block of slack for rounding
-    return min(0.95, store_tokens / dense_tokens), prefixes
+    if store_tokens > MAX_STORE_FRACTION * dense_tokens:  # the dense pool keeps a twentieth at least
+        prefixes = int((MAX_STORE_FRACTION * dense_tokens - block) // (compressed * ratio))
+        return MAX_STORE_FRACTION, prefixes
+    return store_tokens / dense_tokens, prefixes
 
 
 def random_prompt_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -271,15 +292,15 @@ def profile_summary(trace_dir: str, wait_s: float = 120) -> dict | None:
     return None
 
 
-def kv_budget_gib(log_text: str, kv_tokens: int, model_config: dict, tp_size: int = 1) -> float:
+def kv_budget_gib(log_text: str, kv_tokens: int, model_config: dict, tp_size: int = 1, elem_bytes: int = 2) -> float:
     """KV memory of a server, over all its GPUs: hierasparse logs each rank's budget (dense pool +
     store); a dense server's is its token capacity (per rank, each rank holding its share of the KV
-    heads) times the bytes of one token's K and V in every layer and head (16-bit)."""
+    heads) times the bytes of one token's K and V in every layer and head (``elem_bytes`` a value)."""
     match = _STORE_LINE.search(log_text)
     if match:
         return float(match.group(1)) * tp_size
     heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
-    return kv_tokens * 2 * model_config["num_hidden_layers"] * heads * model_head_dim(model_config) * 2 / 2**30
+    return kv_tokens * 2 * model_config["num_hidden_layers"] * heads * model_head_dim(model_config) * elem_bytes / 2**30
 
 
 def model_head_dim(model_config: dict) -> int:
@@ -556,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     # and TP size can provide it.
     setup = {"context": args.context, "mem_fraction_static": args.mem_fraction_static, "tp_size": args.tp_size}
     dense_capacity = args.dense_capacity or next(
-        (r["dense_kv_tokens"] for r in reversed(records) if r.get("server") in BASELINES and same_setup(r, setup)),
+        (r["dense_kv_tokens"] for r in reversed(records) if r.get("server") in CAPACITY_SERVERS and same_setup(r, setup)),
         None,
     )
     if regimes:
@@ -578,10 +599,11 @@ def main(argv: list[str] | None = None) -> int:
                 info = http_json(server.base_url + "/get_server_info")
                 kv_tokens = int(info.get("max_total_num_tokens", 0))
                 tp_size = int(info.get("tp_size") or 1)
-                if spec.label in BASELINES:  # hicache's GPU pool is the dense one; its host tier is extra
+                if spec.label in CAPACITY_SERVERS:  # hicache's GPU pool is the dense one; its host tier is extra
                     dense_capacity = kv_tokens
                 if not dense_capacity:
-                    raise SystemExit("error: run a dense server (flashinfer, triton or hicache) first or pass --dense-capacity")
+                    raise SystemExit("error: run a 16-bit dense server (flashinfer, triton or hicache) first or pass "
+                                     "--dense-capacity")
                 resident = None
                 if not args.skip_capacity_probe:
                     count = int(2.2 * dense_capacity / args.context) + 1
@@ -590,9 +612,10 @@ def main(argv: list[str] | None = None) -> int:
                 server_fields = {
                     "backend": spec.backend, "server": spec.label, "S_K": spec.sk, "S_V": spec.sv,
                     "k_head_map": args.k_head_map if spec.backend == "hierasparse" else None,
-                    "effective_S_K": spec.effective_sk,
+                    "effective_S_K": spec.effective_sk, "kv_dtype": "fp8_e4m3" if spec.fp8 else "auto",
                     "context": args.context, "resident_prefix_tokens": resident, "dense_kv_tokens": kv_tokens,
-                    "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config, tp_size),
+                    "peak_kv_gib": kv_budget_gib(server.log_text(), kv_tokens, model_config, tp_size,
+                                                 1 if spec.fp8 else 2),
                     "tp_size": tp_size,
                     "mem_fraction_static": args.mem_fraction_static, "store_fraction": spec.store_fraction,
                     "host_tier": host_tier(spec, args.hicache_size),

@@ -32,11 +32,16 @@ def preset_label(setting: str, meta: dict) -> str:
 
 
 def frontier_rows(runs: list[tuple[dict, str]]) -> list[dict]:
-    rows = []
+    """One row per (setting, question set): runs of one set under other server configurations (a K head
+    map, say) each have their dense baseline, which the first run of the set gives."""
+    rows, seen = [], set()
     for run, question_set in runs:
         summary = {row["setting"]: row for row in run["summary"]}
         dense = summary["dense"]["accuracy"]
         for name, row in summary.items():
+            if (preset_label(name, run["meta"]), question_set) in seen:
+                continue
+            seen.add((preset_label(name, run["meta"]), question_set))
             rows.append({"setting": preset_label(name, run["meta"]), "kv_bytes_vs_bf16": row.get("kv_bytes_vs_bf16"),
                          "needle_acc": round(row["accuracy"], 4), "dense_acc": round(dense, 4),
                          "questions": row["questions"], "kl": row.get("kl"), "question_set": question_set,

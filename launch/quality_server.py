@@ -9,6 +9,7 @@ import math
 from sglang_hs.launch.quality_inputs import MissingInput, PrefixGeometry, Sample, Setting, Window
 from sglang_hs.launch.quality_report import Progress, needle_record
 from sglang_hs.launch.server_check import TOP, Steps, meta_steps
+from sglang_hs.config import FP8_KERNELS, HieraSparseConfig
 from sglang_hs.pruner import PRUNERS
 
 
@@ -50,13 +51,20 @@ class ServerBackend:
             flags["k-head-map"] = self.k_head_map[0]
         if setting.mode != "full":
             flags.update({"decode-mode": setting.mode, **self.decode_mode_flags})
-        # FP8 store values and FP8 pages run on the PyTorch paths (the TileLang kernels take 16-bit blocks
-        # and pages): the last --hierasparse-kernels wins.
+        # FP8 store values and FP8 pages: the server's kernels that take FP8 KV (the compressor is PyTorch's);
+        # the last --hierasparse-kernels wins.
         fp8 = [] if setting.store == "auto" else [f"--hierasparse-store-dtype={setting.store}"]
         fp8 += [] if setting.kv == "auto" else ["--kv-cache-dtype", setting.kv]
-        fp8 += ["--hierasparse-kernels=none"] if fp8 else []
+        fp8 += [f"--hierasparse-kernels={self.fp8_kernels()}"] if fp8 else []
         return ["--attention-backend", "hierasparse", *[f"--hierasparse-{k}={v:g}" if isinstance(v, float) else
                 f"--hierasparse-{k}={v}" for k, v in flags.items()], *common, *fp8]  # fmt: skip
+
+    def fp8_kernels(self) -> str:
+        """The kernels of the servers' ``--hierasparse-kernels`` (SGLang's default without one) that take FP8
+        KV, or ``none``."""
+        given = [a.split("=", 1)[1] for a in self.server_args if a.startswith("--hierasparse-kernels=")]
+        names = (given[-1] if given else HieraSparseConfig.kernels).split(",")
+        return ",".join(k for k in names if k in FP8_KERNELS) or "none"
 
     def evaluate(self, settings: list[Setting], samples: list[Sample], windows: list[Window]) -> list[dict]:
         from sglang_hs.launch.server import SGLangServer

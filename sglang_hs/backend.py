@@ -26,7 +26,8 @@ import torch
 from sglang_hs.channel_order import ChannelPermuter
 from sglang_hs.decode_modes import BlockSelection
 from sglang_hs.dense_prefill import FA3_MIN_NEW_TOKENS, PagedPrefillChoice
-from sglang_hs.fallback import decompressed_paged_attention
+from sglang_hs.fallback import batch_chunks, batch_pages, decompressed_paged_attention
+from sglang_hs.format import BlockPools
 from sglang_hs.runtime import HieraSparseRuntime, attach_runtime
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ class ForwardMetadata:
     """int32 ``[bs]`` (the kernels)."""
     qo_indptr_gpu: torch.Tensor | None = None
     """int32 ``[bs + 1]``: query rows of each request in an extend batch (the extend kernel)."""
+    copy_chunks: list[ExtendChunk] | None = None
+    """An extend over FP8 KV: the request chunks whose blocks the extend kernel reads as 16-bit copies."""
     decode_plan: HieraSparseDecode | SharedPrefixDecode | None = None
     """The decode kernel's plan (``Path.DECODE_KERNEL``): the per-request kernel, or with shared-prefix
     decode the two-pass plan."""
@@ -76,6 +79,24 @@ class ForwardMetadata:
     """With a decode mode: the last anchor layer's choice, ``(block_table, seq_lens)`` compacted to the
     blocks the following layers read (``sglang_hs.decode_modes``); the lengths are a host list on the
     PyTorch path (``Path.FALLBACK``)."""
+
+
+@dataclass
+class ExtendChunk:
+    """Consecutive requests of an extend batch over FP8 KV, run as one extend-kernel call over 16-bit
+    copies of their blocks (``sglang_hs.fallback.batch_pages``)."""
+
+    requests: slice
+    rows: slice
+    """Their query rows in the batch."""
+    width: int
+    """Blocks of the longest."""
+    qo_indptr_gpu: torch.Tensor
+    """int32 ``[n + 1]``, from 0."""
+
+
+COPY_CHUNK_BYTES = 256 * 2**20
+"""Bound on one operand's 16-bit copies in an extend over FP8 KV (a single longer request is one chunk)."""
 
 
 def create_backend(model_runner: ModelRunner) -> HieraSparseAttnBackend:
@@ -122,6 +143,10 @@ class HieraSparseAttnBackend(AttentionBackend):
         from sglang.srt.runtime_context import get_parallel
 
         self.q_heads = model_runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size
+        # The model's 16-bit dtype (the pages' unless they are SGLang's FP8 pages). Over FP8 KV (an FP8
+        # store or FP8 pages) decode reads FP8 in the kernel; an extend reads 16-bit copies of its blocks.
+        self.model_dtype = model_runner.dtype
+        self.fp8_kv = self.store.quantized or self.token_to_kv_pool.dtype.itemsize == 1
         self.max_blocks = -(-self.req_to_token.shape[1] // self.config.block_size)
         self.use_decode_kernel = runtime.uses_kernel("decode")
         self.shared_prefix_decode = self.use_decode_kernel and self.config.shared_prefix_decode == "on"
@@ -136,7 +161,9 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.kernels_compiled = self._prepare_kernels(runtime)
         self.extend_plan: HieraSparseExtend | None = None
         if runtime.uses_kernel("extend"):
-            self.extend_plan = self._extend_plan(self.token_to_kv_pool, self.store.capacity.k_sparse > 0)
+            self.extend_plan = self._extend_plan(self.token_to_kv_pool, self.store.capacity.k_sparse > 0 and not self.fp8_kv)
+            if self.fp8_kv:
+                self._no_pools, self._no_index = self._empty_pools()
         self._decode_plan_obj: HieraSparseDecode | SharedPrefixDecode | None = None  # one plan (one kernel, one scratch) for every decode batch
         self._graph_table: torch.Tensor | None = None
         self._graph_seq_lens: torch.Tensor | None = None
@@ -291,11 +318,14 @@ class HieraSparseAttnBackend(AttentionBackend):
 
         kv_pool = self.token_to_kv_pool
         shape = (batch_size, self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size,
-                 self.max_blocks, kv_pool.dtype, kv_pool.device)  # fmt: skip
+                 self.max_blocks, self.model_dtype, kv_pool.device)  # fmt: skip
         if self.shared_prefix_decode:
             return SharedPrefixDecode(*shape, forms=self.shared_forms)
-        # An FP8 store: the kernel's store_fp8 variant (the store's value dtype; shared-prefix decode is off).
+        # An FP8 store: the kernel's store_fp8 variant (the store's value dtype; shared-prefix decode is off),
+        # over FP8 pages its cache_fp8 one.
         fp8 = {"store_dtype": self.store.value_dtype} if self.store.quantized else {}
+        if kv_pool.dtype != self.model_dtype:
+            fp8["cache_dtype"] = kv_pool.dtype
         return HieraSparseDecode(*shape, block_lse=self.selection is not None, **fp8)
 
     def _prepare_kernels(self, runtime: HieraSparseRuntime) -> int:
@@ -314,11 +344,11 @@ class HieraSparseAttnBackend(AttentionBackend):
                                       ("v", (config.sv_prefill, config.sv_decode)))
                 if compress and any(0 < v < 1 for v in values)]  # fmt: skip
         jobs = model_jobs(
-            self.q_heads, kv_pool.head_num, kv_pool.head_dim, str(kv_pool.dtype).removeprefix("torch."),
+            self.q_heads, kv_pool.head_num, kv_pool.head_dim, str(self.model_dtype).removeprefix("torch."),
             decode=runtime.uses_kernel("decode"),
-            extend_k_sparse=(self.store.capacity.k_sparse > 0,) if runtime.uses_kernel("extend") else (),
+            extend_k_sparse=(self.store.capacity.k_sparse > 0 and not self.fp8_kv,) if runtime.uses_kernel("extend") else (),
             compress=compress, loss_operands=tuple(loss), shared_decode_forms=self.shared_forms,
-            store_fp8=self.store.quantized,
+            store_fp8=self.store.quantized, cache_fp8=kv_pool.dtype != self.model_dtype,
         )  # fmt: skip
         return prepare_kernels(jobs, logger.info) if jobs else 0
 
@@ -329,11 +359,32 @@ class HieraSparseAttnBackend(AttentionBackend):
 
         plan = HieraSparseExtend(
             self.q_heads, kv_pool.head_num, kv_pool.head_dim, self.config.block_size, self.max_blocks,
-            kv_pool.dtype, kv_pool.device,
+            self.model_dtype, kv_pool.device,
         )  # fmt: skip
         for tile in TILES:
             plan.kernel(tile, k_sparse)
         return plan
+
+    def _empty_pools(self) -> tuple[BlockPools, torch.Tensor]:
+        """16-bit pools without rows and an index map without blocks: what the extend kernel takes beside
+        the 16-bit copies of an FP8 batch, which are all cache pages."""
+        kv_pool, b = self.token_to_kv_pool, self.config.block_size
+        d, kw = kv_pool.head_dim, dict(dtype=self.model_dtype, device=kv_pool.device)
+        meta = dict(dtype=torch.int16, device=kv_pool.device)
+        pools = BlockPools(torch.empty(0, b, d, **kw), torch.empty(0, b, d // 2, **kw), torch.empty(0, b, d // 16, **meta),
+                           torch.empty(0, b, d, **kw), torch.empty(0, d, b // 2, **kw), torch.empty(0, d, b // 16, **meta))
+        return pools, torch.empty(kv_pool.head_num, 0, dtype=torch.int32, device=kv_pool.device)
+
+    def _copy_chunks(self, seq_lens: list[int], qo_indptr: list[int], device) -> list[ExtendChunk]:
+        """The request chunks of an extend over FP8 KV (:class:`ExtendChunk`)."""
+        kv_pool, b = self.token_to_kv_pool, self.config.block_size
+        block_bytes = b * kv_pool.head_num * kv_pool.head_dim * self.model_dtype.itemsize
+        chunks = []
+        for first, stop, width in batch_chunks(seq_lens, b, max(1, COPY_CHUNK_BYTES // block_bytes)):
+            indptr = torch.tensor([n - qo_indptr[first] for n in qo_indptr[first:stop + 1]], dtype=torch.int32)
+            chunks.append(ExtendChunk(slice(first, stop), slice(qo_indptr[first], qo_indptr[stop]), width,
+                                      indptr.to(device, non_blocking=True)))
+        return chunks
 
     def _compressed_metadata(self, forward_batch: ForwardBatch) -> ForwardMetadata:
         if self.store.used_blocks() == 0 or forward_batch.forward_mode.is_idle():
@@ -345,17 +396,18 @@ class HieraSparseAttnBackend(AttentionBackend):
         table = self.virtual.block_table(rows)
         if forward_batch.forward_mode.is_decode():
             return ForwardMetadata(Path.FALLBACK, table, seq_lens, list(range(len(seq_lens) + 1)))
+        qo_indptr = [0]
+        for n in forward_batch.extend_seq_lens_cpu:
+            qo_indptr.append(qo_indptr[-1] + int(n))
         if self.extend_plan is not None:
-            qo_indptr = torch.nn.functional.pad(forward_batch.extend_seq_lens.cumsum(0), (1, 0))
+            qo_indptr_gpu = torch.nn.functional.pad(forward_batch.extend_seq_lens.cumsum(0), (1, 0))
             return ForwardMetadata(
                 Path.EXTEND_KERNEL,
                 block_table=table,
                 seq_lens_gpu=forward_batch.seq_lens.to(torch.int32),
-                qo_indptr_gpu=qo_indptr.to(torch.int32),
+                qo_indptr_gpu=qo_indptr_gpu.to(torch.int32),
+                copy_chunks=self._copy_chunks(seq_lens, qo_indptr, table.device) if self.fp8_kv else None,
             )
-        qo_indptr = [0]
-        for n in forward_batch.extend_seq_lens_cpu:
-            qo_indptr.append(qo_indptr[-1] + int(n))
         return ForwardMetadata(Path.FALLBACK, table, seq_lens, qo_indptr)
 
     def _save_kv(self, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool) -> None:
@@ -409,10 +461,20 @@ class HieraSparseAttnBackend(AttentionBackend):
         same block loop as the cached prefix (causal on the diagonal blocks)."""
         self._save_kv(k, v, layer, forward_batch, save_kv_cache)
         meta = self.forward_metadata
-        out = self.extend_plan.run(
-            q.reshape(-1, layer.tp_q_head_num, layer.head_dim), meta.qo_indptr_gpu, *self._kernel_kv(layer),
-            meta.block_table, meta.seq_lens_gpu, layer.scaling,
-        )  # fmt: skip
+        q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
+        if meta.copy_chunks is None:
+            out = self.extend_plan.run(q, meta.qo_indptr_gpu, *self._kernel_kv(layer), meta.block_table,
+                                       meta.seq_lens_gpu, layer.scaling)  # fmt: skip
+            return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+        # FP8 KV: each chunk of requests over 16-bit copies of its blocks (all read as cache pages).
+        out = torch.empty_like(q)
+        for chunk in meta.copy_chunks:
+            k_pages, v_pages, table = batch_pages(*self._kernel_kv(layer), meta.block_table[chunk.requests],
+                                                  meta.seq_lens_gpu[chunk.requests], chunk.width, self.config.block_size,
+                                                  q.dtype)  # fmt: skip
+            self.extend_plan.run(q[chunk.rows], chunk.qo_indptr_gpu, k_pages, v_pages, self._no_pools, self._no_index,
+                                 self._no_index, table, meta.seq_lens_gpu[chunk.requests], layer.scaling,
+                                 out=out[chunk.rows])  # fmt: skip
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _forward_compressed(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):

@@ -26,10 +26,10 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 DENSE_BACKENDS = ("flashinfer", "triton")
 # Values of the compressed store: the model's dtype, or FP8 e4m3 with a scale per pool row.
 STORE_DTYPES = ("auto", "fp8_e4m3")
-# --hierasparse-kernels values a server may run with FP8 store values: the PyTorch paths. The decode kernel
-# has an FP8 variant (store_fp8) whose GPU tests are in tests/test_kernels_decode.py (-k fp8); "decode"
-# joins this list once they pass on a Hopper GPU (extend and compress take 16-bit blocks only).
-FP8_STORE_KERNELS = ("none",)
+# Kernels that take FP8 KV (an FP8 store, SGLang's FP8 pages): decode reads e4m3 in the kernel (its
+# store_fp8 / cache_fp8 variants), extend reads 16-bit copies of a batch's blocks; the compress kernel
+# reads and writes 16-bit blocks only (the PyTorch compressor quantizes).
+FP8_KERNELS = ("decode", "extend")
 # TileLang kernels the backend can use; each one left out runs on the PyTorch path instead.
 KERNELS = ("decode", "extend", "compress")
 # Query heads per KV head (on one tensor-parallel rank) that the decode and extend kernels' GPU tests
@@ -173,9 +173,8 @@ class HieraSparseConfig:
         _require(self.shared_prefix_decode == "off" or self.uses_kernel("decode"), cli_flag("shared_prefix_decode"),
                  self.shared_prefix_decode, "'off' unless --hierasparse-kernels includes decode")  # fmt: skip
         _require(self.store_dtype in STORE_DTYPES, cli_flag("store_dtype"), self.store_dtype, f"one of {list(STORE_DTYPES)}")
-        # FP8 values run on the PyTorch paths, and on the kernels of FP8_STORE_KERNELS.
-        _require(self.store_dtype == "auto" or self.kernels in FP8_STORE_KERNELS, cli_flag("kernels"), self.kernels,
-                 f"one of {list(FP8_STORE_KERNELS)} with --hierasparse-store-dtype={self.store_dtype}")  # fmt: skip
+        _require(self.store_dtype == "auto" or self.fp8_kernels_only(), cli_flag("kernels"), self.kernels,
+                 f"'none' or a comma list from {list(FP8_KERNELS)} with --hierasparse-store-dtype={self.store_dtype}")  # fmt: skip
         _require(self.store_dtype == "auto" or self.shared_prefix_decode == "off", cli_flag("shared_prefix_decode"),
                  self.shared_prefix_decode, f"'off' with --hierasparse-store-dtype={self.store_dtype}")  # fmt: skip
 
@@ -196,6 +195,10 @@ class HieraSparseConfig:
         import torch  # local: this module is read before torch loads (launcher flags)
 
         return torch.float8_e4m3fn
+
+    def fp8_kernels_only(self) -> bool:
+        """Every enabled kernel takes FP8 KV (:data:`FP8_KERNELS`)."""
+        return self.kernels == "none" or set(self.kernels.split(",")) <= set(FP8_KERNELS)
 
     def uses_kernel(self, name: str) -> bool:
         """Whether the TileLang kernel ``name`` (one of ``KERNELS``) is enabled by the settings."""
@@ -223,12 +226,15 @@ class HieraSparseConfig:
             f"one of {list(SUPPORTED_HEAD_DIMS)}, or a multiple of 16 with --hierasparse-kernels none",
         )
         _require(dtype in SUPPORTED_DTYPES, "--dtype", dtype, f"one of {list(SUPPORTED_DTYPES)}")
-        # SGLang's FP8 pages (unit scales) are read by the PyTorch paths only; the kernels read 16-bit pages.
+        # SGLang's FP8 pages (unit scales): the PyTorch paths read them, and the decode and extend kernels
+        # beside an FP8 store.
         _require(
-            kv_cache_dtype in ("auto", dtype) or (kv_cache_dtype == "fp8_e4m3" and self.kernels == "none"),
+            kv_cache_dtype in ("auto", dtype) or (kv_cache_dtype == "fp8_e4m3" and (
+                self.kernels == "none" or (self.store_dtype == "fp8_e4m3" and self.fp8_kernels_only()))),
             "--kv-cache-dtype",
             kv_cache_dtype,
-            f"'auto' or the model dtype '{dtype}', or 'fp8_e4m3' with --hierasparse-kernels none",
+            f"'auto' or the model dtype '{dtype}', or 'fp8_e4m3' with --hierasparse-store-dtype fp8_e4m3 and "
+            f"--hierasparse-kernels 'none' or a comma list from {list(FP8_KERNELS)}",
         )
 
     @staticmethod

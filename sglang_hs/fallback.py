@@ -97,3 +97,60 @@ def block_logsumexp(q: torch.Tensor, k: torch.Tensor, block_size: int, sm_scale:
     pad = -logits.shape[-1] % block_size
     logits = torch.nn.functional.pad(logits, (0, pad), value=-torch.inf)
     return torch.logsumexp(logits.unflatten(-1, (-1, block_size)), dim=-1)
+
+
+def batch_pages(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pools: BlockPools,
+    k_index: torch.Tensor,
+    v_index: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    width: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """16-bit copies of a batch's blocks as cache pages, for the extend kernel over FP8 KV (an FP8 store,
+    FP8 pages): ``(k_pages, v_pages, table)``, ``[bs * width * B, H, D]`` each in ``dtype`` and the int32
+    block table ``[bs, width]`` that reads them (request ``r``'s block ``j`` is page ``r * width + j``).
+
+    Blocks are copied whole (FP8 scaled back, 2:4 rows unpacked with zeros where pruned), so attention
+    over the copies equals attention over the batch's blocks; entries past a request's ``seq_lens``
+    (``[bs]``, on the table's device) and columns from ``width`` on are not read. Vectorized, no host
+    synchronisation."""
+    bs, heads, dim = block_table.shape[0], k_cache.shape[1], k_cache.shape[2]
+    columns = torch.arange(width, device=block_table.device)
+    read = columns[None, :] < (seq_lens.to(block_table.device)[:, None] + block_size - 1) // block_size
+    table = torch.where(read, block_table[:, :width], 0).long()
+    compressed = (table < 0)[..., None, None, None]
+    pages = table.clamp(min=0)
+    virtual = (-table - 1).clamp(min=0).flatten()
+
+    def operand(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
+        from_cache = cache.reshape(-1, block_size, heads, dim)[pages].to(dtype)  # [bs, W, B, H, D]; FP8: unit scale
+        if not index.numel():
+            return from_cache.reshape(-1, heads, dim)
+        from_store = decompress_blocks(pools, index[:, virtual], name, dtype)  # [H, bs * W, B, D]
+        from_store = from_store.permute(1, 2, 0, 3).reshape(bs, width, block_size, heads, dim)
+        return torch.where(compressed, from_store, from_cache).reshape(-1, heads, dim)
+
+    order = torch.arange(bs * width, dtype=torch.int32, device=block_table.device).view(bs, width)
+    return operand(k_cache, k_index, "k"), operand(v_cache, v_index, "v"), order
+
+
+def batch_chunks(seq_lens: list[int], block_size: int, max_blocks: int) -> list[tuple[int, int, int]]:
+    """Consecutive requests ``(first, stop, width)`` whose copies (:func:`batch_pages`, ``stop - first``
+    rows ``width`` blocks wide) hold at most ``max_blocks`` blocks, or one request that alone needs more:
+    bounds the memory the copies take."""
+    chunks: list[tuple[int, int, int]] = []
+    first, width = 0, 0
+    for r, seq_len in enumerate(seq_lens):
+        blocks = max(1, -(-seq_len // block_size))
+        if r > first and (r + 1 - first) * max(width, blocks) > max_blocks:
+            chunks.append((first, r, width))
+            first, width = r, 0
+        width = max(width, blocks)
+    if seq_lens:
+        chunks.append((first, len(seq_lens), width))
+    return chunks

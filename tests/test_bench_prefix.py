@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_hs.format import dense_block_bytes
+from sglang_hs.format import dense_block_bytes, sparse_block_bytes
 from sglang_hs.launch.bench_prefix import ServerSpec, auto_store_fraction, decode_log_stats, hit_rate, kv_budget_gib
 from sglang_hs.pools import StoreCapacity
 
@@ -89,20 +89,28 @@ def test_hierarchical_ratio_needs_the_same_host_memory():
 
 @pytest.mark.parametrize("dense_tokens", [262_144, 400_000, 811_000])
 @pytest.mark.parametrize("context", [8192, 32768])
-def test_auto_store_fraction_fits_the_most_prefixes(dense_tokens, context):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_auto_store_fraction_fits_the_most_prefixes(dense_tokens, context, fp8):
     """The store built from the fraction (the server's own sizing) holds the compressed blocks of the
     prefixes it promises, the dense pool their sinks and windows plus one prompt in flight, and one
-    more prefix would not fit at any split."""
+    more prefix would not fit at any split (``fp8``: FP8 store values, and FP8 pages that hold twice
+    the tokens of 16-bit ones in the same bytes)."""
     layers, heads, d, block = 32, 8, 128, 64
-    fraction, prefixes = auto_store_fraction(dense_tokens, context, 1.0, 1.0, d)
+    fraction, prefixes = auto_store_fraction(dense_tokens, context, 1.0, 1.0, d, fp8=fp8)
     token_bytes = 2 * dense_block_bytes(block, d) // block * heads * layers
-    store = StoreCapacity.from_budget(int(dense_tokens * token_bytes * fraction), layers, heads, d, block, 1.0, 1.0)
+    store = StoreCapacity.from_budget(int(dense_tokens * token_bytes * fraction), layers, heads, d, block, 1.0, 1.0,
+                                      elem_bytes=1 if fp8 else 2)  # fmt: skip
     blocks_per_prefix = context // block - 5  # sink 64 = 1 block, window 256 = 4 blocks
     assert store.virtual_blocks >= prefixes * blocks_per_prefix
-    dense_pool = int(dense_tokens * (1 - fraction))
+    page = 0.5 if fp8 else 1.0
+    dense_pool = int(dense_tokens * (1 - fraction) / page)
     assert dense_pool >= prefixes * 5 * block + context + block
-    one_more = (prefixes + 1) * (5 * block + blocks_per_prefix * block * 0.5625) + context + block
-    assert one_more > dense_tokens
+    stored = sparse_block_bytes(block, d, 1 if fp8 else 2) / dense_block_bytes(block, d)
+    if fraction < 0.95:
+        one_more = ((prefixes + 1) * (5 * block * page + blocks_per_prefix * block * stored) + (context + block) * page)
+        assert one_more > dense_tokens
+    else:  # the store's cap (the dense pool keeps a twentieth) binds: one more prefix's blocks do not fit
+        assert (prefixes + 1) * blocks_per_prefix > store.virtual_blocks
 
 
 def test_hit_rate_and_kv_budget_from_logs():
@@ -281,3 +289,22 @@ def test_sigterm_stops_the_run_like_ctrl_c(tmp_path):
     time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 130 and proc.stdout.read().strip() == "stopped"
+
+
+def test_fp8_servers_take_fp8_pages_and_the_kernels_that_read_them():
+    """``flashinfer-fp8``/``triton-fp8``: SGLang's FP8 pages, compared with but not sizing the regimes;
+    ``hs-fp8:SK:SV``: an FP8 store, FP8 pages and the decode and extend kernels."""
+    from sglang_hs.launch.bench_prefix import BASELINES, CAPACITY_SERVERS
+
+    fi = ServerSpec.parse("flashinfer-fp8", 0.5)
+    assert fi.backend == "flashinfer" and fi.fp8 and fi.args[-2:] == ["--kv-cache-dtype", "fp8_e4m3"]
+    assert "flashinfer-fp8" in BASELINES and "flashinfer-fp8" not in CAPACITY_SERVERS
+    hs = ServerSpec.parse("hs-fp8:1:0:auto", 0.5)
+    assert hs.fp8 and (hs.sk, hs.sv, hs.store_fraction) == (1.0, 0.0, "auto")
+    assert hs.args[-4:] == ["--hierasparse-store-dtype=fp8_e4m3", "--kv-cache-dtype", "fp8_e4m3",
+                            "--hierasparse-kernels=decode,extend"]  # fmt: skip
+    assert not ServerSpec.parse("hs:1:0", 0.5).fp8
+    with pytest.raises(SystemExit, match="hs-fp8:SK:SV"):
+        ServerSpec.parse("hs-fp4:1:0", 0.5)
+    config = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
+    assert kv_budget_gib("", 2**20, config, elem_bytes=1) == pytest.approx(64.0)

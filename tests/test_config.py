@@ -29,9 +29,9 @@ from sglang_hs.config import ENV_VAR, HieraSparseConfig, HieraSparseConfigError
         ({"shared_prefix_decode": "on", "kernels": "extend,compress"}, "--hierasparse-shared-prefix-decode"),
         ({"shared_prefix_decode": "extend", "kernels": "extend,compress"}, "--hierasparse-shared-prefix-decode"),
         ({"store_dtype": "fp8_e5m2", "kernels": "none"}, "--hierasparse-store-dtype"),
-        ({"store_dtype": "fp8_e4m3"}, "--hierasparse-kernels"),  # extend and compress take 16-bit blocks
+        ({"store_dtype": "fp8_e4m3"}, "--hierasparse-kernels"),  # the compress kernel writes 16-bit blocks
         ({"store_dtype": "fp8_e4m3", "kernels": "compress"}, "--hierasparse-kernels"),
-        ({"store_dtype": "fp8_e4m3", "kernels": "decode,extend"}, "--hierasparse-kernels"),
+        ({"store_dtype": "fp8_e4m3", "kernels": "decode,compress"}, "--hierasparse-kernels"),
     ],
 )
 def test_bad_setting_names_flag_and_allowed_values(values, flag):
@@ -54,9 +54,11 @@ def test_store_dtype():
     assert HieraSparseConfig().store_value_dtype is None
     config = HieraSparseConfig.from_mapping({"store_dtype": "fp8_e4m3", "kernels": "none"})
     assert config.store_value_dtype == torch.float8_e4m3fn
-    # Servers keep FP8 values on the PyTorch paths until the decode kernel's FP8 variant passes its GPU tests.
-    with pytest.raises(HieraSparseConfigError, match=r"allowed: one of \['none'\] with --hierasparse-store-dtype"):
-        HieraSparseConfig.from_mapping({"store_dtype": "fp8_e4m3", "kernels": "decode"})
+    # The decode and extend kernels take FP8 KV; the compressor is PyTorch's.
+    for kernels in ("decode", "extend", "decode,extend", "extend,decode"):
+        assert HieraSparseConfig.from_mapping({"store_dtype": "fp8_e4m3", "kernels": kernels}).fp8_kernels_only()
+    with pytest.raises(HieraSparseConfigError, match=r"allowed: 'none' or a comma list from \['decode', 'extend'\] with"):
+        HieraSparseConfig.from_mapping({"store_dtype": "fp8_e4m3", "kernels": "decode,extend,compress"})
 
 
 def test_kernel_selection():
@@ -78,8 +80,13 @@ def test_model_and_gpu_checks():
         HieraSparseConfig(kernels="none").validate_model(head_dim=72, dtype="float16", kv_cache_dtype="auto", gqa_group=4)
     with pytest.raises(HieraSparseConfigError, match="--dtype='float32'"):
         config.validate_model(head_dim=64, dtype="float32", kv_cache_dtype="auto", gqa_group=4)
-    with pytest.raises(HieraSparseConfigError, match="kv-cache-dtype.*'fp8_e4m3' with --hierasparse-kernels none"):
+    with pytest.raises(HieraSparseConfigError, match="kv-cache-dtype.*'fp8_e4m3' with --hierasparse-store-dtype fp8_e4m3"):
         config.validate_model(head_dim=64, dtype="float16", kv_cache_dtype="fp8_e4m3", gqa_group=4)
+    fp8_kernels = HieraSparseConfig(kernels="decode,extend", store_dtype="fp8_e4m3")
+    fp8_kernels.validate_model(head_dim=64, dtype="float16", kv_cache_dtype="fp8_e4m3", gqa_group=4)
+    with pytest.raises(HieraSparseConfigError, match="kv-cache-dtype"):  # FP8 pages beside a 16-bit store
+        HieraSparseConfig(kernels="decode,extend").validate_model(head_dim=64, dtype="float16",
+                                                                  kv_cache_dtype="fp8_e4m3", gqa_group=4)  # fmt: skip
     with pytest.raises(HieraSparseConfigError, match="kv-cache-dtype"):
         HieraSparseConfig(kernels="none").validate_model(head_dim=64, dtype="float16", kv_cache_dtype="fp8_e5m2",
                                                          gqa_group=4)  # fmt: skip
@@ -162,18 +169,20 @@ def test_launcher_refuses_decode_and_extend_kernels_for_an_unsupported_gqa_group
     assert result.stderr.strip().splitlines()[-1] == "error: hierasparse: --device=cpu is invalid; allowed: cuda"
 
 
-def test_launcher_takes_fp8_pages_on_the_pytorch_paths_only(tmp_path):
-    """--kv-cache-dtype fp8_e4m3: refused in one line with the kernels, accepted with --hierasparse-kernels
-    none (then the run stops at the CPU device, after every shape check)."""
+def test_launcher_takes_fp8_pages_beside_an_fp8_store(tmp_path):
+    """--kv-cache-dtype fp8_e4m3: refused in one line with the default kernels (the compress kernel and a
+    16-bit store), accepted with an FP8 store on the PyTorch paths or the decode and extend kernels (then
+    the run stops at the CPU device, after every shape check)."""
     from sglang_hs.launch.make_model import LLAMA_31_8B, write_llama_config
 
     write_llama_config(str(tmp_path), LLAMA_31_8B)
     base = ["-m", "sglang.launch_server", "--model-path", str(tmp_path), "--attention-backend", "hierasparse",
             "--device", "cpu", "--kv-cache-dtype", "fp8_e4m3"]  # fmt: skip
     last = run_python(*base, cwd="/").stderr.strip().splitlines()[-1]
-    assert last.startswith("error: hierasparse: --kv-cache-dtype='fp8_e4m3' is invalid; allowed:") and "kernels none" in last
-    result = run_python(*base, "--hierasparse-kernels", "none", "--hierasparse-store-dtype", "fp8_e4m3", cwd="/")
-    assert result.stderr.strip().splitlines()[-1] == "error: hierasparse: --device=cpu is invalid; allowed: cuda"
+    assert last.startswith("error: hierasparse: --kv-cache-dtype='fp8_e4m3' is invalid; allowed:") and "store-dtype fp8_e4m3" in last
+    for kernels in ("none", "decode,extend"):
+        result = run_python(*base, "--hierasparse-kernels", kernels, "--hierasparse-store-dtype", "fp8_e4m3", cwd="/")
+        assert result.stderr.strip().splitlines()[-1] == "error: hierasparse: --device=cpu is invalid; allowed: cuda"
 
 
 def test_architectures_the_store_cannot_serve_are_refused_in_one_line():

@@ -324,7 +324,7 @@ def test_compare_tells_near_ties_from_real_differences(tmp_path, capsys):
 
 def test_fp8_settings_name_their_flags_and_bytes():
     """FP8 settings: SGLang's FP8 pages for a dense server (``dense:kv=fp8_e4m3``), FP8 store values for
-    hierasparse (``store=fp8_e4m3``, on the PyTorch paths), each with the prefix bytes it keeps."""
+    hierasparse (``store=fp8_e4m3``, on the kernels that take FP8 KV), each with the prefix bytes it keeps."""
     for name in ("dense:kv=fp8_e4m3", "magnitude:sk=0,sv=0,store=fp8_e4m3", "magnitude:sk=1,sv=0,mode=kascade,store=fp8_e4m3"):
         assert qi.setting_from_name(name).name == name
     fp8_pages, fp8_store = qi.setting_from_name("dense:kv=fp8_e4m3"), qi.setting_from_name("magnitude:sk=0,sv=0,store=fp8_e4m3")
@@ -333,10 +333,14 @@ def test_fp8_settings_name_their_flags_and_bytes():
     backend.geometry, backend.chunk, backend.server_args, backend.dense_backend = GEOMETRY, 512, ["--x"], "triton"
     backend.k_head_map, backend.decode_mode_flags = None, {}
     assert backend.launch_args(fp8_pages)[:4] == ["--attention-backend", "triton", "--kv-cache-dtype", "fp8_e4m3"]
-    assert backend.launch_args(fp8_store)[-2:] == ["--hierasparse-store-dtype=fp8_e4m3", "--hierasparse-kernels=none"]
+    assert backend.launch_args(fp8_store)[-2:] == ["--hierasparse-store-dtype=fp8_e4m3", "--hierasparse-kernels=decode,extend"]
     both = qi.setting_from_name("magnitude:sk=0,sv=0,store=fp8_e4m3,kv=fp8_e4m3")
+    backend.server_args = ["--hierasparse-kernels=extend,compress"]
     assert backend.launch_args(both)[-4:] == ["--hierasparse-store-dtype=fp8_e4m3", "--kv-cache-dtype", "fp8_e4m3",
-                                              "--hierasparse-kernels=none"]  # fmt: skip
+                                              "--hierasparse-kernels=extend"]  # fmt: skip
+    backend.server_args = ["--hierasparse-kernels=compress"]
+    assert backend.launch_args(both)[-1] == "--hierasparse-kernels=none"
+    backend.server_args = ["--x"]
     assert GEOMETRY.kv_bytes_fraction(8 * 64, both) == pytest.approx((5 * (64 * 64 + 4) / (64 * 64) + 3) / 16)
     # 8 whole blocks: sink block and window (2 blocks) 16-bit, 5 blocks FP8 with a scale each.
     prefix = 8 * 64
@@ -400,3 +404,11 @@ def test_quality_frontier_pools_sets_and_labels_presets(tmp_path, capsys):
     assert pooled["magnitude:sk=1,sv=0,store=fp8_e4m3"]["needle_acc"] == pytest.approx(0.5)  # seeds 3 (new) and 4
     assert pooled["magnitude:sk=1,sv=0,store=fp8_e4m3"]["kl"] == pytest.approx(0.01)
     assert qf.main(["--out", str(merged)]) == 2
+    # One set under two server configurations (with and without a K head map): one dense row for the set.
+    plain = run(5, 0.3, None)
+    (tmp_path / "q5.json").rename(tmp_path / "q5a.json")
+    mapped = run(5, 0.5, "map.pt")
+    assert qf.main(["--run", plain.replace("q5.json", "q5a.json"), "--run", mapped, "--out", str(out)]) == 0
+    rows = json.load(open(out))["rows"]
+    assert sorted(r["setting"] for r in rows) == ["dense", "magnitude:sk=1,sv=0,store=fp8_e4m3",
+                                                  "magnitude:sk=1,sv=0,store=fp8_e4m3+kheadmap"]  # fmt: skip

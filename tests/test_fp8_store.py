@@ -160,3 +160,30 @@ def test_fp8_pages_are_read_as_unit_scaled_values():
     model[0].k_scale_float = 0.25
     with pytest.raises(HieraSparseConfigError, match="KV scales"):
         check_unit_kv_scales(model)
+
+
+@pytest.mark.parametrize("sk,sv", [(0.0, 0.0), (1.0, 0.5)])
+def test_batch_copies_for_the_extend_kernel_equal_each_requests_dense_view(sk, sv):
+    """An extend over FP8 KV reads 16-bit copies of its batch's blocks as cache pages: the copies behind a
+    request's row of the new table are that request's KV as the fallback reads it (FP8 pages and rows
+    scaled back, 2:4 rows unpacked), and chunks of requests bound the copies."""
+    from sglang_hs.fallback import batch_chunks, batch_pages, dense_view
+    from sglang_hs.kernels import cases
+
+    lens = [1000, 300, 64 * 7, 5]
+    case = cases.quantize_case(cases.make_case(lens, 6, 3, D, sk, sv, torch.bfloat16, "cpu", max_blocks=20, seed=3))
+    fp8, _ = cases.fp8_pages(case)
+    pools = cases.pools_of(fp8)
+    assert fp8["k_cache"].dtype == FP8_DTYPE and pools.quantized
+    width = -(-max(lens) // B)
+    k_pages, v_pages, table = batch_pages(fp8["k_cache"], fp8["v_cache"], pools, fp8["k_index"], fp8["v_index"],
+                                          fp8["block_table"], fp8["seq_lens"], width, B, torch.bfloat16)  # fmt: skip
+    assert k_pages.dtype == torch.bfloat16 and k_pages.shape == (len(lens) * width * B, 3, D)
+    assert torch.equal(table.flatten(), torch.arange(len(lens) * width, dtype=torch.int32))
+    for r, length in enumerate(lens):
+        k, v = dense_view(fp8["k_cache"], fp8["v_cache"], pools, fp8["k_index"], fp8["v_index"], fp8["block_table"][r],
+                          length, B, torch.bfloat16)  # fmt: skip
+        got_k, got_v = dense_view(k_pages, v_pages, pools, fp8["k_index"], fp8["v_index"], table[r], length, B)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v), r
+    assert batch_chunks(lens, B, 10**6) == [(0, 4, width)]
+    assert batch_chunks(lens, B, 20) == [(0, 1, 16), (1, 3, 7), (3, 4, 1)]  # the first alone is 16 blocks

@@ -131,6 +131,39 @@ def test_fp8_store_matches_reference(shape):
             assert (block_lse[r, :, j].cpu() - ref_block[0]).abs().max().item() < 2e-2, (r, j)
 
 
+# FP8 cache pages beside an FP8 store (the kernel's cache_fp8 variant, ``decode.FP8_PRECOMPILE``'s "fp8kv").
+FP8_PAGES_SMALL = [
+    (4, 4, 64, torch.float16, 0.0, 0.0),
+    (9, 3, 64, torch.bfloat16, 1.0, 1.0),
+    (8, 1, 64, torch.float16, 1.0, 0.5),
+    (12, 4, 128, torch.float16, 0.5, 0.5),
+    (32, 8, 128, torch.bfloat16, 0.5, 1.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", FP8_PAGES_SMALL, ids=_id)
+def test_fp8_pages_match_reference(shape):
+    """SGLang's FP8 pages (unit scales) and FP8 pool rows: the kernel equals the oracle over the same
+    values, and refuses 16-bit pages."""
+    hq, hkv, d, dtype, sk, sv = shape
+    case = cases.quantize_case(cases.make_case(SMALL_LENS, hq, hkv, d, sk, sv, dtype, "cuda",
+                                               max_blocks=SMALL_MAX_BLOCKS, seed=9))  # fmt: skip
+    fp8, oracle = cases.fp8_pages(case)
+    plan = _plan(fp8, num_splits=SMALL_SPLITS, store_dtype=FP8_DTYPE, cache_dtype=FP8_DTYPE)
+    out = torch.full_like(case["q"], float("nan"))
+    got, lse = plan.run(*cases.run_args(fp8), out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(got).all(), "unwritten or non-finite outputs"
+    ref_out, ref_lse = _reference(oracle)
+    for r in range(len(SMALL_LENS)):
+        err = cases.rel_err(got[r].cpu(), ref_out[r])
+        assert err < _tol(dtype), f"request {r}: rel err {err:.2e}"
+    assert (lse.cpu() - ref_lse).abs().max().item() < 2e-2
+    with pytest.raises(ValueError, match="cache pages of"):
+        plan.run(*cases.run_args(case))
+
+
 @pytest.mark.gpu
 def test_fp8_store_mid_context_matches_decompressed():
     """FP8 pools at a few thousand tokens on the Llama-3.1-8B decode shape (mixed dense / 2:4 rows):

@@ -152,6 +152,51 @@ def test_matches_reference(variant):
         assert not forced._cnt.any()
 
 
+# FP8 KV through 16-bit copies: (q_heads, kv_heads, head_dim, dtype, S_K, S_V, plan options); the kernels
+# are those without 2:4 K buffers whatever S_K (the copies are cache pages).
+FP8_KV = [
+    (32, 8, 128, torch.float16, 0.5, 1.0, dict(tile="n128")),
+    (9, 3, 64, torch.bfloat16, 1.0, 1.0, dict(tile="n64")),
+    (8, 2, 64, torch.float16, 0.0, 0.0, dict(tile="n128")),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", FP8_KV, ids=_id)
+def test_fp8_kv_through_16_bit_copies_matches_reference(variant):
+    """FP8 KV (an FP8 store and SGLang's FP8 pages), as the backend runs it: the batch's blocks copied to
+    16-bit pages (``fallback.batch_pages``), the kernel without 2:4 K buffers over them, in one call and
+    in chunks of requests (``fallback.batch_chunks``), against the oracle over the same values."""
+    from sglang_hs.fallback import batch_chunks, batch_pages
+
+    hq, hkv, d, dtype, sk, sv, opts = variant
+    case = cases.quantize_case(cases.make_extend_case(PREFIX, NEW, hq, hkv, d, sk, sv, dtype, "cuda",
+                                                      max_blocks=SMALL_MAX_BLOCKS, seed=5))  # fmt: skip
+    fp8, oracle = cases.fp8_pages(case)
+    ref_out, ref_lse = cases.extend_reference(oracle)
+    pools = cases.pools_of(fp8)
+    no_pools = cases.pools_of(cases.make_case([64], hq, hkv, d, 0.0, 0.0, dtype, "cuda", sink_blocks=1, window_blocks=0))
+    no_pools = type(no_pools)(*(t[:0] for t in vars(no_pools).values() if t is not None))
+    no_index = torch.empty(hkv, 0, dtype=torch.int32, device="cuda")
+    plan = _plan(case, **opts)
+    seq_lens, indptr = case["seq_lens_list"], case["qo_indptr_list"]
+    for max_blocks in (10**6, 30):  # one chunk; several
+        chunks = batch_chunks(seq_lens, 64, max_blocks)
+        assert (len(chunks) == 1) == (max_blocks > 10**5)
+        out = torch.full_like(case["q"], float("nan"))
+        for first, stop, width in chunks:
+            k_pages, v_pages, table = batch_pages(fp8["k_cache"], fp8["v_cache"], pools, fp8["k_index"],
+                                                  fp8["v_index"], fp8["block_table"][first:stop],
+                                                  fp8["seq_lens"][first:stop], width, 64, dtype)
+            rows = slice(indptr[first], indptr[stop])
+            qo = torch.tensor([n - indptr[first] for n in indptr[first:stop + 1]], dtype=torch.int32, device="cuda")
+            plan.run(case["q"][rows], qo, k_pages, v_pages, no_pools, no_index, no_index, table,
+                     case["seq_lens"][first:stop], case["sm_scale"], out=out[rows])
+            assert plan.last_config["k_sparse"] is False
+        torch.cuda.synchronize()
+        _check_reference(case, out, None, ref_out, ref_lse, dtype, f"FP8 KV, {len(chunks)} chunks")
+
+
 @pytest.mark.gpu
 def test_dynamic_split_limits_match_reference():
     """``dynamic_splits`` (the shared-prefix decode's kernel, here over the ragged extend batch): each
@@ -280,7 +325,7 @@ def test_tested_and_default_configurations_are_precompiled():
     """Every kernel the GPU tests build and every default plan of the benchmark's shape is in PRECOMPILE (a
     device run loads it from TileLang's cache), and PRECOMPILE holds nothing else; every shipped tile and
     stage count is tested with and without 2:4 K rows."""
-    tested = {_kernel_config(v) for v in SMALL}
+    tested = {_kernel_config(v) for v in SMALL} | {_kernel_config(v)[:-1] + (False,) for v in FP8_KV}
     defaults = {(32, 8, 128, "float16", tile, default_stages(tile), ks) for tile in TILES for ks in (False, True)}
     bench_variants = {(32, 8, 128, "float16", tile, stages, ks) for tile, stages in BENCH_VARIANTS
                       for ks in (False, True)}
