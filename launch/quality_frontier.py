@@ -7,7 +7,8 @@ setting of every run becomes a row ``{setting, kv_bytes_vs_bf16, needle_acc, den
 backend}`` (bytes: the prefix's K+V against 16-bit dense, sink, window, 2:4 metadata and FP8 scales counted,
 from the run's summary); ``pooled`` gives each setting's accuracy over the sets that ran it (question
 weighted; KL: the mean over the sets) and the dense baseline over the same sets. ``--base RECORD`` starts from
-an earlier frontier record's rows, so that question sets run at another time join it without their runs.
+an earlier frontier record's rows, so that question sets and settings run at another time join it without their
+runs (a setting of a question set that the runs have again is taken from the runs).
 
     python -m sglang_hs.launch.quality_frontier --out launch/results/quality_frontier_smollm2_h200.json \\
         [--base EARLIER.json] --run q21.json="essays seed 21" --run q23.json="pydoc topics seed 23" ...
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="an eval_quality JSON and the name of its question set (repeat)")  # fmt: skip
     parser.add_argument("--out", required=True, help="the record's path (.json; the PNG beside it)")
     parser.add_argument("--base", metavar="RECORD", help="an earlier frontier record whose rows (and commands) this one "
-                        "keeps; a question set in both is taken from the runs")  # fmt: skip
+                        "keeps; a setting of a question set in both is taken from the runs")  # fmt: skip
     parser.add_argument("--device", default="", help="the record's device field (default: the runs' own)")
     parser.add_argument("--commit", default="", help="the commit the runs ran at (the record's commit field)")
     args = parser.parse_args(argv)
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.base:
         with open(args.base) as f:
             base = json.load(f)
-    new_sets = {r["question_set"] for r in rows}
-    rows = [r for r in base["rows"] if r["question_set"] not in new_sets] + rows
+    rerun = {(r["setting"], r["question_set"]) for r in rows}
+    rows = [r for r in base["rows"] if (r["setting"], r["question_set"]) not in rerun] + rows
     missing = sorted({r["setting"] for r in rows if r["kv_bytes_vs_bf16"] is None})
     if missing:
         print(f"quality_frontier: runs without kv_bytes_vs_bf16 for {missing}; rerun or --report-only them "

@@ -133,7 +133,7 @@ def batch_pages(
             return from_cache.reshape(-1, heads, dim)
         from_store = decompress_blocks(pools, index[:, virtual], name, dtype)  # [H, bs * W, B, D]
         from_store = from_store.permute(1, 2, 0, 3).reshape(bs, width, block_size, heads, dim)
-        return torch.where(compressed, from_store, from_cache).reshape(-1, heads, dim)
+        return torch.where(compressed, from_store, from_cache).reshape(-1, heads, dim).contiguous()  # as the kernel reads
 
     order = torch.arange(bs * width, dtype=torch.int32, device=block_table.device).view(bs, width)
     return operand(k_cache, k_index, "k"), operand(v_cache, v_index, "v"), order

@@ -392,7 +392,8 @@ def test_quality_frontier_pools_sets_and_labels_presets(tmp_path, capsys):
     assert pooled["magnitude:sk=1,sv=0,store=fp8_e4m3"]["vs_dense_points"] == pytest.approx(-40.0)
     assert pooled["dense"]["question_sets"] == 3
     assert qf.main(["--run", "no-name.json", "--out", str(out)]) == 2
-    # --base: an earlier record's sets stay, a set run again replaces its rows, commands and devices add up
+    # --base: an earlier record's sets and settings stay, a setting of a set run again replaces its row,
+    # commands and devices add up
     json.dump({**json.load(open(out)), "device": "NVIDIA H100"}, open(out, "w"))
     merged = tmp_path / "merged.json"
     assert qf.main(["--base", str(out), "--run", run(3, 0.6, None), "--run", run(4, 0.4, None), "--device", "",
@@ -412,3 +413,7 @@ def test_quality_frontier_pools_sets_and_labels_presets(tmp_path, capsys):
     rows = json.load(open(out))["rows"]
     assert sorted(r["setting"] for r in rows) == ["dense", "magnitude:sk=1,sv=0,store=fp8_e4m3",
                                                   "magnitude:sk=1,sv=0,store=fp8_e4m3+kheadmap"]  # fmt: skip
+    # --base with one setting of the set run again: the others' rows stay.
+    assert qf.main(["--base", str(out), "--run", run(5, 0.9, "map.pt"), "--out", str(merged)]) == 0
+    rows = {r["setting"]: r["needle_acc"] for r in json.load(open(merged))["rows"]}
+    assert rows == {"dense": 0.6, "magnitude:sk=1,sv=0,store=fp8_e4m3": 0.3, "magnitude:sk=1,sv=0,store=fp8_e4m3+kheadmap": 0.9}
