@@ -4,7 +4,7 @@ Each run (its JSON) is one question set under one server configuration; ``--run 
 (e.g. ``essays seed 21``). A run's hierasparse servers may carry a K head map or a K channel order (its
 ``meta``); those settings are labelled ``+kheadmap`` / ``+korder`` so that presets stay apart. Every
 setting of every run becomes a row ``{setting, kv_bytes_vs_bf16, needle_acc, dense_acc, question_set,
-backend}`` (bytes: the prefix's K+V against 16-bit dense, sink, window, 2:4 metadata and FP8 scales counted,
+backend}`` (with KL, the share of answers equal to dense's and the accuracy per task) (bytes: the prefix's K+V against 16-bit dense, sink, window, 2:4 metadata and FP8 scales counted,
 from the run's summary); ``pooled`` gives each setting's accuracy over the sets that ran it (question
 weighted; KL: the mean over the sets) and the dense baseline over the same sets. ``--base RECORD`` starts from
 an earlier frontier record's rows, so that question sets and settings run at another time join it without their
@@ -45,7 +45,9 @@ def frontier_rows(runs: list[tuple[dict, str]]) -> list[dict]:
             seen.add((preset_label(name, run["meta"]), question_set))
             rows.append({"setting": preset_label(name, run["meta"]), "kv_bytes_vs_bf16": row.get("kv_bytes_vs_bf16"),
                          "needle_acc": round(row["accuracy"], 4), "dense_acc": round(dense, 4),
-                         "questions": row["questions"], "kl": row.get("kl"), "question_set": question_set,
+                         "questions": row["questions"], "kl": row.get("kl"), "agree": row.get("agree"),
+                         "by_task": {task: round(t["accuracy"], 4) for task, t in row.get("by_task", {}).items()},
+                         "question_set": question_set,
                          "backend": run["meta"]["backend"]})  # fmt: skip
     return rows
 
