@@ -217,3 +217,30 @@ def test_launcher_refuses_sliding_window_models_before_loading_weights(tmp_path)
         "error: hierasparse: --model-path is a LlamaForCausalLM with sliding-window attention; allowed: ")
     result = _launch_with_config(tmp_path, sliding_window=131072, use_sliding_window=False)
     assert result.stderr.strip().splitlines()[-1] == "error: hierasparse: --device=cpu is invalid; allowed: cuda"
+
+
+@pytest.mark.parametrize("config_update,flags,message", [
+    ({"head_dim": 96}, [], "error: hierasparse: the model's head_dim=96 is invalid; allowed: one of [64, 128], or a "
+                           "multiple of 16 with --hierasparse-kernels none"),
+    ({}, ["--dtype", "float32"], "error: hierasparse: --dtype='float32' is invalid; allowed: one of ['float16', 'bfloat16']"),
+    ({}, ["--kv-cache-dtype", "fp8_e5m2"], "error: hierasparse: --kv-cache-dtype='fp8_e5m2' is invalid; allowed: 'auto' or "
+                                           "the model dtype 'bfloat16', or 'fp8_e4m3' with --hierasparse-store-dtype "
+                                           "fp8_e4m3 and --hierasparse-kernels 'none' or a comma list from "
+                                           "['decode', 'extend']"),
+    ({}, ["--hierasparse-store-dtype", "fp8_e4m3"], "error: hierasparse: --hierasparse-kernels='decode,extend,compress' "
+                                                    "is invalid; allowed: 'none' or a comma list from ['decode', "
+                                                    "'extend'] with --hierasparse-store-dtype=fp8_e4m3"),
+], ids=["head_dim", "dtype", "kv_dtype", "fp8_store_with_compress_kernel"])
+def test_launcher_refuses_what_the_kernels_cannot_take_in_one_line(tmp_path, config_update, flags, message):
+    """Each shape, dtype and KV dtype the kernels cannot take stops the launcher, before any weights load,
+    with one line naming the flag (or the model's value) and what is allowed."""
+    from sglang_hs.launch.make_model import LLAMA_31_8B, write_llama_config
+
+    write_llama_config(str(tmp_path), LLAMA_31_8B)
+    if config_update:
+        config_path = tmp_path / "config.json"
+        config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **config_update}))
+    result = run_python("-m", "sglang.launch_server", "--model-path", str(tmp_path), "--attention-backend",
+                        "hierasparse", "--device", "cpu", *flags, cwd="/")  # fmt: skip
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == message
