@@ -93,6 +93,10 @@ class ExtendChunk:
     """Blocks of the longest."""
     qo_indptr_gpu: torch.Tensor
     """int32 ``[n + 1]``, from 0."""
+    new_rows: torch.Tensor
+    """int64: the rows of the copies that hold the requests' new tokens, in query order. They get the
+    16-bit K and V the layer is handed, as SGLang's own extend attends to a request's new tokens (only the
+    cached ones are read back from FP8 pages)."""
 
 
 COPY_CHUNK_BYTES = 256 * 2**20
@@ -382,8 +386,10 @@ class HieraSparseAttnBackend(AttentionBackend):
         chunks = []
         for first, stop, width in batch_chunks(seq_lens, b, max(1, COPY_CHUNK_BYTES // block_bytes)):
             indptr = torch.tensor([n - qo_indptr[first] for n in qo_indptr[first:stop + 1]], dtype=torch.int32)
+            new_rows = torch.cat([torch.arange(seq_lens[r] - (qo_indptr[r + 1] - qo_indptr[r]), seq_lens[r]) +
+                                  (r - first) * width * b for r in range(first, stop)])  # fmt: skip
             chunks.append(ExtendChunk(slice(first, stop), slice(qo_indptr[first], qo_indptr[stop]), width,
-                                      indptr.to(device, non_blocking=True)))
+                                      indptr.to(device, non_blocking=True), new_rows.to(device, non_blocking=True)))
         return chunks
 
     def _compressed_metadata(self, forward_batch: ForwardBatch) -> ForwardMetadata:
@@ -466,12 +472,16 @@ class HieraSparseAttnBackend(AttentionBackend):
             out = self.extend_plan.run(q, meta.qo_indptr_gpu, *self._kernel_kv(layer), meta.block_table,
                                        meta.seq_lens_gpu, layer.scaling)  # fmt: skip
             return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
-        # FP8 KV: each chunk of requests over 16-bit copies of its blocks (all read as cache pages).
+        # FP8 KV: each chunk of requests over 16-bit copies of its blocks (all read as cache pages), the new
+        # tokens' rows holding the 16-bit K and V the layer was handed.
         out = torch.empty_like(q)
         for chunk in meta.copy_chunks:
             k_pages, v_pages, table = batch_pages(*self._kernel_kv(layer), meta.block_table[chunk.requests],
                                                   meta.seq_lens_gpu[chunk.requests], chunk.width, self.config.block_size,
                                                   q.dtype)  # fmt: skip
+            if k is not None and v is not None:
+                k_pages.index_copy_(0, chunk.new_rows, k.reshape(-1, *k_pages.shape[1:])[chunk.rows].to(q.dtype))
+                v_pages.index_copy_(0, chunk.new_rows, v.reshape(-1, *v_pages.shape[1:])[chunk.rows].to(q.dtype))
             self.extend_plan.run(q[chunk.rows], chunk.qo_indptr_gpu, k_pages, v_pages, self._no_pools, self._no_index,
                                  self._no_index, table, meta.seq_lens_gpu[chunk.requests], layer.scaling,
                                  out=out[chunk.rows])  # fmt: skip

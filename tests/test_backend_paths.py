@@ -21,8 +21,10 @@ class RecordingPlan:
     def __init__(self):
         self.calls = []
 
-    def run(self, q, *args):
+    def run(self, q, *args, out=None):
         self.calls.append((q, args))
+        if out is not None:
+            out.copy_(q)
         return q
 
 
@@ -40,11 +42,12 @@ def make_backend(extend_plan, layers: int = LAYERS, value_dtype=None):
     req_to_token[1, :128] = torch.arange(192, 320)
     k_buffer = torch.randn(1024, HKV, D).half()
     pool = SimpleNamespace(get_key_buffer=lambda layer: k_buffer, get_value_buffer=lambda layer: k_buffer + 1,
-                           set_kv_buffer=lambda *a: None)  # fmt: skip
+                           set_kv_buffer=lambda *a: None, head_num=HKV, head_dim=D, device="cpu")  # fmt: skip
     dense = SimpleNamespace(forward_extend=lambda *a, **k: "dense extend", forward_decode=lambda *a, **k: "dense decode")
     backend.__dict__.update(store=store, virtual=virtual, req_to_token=req_to_token, extend_plan=extend_plan,
                             use_decode_kernel=False, token_to_kv_pool=pool, forward_metadata=None, dense=dense,
-                            permute=None, selection=None,
+                            permute=None, selection=None, fp8_kv=store.quantized, model_dtype=torch.float16,
+                            config=SimpleNamespace(block_size=B),
                             runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=torch.zeros(2, dtype=torch.int64)))  # fmt: skip
     return backend
 
@@ -84,6 +87,48 @@ def test_extend_over_compressed_blocks_uses_the_kernel_with_gpu_side_offsets():
     assert k_index is backend.store.k_index and v_index is backend.store.v_index
     assert k_cache.shape == (1024, HKV, D) and torch.equal(v_cache, k_cache + 1)
     assert block_table is meta.block_table and seq_lens is meta.seq_lens_gpu and sm_scale == 0.125
+
+
+def test_extend_over_fp8_kv_runs_the_kernel_over_16_bit_copies_with_the_new_tokens_as_handed():
+    """An FP8 store: the extend kernel reads 16-bit copies of the batch's blocks as cache pages (request r's
+    block j is page r * width + j) beside empty pools; the new tokens' rows hold the K and V the layer was
+    handed, the rest what the fallback reads."""
+    from sglang_hs.backend import Path
+    from sglang_hs.fallback import dense_view
+    from sglang_hs.format import FP8_DTYPE
+
+    plan = RecordingPlan()
+    backend = make_backend(plan, value_dtype=FP8_DTYPE)
+    pools = backend.store.layer_pools(0)
+    for name, t in vars(pools).items():
+        if t is not None:
+            t.copy_(torch.ones_like(t) if name.endswith("scale") else torch.randn(t.shape).clamp(-4, 4).to(t.dtype)
+                    if t.is_floating_point() else torch.zeros_like(t))  # fmt: skip
+    backend._no_pools, backend._no_index = backend._empty_pools()
+    batch = extend_batch([0, 1], [256, 128], [64, 32])
+    meta = backend._compressed_metadata(batch)
+    assert meta.path is Path.EXTEND_KERNEL and len(meta.copy_chunks) == 1
+    (chunk,) = meta.copy_chunks
+    assert chunk.width == 4 and chunk.qo_indptr_gpu.tolist() == [0, 64, 96]
+    assert chunk.new_rows.tolist() == list(range(192, 256)) + list(range(256 + 96, 256 + 128))
+    backend.forward_metadata = meta
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=HQ, head_dim=D, v_head_dim=D, scaling=0.125,
+                            k_scale=None, v_scale=None)  # fmt: skip
+    q, k, v = torch.randn(96, HQ * D).half(), torch.randn(96, HKV, D).half(), torch.randn(96, HKV, D).half()
+    out = backend.forward_extend(q, k, v, layer, batch, save_kv_cache=False)
+    assert torch.equal(out, q)
+    (q_arg, args), = plan.calls
+    qo_indptr, k_pages, v_pages, no_pools, k_index, v_index, table, seq_lens, sm_scale = args
+    assert qo_indptr is chunk.qo_indptr_gpu and seq_lens.tolist() == [256, 128] and sm_scale == 0.125
+    assert table.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and k_pages.shape == (8 * B, HKV, D) and k_pages.is_contiguous()
+    assert no_pools.k_dense.shape[0] == 0 and not no_pools.quantized and k_index.shape == (HKV, 0)
+    cache = backend.token_to_kv_pool.get_key_buffer(0)
+    for r, (length, new, first) in enumerate([(256, 64, 0), (128, 32, 64)]):
+        want_k, want_v = dense_view(cache, cache + 1, pools, backend.store.k_index_of(0), backend.store.v_index,
+                                    meta.block_table[r], length, B, torch.float16)  # fmt: skip
+        want_k[length - new:], want_v[length - new:] = k[first:first + new], v[first:first + new]
+        rows = slice(r * 4 * B, r * 4 * B + length)
+        assert torch.equal(k_pages[rows], want_k) and torch.equal(v_pages[rows], want_v), r
 
 
 def test_other_batches_take_the_dense_or_pytorch_paths():
