@@ -59,6 +59,9 @@ def main(argv=None):
     ap.add_argument("--num-splits", type=int, default=None,
                     help="decode, extend, prefill: force the split count (default: the plan's)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"], help="decode: KV and query type")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                    help="decode: fp8_e4m3 = an FP8 store and FP8 cache pages (the kernel's cache_fp8 variant), "
+                         "FlashInfer timed over the same values in --dtype and in e4m3 pages (backends '-fp8')")
     ap.add_argument("--layouts", default="natural,shuffled",
                     help="pool/page layouts to time: natural (allocation order) and/or shuffled (random rows)")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the PNG of an existing JSON")

@@ -9,7 +9,10 @@ allocation order; ``shuffled``: all in random order (a fragmented store). FlashI
 first and the last timed call). Both are timed as replays of a CUDA graph of ``--iters`` back-to-back
 calls (CUDA events, median of 7 replays), ours in rounds beside the fastest FlashInfer backend only
 (:func:`sglang_hs.kernels.timing.time_beside_fastest` says why), and also as single plain launches (``*_plain_us``, which
-include host launch overhead).
+include host launch overhead). ``--kv-dtype fp8_e4m3``: FP8 KV (an FP8 store with its row scales and SGLang's
+unit-scale FP8 pages); FlashInfer runs over the same values as 16-bit pages (the correctness reference) and
+cast to e4m3 pages (backends ``fa2-fp8``, ``fa3-fp8``: a speed baseline), and ``ideal_speedup_vs_fp8`` is FP8
+dense bytes over ours.
 """
 
 import json
@@ -19,7 +22,9 @@ import time
 import torch
 
 from sglang_hs.format import compression_ratio
-from sglang_hs.kernels.cases import flashinfer_decode, kv_bytes, make_case, paged_dense, rel_err, run_args, share_prefixes
+from sglang_hs.format import FP8_DTYPE
+from sglang_hs.kernels.cases import (flashinfer_decode, fp8_pages, kv_bytes, make_case, paged_dense, quantize_case, rel_err,
+                                     run_args, share_prefixes)  # fmt: skip
 from sglang_hs.kernels.common import ANY_FORMS
 from sglang_hs.kernels.timing import time_beside_fastest, time_graph, time_graphs, time_plain
 from sglang_hs.plotting import pyplot
@@ -46,32 +51,44 @@ def bench_decode(args):
     records, lines = [], []
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     k_note = "" if args.k_sparse_heads is None else f" (on {args.k_sparse_heads} of {Hkv} KV heads)"
+    fp8 = getattr(args, "kv_dtype", "auto") == "fp8_e4m3"
+    if fp8 and (distinct < bs or args.modes):
+        raise SystemExit("error: --kv-dtype fp8_e4m3 times plain decode only (no --groups, no --modes)")
+    fp8_plan = dict(store_dtype=FP8_DTYPE, cache_dtype=FP8_DTYPE) if fp8 else {}
     runs = [(layout, sk, sv) for layout in args.layouts.split(",") for sk, sv in points]
     for layout, sk, sv in runs:
         t0 = time.time()
         case = make_case(seq_lens, Hq, Hkv, D, sk, sv, dtype, dev, seed=int(sk * 10 + sv), magnitude=False,
                          shuffle=layout == "shuffled", max_blocks=args.max_blocks, k_sparse_heads=args.k_sparse_heads)
         var_list = variants if layout == runs[0][0] else [dict()]
+        oracle = case
+        if fp8:  # FlashInfer reads the same values: 16-bit pages from the oracle's view, and e4m3 pages
+            case, oracle = fp8_pages(quantize_case(case))
         nbytes = kv_bytes(case)  # distinct bytes: a shared prefix counts once
-        paged = paged_dense(case)
+        dense_fp8_bytes = sum(-(-n // 64) for n in case["seq_lens_list"]) * 64 * 2 * Hkv * D
+        paged = paged_dense(oracle)
         if distinct < bs:
             case, paged = share_prefixes(case, paged, bs, seed=int(sk * 10 + sv))
         fis = {}  # FlashInfer backend -> run(); fa2 (SGLang's) first: the reference
-        for backend in args.fi_backends.split(","):
-            try:
-                fis[backend] = flashinfer_decode(case, paged, workspace, backend)
-                fis[backend]()
-            except Exception as e:  # a backend this FlashInfer build lacks is reported, not fatal
-                lines.append(f"FlashInfer {backend}: failed: {str(e).splitlines()[-1][:200]}")
-                fis.pop(backend, None)
+        fi_pages = {"": paged}
+        if fp8:
+            fi_pages["-fp8"] = dict(paged, k=paged["k"].to(FP8_DTYPE), v=paged["v"].to(FP8_DTYPE))
+        for suffix, pages in fi_pages.items():
+            for backend in args.fi_backends.split(","):
+                try:
+                    fis[backend + suffix] = flashinfer_decode(case, pages, workspace, backend)
+                    fis[backend + suffix]()
+                except Exception as e:  # a backend this FlashInfer build lacks is reported, not fatal
+                    lines.append(f"FlashInfer {backend + suffix}: failed: {str(e).splitlines()[-1][:200]}")
+                    fis.pop(backend + suffix, None)
         ref = next(iter(fis.values()))().clone()
         fi_plain = {b: time_plain(fn) for b, fn in fis.items()}
-        del paged
+        del paged, fi_pages, oracle
         results, fi_us = [], {}
         for var in var_list:
             try:
                 plan = HieraSparseDecode(bs, Hq, Hkv, D, 64, case["max_blocks"], dtype, dev,
-                                         **{"num_splits": args.num_splits, **var})
+                                         **{"num_splits": args.num_splits, **fp8_plan, **var})
             except Exception as e:  # a variant that does not build is reported, not fatal
                 lines.append(f"S_K={sk} S_V={sv} {var}: build failed: {str(e).splitlines()[-1][:200]}")
                 continue
@@ -123,7 +140,8 @@ def bench_decode(args):
                       q_heads=Hq, kv_heads=Hkv, block_size=64, ours_us=None, flashinfer_us=round(fi_us[fast], 2),
                       flashinfer_plain_us=round(fi_plain[fast], 2), flashinfer_backend=f"{fast} (tensor-core decode)",
                       flashinfer_us_by_backend={b: round(t, 2) for b, t in fi_us.items()}, speedup=None,
-                      speedup_vs_fa2=None, ideal_speedup=round(ideal, 4),
+                      speedup_vs_fa2=None, ideal_speedup=round(ideal, 4), kv_dtype=getattr(args, "kv_dtype", "auto"),
+                      ideal_speedup_vs_fp8=round(dense_fp8_bytes / nbytes, 4) if fp8 else None,
                       kv_bytes=nbytes, device=name,
                       timing=f"CUDA-graph replays of {args.iters} calls, ours alternating with the fastest FlashInfer "
                              f"backend (the others timed after), median of 7",

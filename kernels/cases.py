@@ -209,8 +209,8 @@ def paged_dense(case):
             fv[dev_pages[c.to(k_cache.device)]] = cv[ents[c].long().to(k_cache.device)]
         if (~c).any():
             vb = (-ents[~c] - 1).long().to(k_cache.device)
-            fk[dev_pages[(~c).to(k_cache.device)]] = kv[:, vb].permute(1, 2, 0, 3)
-            fv[dev_pages[(~c).to(k_cache.device)]] = vv[:, vb].permute(1, 2, 0, 3)
+            fk[dev_pages[(~c).to(k_cache.device)]] = kv[:, vb].permute(1, 2, 0, 3).to(fk.dtype)  # FP8 pools: scaled back
+            fv[dev_pages[(~c).to(k_cache.device)]] = vv[:, vb].permute(1, 2, 0, 3).to(fv.dtype)
         indices.append(pages)
         indptr.append(indptr[-1] + n)
         last.append(L - (n - 1) * B if n else 0)
