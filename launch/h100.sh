@@ -34,8 +34,8 @@
 #   bash launch/h100.sh smollm2              convert SmolLM2's GGUF (/tmp/smollm2.gguf, .whl/; launch/README.md)
 #   bash launch/h100.sh frontier OUT SETS SETTING...
 #                                            quality per byte: the quality step over question sets side by side
-#                                            (SETS e.g. 21,22,23:topics,24:stdlib,25; PARTS, BASE: the step's
-#                                            comments) -> OUT/quality_frontier_smollm2[TAG]_GPU.json
+#                                            (SETS e.g. 21,22,23:topics,24:stdlib,25; PARTS, BASE, MAPPED: the
+#                                            step's comments) -> OUT/quality_frontier_smollm2[TAG]_GPU.json
 #   bash launch/h100.sh quality OUT TAG SETTING...
 #                                            SmolLM2-135M quality through real servers: dense and the SETTINGs
 #                                            (e.g. magnitude:sk=0,sv=1) -> OUT/quality_TAG.*; parts run side by
@@ -302,10 +302,19 @@ PY
     # quality-per-byte record: SETS = comma list of SEED or SEED:CORPUS (topics | stdlib: make_corpus's
     # held-out texts, written here if missing; no corpus: the essays); TAG names the record. PARTS=N splits
     # each set's settings over N processes (each with its own dense server; merged with eval_quality --merge);
-    # BASE=RECORD adds the sets to an earlier frontier record.
+    # BASE=RECORD adds the sets to an earlier frontier record. MAPPED="SETTING ..." runs those settings of
+    # every set in one more process with KHEADMAP and KORDER (the others then run without them), so that a
+    # calibrated preset and the uncalibrated settings share one record (labelled +kheadmap+korder).
     IFS=, read -ra sets <<< "${3:?SETS, e.g. 21,22,23:topics,24:stdlib,25}"
     settings=("${@:4}") parts=${PARTS:-1}
     port=${PORT:-30000} runs=()
+    mapped=() plain=(env KHEADMAP= KORDER=)
+    if [ -n "${MAPPED:-}" ]; then
+      [ -n "${KHEADMAP:-}" ] && [ -n "${KORDER:-}" ] || { echo "MAPPED needs KHEADMAP and KORDER" >&2; exit 2; }
+      read -ra mapped <<< "$MAPPED"
+    else
+      plain=()
+    fi
     for spec in "${sets[@]}"; do
       seed=${spec%%:*} corpus="" name="essays seed $seed"
       if [ "$spec" != "$seed" ]; then
@@ -316,16 +325,22 @@ PY
       for ((part = 0; part < parts; part++)); do
         mine=()
         for ((i = part; i < ${#settings[@]}; i += parts)); do mine+=("${settings[$i]}"); done
-        SEED=$seed CORPUS=$corpus PORT=$port MEM=${MEM:-0.08} bash "$0" quality "$out" "fr${TAG:-}_${seed}_$part" "${mine[@]}" \
-            > "$out/frontier${TAG:-}_${seed}_$part.txt" 2>&1 &
+        SEED=$seed CORPUS=$corpus PORT=$port MEM=${MEM:-0.08} "${plain[@]}" bash "$0" quality "$out" "fr${TAG:-}_${seed}_$part" \
+            "${mine[@]}" > "$out/frontier${TAG:-}_${seed}_$part.txt" 2>&1 &
         port=$((port + 50))
       done
       runs+=(--run "$out/quality_fr${TAG:-}_$seed.json=$name")
+      if [ ${#mapped[@]} -gt 0 ]; then
+        SEED=$seed CORPUS=$corpus PORT=$port MEM=${MEM:-0.08} bash "$0" quality "$out" "fr${TAG:-}_${seed}_mapped" \
+            "${mapped[@]}" > "$out/frontier${TAG:-}_${seed}_mapped.txt" 2>&1 &
+        port=$((port + 50))
+        runs+=(--run "$out/quality_fr${TAG:-}_${seed}_mapped.json=$name")
+      fi
     done
     wait
     for spec in "${sets[@]}"; do
       seed=${spec%%:*}
-      python3 -m sglang_hs.launch.eval_quality --merge "$out"/quality_fr${TAG:-}_${seed}_*.json --out "$out" \
+      python3 -m sglang_hs.launch.eval_quality --merge "$out"/quality_fr${TAG:-}_${seed}_[0-9]*.json --out "$out" \
           --tag "fr${TAG:-}_$seed" | tail -1
     done
     python3 -m sglang_hs.launch.quality_frontier --out "$out/quality_frontier_smollm2${TAG:-}_${gpu}.json" \

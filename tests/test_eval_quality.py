@@ -417,3 +417,39 @@ def test_quality_frontier_pools_sets_and_labels_presets(tmp_path, capsys):
     assert qf.main(["--base", str(out), "--run", run(5, 0.9, "map.pt"), "--out", str(merged)]) == 0
     rows = {r["setting"]: r["needle_acc"] for r in json.load(open(merged))["rows"]}
     assert rows == {"dense": 0.6, "magnitude:sk=1,sv=0,store=fp8_e4m3": 0.3, "magnitude:sk=1,sv=0,store=fp8_e4m3+kheadmap": 0.9}
+
+
+def test_frontier_step_runs_a_calibrated_preset_beside_the_plain_settings(tmp_path):
+    """``h100.sh frontier`` with MAPPED: every set's plain settings run without the K head map and order, the
+    MAPPED settings in one more process with both, and the record takes both runs of a set (python3 is a
+    stand-in that logs its arguments)."""
+    import subprocess
+
+    from conftest import REPO_ROOT
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/bash\necho "$*" >> "$FAKE_LOG"\n')
+    (fake / "python3").chmod(0o755)
+    log, out = tmp_path / "calls.log", tmp_path / "out"
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "FAKE_LOG": str(log), "PARTS": "2",
+           "MAPPED": "magnitude:sk=1,sv=0,store=fp8_e4m3", "KHEADMAP": "/m/map.pt", "KORDER": "/m/order.pt"}
+    result = subprocess.run(["bash", "launch/h100.sh", "frontier", str(out), "21,23:topics", "dense:kv=fp8_e4m3",
+                             "magnitude:sk=0,sv=0,store=fp8_e4m3"], cwd=REPO_ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    evals = [c for c in calls if "eval_quality --backend server" in c]
+    assert len(evals) == 6  # 2 sets x (2 parts + the mapped process)
+    for call in evals:
+        mapped = call.endswith("--settings magnitude:sk=1,sv=0,store=fp8_e4m3")
+        assert ("--k-head-map=/m/map.pt" in call) == mapped and ("k-channel-order=/m/order.pt" in call) == mapped, call
+    merges = [c for c in calls if "eval_quality --merge" in c]
+    assert len(merges) == 2 and not any("mapped" in c for c in merges)
+    (frontier,) = [c for c in calls if "quality_frontier" in c]
+    assert f"--run {out}/quality_fr_21.json=essays seed 21 --run {out}/quality_fr_21_mapped.json=essays seed 21" in frontier
+    assert f"{out}/quality_fr_23_mapped.json=topics seed 23" in frontier
+    env.pop("KORDER")
+    bad = subprocess.run(["bash", "launch/h100.sh", "frontier", str(out), "21", "dense:kv=fp8_e4m3"], cwd=REPO_ROOT,
+                         env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "MAPPED needs KHEADMAP and KORDER" in bad.stderr
