@@ -40,10 +40,11 @@ def frontier_rows(runs: list[tuple[dict, str]]) -> list[dict]:
         summary = {row["setting"]: row for row in run["summary"]}
         dense = summary["dense"]["accuracy"]
         for name, row in summary.items():
-            if (preset_label(name, run["meta"]), question_set) in seen:
+            label = preset_label(name, run["meta"])
+            if (label, question_set) in seen:
                 continue
-            seen.add((preset_label(name, run["meta"]), question_set))
-            rows.append({"setting": preset_label(name, run["meta"]), "kv_bytes_vs_bf16": row.get("kv_bytes_vs_bf16"),
+            seen.add((label, question_set))
+            rows.append({"setting": label, "kv_bytes_vs_bf16": row.get("kv_bytes_vs_bf16"),
                          "needle_acc": round(row["accuracy"], 4), "dense_acc": round(dense, 4),
                          "questions": row["questions"], "kl": row.get("kl"), "agree": row.get("agree"),
                          "by_task": {task: round(t["accuracy"], 4) for task, t in row.get("by_task", {}).items()},

@@ -32,20 +32,10 @@ def dense_view(
     ``k_cache``/``v_cache`` ``[slots, H, D]``; ``e < 0`` is compressed block ``~e``, resolved per KV
     head through the index maps ``k_index``/``v_index`` ``[H, n_compressed]`` into ``pools``.
     """
-    heads, dim = k_cache.shape[1], k_cache.shape[2]
-    dtype = dtype or k_cache.dtype
-    table = block_row[: -(-seq_len // block_size)].long()
-    compressed = table < 0
-    pages = table.clamp(min=0)
-    virtual = (-table - 1).clamp(min=0)
-
-    def operand(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
-        from_cache = cache.reshape(-1, block_size, heads, dim)[pages].to(dtype)  # [n, B, H, D]; FP8 pages: unit scale
-        from_store = decompress_blocks(pools, index[:, virtual], name, dtype).permute(1, 2, 0, 3)
-        merged = torch.where(compressed[:, None, None, None], from_store, from_cache)
-        return merged.reshape(-1, heads, dim)[:seq_len]
-
-    return operand(k_cache, k_index, "k"), operand(v_cache, v_index, "v")
+    width = -(-seq_len // block_size)
+    k, v, _ = batch_pages(k_cache, v_cache, pools, k_index, v_index, block_row[None, :width], None, width, block_size,
+                          dtype or k_cache.dtype)  # fmt: skip
+    return k[:seq_len], v[:seq_len]
 
 
 def decompressed_paged_attention(
@@ -106,7 +96,7 @@ def batch_pages(
     k_index: torch.Tensor,
     v_index: torch.Tensor,
     block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    seq_lens: torch.Tensor | None,
     width: int,
     block_size: int,
     dtype: torch.dtype,
@@ -117,12 +107,14 @@ def batch_pages(
 
     Blocks are copied whole (FP8 scaled back, 2:4 rows unpacked with zeros where pruned), so attention
     over the copies equals attention over the batch's blocks; entries past a request's ``seq_lens``
-    (``[bs]``, on the table's device) and columns from ``width`` on are not read. Vectorized, no host
-    synchronisation."""
+    (``[bs]``, on the table's device; None: every one of the first ``width`` columns is a block) and columns
+    from ``width`` on are not read. Vectorized, no host synchronisation (:func:`dense_view` is one request of it)."""
     bs, heads, dim = block_table.shape[0], k_cache.shape[1], k_cache.shape[2]
-    columns = torch.arange(width, device=block_table.device)
-    read = columns[None, :] < (seq_lens.to(block_table.device)[:, None] + block_size - 1) // block_size
-    table = torch.where(read, block_table[:, :width], 0).long()
+    table = block_table[:, :width].long()
+    if seq_lens is not None:
+        columns = torch.arange(width, device=block_table.device)
+        read = columns[None, :] < (seq_lens.to(block_table.device)[:, None] + block_size - 1) // block_size
+        table = torch.where(read, table, 0)
     compressed = (table < 0)[..., None, None, None]
     pages = table.clamp(min=0)
     virtual = (-table - 1).clamp(min=0).flatten()
