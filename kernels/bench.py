@@ -3,9 +3,9 @@
     python -m sglang_hs.kernels.bench --kernel decode --out DIR [--quick] [--variants] [--layouts ...]
         [--batch N] [--groups G] [--dtype bfloat16] [--max-blocks W] [--num-splits S]
 
-writes ``DIR/kernels_h100.json`` (one record per layout and (S_K, S_V): the default plan vs FlashInfer,
+writes ``DIR/kernels_<gpu>.json`` (``<gpu>``: h100 or h200) (one record per layout and (S_K, S_V): the default plan vs FlashInfer,
 same process, same timing method; ``--variants`` adds the other kernel options under ``variants``)
-and ``DIR/kernels_h100.png`` (first layout). ``--plot JSON`` only redraws the PNG from a JSON.
+and ``DIR/kernels_<gpu>.png`` (first layout). ``--plot JSON`` only redraws the PNG from a JSON.
 ``--groups G``: only G requests have their own KV and request r reads request r % G's, as requests
 sharing prefixes do in a serving batch (``share_prefixes``); ``--max-blocks``: a server's block-table
 width (``ceil((context length + 4) / 64)``); ``--num-splits``: force the plan's split count. The
@@ -16,8 +16,8 @@ workload and the timing: :mod:`sglang_hs.kernels.bench_decode`.
     python -m sglang_hs.kernels.bench --kernel prefill --out DIR [--quick] [--variants] [--context L] [--batch N]
 
 Extend over a cached prefix and full prefill over compressed KV (:mod:`sglang_hs.kernels.bench_extend`).
-Write ``DIR/kernels_h100.json`` (the committed results' other records plus one record per point),
-``DIR/kernels_h100_<kernel>.png`` and ``DIR/bench_<kernel>.log``. ``--variants`` also times the
+Write ``DIR/kernels_<gpu>.json`` (the committed results' other records plus one record per point),
+``DIR/kernels_<gpu>_<kernel>.png`` and ``DIR/bench_<kernel>.log``. ``--variants`` also times the
 kernel's other tiles and pipeline depths; ``--variant TILE:STAGES`` (repeatable, e.g. ``n128:3``)
 times just the ones named.
 
@@ -34,7 +34,7 @@ import os
 
 from sglang_hs.kernels.bench_compress import compress_main
 from sglang_hs.kernels.bench_decode import decode_main, plot_decode
-from sglang_hs.kernels.bench_extend import RESULTS_JSON, extend_main
+from sglang_hs.kernels.bench_extend import extend_main
 
 
 def main(argv=None):
@@ -84,7 +84,8 @@ def main(argv=None):
     ap.add_argument("--decode-topk", type=int, default=64, help="decode modes: compressed blocks read (at most, psa)")
     ap.add_argument("--decode-tau", type=float, default=0.9, help="psa: attention-mass share to reach")
     ap.add_argument("--anchor-every", type=int, default=4, help="decode modes: one anchor layer in this many")
-    ap.add_argument("--merge", default=RESULTS_JSON, help="compress: results JSON whose other records are kept")
+    ap.add_argument("--merge", default=None, help="extend, prefill, compress: results JSON whose other records are "
+                    "kept (default: the committed launch/results/kernels_<gpu>.json)")
     args = ap.parse_args(argv)
     if args.batch is None:
         args.batch = 1 if args.kernel == "prefill" else 8

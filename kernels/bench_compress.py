@@ -8,7 +8,8 @@ import time
 import torch
 
 from sglang_hs.kernels import compress as C
-from sglang_hs.kernels.timing import time_graph, time_plain
+from sglang_hs.kernels.bench_extend import results_json
+from sglang_hs.kernels.timing import device_tag, time_graph, time_plain
 from sglang_hs.k_head_map import KHeadMap
 from sglang_hs.pools import CompressedStore, StoreCapacity
 from sglang_hs.pools import compress_prefix as torch_compress_prefix
@@ -170,15 +171,18 @@ def bench_compress(args):
 
 
 def compress_main(args):
-    """``--kernel compress``: run, then write ``OUT/kernels_h100.json`` = the records of ``--merge`` (the
-    committed results by default) other than compress ones, plus these; and ``OUT/bench_compress.log``."""
+    """``--kernel compress``: run, then write ``OUT/kernels_<gpu>.json`` (``<gpu>``: h100 or h200) = the records
+    of ``--merge`` (the committed ``launch/results/kernels_<gpu>.json`` by default) other than compress ones,
+    plus these; and ``OUT/bench_compress.log``."""
     os.makedirs(args.out, exist_ok=True)
     records, lines = bench_compress(args)
+    tag = device_tag(torch.cuda.get_device_name())
+    merge = args.merge or results_json(tag)
     base = []
-    if args.merge and os.path.exists(args.merge):
-        with open(args.merge) as f:
+    if os.path.exists(merge):
+        with open(merge) as f:
             base = [r for r in json.load(f) if r.get("kernel") != "compress"]
-    with open(os.path.join(args.out, "kernels_h100.json"), "w") as f:
+    with open(os.path.join(args.out, f"kernels_{tag}.json"), "w") as f:
         json.dump(base + records, f, indent=1)
     with open(os.path.join(args.out, "bench_compress.log"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -26,7 +26,7 @@ from sglang_hs.format import FP8_DTYPE
 from sglang_hs.kernels.cases import (flashinfer_decode, fp8_pages, kv_bytes, make_case, paged_dense, quantize_case, rel_err,
                                      run_args, share_prefixes)  # fmt: skip
 from sglang_hs.kernels.common import ANY_FORMS
-from sglang_hs.kernels.timing import time_beside_fastest, time_graph, time_graphs, time_plain
+from sglang_hs.kernels.timing import device_tag, time_beside_fastest, time_graph, time_graphs, time_plain
 from sglang_hs.plotting import pyplot
 
 VARIANT_STAGES = (3,)
@@ -321,14 +321,16 @@ def plot_decode(records: list[dict], path: str) -> bool:
 
 
 def decode_main(args) -> None:
-    """Run, then write ``OUT/kernels_h100.json``, ``OUT/bench_decode.log`` and ``OUT/kernels_h100.png``."""
+    """Run, then write ``OUT/kernels_<gpu>.json`` (``<gpu>``: h100 or h200, from the device's name),
+    ``OUT/bench_decode.log`` and ``OUT/kernels_<gpu>.png``."""
     os.makedirs(args.out, exist_ok=True)
     records, lines = bench_decode(args)
-    with open(os.path.join(args.out, "kernels_h100.json"), "w") as f:
+    tag = device_tag(records[0]["device"]) if records else "h100"
+    with open(os.path.join(args.out, f"kernels_{tag}.json"), "w") as f:
         json.dump(records, f, indent=1)
     with open(os.path.join(args.out, "bench_decode.log"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot_decode(records, os.path.join(args.out, "kernels_h100.png"))
+    plot_decode(records, os.path.join(args.out, f"kernels_{tag}.png"))
     print(f"{'layout':>9} {'mode':>8} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>8} {'speedup':>8} {'ideal':>6}")
     for r in records:
         print(f"{r.get('layout', ''):>9} {r['mode']:>8} {r['S_K']:4g} {r['S_V']:4g} {r['ours_us'] or float('nan'):9.1f} "

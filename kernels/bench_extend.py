@@ -27,11 +27,15 @@ from sglang_hs.kernels.cases import (
     extend_flops, extend_run_args, flashinfer_extend, flashinfer_ragged_prefill, kv_bytes, make_extend_case, paged_dense,
     rel_err,
 )
-from sglang_hs.kernels.timing import time_beside_fastest, time_interleaved, time_stream
+from sglang_hs.kernels.timing import device_tag, time_beside_fastest, time_interleaved, time_stream
 from sglang_hs.plotting import pyplot
 
-RESULTS_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "results",
-                            "kernels_h100.json")
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "results")
+
+
+def results_json(tag: str) -> str:
+    """The committed kernel record of a device tag (``kernels_h100.json``, ``kernels_h200.json``)."""
+    return os.path.join(RESULTS_DIR, f"kernels_{tag}.json")
 """The committed results, whose other kernels' records a run keeps."""
 
 
@@ -133,7 +137,9 @@ def bench_extend(args, on_record=None):
                           flashinfer_us=round(fi_us[fast], 2), speedup=None, flashinfer_backend=fast,
                           flashinfer_us_by_backend={b: round(t, 2) for b, t in fi_us.items()}, speedup_vs_fa2=None,
                           ideal_speedup_bytes=round(compression_ratio(sk, sv), 4),
-                          ideal_speedup_compute=round(4.0 / (4.0 - s), 4), kv_bytes=nbytes, flops=flops,
+                          ideal_speedup_compute=round(4.0 / (4.0 - s), 4),
+                          # at these sizes the kernels are compute-bound: the ideal is the GEMMs' ratio
+                          ideal_speedup=round(4.0 / (4.0 - s), 4), kv_bytes=nbytes, flops=flops,
                           device=name, timing=f"{iters} back-to-back eager calls, CUDA events, median of 7 rounds "
                                               "alternating the fastest FlashInfer backend and the default plan, the other "
                                               "backends after them (variants: median of 5)",
@@ -191,25 +197,28 @@ def plot_extend(records, path, kernel="extend"):
 
 
 def extend_main(args):
-    """``--kernel extend`` (or ``prefill``): run, then write ``OUT/kernels_h100.json`` = the records of the
-    results JSON (``--merge`` when given, else the committed ``launch/results/kernels_h100.json``) other
-    than this kernel's, plus these; ``OUT/kernels_h100_<kernel>.png`` and ``OUT/bench_<kernel>.log``."""
+    """``--kernel extend`` (or ``prefill``): run, then write ``OUT/kernels_<gpu>.json`` (``<gpu>``: h100 or h200,
+    from the device's name) = the records of the results JSON (``--merge`` when given, else the committed
+    ``launch/results/kernels_<gpu>.json``) other than this kernel's, plus these; ``OUT/kernels_<gpu>_<kernel>.png``
+    and ``OUT/bench_<kernel>.log``."""
+
     os.makedirs(args.out, exist_ok=True)
-    merge = getattr(args, "merge", None) or RESULTS_JSON
+    tag = device_tag(torch.cuda.get_device_name())
+    merge = getattr(args, "merge", None) or results_json(tag)
     base = []
     if os.path.exists(merge):
         with open(merge) as f:
             base = [r for r in json.load(f) if r.get("kernel") != args.kernel]
 
     def save(records, lines):
-        with open(os.path.join(args.out, "kernels_h100.json"), "w") as f:
+        with open(os.path.join(args.out, f"kernels_{tag}.json"), "w") as f:
             json.dump(base + records, f, indent=1)
         with open(os.path.join(args.out, f"bench_{args.kernel}.log"), "w") as f:
             f.write("\n".join(lines) + "\n")
 
     records, lines = bench_extend(args, on_record=save)
     save(records, lines)
-    plot_extend(records, os.path.join(args.out, f"kernels_h100_{args.kernel}.png"), args.kernel)
+    plot_extend(records, os.path.join(args.out, f"kernels_{tag}_{args.kernel}.png"), args.kernel)
     print(f"{'tokens':>6} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>9} {'speedup':>8} {'ideal_B':>7} {'ideal_C':>7}")
     for r in records:
         print(f"{r.get('new_tokens', r['context']):6d} {r['S_K']:4g} {r['S_V']:4g} {r['ours_us'] or float('nan'):9.1f} "

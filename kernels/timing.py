@@ -4,6 +4,11 @@ rounds that alternate between the functions compared (so drift reaches all of th
 import torch
 
 
+def device_tag(name: str) -> str:
+    """The file-name tag of a GPU (``h200`` or ``h100``): records are named by the device that ran them."""
+    return "h200" if "H200" in name else "h100"
+
+
 def time_graph(fn, iters=20, reps=5):
     """Median time (us) of one call, from ``reps`` CUDA-graph replays of ``iters`` back-to-back calls."""
     return time_graphs([fn], iters, rounds=reps)[0]

@@ -114,7 +114,7 @@ case "$step" in
     python3 -m pytest -q -m gpu tests/test_kernels_decode.py tests/test_kernels_extend.py tests/test_kernels_compress.py \
         2>&1 | tee "$out/gpu_tests.log" | tail -3
     python3 -m sglang_hs.kernels.bench --kernel extend --quick --out "$out" | tail -12
-    python3 -m sglang_hs.kernels.bench --kernel compress --merge "$out/kernels_h100.json" --out "$out" \
+    python3 -m sglang_hs.kernels.bench --kernel compress --merge "$out/kernels_${gpu}.json" --out "$out" \
         ${KHEADSHARE:+--k-head-share $KHEADSHARE} | tail -8
     ;;
   decode)
@@ -154,7 +154,7 @@ case "$step" in
       timeout 300 python3 -m sglang_hs.kernels.bench --kernel extend --new-tokens "${NEW:-64}" --quick "${variants[@]}" \
           --out "$out" | tail -4
       timeout 300 python3 -m sglang_hs.kernels.bench --kernel prefill --context "${L:-32768}" --quick "${variants[@]}" \
-          --merge "$out/kernels_h100.json" --out "$out" | tail -4
+          --merge "$out/kernels_${gpu}.json" --out "$out" | tail -4
       grep -h "speedup" "$out/bench_extend.log" "$out/bench_prefill.log" | cut -c1-220
     fi
     ;;
