@@ -1,0 +1,36 @@
+"""Three launches of the decode kernel on the benchmark's shape, for Nsight Compute.
+
+    ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:hs_decode --section SpeedOfLight \
+        --section WarpStateStats python3 lab/profile_decode.py --sk 1 --sv 1
+
+Batch 8 x 32K (``--sk``, ``--sv``; natural pool order), 32/8 heads, d 128, fp16, the plan's split count
+(or ``--num-splits``). The first two launches load or compile the kernel and warm the caches; profile
+the third.
+"""
+
+import argparse
+
+import torch
+
+from sglang_hs.kernels.cases import make_case, run_args
+from sglang_hs.kernels.decode import HieraSparseDecode
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sk", type=float, default=1.0)
+    ap.add_argument("--sv", type=float, default=1.0)
+    ap.add_argument("--num-splits", type=int, default=None)
+    args = ap.parse_args(argv)
+    case = make_case([32768] * 8, 32, 8, 128, args.sk, args.sv, torch.float16, "cuda", seed=11, magnitude=False,
+                     shuffle=False)
+    plan = HieraSparseDecode(8, 32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", num_splits=args.num_splits)
+    a = run_args(case)
+    for _ in range(3):
+        plan.run(*a)
+    torch.cuda.synchronize()
+    print(f"splits {plan.num_splits}")
+
+
+if __name__ == "__main__":
+    main()
