@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from sglang_hs.kernels import bench
+from sglang_hs.kernels.cases import extend_run_args, make_extend_case
 from sglang_hs.kernels.extend import STAGES, TILES, HieraSparseExtend
 
 
@@ -24,11 +24,11 @@ def main(argv=None):
     ap.add_argument("--sk", type=float, default=1.0)
     ap.add_argument("--sv", type=float, default=1.0)
     args = ap.parse_args(argv)
-    case = bench.make_extend_case([32768] * 8, [args.new_tokens] * 8, 32, 8, 128, args.sk, args.sv, torch.float16, "cuda",
-                                  seed=11, magnitude=False, shuffle=False)
+    case = make_extend_case([32768] * 8, [args.new_tokens] * 8, 32, 8, 128, args.sk, args.sv, torch.float16, "cuda",
+                            seed=11, magnitude=False, shuffle=False)
     plan = HieraSparseExtend(32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", tile=args.tile,
                              stages=args.stages)
-    run_args = bench.extend_run_args(case)
+    run_args = extend_run_args(case)
     for _ in range(3):
         plan.run(*run_args)
     torch.cuda.synchronize()
