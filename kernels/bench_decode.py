@@ -26,8 +26,6 @@ from sglang_hs.format import FP8_DTYPE
 from sglang_hs.kernels.cases import (flashinfer_decode, fp8_pages, kv_bytes, make_case, paged_dense, quantize_case, rel_err,
                                      run_args, share_prefixes)  # fmt: skip
 from sglang_hs.kernels.common import ANY_FORMS
-from sglang_hs.kernels.decode import HieraSparseDecode, ring_forms
-from sglang_hs.kernels.decode_shared import compressed_forms
 from sglang_hs.kernels.timing import device_tag, time_beside_fastest, time_graph, time_graphs, time_plain
 from sglang_hs.plotting import pyplot
 
@@ -36,6 +34,8 @@ VARIANT_STAGES = (3,)
 
 
 def bench_decode(args):
+    from sglang_hs.kernels.decode import HieraSparseDecode
+
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     bs, L = args.batch, args.context
@@ -61,11 +61,6 @@ def bench_decode(args):
         case = make_case(seq_lens, Hq, Hkv, D, sk, sv, dtype, dev, seed=int(sk * 10 + sv), magnitude=False,
                          shuffle=layout == "shuffled", max_blocks=args.max_blocks, k_sparse_heads=args.k_sparse_heads)
         var_list = variants if layout == runs[0][0] else [dict()]
-        # The default plan is the server's: it rings the store's compressed forms where that fits
-        # (``decode.ring_forms``); the plain kernel is then timed beside it as a variant.
-        server_forms = compressed_forms((sk,), (sv,), k_head_map=args.k_sparse_heads is not None)
-        if not fp8 and ring_forms(server_forms, Hq, Hkv, D, 64) != ANY_FORMS:
-            var_list = var_list + [dict(forms=ANY_FORMS)]
         oracle = case
         if fp8:  # FlashInfer reads the same values: 16-bit pages from the oracle's view, and e4m3 pages
             case, oracle = fp8_pages(quantize_case(case))
@@ -93,7 +88,7 @@ def bench_decode(args):
         for var in var_list:
             try:
                 plan = HieraSparseDecode(bs, Hq, Hkv, D, 64, case["max_blocks"], dtype, dev,
-                                         **{"num_splits": args.num_splits, **fp8_plan, "forms": server_forms, **var})
+                                         **{"num_splits": args.num_splits, **fp8_plan, **var})
             except Exception as e:  # a variant that does not build is reported, not fatal
                 lines.append(f"S_K={sk} S_V={sv} {var}: build failed: {str(e).splitlines()[-1][:200]}")
                 continue
@@ -111,7 +106,7 @@ def bench_decode(args):
             p = time_plain(fn)
             err = max(err, rel_err(out, ref))  # the output of the last timed call too
             fast = min(fi_us, key=fi_us.get)
-            desc = dict(stages=plan.stages, num_splits=plan.num_splits, forms="/".join(plan.forms))
+            desc = dict(stages=plan.stages, num_splits=plan.num_splits)
             results.append(dict(variant=desc, default=not var, ours_us=round(g, 2), ours_plain_us=round(p, 2),
                                 speedup=round(fi_us[fast] / g, 4), rel_err_vs_flashinfer=err))
             lines.append(f"{layout} S_K={sk}{k_note} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us "
@@ -124,7 +119,10 @@ def bench_decode(args):
         case_for_modes, fis_for_modes = (case, fis) if args.modes else (None, None)
         shared_rec = None
         if distinct < bs:
-            shared_rec = bench_shared_prefix(case, ref, fis, args.iters, args.shared_splits, server_forms)
+            from sglang_hs.kernels.decode_shared import compressed_forms
+
+            forms = compressed_forms((sk,), (sv,), k_head_map=args.k_sparse_heads is not None)
+            shared_rec = bench_shared_prefix(case, ref, fis, args.iters, args.shared_splits, forms)
         if shared_rec:
             for r in [shared_rec, *shared_rec.get("variants", [])]:
                 lines.append(f"{layout} S_K={sk} S_V={sv} shared-prefix decode ({shared_rec['column_sets']} column sets, "
@@ -184,6 +182,7 @@ def bench_mode(case: dict, mode: str, args, ref_full: dict, fis: dict) -> dict:
     compacted table), each timed as CUDA-graph replays beside FlashInfer's backends; the per-layer time
     is their mix at one anchor in ``--anchor-every`` layers. ``ref_full``: the case's full-decode record."""
     from sglang_hs.decode_modes import BlockSelection
+    from sglang_hs.kernels.decode import HieraSparseDecode
 
     q = case["q"]
     bs, hq, d = q.shape

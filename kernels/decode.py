@@ -97,23 +97,6 @@ CTAs take 128-133 blocks)."""
 MAX_SPLITS = 128
 
 
-RING_STAGES = 3
-"""Stages of the form ring (:func:`build_decode_prim_func`'s ``forms``): two blocks in flight."""
-
-
-def ring_forms(forms: tuple[str, str] | None, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
-               split_capacity: int = SPLIT_CAPACITY) -> tuple[str, str]:
-    """The forms a plan's kernel rings (:data:`ANY_FORMS`: the plain kernel): ``forms`` (a store's
-    compressed blocks' forms) when its form ring keeps as many CTAs an SM as the plain kernel, else none.
-    At d 128 that is the 2:4 K and V of S_K = S_V = 1 (18 KB a ring stage); dense rows in the ring leave
-    one CTA an SM there."""
-    if forms is None or tuple(forms) == ANY_FORMS or "any" in forms:
-        return ANY_FORMS
-    plain = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, STAGES, split_capacity)
-    ringed = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, RING_STAGES, split_capacity, forms=tuple(forms))
-    return tuple(forms) if ringed >= plain else ANY_FORMS
-
-
 MAX_COLUMNS = 16
 """The widest N (query heads of one KV head, padded) the kernel takes: a model's GQA group is at most 16."""
 
@@ -126,21 +109,17 @@ def _n_pad(group: int) -> int:
 
 
 def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int = SPLIT_CAPACITY,
-               store_fp8: bool = False, forms: tuple[str, str] = ANY_FORMS) -> int:  # fmt: skip
+               store_fp8: bool = False) -> int:  # fmt: skip
     """Shared memory of one CTA (bytes), an upper bound of the buffers of :func:`build_decode_prim_func`
     (its index maps hold ``blocks_per_split`` entries: the kernel's :data:`SPLIT_CAPACITY`). ``store_fp8``:
     each stage also has the e4m3 landing tiles of K and V pool rows, and the maps the blocks' K and V
-    scales (float32). ``forms``: the form ring (stage 0 every form, the others ``forms``, and the
-    visiting order's list)."""
+    scales (float32)."""
     n = _n_pad(group)
     stage = 2 * stage_form_bytes("any", block_size, head_dim)  # K and V, every form
     other = n * head_dim * 2 + block_size * n * 6 + 3 * blocks_per_split * 4 + 4 * 512  # Q, P, S^T, maps
     if store_fp8:
         stage += 2 * fp8_landing_bytes("any", block_size, head_dim)
         other += 2 * blocks_per_split * 4
-    if tuple(forms) != ANY_FORMS:
-        ring_stage = sum(stage_form_bytes(f, block_size, head_dim) for f in forms)
-        return stage + (stages - 1) * ring_stage + other + blocks_per_split * 4 + 16
     return stages * stage + other
 
 
@@ -152,8 +131,7 @@ def min_splits(max_blocks: int, capacity: int = SPLIT_CAPACITY) -> int:
 
 def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64, dtype: str = "float16",
                            stages: int = STAGES, split_capacity: int = SPLIT_CAPACITY,
-                           min_split_blocks: int = 1, store_fp8: bool = False, cache_fp8: bool = False,
-                           forms: tuple[str, str] = ANY_FORMS):  # fmt: skip
+                           min_split_blocks: int = 1, store_fp8: bool = False, cache_fp8: bool = False):  # fmt: skip
     """The TileLang ``prim_func`` of one model shape. The batch size, the block table's width and the
     split count are dynamic (bound from the arguments' shapes), so one kernel serves every plan.
     ``min_split_blocks`` > 1 gives every split of a request at least that many blocks and lets the
@@ -184,15 +162,6 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
     ``cache_fp8`` (with ``store_fp8``): ``k_cache``/``v_cache`` are e4m3 too (SGLang's FP8 pages, unit
     scales); they land in the e4m3 dense tiles and are converted like dense pool rows.
-
-    ``forms`` (:data:`~sglang_hs.kernels.common.KV_FORMS`, not ``ANY_FORMS``): the **form ring**. Stage 0
-    holds every form, stages 1 .. ``stages - 1`` only blocks of ``forms`` (a store's compressed blocks:
-    18 KB a stage at S_K = S_V = 1 and d 128, against 50 KB for every form), so that ``stages - 1``
-    blocks are in flight at two CTAs an SM. A CTA visits its blocks in an order that puts the blocks of
-    other forms (sink, window, the request's own pages) at positions ``0 mod stages`` (stage 0) and fills
-    the other positions with blocks of ``forms`` in order; a position left empty is a step with no load
-    and no block (:func:`ring_positions`). Without other blocks (most splits) the order is the table's.
-    Neither ``store_fp8`` nor a split floor.
     """
     import tilelang.language as T
 
@@ -215,34 +184,16 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     pool_dtype = "float8_e4m3" if store_fp8 else dtype  # the pools' values
     cache_dtype = "float8_e4m3" if cache_fp8 else dtype  # the cache pages'
     load_k, load_v = tma_loads(T, B, *ANY_FORMS, store_fp8=store_fp8, cache_fp8=cache_fp8)
-    ring = tuple(forms) != ANY_FORMS  # the form ring (see above)
-    R = stages  # positions of the ring
-    if ring:
-        assert not store_fp8 and min_split_blocks == 1 and stages >= 3 and "any" not in forms
-        load_k_form, load_v_form = tma_loads(T, B, *forms)
-
-    def in_forms(mode):  # a block of the ring's forms (expression of its resolved mode)
-        k_ok = (mode & 3) == 2 if forms[0] == "sparse" else (mode & 3) != 2
-        v_ok = (mode >> 2) == 2 if forms[1] == "sparse" else (mode >> 2) != 2
-        return T.And(k_ok, v_ok)
 
     def fp8_landing():  # e4m3 tiles that pool rows land in (store_fp8), converted to the 16-bit ones
         return (T.alloc_shared([B, D], pool_dtype), T.alloc_shared([B, D // 2], pool_dtype),
                 T.alloc_shared([B, D], pool_dtype), T.alloc_shared([D, B // 2], pool_dtype)) if store_fp8 else ()
 
-    def alloc_stage(k_form, v_form):
-        def shared(form, kind, shape, dt):  # a buffer of a form the stage holds, else None
-            return T.alloc_shared(shape, dt) if form in ("any", kind) else None
-
-        return Stage(shared(k_form, "dense", [B, D], dtype), shared(k_form, "sparse", [B, D // 2], dtype),
-                     shared(k_form, "sparse", [e_rows, 16], "int16"), shared(v_form, "dense", [B, D], dtype),
-                     shared(v_form, "sparse", [D, B // 2], dtype), shared(v_form, "sparse", [e_rows, 16], "int16"),
-                     T.alloc_barrier(threads), None, *fp8_landing())
-
     def alloc_stages():  # every form of K and V: a block table mixes cache pages, dense and 2:4 rows
-        if ring:  # stage 0 every form, the others the ring's
-            return [alloc_stage(*ANY_FORMS)] + [alloc_stage(*forms) for _ in range(stages - 1)]
-        return [alloc_stage(*ANY_FORMS) for _ in range(stages)]
+        return [Stage(T.alloc_shared([B, D], dtype), T.alloc_shared([B, D // 2], dtype),
+                      T.alloc_shared([e_rows, 16], "int16"), T.alloc_shared([B, D], dtype),
+                      T.alloc_shared([D, B // 2], dtype), T.alloc_shared([e_rows, 16], "int16"),
+                      T.alloc_barrier(threads), None, *fp8_landing()) for _ in range(stages)]
 
     # Plain Python helpers (store_fp8): the blocks' K and V scales (float32, shared, resolved with the
     # modes), appended to the maps; a 16-bit kernel has none and its expressions are unchanged.
@@ -303,12 +254,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         mode = maps[0][j]
         if store_fp8:
             convert_fp8(mode, stage)
-        if stage.k_dense is None:
-            T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
-                      clear_accum=True)
-        elif stage.k_values is None:
-            T.gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True)
-        elif (mode & 3) == 2:
+        if (mode & 3) == 2:
             T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                       clear_accum=True)
         else:
@@ -350,11 +296,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         T.sync_threads()
         for d, g in T.Parallel(D, NH):
             oT[d, g] *= rescale_sh[g]
-        if stage.v_dense is None:
-            T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
-        elif stage.v_values is None:
-            T.gemm(stage.v_dense, P_s, oT, transpose_A=True)
-        elif (mode >> 2) == 2:
+        if (mode >> 2) == 2:
             T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
         else:
             T.gemm(stage.v_dense, P_s, oT, transpose_A=True)
@@ -375,68 +317,15 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             compute(j, (first_block + j) * B, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT, scores_sh,
                     rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row)
 
-    # The form ring (``ring``): the block at a position, the loads of a position, the block step.
-    def block_at(p, order):
-        # Plain Python (an expression): the block at position p (-1: an empty position). order = (list,
-        # nd, nc): the blocks of other forms (nd of them, at list[bps - 1 - k]) go to positions R*k, the
-        # ring's (nc, at list[0 ..]) fill the others in order; without other blocks position p is block p.
-        lst, nd, nc = order
-        ci = T.if_then_else(p < R * nd, p - p // R - 1, p - nd)
-        return T.if_then_else(
-            nd == 0, p, T.if_then_else(
-                T.And(p < R * nd, p % R == 0), lst[bps - 1 - T.min(p // R, bps - 1)],
-                T.if_then_else(ci < nc, lst[T.max(T.min(ci, bps - 1), 0)], -1)))
-
-    @T.macro
-    def issue_block(p, order, nxt, h, maps, stage, src, lk, lv):
-        # The TMA loads of position p's block into a stage of the ring (an empty position: the arrivals only).
-        nxt[0] = block_at(p, order)
-        if nxt[0] >= 0:
-            lk(maps[0][nxt[0]], maps[1][nxt[0]], h, stage, src)
-            lv(maps[0][nxt[0]], maps[2][nxt[0]], h, stage, src)
-        T.barrier_arrive(stage.full)
-
-    @T.macro
-    def ring_step(p, parity, npos, order, cur, nxt, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, stage,
-                  refill, refill_loads, src, sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum,
-                  want_block_lse, block_lse, lse_row):
-        if p < npos:
-            T.sync_threads()
-            if p + R - 1 < npos:
-                issue_block(p + R - 1, order, nxt, h, maps, refill, src, *refill_loads)
-            T.barrier_wait(stage.full, parity)
-            cur[0] = block_at(p, order)
-            if cur[0] >= 0:
-                compute(cur[0], (first_block + cur[0]) * B, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT,
-                        scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse,
-                        lse_row)
-
-    @T.macro
-    def guarded_issue_block(p, npos, order, nxt, h, maps, stage, src, lk, lv):
-        if p < npos:
-            issue_block(p, order, nxt, h, maps, stage, src, lk, lv)
-
-    def ring_loads(s):  # plain Python: stage 0 takes every form, the others the ring's
-        return (load_k, load_v) if s == 0 else (load_k_form, load_v_form)
-
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
-    def emit_prologue(num_blocks, h, maps, st, src, order=None, nxt=None):
+    def emit_prologue(num_blocks, h, maps, st, src):
         for s in range(stages - 1):
-            if ring:
-                guarded_issue_block(s, num_blocks, order, nxt, h, maps, st[s], src, *ring_loads(s))
-            else:
-                guarded_issue(s, num_blocks, h, maps, st[s], src)
+            guarded_issue(s, num_blocks, h, maps, st[s], src)
 
-    def emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st, src, frags, order=None,
-                  cur=None, nxt=None):
+    def emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st, src, frags):
         for s in range(stages):
-            refill = (s + stages - 1) % stages
-            if ring:
-                ring_step(it * stages + s, it & 1, num_blocks, order, cur, nxt, first_block, seq_len, scale_log2, h,
-                          maps, Q_s, P_s, st[s], st[refill], ring_loads(refill), src, *frags)
-            else:
-                step(it * stages + s, it & 1, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st[s],
-                     st[refill], src, *frags)
+            step(it * stages + s, it & 1, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st[s],
+                 st[(s + stages - 1) % stages], src, *frags)
 
     # Plain Python helpers: with min_split_blocks = 1 (every plain decode) they emit exactly the split
     # arithmetic of a kernel without the floor (no guard, every split in the merge).
@@ -475,15 +364,6 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             run_max = T.alloc_local([1], accum)
             run_sum = T.alloc_local([1], accum)
             block_sum = T.alloc_local([1], accum)
-            if ring:  # the form ring's visiting order
-                ring_list = T.alloc_shared([bps], "int32")
-                ring_nd_sh = T.alloc_shared([1], "int32")
-                ring_count = T.alloc_local([2], "int32")
-                ring_cur = T.alloc_local([1], "int32")
-                ring_nxt = T.alloc_local([1], "int32")
-                ring_nd = T.alloc_var("int32")
-                ring_blocks = T.alloc_var("int32")
-                ring_npos = T.alloc_var("int32")
 
             # Plain bindings (inlined expressions, as before the split count was dynamic): the block loop's
             # generated code stays that of a static split count but for the (loop-invariant) division.
@@ -524,9 +404,6 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 T.fill(oT, 0)
                 run_max[0] = -T.infinity(accum)
                 run_sum[0] = 0.0
-                if ring:
-                    if T.get_thread_binding() == 0:
-                        ring_nd_sh[0] = 0
                 T.fence_proxy_async()
                 T.sync_threads()
 
@@ -534,39 +411,9 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 maps = make_maps(block_mode, block_k_row, block_v_row, scale_maps)
                 frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse,
                          request * q_heads + h * G)
-                if ring:
-                    # The visiting order: count the blocks of other forms; only a CTA that has some lists
-                    # them (one thread, in table order: the ring's from the front, the others from the back).
-                    for i in T.Parallel(bps):
-                        if i < num_blocks:
-                            if T.Not(in_forms(block_mode[i])):
-                                T.atomic_add(ring_nd_sh[0], 1)
-                    T.sync_threads()
-                    if ring_nd_sh[0] > 0:
-                        if T.get_thread_binding() == 0:
-                            ring_count[0] = 0
-                            ring_count[1] = 0
-                            for j in T.serial(num_blocks):
-                                if in_forms(block_mode[j]):
-                                    ring_list[ring_count[1]] = j
-                                    ring_count[1] = ring_count[1] + 1
-                                else:
-                                    ring_list[bps - 1 - ring_count[0]] = j
-                                    ring_count[0] = ring_count[0] + 1
-                        T.sync_threads()
-                    ring_nd = ring_nd_sh[0]
-                    ring_blocks = num_blocks
-                    order = (ring_list, ring_nd, ring_blocks - ring_nd)
-                    ring_npos = T.if_then_else(ring_nd == 0, ring_blocks, T.max(R * (ring_nd - 1) + 1, ring_blocks))
-                    emit_prologue(ring_npos, h, maps, ring_stages, src, order, ring_nxt)
-                    for it in T.serial(T.ceildiv(ring_npos, stages)):
-                        emit_ring(it, ring_npos, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src,
-                                  frags, order, ring_cur, ring_nxt)
-                else:
-                    emit_prologue(num_blocks, h, maps, ring_stages, src)
-                    for it in T.serial(T.ceildiv(num_blocks, stages)):
-                        emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src,
-                                  frags)
+                emit_prologue(num_blocks, h, maps, ring_stages, src)
+                for it in T.serial(T.ceildiv(num_blocks, stages)):
+                    emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
 
                 tid = T.get_thread_binding()
                 for k in T.unroll(len(SHUF)):
@@ -683,12 +530,12 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
 def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
                        split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False,
-                       cache_fp8=False, forms=ANY_FORMS) -> tuple:  # fmt: skip
+                       cache_fp8=False) -> tuple:  # fmt: skip
     """The arguments that key a decode kernel in TileLang's cache (and a compile job): the shape, then
-    the split capacity, the split floor, ``store_fp8``, ``cache_fp8`` and the form ring's ``forms`` up to
-    the last that is not its default (so the default kernels keep their keys)."""
-    extra = (split_capacity, min_split_blocks, bool(store_fp8), bool(cache_fp8), tuple(forms))
-    defaults = (SPLIT_CAPACITY, 1, False, False, ANY_FORMS)
+    the split capacity, the split floor, ``store_fp8`` and ``cache_fp8`` up to the last that is not its
+    default (so the default kernels keep their keys)."""
+    extra = (split_capacity, min_split_blocks, bool(store_fp8), bool(cache_fp8))
+    defaults = (SPLIT_CAPACITY, 1, False, False)
     kept = max((i + 1 for i in range(len(extra)) if extra[i] != defaults[i]), default=0)
     return (q_heads, kv_heads, head_dim, block_size, dtype, stages) + extra[:kept]
 
@@ -696,14 +543,13 @@ def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float1
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
                         split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False, cache_fp8=False,
-                        forms=ANY_FORMS, target=None):  # fmt: skip
+                        target=None):  # fmt: skip
     """Compile (or load from TileLang's cache) the kernel of one model shape (``store_fp8``: over e4m3
-    pools, ``cache_fp8``: and e4m3 cache pages, ``forms``: the form ring; see :func:`build_decode_prim_func`).
-    Needs TileLang, not a GPU."""
+    pools, ``cache_fp8``: and e4m3 cache pages, see :func:`build_decode_prim_func`). Needs TileLang, not
+    a GPU."""
     args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, min_split_blocks,
-                              store_fp8, cache_fp8, tuple(forms))  # fmt: skip
+                              store_fp8, cache_fp8)  # fmt: skip
     suffix = ("_floor" if min_split_blocks > 1 else "") + ("_fp8" if store_fp8 else "") + ("kv" if cache_fp8 else "")
-    suffix += "_ring" if tuple(forms) != ANY_FORMS else ""
     return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target,
                           name="hs_decode" + suffix)
 
@@ -720,24 +566,22 @@ def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
 
 @functools.lru_cache(maxsize=4096)
 def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                    stages: int, num_sms: int, split_capacity: int = SPLIT_CAPACITY, store_fp8: bool = False,
-                    forms: tuple[str, str] = ANY_FORMS) -> int:
+                    stages: int, num_sms: int, split_capacity: int = SPLIT_CAPACITY, store_fp8: bool = False) -> int:
     """The split count of a call with ``batch`` requests and a block table ``max_blocks`` wide on a GPU
     of ``num_sms`` SMs (host arithmetic on shapes only: no device value is read).
 
     A CTA's shared memory does not depend on the call (its index maps hold :data:`SPLIT_CAPACITY`
     blocks), so the CTAs per SM are fixed by the model shape: two at d 128 for the GQA groups the
     server takes. At a 32K context (512-529 blocks) and 8 requests of 8 KV heads that is 4 splits."""
-    ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity, store_fp8, forms)
+    ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity, store_fp8)
     return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas, capacity=split_capacity)
 
 
 def ctas_per_sm(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
-                split_capacity: int = SPLIT_CAPACITY, store_fp8: bool = False,
-                forms: tuple[str, str] = ANY_FORMS) -> int:  # fmt: skip
+                split_capacity: int = SPLIT_CAPACITY, store_fp8: bool = False) -> int:
     """CTAs of the model shape's kernel that fit an SM (shared memory; fixed by the shape, not the call).
     The FP8 kernel's landing tiles leave one at d 128 (two at d 64; see :func:`smem_bytes`)."""
-    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity, store_fp8, forms) + 1024
+    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity, store_fp8) + 1024
     return max(1, min(SMEM_PER_SM // per_cta, 8))
 
 
@@ -757,9 +601,7 @@ class HieraSparseDecode:
     :data:`~sglang_hs.format.FP8_DTYPE` (the kernel's ``store_fp8`` variant, given the pools' row
     scales); :meth:`run` refuses pools of the other kind. ``cache_dtype``: of the cache pages, the
     model's ``dtype`` (None, default) or FP8 (SGLang's ``--kv-cache-dtype fp8_e4m3``; with an FP8 store
-    only). ``forms``: the forms of the store's compressed blocks (``decode_shared.compressed_forms``): the
-    kernel is their form ring (``stages`` = :data:`RING_STAGES`) where :func:`ring_forms` allows it
-    (``self.forms`` says which ran). One call at a time per plan.
+    only). One call at a time per plan.
     """
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -767,7 +609,7 @@ class HieraSparseDecode:
                  num_sms: int | None = None, split_capacity: int = SPLIT_CAPACITY,
                  block_lse: bool = False,
                  min_split_blocks: int = 1, store_dtype: torch.dtype | None = None,
-                 cache_dtype: torch.dtype | None = None, forms: tuple[str, str] | None = None):
+                 cache_dtype: torch.dtype | None = None):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         if store_dtype not in (None, dtype, FP8_DTYPE):
             raise ValueError(f"store values of {store_dtype}; allowed: the model's {dtype} or {FP8_DTYPE}")
@@ -778,11 +620,6 @@ class HieraSparseDecode:
                              f"the model's {dtype}, or {FP8_DTYPE} with an {FP8_DTYPE} store")
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
-        # The form ring for a store's compressed forms, where it keeps the CTAs an SM (16-bit, no split floor).
-        plain = self.store_fp8 or min_split_blocks > 1
-        self.forms = ANY_FORMS if plain else ring_forms(forms, q_heads, kv_heads, head_dim, block_size, split_capacity)
-        if self.forms != ANY_FORMS:
-            stages = RING_STAGES
         self.dtype, self.device, self.stages = dtype, torch.device(device), stages
         self.split_capacity = split_capacity
         if num_splits is not None and num_splits < min_splits(max_blocks, split_capacity):
@@ -796,10 +633,8 @@ class HieraSparseDecode:
         fp8 = {"store_fp8": True} if self.store_fp8 else {}  # (a 16-bit plan calls the builder as before)
         if self.cache_dtype == FP8_DTYPE:
             fp8["cache_fp8"] = True
-        ring = {"forms": self.forms} if self.forms != ANY_FORMS else {}
         self.kernel = build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
-                                          split_capacity=split_capacity, min_split_blocks=min_split_blocks, **fp8,
-                                          **ring)
+                                          split_capacity=split_capacity, min_split_blocks=min_split_blocks, **fp8)
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
         self.with_block_lse = block_lse
@@ -814,7 +649,7 @@ class HieraSparseDecode:
         if self.forced_splits is not None:
             return self.forced_splits
         return plan_num_splits(batch, self.q_heads, self.kv_heads, self.head_dim, self.block_size, width,
-                               self.stages, self.num_sms, self.split_capacity, self.store_fp8, self.forms)
+                               self.stages, self.num_sms, self.split_capacity, self.store_fp8)
 
     def call_splits(self, batch: int, width: int) -> int:
         """The split count a launch of ``batch`` requests (at most ``batch_size``) uses: the planned one,
@@ -934,25 +769,13 @@ FP8_PRECOMPILE = [
     (4, 4, 64, "float16", "fp8kv"), (9, 3, 64, "bfloat16", "fp8kv"), (8, 1, 64, "float16", "fp8kv"),
     (12, 4, 128, "float16", "fp8kv"), (32, 8, 128, "bfloat16", "fp8kv"),
 ]
-# The form rings of the GPU tests: (q_heads, kv_heads, head_dim, dtype, forms): 2:4 K and V (S_K = S_V = 1)
-# at GQA groups 4, 8 and 3, head_dim 128 and 64; dense K and 2:4 V (S_V = 1, the default) at head_dim 64,
-# where it keeps the plain kernel's CTAs an SM.
-RING = ("sparse", "sparse")
-RING_PRECOMPILE = [
-    (32, 8, 128, "float16", RING), (16, 2, 128, "bfloat16", RING), (9, 3, 64, "float16", RING),
-    (12, 4, 128, "bfloat16", RING), (9, 3, 64, "float16", ("dense", "sparse")),
-    (8, 2, 64, "bfloat16", ("dense", "sparse")),
-]
-PRECOMPILE += FP8_PRECOMPILE + RING_PRECOMPILE
+PRECOMPILE += FP8_PRECOMPILE
 FP8_VARIANTS = {"fp8": {"store_fp8": True}, "fp8kv": {"store_fp8": True, "cache_fp8": True}}
 
 
 def _precompile_one(cfg):
     hq, hkv, d, dt, *variant = cfg
-    if variant and isinstance(variant[0], tuple):
-        build_decode_kernel(hq, hkv, d, 64, dt, RING_STAGES, forms=variant[0])
-    else:
-        build_decode_kernel(hq, hkv, d, 64, dt, STAGES, **(FP8_VARIANTS[variant[0]] if variant else {}))
+    build_decode_kernel(hq, hkv, d, 64, dt, STAGES, **(FP8_VARIANTS[variant[0]] if variant else {}))
     return cfg
 
 

@@ -39,7 +39,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
                extend_k_sparse: tuple[bool, ...] = (False, True), compress: bool = True,
                loss_operands: tuple[str, ...] = ("k", "v"),
                shared_decode_forms: tuple[str, str] | None = None, store_fp8: bool = False,
-               cache_fp8: bool = False, decode_forms: tuple[str, str] | None = None) -> list[Job]:  # fmt: skip
+               cache_fp8: bool = False) -> list[Job]:  # fmt: skip
     """The kernels of one model shape (per tensor-parallel rank): the decode kernel (``decode``) and,
     with ``shared_decode_forms`` (the block forms of its shared pass, ``decode_shared.compressed_forms``),
     the shared-prefix decode's own-pass kernel (a split floor) and shared-pass kernels (the extend
@@ -49,10 +49,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
     the loss kernels of ``loss_operands``. A GQA group the attention kernels do not take gets the
     compressor's kernels only. ``store_fp8`` (an FP8 store), ``cache_fp8`` (and FP8 cache pages): the
     decode kernel is that variant; the extend kernel runs over 16-bit copies of a batch's blocks (the
-    caller asks for its tiles without 2:4 K rows), and the settings enable no compress kernel.
-    ``decode_forms`` (the store's compressed blocks' forms): the decode kernel is their form ring where
-    ``decode.ring_forms`` allows it, as ``HieraSparseDecode(forms=)`` builds it."""
-    from sglang_hs.kernels.decode import ANY_FORMS, RING_STAGES, ring_forms
+    caller asks for its tiles without 2:4 K rows), and the settings enable no compress kernel."""
     from sglang_hs.kernels.decode import STAGES as DECODE_STAGES
     from sglang_hs.kernels.decode import decode_kernel_args
     from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, fold_of, shared_heads, shared_pass_k_sparse
@@ -62,11 +59,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
 
     jobs: list[Job] = []
     if q_heads // kv_heads in KERNEL_GQA_GROUPS:
-        ring = ANY_FORMS if store_fp8 else ring_forms(decode_forms, q_heads, kv_heads, head_dim, BLOCK_SIZE)
-        if decode and ring != ANY_FORMS:
-            jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, RING_STAGES,
-                                                      forms=ring)))  # fmt: skip
-        elif decode:
+        if decode:
             jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
                                                       store_fp8=store_fp8, cache_fp8=cache_fp8)))  # fmt: skip
         if decode and shared_decode_forms and fold_of(q_heads, kv_heads) >= 2:

@@ -51,23 +51,15 @@ every fractional setting (``decode_shared.compressed_forms``); a store whose blo
 pair of forms (e.g. S_V = 0) compiles its shared pass at start-up."""
 
 
-DECODE_RING_FORMS = (("dense", "sparse"), ("sparse", "sparse"), ("sparse", "dense"))
-"""The decode kernel's form rings warmed: those of S_V = 1, S_K = S_V = 1 and S_K = 1 (a shape gets the
-ones that keep the plain kernel's CTAs an SM, ``decode.ring_forms``: at head_dim 128 only 2:4 K and V)."""
-
-
 def kernel_jobs(shape: dict) -> list[Job]:
     """Every kernel a server of this shape may use, whatever its settings: the decode kernel, the extend
     tiles with and without 2:4 K rows, the pack kernel and both loss kernels, and shared-prefix decode's
-    own-pass and shared-pass kernels for :data:`SHARED_DECODE_FORMS`, and the decode kernel's form rings
-    for :data:`DECODE_RING_FORMS`. A model whose GQA group the
+    own-pass and shared-pass kernels for :data:`SHARED_DECODE_FORMS`. A model whose GQA group the
     attention kernels do not take serves with the compressor alone."""
     args = (shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["dtype"])
     jobs = model_jobs(*args)
     for forms in SHARED_DECODE_FORMS:
         jobs += [job for job in model_jobs(*args, shared_decode_forms=forms) if job not in jobs]
-    for forms in DECODE_RING_FORMS:
-        jobs += [job for job in model_jobs(*args, decode_forms=forms) if job not in jobs]
     return jobs
 
 

@@ -154,7 +154,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.max_blocks = -(-self.req_to_token.shape[1] // self.config.block_size)
         self.use_decode_kernel = runtime.uses_kernel("decode")
         self.shared_prefix_decode = self.use_decode_kernel and self.config.shared_prefix_decode == "on"
-        self.shared_forms = self._compressed_forms() if self.shared_prefix_decode else None
+        self.shared_forms = self._shared_pass_forms() if self.shared_prefix_decode else None
         self.selection = BlockSelection.from_config(self.config, self.store.num_layers)
         if self.selection is not None:  # compressed blocks kept / offered by the anchors, for the log line
             runtime.decode_mode_counts = torch.zeros(2, dtype=torch.int64, device=self.req_to_token.device)
@@ -288,10 +288,9 @@ class HieraSparseAttnBackend(AttentionBackend):
         return type(self._graph_step)(**{field.name: getattr(self._graph_step, field.name)[: rows[field.metadata["rows"]]]
                                          for field in dataclasses.fields(self._graph_step)})  # fmt: skip
 
-    def _compressed_forms(self) -> tuple[str, str]:
-        """The block forms every compressed block has under the settings: the shared-prefix decode's
-        shared pass holds only them (more CTAs an SM), and the decode kernel rings them (more blocks in
-        flight) where that fits."""
+    def _shared_pass_forms(self) -> tuple[str, str]:
+        """The block forms of the shared-prefix decode's shared pass: those every compressed block has
+        under the settings (its kernel then holds only them and fits more CTAs an SM)."""
         from sglang_hs.kernels.decode_shared import compressed_forms
 
         c = self.config
@@ -299,7 +298,7 @@ class HieraSparseAttnBackend(AttentionBackend):
 
     def _plan_step(self, plan: SharedPrefixDecode, table: torch.Tensor, seq_lens: torch.Tensor) -> StepTables:
         """A shared-prefix decode step's tables; the index maps (the same in every layer for the forms
-        :meth:`_compressed_forms` restricts) tell which blocks the shared pass takes."""
+        :meth:`_shared_pass_forms` restricts) tell which blocks the shared pass takes."""
         return plan.plan_step(table, seq_lens, self.store.k_index_of(0), self.store.v_index)
 
     def _decode_inputs(self, forward_batch, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +330,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         fp8 = {"store_dtype": self.store.value_dtype} if self.store.quantized else {}
         if kv_pool.dtype != self.model_dtype:
             fp8["cache_dtype"] = kv_pool.dtype
-        return HieraSparseDecode(*shape, block_lse=self.selection is not None, forms=self._compressed_forms(), **fp8)
+        return HieraSparseDecode(*shape, block_lse=self.selection is not None, **fp8)
 
     def _prepare_kernels(self, runtime: HieraSparseRuntime) -> int:
         """Compile, in parallel processes, the TileLang kernels this server will use that TileLang's disk
@@ -354,7 +353,6 @@ class HieraSparseAttnBackend(AttentionBackend):
             extend_k_sparse=(self.store.capacity.k_sparse > 0 and not self.fp8_kv,) if runtime.uses_kernel("extend") else (),
             compress=compress, loss_operands=tuple(loss), shared_decode_forms=self.shared_forms,
             store_fp8=self.store.quantized, cache_fp8=kv_pool.dtype != self.model_dtype,
-            decode_forms=None if self.shared_prefix_decode else self._compressed_forms(),
         )  # fmt: skip
         return prepare_kernels(jobs, logger.info) if jobs else 0
 

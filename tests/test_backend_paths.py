@@ -269,9 +269,8 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
     from sglang_hs.decode_modes import BlockSelection
     from sglang_hs.kernels import decode, extend
 
-    def record(*args, split_capacity=decode.SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False, cache_fp8=False,
-               forms=decode.ANY_FORMS):
-        key = decode.decode_kernel_args(*args, split_capacity, min_split_blocks, store_fp8, cache_fp8, forms)
+    def record(*args, split_capacity=decode.SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False):
+        key = decode.decode_kernel_args(*args, split_capacity, min_split_blocks, store_fp8)  # the cache key
         return built.setdefault(key, RecordingDecodeKernel())
 
     def record_extend(*args):
@@ -288,7 +287,7 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
                             _counts_from_capture=False, config=config, shared_prefix_decode=shared_prefix_decode != "off",
                             selection=BlockSelection.from_config(config, 2),
                             runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=torch.zeros(2, dtype=torch.int64)))  # fmt: skip
-    backend.shared_forms = backend._compressed_forms() if backend.shared_prefix_decode else None
+    backend.shared_forms = backend._shared_pass_forms() if backend.shared_prefix_decode else None
     return backend
 
 
@@ -371,8 +370,7 @@ def test_every_decode_batch_size_shares_one_plan_and_one_kernel(monkeypatch):
     out = backend.forward_decode(torch.zeros(300, HQ * D, dtype=torch.float16), None, None, layer, decode_batch(300),
                                  save_kv_cache=False)
     assert out.shape == (300, HQ * D) and bool((out == 1).all())
-    # The default store (S_V = 1) at d 64: the decode kernel rings its dense-K, 2:4-V blocks (three CTAs an SM).
-    assert list(built) == [(HQ, HKV, D, 64, "float16", 3, 512, 1, False, False, ("dense", "sparse"))]
+    assert list(built) == [(HQ, HKV, D, 64, "float16", 2)]
 
 
 def test_fp8_store_decodes_on_the_kernels_fp8_variant(monkeypatch):
@@ -481,10 +479,9 @@ def test_start_up_compiles_the_kernels_the_settings_use(monkeypatch):
     every = SimpleNamespace(kernels_available=True, uses_kernel=lambda name: True)
     assert backend._prepare_kernels(every) == 0
     assert [(kind, args[-1]) for kind, args in seen[-1]] == [
-        ("decode", ("dense", "sparse")), ("extend", False), ("extend", False), ("pack", 64)]  # the form ring
+        ("decode", 2), ("extend", False), ("extend", False), ("pack", 64)]
     backend.config = HieraSparseConfig(sk_decode=0.5)
     backend._prepare_kernels(every)
-    assert [(kind, args[-1]) for kind, args in seen[-1]][:1] == [("decode", 2)]  # mixed K forms: the plain kernel
     assert [kind for kind, _ in seen[-1]] == ["decode", "extend", "extend", "pack", "loss"]
     assert seen[-1][-1][1][0] == "k"
     backend._prepare_kernels(SimpleNamespace(kernels_available=True, uses_kernel=lambda name: name == "compress"))

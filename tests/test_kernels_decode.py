@@ -185,93 +185,6 @@ def test_fp8_store_mid_context_matches_decompressed():
         assert cases.rel_err(out[r:r + 1].float(), ref) < 1e-2, f"request {r}"
 
 
-# The form ring (``decode.RING_PRECOMPILE``: 2:4 K and V in the ring's stages): the tables' other blocks
-# (sink, window, a request's own pages, and at S < 1 dense pool rows) take stage 0 every third position,
-# with empty positions between them when the ring's blocks run out.
-# (q_heads, kv_heads, head_dim, dtype, S_K, S_V, forms): the rings of ``decode.RING_PRECOMPILE``, over stores
-# of their forms and of others.
-DENSE_K = ("dense", "sparse")
-RING_SMALL = [
-    (32, 8, 128, torch.float16, 1.0, 1.0, decode_module.RING), (16, 2, 128, torch.bfloat16, 0.5, 0.5, decode_module.RING),
-    (9, 3, 64, torch.float16, 1.0, 1.0, decode_module.RING), (12, 4, 128, torch.bfloat16, 1.0, 0.5, decode_module.RING),
-    (9, 3, 64, torch.float16, 0.0, 1.0, DENSE_K), (8, 2, 64, torch.bfloat16, 0.5, 1.0, DENSE_K),
-]
-
-
-def _ring_id(shape):
-    return _id(shape[:6]) + "-" + "/".join(shape[6])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", RING_SMALL, ids=_ring_id)
-@pytest.mark.parametrize("splits", [1, SMALL_SPLITS])
-def test_form_ring_matches_reference(shape, splits):
-    """The form ring equals the oracle whatever the blocks' forms (one split: every CTA has blocks of
-    other forms; four: some have none and keep the table's order), and its per-block LSEs (the decode
-    modes' anchor masses) equal the plain kernel's."""
-    hq, hkv, d, dtype, sk, sv, forms = shape
-    case = cases.make_case(SMALL_LENS, hq, hkv, d, sk, sv, dtype, "cuda", max_blocks=SMALL_MAX_BLOCKS, seed=5)
-    plan = _plan(case, num_splits=splits, forms=forms, block_lse=True)
-    assert plan.forms == forms and plan.stages == decode_module.RING_STAGES
-    out = torch.full_like(case["q"], float("nan"))
-    got, lse = plan.run(*cases.run_args(case), out=out, return_lse=True)
-    got_blocks = plan.run(*cases.run_args(case), return_block_lse=True)[1].clone()
-    torch.cuda.synchronize()
-    assert torch.isfinite(got).all(), "unwritten or non-finite outputs"
-    ref_out, ref_lse = _reference(case)
-    for r in range(len(SMALL_LENS)):
-        err = cases.rel_err(got[r].cpu(), ref_out[r])
-        assert err < _tol(dtype), f"request {r}: rel err {err:.2e}"
-    assert (lse.cpu() - ref_lse).abs().max().item() < 2e-2
-    plain = _plan(case, num_splits=splits, block_lse=True)
-    assert plain.forms == decode_module.ANY_FORMS
-    want_blocks = plain.run(*cases.run_args(case), return_block_lse=True)[1]
-    for r, n in enumerate(SMALL_LENS):
-        rows = slice(r * hq, (r + 1) * hq)
-        cols = -(-n // 64)
-        assert torch.allclose(got_blocks[rows, :cols], want_blocks[rows, :cols], atol=2e-2, rtol=0), f"request {r}"
-    assert not plan.counter.any()
-
-
-@pytest.mark.gpu
-def test_form_ring_mid_context_matches_dense_attention():
-    """The Llama-3.1-8B decode shape at S_K = S_V = 1 on the form ring: dense attention over the pruned KV."""
-    case = cases.make_case(MID_LENS, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda", max_blocks=MID_MAX_BLOCKS, seed=6)
-    plan = _plan(case, forms=decode_module.RING)
-    assert plan.forms == decode_module.RING
-    out = plan.run(*cases.run_args(case))
-    paged = cases.paged_dense(case)
-    for r in range(len(MID_LENS)):
-        k, v = cases.dense_kv(case, paged, r)
-        ref, _ = R.dense_attention(case["q"][r:r + 1], k, v, sm_scale=case["sm_scale"])
-        assert cases.rel_err(out[r:r + 1], ref) < 3e-3, f"request {r}"
-
-
-def test_form_ring_only_where_it_keeps_two_ctas_an_sm(recording_builder):
-    """CPU: a plan rings the store's compressed forms only where the ring keeps the plain kernel's CTAs an
-    SM (2:4 K and V at d 128; at d 64 dense rows too), never over an FP8 store or with a split floor; the
-    ring is its own kernel (cache key), and the plain kernels keep theirs."""
-    from sglang_hs.kernels.decode import ANY_FORMS, RING, RING_STAGES, ctas_per_sm, ring_forms
-
-    assert ring_forms(RING, 32, 8, 128, 64) == RING
-    assert ring_forms(("dense", "sparse"), 32, 8, 128, 64) == ANY_FORMS  # 25 KB ring stages: one CTA an SM
-    assert ring_forms(("dense", "sparse"), 8, 2, 64, 64) == ("dense", "sparse")
-    assert ring_forms(("any", "sparse"), 32, 8, 128, 64) == ring_forms(None, 32, 8, 128, 64) == ANY_FORMS
-    for group in range(1, 9):
-        assert ctas_per_sm(group, 1, 128, 64, RING_STAGES, forms=RING) == 2
-    plan = HieraSparseDecode(8, 32, 8, 128, 64, 513, torch.float16, "cpu", num_sms=132, forms=RING)
-    assert plan.forms == RING and plan.stages == RING_STAGES and plan.num_splits == 4
-    assert (32, 8, 128, 64, "float16", RING_STAGES, SPLIT_CAPACITY, 1, False, False, RING) in recording_builder
-    assert HieraSparseDecode(8, 32, 8, 128, 64, 513, torch.float16, "cpu", num_sms=132,
-                             forms=("dense", "sparse")).forms == ANY_FORMS
-    assert HieraSparseDecode(8, 32, 8, 128, 64, 513, torch.float16, "cpu", num_sms=132, forms=RING,
-                             min_split_blocks=4).forms == ANY_FORMS
-    assert HieraSparseDecode(8, 32, 8, 128, 64, 513, torch.float16, "cpu", num_sms=132, forms=RING,
-                             store_dtype=FP8_DTYPE).forms == ANY_FORMS
-    assert decode_module.decode_kernel_args(32, 8, 128, 64, "float16", 2, forms=ANY_FORMS) == (32, 8, 128, 64,
-                                                                                                "float16", 2)
-
-
 @pytest.mark.gpu
 def test_dense_equals_dense_attention_and_flashinfer():
     """S_K = S_V = 0 (cache pages + dense pool rows): dense attention to fp16 rounding."""
@@ -428,9 +341,8 @@ def recording_builder(monkeypatch):
     kernel}."""
     built = {}
 
-    def record(*args, split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False, cache_fp8=False,
-               forms=decode_module.ANY_FORMS):
-        key = decode_module.decode_kernel_args(*args, split_capacity, min_split_blocks, store_fp8, cache_fp8, forms)
+    def record(*args, split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False):
+        key = decode_module.decode_kernel_args(*args, split_capacity, min_split_blocks, store_fp8)
         return built.setdefault(key, RecordingKernel(key))
 
     monkeypatch.setattr(decode_module, "build_decode_kernel", record)

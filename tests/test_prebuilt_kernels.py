@@ -93,7 +93,7 @@ def test_common_shapes_cover_the_kernels_groups():
     one = P.jobs_of(P.table_shapes("llama-3.1-8b", (8,), ("bfloat16",)))
     both = P.jobs_of(P.table_shapes("llama-3.1-8b", (8,), ("bfloat16",))
                      + P.table_shapes("qwen2.5-3b", (4,), ("bfloat16",)))
-    assert one == both and len(one) == 14  # 13, and the 2:4 K and V decode ring (d 128)
+    assert one == both and len(one) == 13
 
 
 def test_model_folders_and_bad_specs(tmp_path):
