@@ -69,16 +69,6 @@ compiled for fewer forms has smaller stages, so more CTAs fit an SM; it must onl
 its forms."""
 ANY_FORMS = ("any", "any")
 
-# Any of a warpgroup's threads (a warpgroup barrier that also ORs a predicate: bar.red.or, PTX ISA).
-WARPGROUP_ANY_SRC = r"""
-__device__ __forceinline__ int hs_warpgroup_any(int pred, int bar_id) {
-  int out;
-  asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n barrier.cta.red.or.pred q, %2, 128, p;\n"
-               " selp.s32 %0, 1, 0, q;\n}\n" : "=r"(out) : "r"(pred), "r"(bar_id) : "memory");
-  return out;
-}
-"""
-
 
 def stage_form_bytes(form: str, block_size: int, head_dim: int) -> int:
     """Shared memory (bytes) that one operand's block takes in a pipeline stage holding ``form``

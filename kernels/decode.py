@@ -82,9 +82,8 @@ import torch
 
 from sglang_hs.format import FP8_DTYPE, BlockPools
 from sglang_hs.kernels.common import (
-    ANY_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, WARPGROUP_ANY_SRC, KvSources, PoolArgs, Stage,
-    check_plan_shape, compile_cached, fp8_landing_bytes, pin_source, precompile_main, split_count, stage_form_bytes,
-    tma_loads,
+    ANY_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
+    compile_cached, fp8_landing_bytes, pin_source, precompile_main, split_count, stage_form_bytes, tma_loads,
 )
 
 pin_source(__file__)
@@ -96,8 +95,6 @@ SPLIT_CAPACITY = 512
 ``ceil(max_blocks / SPLIT_CAPACITY)`` splits. At d 128 two CTAs still fit an SM (the 32K benchmark's
 CTAs take 128-133 blocks)."""
 MAX_SPLITS = 128
-# Fast math: exp2f is one MUFU.EX2 (the IEEE path adds range tests to every probability).
-DECODE_PASS_CONFIGS = {**PASS_CONFIGS, "tl.enable_fast_math": True}
 
 
 MAX_COLUMNS = 16
@@ -187,8 +184,6 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     pool_dtype = "float8_e4m3" if store_fp8 else dtype  # the pools' values
     cache_dtype = "float8_e4m3" if cache_fp8 else dtype  # the cache pages'
     load_k, load_v = tma_loads(T, B, *ANY_FORMS, store_fp8=store_fp8, cache_fp8=cache_fp8)
-    LAZY = 8.0  # a column's offset moves once one of its probabilities would exceed 2^LAZY
-    CLAMP = 6.0e4 if dtype == "float16" else 1.0e30  # finite in the 16-bit type
 
     def fp8_landing():  # e4m3 tiles that pool rows land in (store_fp8), converted to the 16-bit ones
         return (T.alloc_shared([B, D], pool_dtype), T.alloc_shared([B, D // 2], pool_dtype),
@@ -254,8 +249,8 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
     @T.macro
     def compute(j, first_pos, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT, scores_sh, rescale_sh,
-                lane_max, offsets, row_sums, block_max, column_sum, want_block_lse, block_lse, lse_row):
-        # Block j: S^T = K·Q^T, the lazy-offset softmax on the accumulator, O^T += V^T·P^T.
+                lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row):
+        # Block j: S^T = K·Q^T, the lane softmax (TPC consecutive lanes own a column), O^T += V^T·P^T.
         mode = maps[0][j]
         if store_fp8:
             convert_fp8(mode, stage)
@@ -264,52 +259,43 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                       clear_accum=True)
         else:
             T.gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True)
-        # The scores (base 2, scaled) against the columns' offsets, rows past the request masked, and the
-        # thread's largest (above LAZY on the CTA's first block, so that its offsets are always set).
-        lane_max[0] = T.if_then_else(j == 0, LAZY + LAZY, -T.infinity(accum))
-        for i, g in T.Parallel(B, NH):
-            sT[i, g] = T.if_then_else(first_pos + i < seq_len, k_scaled(sT[i, g], maps, j) * scale_log2 - offsets[g],
-                                      -T.infinity(accum))
-            lane_max[0] = T.max(lane_max[0], sT[i, g])
-        if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY, 1, 0), 1) != 0:
-            # A score passed its offset by 2^LAZY (or the first block): the column max through shared
-            # memory (TPC consecutive lanes a column, clamped finite), then the offsets, the row sums and
-            # O^T move by it (only up: a lower max keeps the offset).
-            for i, g in T.Parallel(B, NH):
-                scores_sh[i, g] = T.max(T.min(sT[i, g], CLAMP), -CLAMP)
-            T.sync_threads()
-            tid = T.get_thread_binding()
-            col = tid // TPC
-            block_max[0] = -CLAMP
-            for i in T.unroll(RPT):
-                block_max[0] = T.max(block_max[0], scores_sh[(tid % TPC) * RPT + i, col])
-            for k in T.unroll(len(SHUF)):
-                block_max[0] = T.max(block_max[0], T.shfl_xor(block_max[0], TPC >> (k + 1)))
-            if tid % TPC == 0:
-                rescale_sh[col] = T.if_then_else(j == 0, block_max[0], T.max(block_max[0], 0.0))
-            T.sync_threads()
-            for g in T.Parallel(NH):
-                offsets[g] = offsets[g] + rescale_sh[g]
-            for i, g in T.Parallel(B, NH):
-                sT[i, g] = T.exp2(sT[i, g] - rescale_sh[g])
-                row_sums[i, g] = row_sums[i, g] * T.if_then_else(j == 0, 1.0, T.exp2(-rescale_sh[g])) + sT[i, g]
-            for d, g in T.Parallel(D, NH):
-                oT[d, g] *= T.if_then_else(j == 0, 1.0, T.exp2(-rescale_sh[g]))  # O^T is 0 before the first block
-        else:
-            for i, g in T.Parallel(B, NH):
-                sT[i, g] = T.exp2(sT[i, g])
-                row_sums[i, g] = row_sums[i, g] + sT[i, g]
-        for i, g in T.Parallel(B, NH):
-            P_s[i, g] = T.cast(v_scaled(sT[i, g], maps, j), dtype)
+        T.copy(sT, scores_sh)
+        T.sync_threads()
+        tid = T.get_thread_binding()
+        col = tid // TPC
+        row0 = (tid % TPC) * RPT  # the thread's rows: row0 .. row0 + RPT - 1 of the block
+        block_max = T.alloc_local([1], accum)
+        block_max[0] = -T.infinity(accum)
+        for i in T.unroll(RPT):
+            lane_scores[i] = T.if_then_else(first_pos + row0 + i < seq_len, k_scaled(scores_sh[row0 + i, col], maps, j),
+                                            -T.infinity(accum))
+            block_max[0] = T.max(block_max[0], lane_scores[i])
+        for k in T.unroll(len(SHUF)):
+            block_max[0] = T.max(block_max[0], T.shfl_xor(block_max[0], TPC >> (k + 1)))
+        new_max = T.max(run_max[0], block_max[0])
+        rescale = T.exp2(run_max[0] * scale_log2 - new_max * scale_log2)
+        run_max[0] = new_max
+        run_sum[0] = run_sum[0] * rescale
+        block_sum[0] = 0.0
+        for i in T.unroll(RPT):
+            p = T.exp2(lane_scores[i] * scale_log2 - new_max * scale_log2)
+            block_sum[0] = block_sum[0] + p
+            P_s[row0 + i, col] = T.cast(v_scaled(p, maps, j), dtype)
+        run_sum[0] = run_sum[0] + block_sum[0]
+        if tid % TPC == 0:
+            rescale_sh[col] = rescale
         if want_block_lse != 0:
-            # The block's own natural-log LSE per query head (the decode modes' anchor-layer masses): its
-            # probabilities added over the tokens, against the columns' offsets.
-            T.reduce_sum(sT, column_sum, dim=0)
-            for g in T.Parallel(NH):
-                if g < G:
-                    block_lse[lse_row + g, first_pos // B] = (T.log2(column_sum[g]) + offsets[g]) * LN2
+            # The block's own natural-log LSE per query head (the decode modes' anchor-layer masses):
+            # the column's lanes add their rows' probabilities, one lane stores it.
+            for k in T.unroll(len(SHUF)):
+                block_sum[0] = block_sum[0] + T.shfl_xor(block_sum[0], TPC >> (k + 1))
+            if tid % TPC == 0:
+                if col < G:
+                    block_lse[lse_row + col, first_pos // B] = (T.log2(block_sum[0]) + new_max * scale_log2) * LN2
         T.fence_proxy_async()
         T.sync_threads()
+        for d, g in T.Parallel(D, NH):
+            oT[d, g] *= rescale_sh[g]
         if (mode >> 2) == 2:
             T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
         else:
@@ -322,15 +308,14 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
     @T.macro
     def step(j, parity, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, stage, refill, src, sT, oT,
-             scores_sh, rescale_sh, lane_max, offsets, row_sums, block_max, column_sum, want_block_lse, block_lse,
-             lse_row):
+             scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row):
         if j < num_blocks:
             T.sync_threads()
             if j + stages - 1 < num_blocks:
                 issue(j + stages - 1, h, maps, refill, src)
             T.barrier_wait(stage.full, parity)
             compute(j, (first_block + j) * B, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT, scores_sh,
-                    rescale_sh, lane_max, offsets, row_sums, block_max, column_sum, want_block_lse, block_lse, lse_row)
+                    rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row)
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(num_blocks, h, maps, st, src):
@@ -361,7 +346,6 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                     block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse):
         # The kernel (``main``'s arguments; ``scales``: the four row-scale tensors with store_fp8, else None).
         with T.Kernel(S, kv_heads, batch, threads=threads) as (split, h, request):
-            T.import_source(WARPGROUP_ANY_SRC)
             Q_s = T.alloc_shared([NH, D], dtype)
             P_s = T.alloc_shared([B, NH], dtype)
             block_mode = T.alloc_shared([bps], "int32")
@@ -375,11 +359,11 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             oT = T.alloc_fragment([D, NH], accum)
             scores_sh = T.alloc_shared([B, NH], accum)
             rescale_sh = T.alloc_shared([NH], accum)
-            offsets = T.alloc_fragment([NH], accum)  # the columns' softmax offsets (base 2, scaled)
-            row_sums = T.alloc_fragment([B, NH], accum)  # per thread; added over the tokens at the end
-            column_sum = T.alloc_fragment([NH], accum)
-            lane_max = T.alloc_local([1], accum)
-            block_max = T.alloc_local([1], accum)
+            stats_sh = T.alloc_shared([2, NH], accum)
+            lane_scores = T.alloc_local([RPT], accum)
+            run_max = T.alloc_local([1], accum)
+            run_sum = T.alloc_local([1], accum)
+            block_sum = T.alloc_local([1], accum)
 
             # Plain bindings (inlined expressions, as before the split count was dynamic): the block loop's
             # generated code stays that of a static split count but for the (loop-invariant) division.
@@ -418,28 +402,34 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 for g, d in T.Parallel(NH, D):
                     Q_s[g, d] = T.if_then_else(g < G, q[request, h * G + g, d], T.cast(0, dtype))
                 T.fill(oT, 0)
-                T.fill(offsets, 0)
-                T.fill(row_sums, 0)
+                run_max[0] = -T.infinity(accum)
+                run_sum[0] = 0.0
                 T.fence_proxy_async()
                 T.sync_threads()
 
                 src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
                 maps = make_maps(block_mode, block_k_row, block_v_row, scale_maps)
-                frags = (sT, oT, scores_sh, rescale_sh, lane_max, offsets, row_sums, block_max, column_sum, want_block_lse,
-                         block_lse, request * q_heads + h * G)
+                frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse,
+                         request * q_heads + h * G)
                 emit_prologue(num_blocks, h, maps, ring_stages, src)
                 for it in T.serial(T.ceildiv(num_blocks, stages)):
                     emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
 
-                T.reduce_sum(row_sums, column_sum, dim=0)
+                tid = T.get_thread_binding()
+                for k in T.unroll(len(SHUF)):
+                    run_sum[0] = run_sum[0] + T.shfl_xor(run_sum[0], TPC >> (k + 1))
+                if tid % TPC == 0:
+                    stats_sh[0, tid // TPC] = run_max[0]
+                    stats_sh[1, tid // TPC] = run_sum[0]
+                T.sync_threads()
                 for g in T.Parallel(NH):
                     if g < G:
                         lse_part[request, h * G + g, split] = T.if_then_else(
-                            column_sum[g] > 0, T.log2(column_sum[g]) + offsets[g], -T.infinity(accum))
+                            stats_sh[1, g] > 0, T.log2(stats_sh[1, g]) + stats_sh[0, g] * scale_log2, -T.infinity(accum))
                 for d, g in T.Parallel(D, NH):
                     if g < G:
                         o_part[request, h * G + g, split, d] = T.if_then_else(
-                            column_sum[g] > 0, oT[d, g] / column_sum[g], 0.0)
+                            stats_sh[1, g] > 0, oT[d, g] / stats_sh[1, g], 0.0)
 
                 # Split-KV merge by the last CTA of this (request, KV head): release our partials, take a
                 # ticket (acq_rel, device scope), and merge if we are the last.
@@ -560,7 +550,7 @@ def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float
     args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, min_split_blocks,
                               store_fp8, cache_fp8)  # fmt: skip
     suffix = ("_floor" if min_split_blocks > 1 else "") + ("_fp8" if store_fp8 else "") + ("kv" if cache_fp8 else "")
-    return compile_cached("decode", args, lambda: build_decode_prim_func(*args), DECODE_PASS_CONFIGS, target,
+    return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target,
                           name="hs_decode" + suffix)
 
 

@@ -17,9 +17,7 @@ Importing this module needs neither TileLang nor a GPU; constructing :class:`Ext
 
 from typing import NamedTuple
 
-from sglang_hs.kernels.common import (
-    ANY_FORMS, KV_FORMS, LN2, LOG2E, WARPGROUP_ANY_SRC, KvSources, Stage, pin_source, tma_loads,
-)
+from sglang_hs.kernels.common import ANY_FORMS, KV_FORMS, LN2, LOG2E, KvSources, Stage, pin_source, tma_loads
 
 pin_source(__file__)
 
@@ -33,6 +31,17 @@ TILE_SHAPES = {**NARROW_TILES, **TILES}
 def resolve_chunk(tile: str) -> int:
     """Blocks whose index entries one parallel pass resolves (one entry per thread, at most)."""
     return TILE_SHAPES[tile][1] // 2
+
+
+# Any of a warpgroup's threads (a warpgroup barrier that also ORs a predicate: bar.red.or, PTX ISA).
+WARPGROUP_ANY_SRC = r"""
+__device__ __forceinline__ int hs_warpgroup_any(int pred, int bar_id) {
+  int out;
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n barrier.cta.red.or.pred q, %2, 128, p;\n"
+               " selp.s32 %0, 1, 0, q;\n}\n" : "=r"(out) : "r"(pred), "r"(bar_id) : "memory");
+  return out;
+}
+"""
 
 
 class TileVars(NamedTuple):

@@ -87,10 +87,10 @@ def _extend_stages(tile: str) -> int:
 
 def _builder(kind: str) -> tuple[Callable, dict]:
     """A job kind's builder and the pass configs its cache entries are keyed with."""
-    from sglang_hs.kernels import compress, decode, extend
+    from sglang_hs.kernels import common, compress, decode, extend
 
     return {
-        "decode": (decode.build_decode_kernel, decode.DECODE_PASS_CONFIGS),
+        "decode": (decode.build_decode_kernel, common.PASS_CONFIGS),
         "extend": (extend.build_extend_kernel, extend.EXTEND_PASS_CONFIGS),
         "pack": (compress.build_pack_kernel, compress.PASS_CONFIGS),
         "loss": (compress.build_loss_kernel, compress.PASS_CONFIGS),
