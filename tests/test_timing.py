@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from sglang_hs.kernels import timing
 
 
@@ -30,3 +32,14 @@ def test_one_baseline_needs_no_second_set_of_rounds(monkeypatch):
     timer = lambda fns, iters=20: calls.append(fns) or [2.0, 1.0]  # noqa: E731
     by_name, times = timing.time_beside_fastest({"fa2": base}, [ours], timer=timer)
     assert len(calls) == 1 and by_name == {"fa2": 2.0} and times == [1.0]
+
+
+def test_records_are_named_by_the_device_that_ran_them():
+    """The kernel benchmarks write kernels_h200.json on an H200 and kernels_h100.json on an H100, and by
+    default merge into the committed record of that device."""
+    from sglang_hs.kernels.bench_extend import results_json
+    from sglang_hs.kernels.timing import device_tag
+
+    assert device_tag("NVIDIA H200") == "h200" and device_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert results_json("h200").endswith("launch/results/kernels_h200.json")
+    assert os.path.exists(results_json("h100")) and os.path.exists(results_json("h200"))
