@@ -48,7 +48,7 @@ def test_results_index_and_docs_match_the_records():
     records = set(os.listdir(results)) - {"README.md"}
     index = open(os.path.join(results, "README.md")).read()
     named = set()
-    for name in re.findall(r"`([\w{},.-]+\.(?:json|png|log|pt))`", index):
+    for name in re.findall(r"`([\w{},.-]+\.(?:json|png|log|pt|txt))`", index):
         braces = re.search(r"\{([\w,]+)\}", name)  # server_check_gqa{3,5}_...: one record per item
         named |= {name.replace(braces.group(0), item) for item in braces.group(1).split(",")} if braces else {name}
     assert records - named == set(), "records missing from launch/results/README.md"
