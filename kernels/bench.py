@@ -25,6 +25,11 @@ times just the ones named.
 
 The fused prune + compress of a ``--context``-token prefix (:mod:`sglang_hs.kernels.bench_compress`).
 
+    python -m sglang_hs.kernels.bench --kernel warm [--jobs J]
+
+Builds, in parallel, the TileLang kernels and FlashInfer JIT modules the other kernels' runs load
+(:mod:`sglang_hs.kernels.bench_warm`), so that their first timed call does not wait minutes for them.
+
 The synthetic inputs are those of the GPU tests (:mod:`sglang_hs.kernels.cases`).
 """
 
@@ -35,11 +40,12 @@ import os
 from sglang_hs.kernels.bench_compress import compress_main
 from sglang_hs.kernels.bench_decode import decode_main, plot_decode
 from sglang_hs.kernels.bench_extend import extend_main
+from sglang_hs.kernels.bench_warm import warm_main
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", default="decode", choices=["decode", "compress", "extend", "prefill"])
+    ap.add_argument("--kernel", default="decode", choices=["decode", "compress", "extend", "prefill", "warm"])
     ap.add_argument("--out", default="out")
     ap.add_argument("--batch", type=int, default=None, help="requests (default 8; prefill: 1)")
     ap.add_argument("--context", type=int, default=32768)
@@ -84,6 +90,7 @@ def main(argv=None):
     ap.add_argument("--decode-topk", type=int, default=64, help="decode modes: compressed blocks read (at most, psa)")
     ap.add_argument("--decode-tau", type=float, default=0.9, help="psa: attention-mass share to reach")
     ap.add_argument("--anchor-every", type=int, default=4, help="decode modes: one anchor layer in this many")
+    ap.add_argument("--jobs", type=int, default=None, help="warm: TileLang compile processes (default: CPUs)")
     ap.add_argument("--merge", default=None, help="extend, prefill, compress: results JSON whose other records are "
                     "kept (default: the committed launch/results/kernels_<gpu>.json)")
     args = ap.parse_args(argv)
@@ -111,6 +118,8 @@ def main(argv=None):
         with open(args.plot) as f:
             plot_decode(json.load(f), os.path.splitext(args.plot)[0] + ".png")
         return
+    if args.kernel == "warm":
+        return warm_main(args)
     if args.kernel == "compress":
         return compress_main(args)
     if args.kernel in ("extend", "prefill"):

@@ -111,6 +111,7 @@ case "$step" in
     python3 -m sglang_hs.kernels.extend --jobs 8 && python3 -m sglang_hs.kernels.decode --jobs 8
     ;;
   kernels)
+    python3 -m sglang_hs.kernels.bench --kernel warm | tail -3  # the benchmarks' kernels and FlashInfer's modules
     python3 -m pytest -q -m gpu tests/test_kernels_decode.py tests/test_kernels_extend.py tests/test_kernels_compress.py \
         2>&1 | tee "$out/gpu_tests.log" | tail -3
     python3 -m sglang_hs.kernels.bench --kernel extend --quick --out "$out" | tail -12
@@ -118,7 +119,8 @@ case "$step" in
         ${KHEADSHARE:+--k-head-share $KHEADSHARE} | tail -8
     ;;
   decode)
-    python3 -m sglang_hs.kernels.decode --jobs 8 | tail -1 & python3 -m sglang_hs.kernels.decode_shared --jobs 3 | tail -1 & wait
+    python3 -m sglang_hs.kernels.decode --jobs 8 | tail -1 & python3 -m sglang_hs.kernels.decode_shared --jobs 3 | tail -1 &
+    python3 -m sglang_hs.kernels.bench --kernel warm --jobs 4 | tail -3 & wait
     timeout 300 python3 -m pytest -q -m gpu tests/test_kernels_decode.py tests/test_decode_shared.py tests/test_decode_modes.py 2>&1 |
         tee "$out/gpu_tests_decode.log" | tail -3
     timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --out "$out" | tail -4
@@ -149,6 +151,7 @@ case "$step" in
       timeout 420 python3 -m pytest -q -m gpu tests/test_kernels_extend.py 2>&1 | tee -a "$out/gpu_tests_extend.log" | tail -3
     fi
     if [ "$part" != tests ]; then
+      python3 -m sglang_hs.kernels.bench --kernel warm | tail -3
       variants=(--variants)  # VARIANTS=0: the default plan only
       [ "${VARIANTS:-1}" = 0 ] && variants=()
       timeout 300 python3 -m sglang_hs.kernels.bench --kernel extend --new-tokens "${NEW:-64}" --quick "${variants[@]}" \
