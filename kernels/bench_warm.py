@@ -19,11 +19,11 @@ from sglang_hs.kernels import decode
 from sglang_hs.kernels.jobs import compile_missing, model_jobs
 
 # (kind, FlashInfer backend, query dtype, page dtype): the modules bench_decode and bench_extend call.
-FLASHINFER_MODULES = [
+FLASHINFER_MODULES = (
     *(("decode", backend, dtype, pages) for backend in ("fa2", "fa3")
       for dtype, pages in (("float16", "float16"), ("bfloat16", "bfloat16"), ("bfloat16", "float8_e4m3fn"))),
     *(("extend", backend, "float16", "float16") for backend in ("fa2", "fa3")),
-]
+)
 
 
 def tilelang_jobs() -> list:
