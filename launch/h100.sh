@@ -8,6 +8,9 @@
 #   bash launch/h100.sh kernels OUT          kernel GPU tests, extend and compress benchmarks -> OUT/
 #   bash launch/h100.sh decode OUT           the decode kernel: its GPU tests (their kernels compiled first, in
 #                                            parallel) and the benchmark at the committed shape -> OUT/
+#   bash launch/h100.sh profile OUT          Nsight Compute on the decode kernel (S_K = S_V = 1) and the extend kernel's
+#                                            n128 tile (256 new tokens, S_V = 1 and S_K = S_V = 1): sections and stall
+#                                            metrics -> OUT/ncu_NAME.txt, SASS hot spots -> OUT/ncu_NAME_hotspots.txt
 #   bash launch/h100.sh modes OUT            the decode modes (kascade, psa) beside full decode and FlashInfer,
 #                                            batch 8 at 32K and 128K (DECODE_TOPK blocks, 64) -> OUT/modes{32,128}k/
 #   bash launch/h100.sh cold_start OUT [MODEL]
@@ -269,6 +272,24 @@ PY
     python3 -m sglang_hs.launch.soak --model-path $llama --load-format dummy --minutes "${3:-8}" --context-length 16384 \
         --server-arg=--cuda-graph-max-bs=32 --server-arg=--max-running-requests=64 \
         --server-arg=--mem-fraction-static=0.6 --out "$out/soak_llama8b_${gpu}.json" | tail -20
+    ;;
+  profile)
+    sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+              --section WarpStateStats --section SchedulerStats --section SourceCounters)
+    stalls='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
+    profile_one() {  # NAME KERNEL_REGEX SCRIPT ARGS...: one report, its text, its source page and hot spots
+      local name=$1 kernel=$2
+      shift 2
+      timeout 300 ncu --clock-control none --launch-skip 2 --launch-count 1 -k "regex:$kernel" "${sections[@]}" \
+          --metrics "$stalls" -f -o "$out/ncu_$name" python3 "$@" > "$out/ncu_${name}_run.log" 2>&1
+      ncu --import "$out/ncu_$name.ncu-rep" > "$out/ncu_$name.txt"
+      ncu --import "$out/ncu_$name.ncu-rep" --page source --csv --print-source sass > "$out/ncu_$name.csv"
+      python3 lab/ncu_hotspots.py "$out/ncu_$name.csv" > "$out/ncu_${name}_hotspots.txt"
+      head -1 "$out/ncu_${name}_hotspots.txt"
+    }
+    profile_one decode_sk1_sv1 hs_decode lab/profile_decode.py --sk 1 --sv 1
+    profile_one extend_256_sk0_sv1 hs_extend lab/profile_extend.py --new-tokens 256 --sk 0 --sv 1
+    profile_one extend_256_sk1_sv1 hs_extend lab/profile_extend.py --new-tokens 256 --sk 1 --sv 1
     ;;
   sanitize)
     # A decode, an extend and a compress test, each over several sparsities; compiled first (in parallel)

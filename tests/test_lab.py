@@ -21,3 +21,29 @@ def test_script_starts(script):
     result = run_python(os.path.join("lab", script), "--help", timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("usage:")
+
+
+def test_ncu_hotspots_reads_the_source_page(tmp_path):
+    """``ncu_hotspots`` ranks SASS instructions by their share of all stall samples and sums each reason
+    over the kernel; ``(Not Issued)`` columns and the title row are left out."""
+    import ncu_hotspots
+
+    rows = [
+        ["Kernel Name", "hs_decode_kernel"],
+        ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_wait",
+         "stall_short_sb", "stall_short_sb (Not Issued)"],
+        ["0x10", "  FMNMX R1, R2, R3", "60", "1,024", "10", "50", "999"],
+        ["0x20", "  BAR.SYNC 0x0", "30", "1024", "30", "0", "0"],
+        ["0x30", "  MOV R1, R2", "10", "512", "0", "10", "0"],
+    ]
+    by_reason, top = ncu_hotspots.hotspots(rows, top=2)
+    assert by_reason == {"short_sb": 0.6, "wait": 0.4}
+    assert [row["source"] for row in top] == ["FMNMX R1, R2, R3", "BAR.SYNC 0x0"]
+    assert top[0]["share"] == 0.6 and top[0]["executed"] == 1024 and top[0]["reasons"] == ["short_sb", "wait"]
+    assert top[1]["reasons"] == ["wait"]
+    path = tmp_path / "page.csv"
+    path.write_text("\n".join(",".join(f'"{cell}"' for cell in row) for row in rows) + "\n")
+    result = run_python(os.path.join("lab", "ncu_hotspots.py"), str(path), "--top", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[0] == "samples by reason: short_sb 60.0%, wait 40.0%"
+    assert "FMNMX" in result.stdout.splitlines()[1] and len(result.stdout.splitlines()) == 2
