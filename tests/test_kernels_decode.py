@@ -63,22 +63,30 @@ def _tol(dtype):
     return 1e-2 if dtype == torch.bfloat16 else 3e-3
 
 
+def _run_against_reference(plan, case, oracle=None):
+    """One launch of ``plan`` on ``case`` into a NaN-filled ``out``: written in place, every output finite,
+    each request within its dtype's tolerance of the oracle over ``oracle`` (default: the case), the LSE
+    within 2e-2. Returns the output."""
+    out = torch.full_like(case["q"], float("nan"))
+    got, lse = plan.run(*cases.run_args(case), out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.isfinite(got).all(), "unwritten or non-finite outputs"
+    ref_out, ref_lse = _reference(oracle if oracle is not None else case)
+    for r in range(len(SMALL_LENS)):
+        err = cases.rel_err(got[r].cpu(), ref_out[r])
+        assert err < _tol(case["q"].dtype), f"request {r}: rel err {err:.2e}"
+    assert (lse.cpu() - ref_lse).abs().max().item() < 2e-2
+    return got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SMALL, ids=_id)
 def test_matches_reference(shape):
     hq, hkv, d, dtype, sk, sv = shape
     case = cases.make_case(SMALL_LENS, hq, hkv, d, sk, sv, dtype, "cuda", max_blocks=SMALL_MAX_BLOCKS, seed=1)
     plan = _plan(case, num_splits=SMALL_SPLITS)
-    out = torch.full_like(case["q"], float("nan"))
-    got, lse = plan.run(*cases.run_args(case), out=out, return_lse=True)
-    torch.cuda.synchronize()
-    assert got.data_ptr() == out.data_ptr()
-    assert torch.isfinite(got).all(), "unwritten or non-finite outputs"
-    ref_out, ref_lse = _reference(case)
-    for r in range(len(SMALL_LENS)):
-        err = cases.rel_err(got[r].cpu(), ref_out[r])
-        assert err < _tol(dtype), f"request {r}: rel err {err:.2e}"
-    assert (lse.cpu() - ref_lse).abs().max().item() < 2e-2
+    got = _run_against_reference(plan, case)
     again = plan.run(*cases.run_args(case))  # repeated calls: scratch and split tickets are reusable
     assert torch.equal(again, got) and not plan.counter.any()
 
@@ -108,15 +116,7 @@ def test_fp8_store_matches_reference(shape):
                                                max_blocks=SMALL_MAX_BLOCKS, seed=7))  # fmt: skip
     assert case["k_dense"].dtype == FP8_DTYPE and cases.pools_of(case).quantized
     plan = _plan(case, num_splits=SMALL_SPLITS, store_dtype=FP8_DTYPE, block_lse=True)
-    out = torch.full_like(case["q"], float("nan"))
-    got, lse = plan.run(*cases.run_args(case), out=out, return_lse=True)
-    torch.cuda.synchronize()
-    assert torch.isfinite(got).all(), "unwritten or non-finite outputs"
-    ref_out, ref_lse = _reference(case)
-    for r in range(len(SMALL_LENS)):
-        err = cases.rel_err(got[r].cpu(), ref_out[r])
-        assert err < _tol(dtype), f"request {r}: rel err {err:.2e}"
-    assert (lse.cpu() - ref_lse).abs().max().item() < 2e-2
+    got = _run_against_reference(plan, case)
     again, block_lse = plan.run(*cases.run_args(case), return_block_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(again, got) and not plan.counter.any()
@@ -151,15 +151,7 @@ def test_fp8_pages_match_reference(shape):
                                                max_blocks=SMALL_MAX_BLOCKS, seed=9))  # fmt: skip
     fp8, oracle = cases.fp8_pages(case)
     plan = _plan(fp8, num_splits=SMALL_SPLITS, store_dtype=FP8_DTYPE, cache_dtype=FP8_DTYPE)
-    out = torch.full_like(case["q"], float("nan"))
-    got, lse = plan.run(*cases.run_args(fp8), out=out, return_lse=True)
-    torch.cuda.synchronize()
-    assert torch.isfinite(got).all(), "unwritten or non-finite outputs"
-    ref_out, ref_lse = _reference(oracle)
-    for r in range(len(SMALL_LENS)):
-        err = cases.rel_err(got[r].cpu(), ref_out[r])
-        assert err < _tol(dtype), f"request {r}: rel err {err:.2e}"
-    assert (lse.cpu() - ref_lse).abs().max().item() < 2e-2
+    _run_against_reference(plan, fp8, oracle)
     with pytest.raises(ValueError, match="cache pages of"):
         plan.run(*cases.run_args(case))
 
