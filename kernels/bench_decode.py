@@ -325,7 +325,7 @@ def decode_main(args) -> None:
     ``OUT/bench_decode.log`` and ``OUT/kernels_<gpu>.png``."""
     os.makedirs(args.out, exist_ok=True)
     records, lines = bench_decode(args)
-    tag = device_tag(records[0]["device"]) if records else "h100"
+    tag = device_tag(torch.cuda.get_device_name())
     with open(os.path.join(args.out, f"kernels_{tag}.json"), "w") as f:
         json.dump(records, f, indent=1)
     with open(os.path.join(args.out, "bench_decode.log"), "w") as f:

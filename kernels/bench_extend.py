@@ -31,12 +31,12 @@ from sglang_hs.kernels.timing import device_tag, time_beside_fastest, time_inter
 from sglang_hs.plotting import pyplot
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "results")
+"""The committed results, whose other kernels' records a run keeps."""
 
 
 def results_json(tag: str) -> str:
     """The committed kernel record of a device tag (``kernels_h100.json``, ``kernels_h200.json``)."""
     return os.path.join(RESULTS_DIR, f"kernels_{tag}.json")
-"""The committed results, whose other kernels' records a run keeps."""
 
 
 def bench_extend(args, on_record=None):
@@ -130,6 +130,7 @@ def bench_extend(args, on_record=None):
             del case, paged, ref
             torch.cuda.empty_cache()
             s = sk + sv
+            ideal_compute = round(4.0 / (4.0 - s), 4)  # the GEMMs' ratio: 2:4 halves an operand's work
             # prefill: the queries are the whole sequence, so its length (context) says it all
             record = dict(kernel=args.kernel, S_K=sk, S_V=sv, batch=bs, context=n if prefill else P,
                           **({} if prefill else {"new_tokens": n}), head_dim=D,
@@ -137,9 +138,9 @@ def bench_extend(args, on_record=None):
                           flashinfer_us=round(fi_us[fast], 2), speedup=None, flashinfer_backend=fast,
                           flashinfer_us_by_backend={b: round(t, 2) for b, t in fi_us.items()}, speedup_vs_fa2=None,
                           ideal_speedup_bytes=round(compression_ratio(sk, sv), 4),
-                          ideal_speedup_compute=round(4.0 / (4.0 - s), 4),
+                          ideal_speedup_compute=ideal_compute,
                           # at these sizes the kernels are compute-bound: the ideal is the GEMMs' ratio
-                          ideal_speedup=round(4.0 / (4.0 - s), 4), kv_bytes=nbytes, flops=flops,
+                          ideal_speedup=ideal_compute, kv_bytes=nbytes, flops=flops,
                           device=name, timing=f"{iters} back-to-back eager calls, CUDA events, median of 7 rounds "
                                               "alternating the fastest FlashInfer backend and the default plan, the other "
                                               "backends after them (variants: median of 5)",
@@ -201,7 +202,6 @@ def extend_main(args):
     from the device's name) = the records of the results JSON (``--merge`` when given, else the committed
     ``launch/results/kernels_<gpu>.json``) other than this kernel's, plus these; ``OUT/kernels_<gpu>_<kernel>.png``
     and ``OUT/bench_<kernel>.log``."""
-
     os.makedirs(args.out, exist_ok=True)
     tag = device_tag(torch.cuda.get_device_name())
     merge = getattr(args, "merge", None) or results_json(tag)
