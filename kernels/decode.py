@@ -45,6 +45,15 @@ Design (and why)
   survive TileLang 0.1.11's layout inference (buffers that share storage get one layout, and unequal
   sizes are rejected). Two stages with two CTAs per SM: one CTA's block step is a serial chain
   (issue, wait, wgmma, softmax, wgmma), and a second resident CTA hides it.
+* **A pair for 2:4 K and V stores** (:func:`decode_pair`). The any-form stages hold every form for the
+  few cache pages and dense rows a request has, which caps the kernel at two CTAs an SM, and its block
+  step is a dependent chain that only more resident CTAs hide. A store whose compressed blocks all have
+  2:4 K and V decodes as two kernels over the same block table: one whose stages hold only those forms
+  (18 KB at d 128 against 50: four CTAs an SM) takes the compressed blocks, the any-form kernel the rest
+  (the fewest splits: a request's sink, windows and tail). Each CTA keeps only its kernel's blocks of
+  its split (a warp ballot per 32 blocks, in order, each with its place for the mask and the block
+  LSE), both write partials to their own scratch and take tickets of one counter, and the last CTA of
+  either merges both.
 * **Lane softmax.** ``S^T`` is staged in shared memory and each query head (column) belongs to
   ``128 / N`` consecutive lanes, so the block max is a few shuffles, the row sums stay per lane until
   the end, and a block step has 3 CTA barriers.
@@ -82,7 +91,7 @@ import torch
 
 from sglang_hs.format import FP8_DTYPE, BlockPools
 from sglang_hs.kernels.common import (
-    ANY_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
+    ANY_FORMS, KV_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
     compile_cached, fp8_landing_bytes, pin_source, precompile_main, split_count, stage_form_bytes, tma_loads,
 )
 
@@ -97,6 +106,10 @@ CTAs take 128-133 blocks)."""
 MAX_SPLITS = 128
 
 
+REST_SPLITS = 4
+"""A decode pair's rest kernel: the most CTAs a (request, KV head) deals its dense blocks to (a request's
+sink, windows and tail: 5 blocks in the benchmark's case)."""
+
 MAX_COLUMNS = 16
 """The widest N (query heads of one KV head, padded) the kernel takes: a model's GQA group is at most 16."""
 
@@ -109,13 +122,13 @@ def _n_pad(group: int) -> int:
 
 
 def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_per_split: int = SPLIT_CAPACITY,
-               store_fp8: bool = False) -> int:  # fmt: skip
+               store_fp8: bool = False, forms: tuple[str, str] = ANY_FORMS) -> int:  # fmt: skip
     """Shared memory of one CTA (bytes), an upper bound of the buffers of :func:`build_decode_prim_func`
     (its index maps hold ``blocks_per_split`` entries: the kernel's :data:`SPLIT_CAPACITY`). ``store_fp8``:
     each stage also has the e4m3 landing tiles of K and V pool rows, and the maps the blocks' K and V
-    scales (float32)."""
+    scales (float32). ``forms``: the block forms the stages hold (K, V)."""
     n = _n_pad(group)
-    stage = 2 * stage_form_bytes("any", block_size, head_dim)  # K and V, every form
+    stage = sum(stage_form_bytes(form, block_size, head_dim) for form in forms)
     other = n * head_dim * 2 + block_size * n * 6 + 3 * blocks_per_split * 4 + 4 * 512  # Q, P, S^T, maps
     if store_fp8:
         stage += 2 * fp8_landing_bytes("any", block_size, head_dim)
@@ -131,7 +144,8 @@ def min_splits(max_blocks: int, capacity: int = SPLIT_CAPACITY) -> int:
 
 def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64, dtype: str = "float16",
                            stages: int = STAGES, split_capacity: int = SPLIT_CAPACITY,
-                           min_split_blocks: int = 1, store_fp8: bool = False, cache_fp8: bool = False):  # fmt: skip
+                           min_split_blocks: int = 1, store_fp8: bool = False, cache_fp8: bool = False,
+                           pair: tuple[str, str] | None = None, rest: bool = False):  # fmt: skip
     """The TileLang ``prim_func`` of one model shape. The batch size, the block table's width and the
     split count are dynamic (bound from the arguments' shapes), so one kernel serves every plan.
     ``min_split_blocks`` > 1 gives every split of a request at least that many blocks and lets the
@@ -162,6 +176,11 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
     ``cache_fp8`` (with ``store_fp8``): ``k_cache``/``v_cache`` are e4m3 too (SGLang's FP8 pages, unit
     scales); they land in the e4m3 dense tiles and are converted like dense pool rows.
+
+    ``pair`` (``(k_form, v_form)``, 16-bit, no split floor): one kernel of a pair. Its stages hold those
+    forms and it takes the blocks that have them, or (``rest``) its stages hold every form and it takes
+    the other blocks. Two more arguments follow ``lse_part``: the other kernel's ``o_part [bs, Hq, S2, D]``
+    and ``lse_part [bs, Hq, S2]``; the tickets count ``S + S2`` and the last CTA merges both.
     """
     import tilelang.language as T
 
@@ -183,16 +202,22 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     assert store_fp8 or not cache_fp8
     pool_dtype = "float8_e4m3" if store_fp8 else dtype  # the pools' values
     cache_dtype = "float8_e4m3" if cache_fp8 else dtype  # the cache pages'
-    load_k, load_v = tma_loads(T, B, *ANY_FORMS, store_fp8=store_fp8, cache_fp8=cache_fp8)
+    paired = pair is not None
+    k_form, v_form = ANY_FORMS if not paired or rest else pair  # the forms the stages hold
+    assert k_form in KV_FORMS and v_form in KV_FORMS and (not paired or (not store_fp8 and min_split_blocks == 1))
+    load_k, load_v = tma_loads(T, B, k_form, v_form, store_fp8=store_fp8, cache_fp8=cache_fp8)
 
     def fp8_landing():  # e4m3 tiles that pool rows land in (store_fp8), converted to the 16-bit ones
         return (T.alloc_shared([B, D], pool_dtype), T.alloc_shared([B, D // 2], pool_dtype),
                 T.alloc_shared([B, D], pool_dtype), T.alloc_shared([D, B // 2], pool_dtype)) if store_fp8 else ()
 
-    def alloc_stages():  # every form of K and V: a block table mixes cache pages, dense and 2:4 rows
-        return [Stage(T.alloc_shared([B, D], dtype), T.alloc_shared([B, D // 2], dtype),
-                      T.alloc_shared([e_rows, 16], "int16"), T.alloc_shared([B, D], dtype),
-                      T.alloc_shared([D, B // 2], dtype), T.alloc_shared([e_rows, 16], "int16"),
+    def shared(form, kind, shape, dt):  # a buffer of a form the stages hold, else None
+        return T.alloc_shared(shape, dt) if form in ("any", kind) else None
+
+    def alloc_stages():  # the forms' tiles of K and V (every form: cache pages, dense and 2:4 rows)
+        return [Stage(shared(k_form, "dense", [B, D], dtype), shared(k_form, "sparse", [B, D // 2], dtype),
+                      shared(k_form, "sparse", [e_rows, 16], "int16"), shared(v_form, "dense", [B, D], dtype),
+                      shared(v_form, "sparse", [D, B // 2], dtype), shared(v_form, "sparse", [e_rows, 16], "int16"),
                       T.alloc_barrier(threads), None, *fp8_landing()) for _ in range(stages)]
 
     # Plain Python helpers (store_fp8): the blocks' K and V scales (float32, shared, resolved with the
@@ -202,6 +227,21 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
     def make_maps(block_mode, block_k_row, block_v_row, scale_maps):
         return (block_mode, block_k_row, block_v_row) + tuple(scale_maps)
+
+    # A paired kernel's maps hold only the blocks it takes, each mode packed with the block's place in
+    # the split (``mode | place << 4``); a plain kernel's hold every block of the split in order.
+    def mode_of(maps, j):
+        return maps[0][j] & 15 if paired else maps[0][j]
+
+    def place_of(maps, j):
+        return maps[0][j] >> 4 if paired else j
+
+    def takes(mode):  # 1 when this kernel of a pair takes a block of this mode (k_mode | v_mode << 2)
+        fits = 1
+        for form, m in zip(pair or (), (mode & 3, mode >> 2)):
+            if form != "any":
+                fits = fits * T.if_then_else((m == 2) if form == "sparse" else (m != 2), 1, 0)
+        return 1 - fits if rest else fits
 
     def k_scaled(x, maps, j):  # a score of block j times its K scale
         return x * maps[3][j] if store_fp8 else x
@@ -238,7 +278,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     @T.macro
     def issue(i, h, maps, stage, src):
         # The TMA loads of block i (K and V, by its resolved mode and rows) into a stage.
-        mode = maps[0][i]
+        mode = mode_of(maps, i)
         k_row = maps[1][i]
         v_row = maps[2][i]
         load_k(mode, k_row, h, stage, src)
@@ -249,10 +289,15 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     def compute(j, first_pos, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT, scores_sh, rescale_sh,
                 lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row):
         # Block j: S^T = K·Q^T, the lane softmax (TPC consecutive lanes own a column), O^T += V^T·P^T.
-        mode = maps[0][j]
+        mode = mode_of(maps, j)
         if store_fp8:
             convert_fp8(mode, stage)
-        if (mode & 3) == 2:
+        if k_form == "sparse":
+            T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
+                      clear_accum=True)
+        elif k_form == "dense":
+            T.gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True)
+        elif (mode & 3) == 2:
             T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                       clear_accum=True)
         else:
@@ -294,10 +339,71 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         T.sync_threads()
         for d, g in T.Parallel(D, NH):
             oT[d, g] *= rescale_sh[g]
-        if (mode >> 2) == 2:
+        if v_form == "sparse":
+            T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
+        elif v_form == "dense":
+            T.gemm(stage.v_dense, P_s, oT, transpose_A=True)
+        elif (mode >> 2) == 2:
             T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
         else:
             T.gemm(stage.v_dense, P_s, oT, transpose_A=True)
+
+    WARPS = threads // 32
+    ROUNDS = -(-bps // threads)
+
+    @T.macro
+    def resolve_kept(request, h, start, limit, deal, mine, block_table, k_index, v_index, maps, counts_sh, taken):
+        # A paired kernel's prologue: resolve blocks start .. start + limit - 1 of the request and keep the
+        # ones this kernel takes, in order, each mode packed with its place from start. Taken blocks are
+        # ranked by a warp ballot per 32 (a rank counts the taken blocks before it: earlier chunks, earlier
+        # rounds and warps of its chunk, lower lanes of its ballot); the one of rank k goes to the CTA
+        # k % deal == mine, at slot k // deal (the rest kernel deals a request's few blocks to its CTAs;
+        # the small-stage kernel keeps all of its split's: deal 1). The loads of a chunk's rounds are
+        # independent; the warps' counts alternate between two halves of counts_sh, one barrier a chunk.
+        tid = T.get_thread_binding()
+        lane = tid % 32
+        r_mode = T.alloc_local([ROUNDS], "int32")
+        r_k = T.alloc_local([ROUNDS], "int32")
+        r_v = T.alloc_local([ROUNDS], "int32")
+        r_rank = T.alloc_local([ROUNDS], "int32")
+        base = T.alloc_local([1], "int32")
+        base[0] = 0
+        for chunk in T.serial(T.ceildiv(limit, threads * ROUNDS)):
+            half = (chunk % 2) * ROUNDS * WARPS
+            for r in T.unroll(ROUNDS):
+                r_mode[r] = -1
+                if (chunk * ROUNDS + r) * threads + tid < limit:
+                    entry = block_table[request, start + (chunk * ROUNDS + r) * threads + tid]
+                    if entry >= 0:
+                        r_mode[r] = 0
+                        r_k[r] = entry
+                        r_v[r] = entry
+                    else:
+                        k_entry = k_index[h, -entry - 1]
+                        v_entry = v_index[h, -entry - 1]
+                        r_mode[r] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
+                        r_k[r] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
+                        r_v[r] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
+                    if takes(r_mode[r]) == 0:
+                        r_mode[r] = -1
+                vote = T.ballot(r_mode[r] >= 0)
+                lower_lanes = (T.cast(1, "uint64") << T.cast(lane, "uint64")) - T.cast(1, "uint64")
+                r_rank[r] = base[0] + T.cast(T.popcount(vote & lower_lanes), "int32")
+                if lane == 0:
+                    counts_sh[half + r * WARPS + tid // 32] = T.cast(T.popcount(vote), "int32")
+            T.sync_threads()
+            for r in T.unroll(ROUNDS):
+                for q in T.unroll(ROUNDS * WARPS):
+                    r_rank[r] = r_rank[r] + T.if_then_else(q < r * WARPS + tid // 32, counts_sh[half + q], 0)
+                if r_mode[r] >= 0:
+                    if r_rank[r] % deal == mine:
+                        maps[0][r_rank[r] // deal] = r_mode[r] | (((chunk * ROUNDS + r) * threads + tid) << 4)
+                        maps[1][r_rank[r] // deal] = r_k[r]
+                        maps[2][r_rank[r] // deal] = r_v[r]
+            for q in T.unroll(ROUNDS * WARPS):
+                base[0] = base[0] + counts_sh[half + q]
+        taken[0] = (base[0] - mine + deal - 1) // deal  # ranks mine, mine + deal, ... below the count
+        T.sync_threads()
 
     @T.macro
     def guarded_issue(i, num_blocks, h, maps, stage, src):
@@ -312,8 +418,8 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             if j + stages - 1 < num_blocks:
                 issue(j + stages - 1, h, maps, refill, src)
             T.barrier_wait(stage.full, parity)
-            compute(j, (first_block + j) * B, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT, scores_sh,
-                    rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row)
+            compute(j, (first_block + place_of(maps, j)) * B, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT,
+                    scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row)
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(num_blocks, h, maps, st, src):
@@ -324,6 +430,26 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         for s in range(stages):
             step(it * stages + s, it & 1, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st[s],
                  st[(s + stages - 1) % stages], src, *frags)
+
+    @T.macro
+    def merge_max(lse_parts, num_splits, request, head, merge_stat):
+        # (The parameters are named as the kernel's split count: binding it renames it in the kernel.)
+        for s2 in T.serial(num_splits):
+            merge_stat[0] = T.max(merge_stat[0], lse_parts[request, head, s2])
+
+    @T.macro
+    def merge_add(o_parts, lse_parts, num_splits, request, head, d, merge_stat):
+        for s2 in T.serial(num_splits):
+            merge_stat[3] = T.if_then_else(lse_parts[request, head, s2] == -T.infinity(accum), 0.0,
+                                           T.exp2(lse_parts[request, head, s2] - merge_stat[0]))
+            merge_stat[1] = merge_stat[1] + merge_stat[3]
+            merge_stat[2] = merge_stat[2] + merge_stat[3] * o_parts[request, head, s2, d]
+
+    def emit_merge(parts, request, head, d, merge_stat):  # (plain Python) the largest LSE of all parts, then sums
+        for _, lse_parts, n in parts:
+            merge_max(lse_parts, n, request, head, merge_stat)
+        for o_parts, lse_parts, n in parts:
+            merge_add(o_parts, lse_parts, n, request, head, d, merge_stat)
 
     # Plain Python helpers: with min_split_blocks = 1 (every plain decode) they emit exactly the split
     # arithmetic of a kernel without the floor (no guard, every split in the merge).
@@ -341,8 +467,10 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
     @T.macro
     def kernel_body(q, k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta, scales, k_index, v_index,
-                    block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse):
-        # The kernel (``main``'s arguments; ``scales``: the four row-scale tensors with store_fp8, else None).
+                    block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse,
+                    other=None):
+        # The kernel (``main``'s arguments; ``scales``: the four row-scale tensors with store_fp8, else None;
+        # ``other``: a paired kernel's (o_part, lse_part, splits) of the other kernel of the pair).
         with T.Kernel(S, kv_heads, batch, threads=threads) as (split, h, request):
             Q_s = T.alloc_shared([NH, D], dtype)
             P_s = T.alloc_shared([B, NH], dtype)
@@ -362,13 +490,15 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             run_max = T.alloc_local([1], accum)
             run_sum = T.alloc_local([1], accum)
             block_sum = T.alloc_local([1], accum)
+            counts_sh = T.alloc_shared([2 * ROUNDS * WARPS], "int32") if paired else None  # taken a ballot
+            taken = T.alloc_local([1], "int32") if paired else None
 
             # Plain bindings (inlined expressions, as before the split count was dynamic): the block loop's
             # generated code stays that of a static split count but for the (loop-invariant) division.
             seq_len = seq_lens[request]
             seq_blocks = T.ceildiv(seq_len, B)
             per_split = blocks_per_split(seq_blocks, S)
-            first_block = split * per_split
+            first_block = 0 if rest else split * per_split  # (the rest kernel's blocks carry their places)
             # The plan keeps S >= ceil(max_blocks / bps), so per_split <= bps; the bound only guards the maps.
             num_blocks = T.max(T.min(T.min(per_split, bps), seq_blocks - first_block), 0)
             scale_log2 = sm_scale * LOG2E
@@ -376,27 +506,32 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             # A split past its request's blocks has nothing to do (only with a split floor).
             if cta_guard(split, splits_with_blocks(seq_blocks, per_split)):
                 # Resolve this CTA's blocks: mode = k_mode | v_mode << 2 (0 cache page, 1 dense row, 2 2:4 row).
-                for i in T.Parallel(bps):
-                    if i < num_blocks:
-                        entry = block_table[request, first_block + i]
-                        if entry >= 0:
-                            block_mode[i] = 0
-                            block_k_row[i] = entry
-                            block_v_row[i] = entry
-                            if store_fp8:  # a cache page: scale 1 (16-bit, or SGLang's unit-scale FP8)
-                                scale_maps[0][i] = 1.0
-                                scale_maps[1][i] = 1.0
-                        else:
-                            k_entry = k_index[h, -entry - 1]
-                            v_entry = v_index[h, -entry - 1]
-                            block_mode[i] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
-                            block_k_row[i] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
-                            block_v_row[i] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
-                            if store_fp8:  # the rows' scales (both indices clamped into their pools)
-                                scale_maps[0][i] = T.if_then_else(k_entry >= 0, scales[0][T.max(k_entry, 0)],
-                                                                  scales[1][T.max(-k_entry - 1, 0)])
-                                scale_maps[1][i] = T.if_then_else(v_entry >= 0, scales[2][T.max(v_entry, 0)],
-                                                                  scales[3][T.max(-v_entry - 1, 0)])
+                if paired:  # the rest kernel: its CTAs deal the whole request; the other: its split
+                    resolve_kept(request, h, first_block, seq_blocks if rest else num_blocks, S if rest else 1,
+                                 split if rest else 0, block_table, k_index, v_index,
+                                 (block_mode, block_k_row, block_v_row), counts_sh, taken)
+                else:
+                    for i in T.Parallel(bps):
+                        if i < num_blocks:
+                            entry = block_table[request, first_block + i]
+                            if entry >= 0:
+                                block_mode[i] = 0
+                                block_k_row[i] = entry
+                                block_v_row[i] = entry
+                                if store_fp8:  # a cache page: scale 1 (16-bit, or SGLang's unit-scale FP8)
+                                    scale_maps[0][i] = 1.0
+                                    scale_maps[1][i] = 1.0
+                            else:
+                                k_entry = k_index[h, -entry - 1]
+                                v_entry = v_index[h, -entry - 1]
+                                block_mode[i] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
+                                block_k_row[i] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
+                                block_v_row[i] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
+                                if store_fp8:  # the rows' scales (both indices clamped into their pools)
+                                    scale_maps[0][i] = T.if_then_else(k_entry >= 0, scales[0][T.max(k_entry, 0)],
+                                                                      scales[1][T.max(-k_entry - 1, 0)])
+                                    scale_maps[1][i] = T.if_then_else(v_entry >= 0, scales[2][T.max(v_entry, 0)],
+                                                                      scales[3][T.max(-v_entry - 1, 0)])
                 for g, d in T.Parallel(NH, D):
                     Q_s[g, d] = T.if_then_else(g < G, q[request, h * G + g, d], T.cast(0, dtype))
                 T.fill(oT, 0)
@@ -409,9 +544,10 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 maps = make_maps(block_mode, block_k_row, block_v_row, scale_maps)
                 frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse,
                          request * q_heads + h * G)
-                emit_prologue(num_blocks, h, maps, ring_stages, src)
-                for it in T.serial(T.ceildiv(num_blocks, stages)):
-                    emit_ring(it, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
+                count = taken[0] if paired else num_blocks  # the blocks the ring walks
+                emit_prologue(count, h, maps, ring_stages, src)
+                for it in T.serial(T.ceildiv(count, stages)):
+                    emit_ring(it, count, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
 
                 tid = T.get_thread_binding()
                 for k in T.unroll(len(SHUF)):
@@ -436,22 +572,18 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 if tid == 0:
                     ticket_sh[0] = T.atomic_add(tickets[request, h], 1, memory_order="acq_rel", return_prev=True)
                 T.sync_threads()
-                if ticket_sh[0] == splits_with_blocks(seq_blocks, per_split) - 1:
+                # A pair's two kernels write their partials to their own scratch; the last CTA of either
+                # merges both.
+                parts = [(o_part, lse_part, splits_with_blocks(seq_blocks, per_split))] + ([other] if paired else [])
+                if ticket_sh[0] == sum(n for _, _, n in parts) - 1:
                     for it2 in T.serial(T.ceildiv(G * D, threads)):
                         head = (it2 * threads + tid) // D
                         d = (it2 * threads + tid) % D
                         if head < G:
                             merge_stat[0] = -T.infinity(accum)
-                            for s2 in T.serial(splits_with_blocks(seq_blocks, per_split)):
-                                merge_stat[0] = T.max(merge_stat[0], lse_part[request, h * G + head, s2])
                             merge_stat[1] = 0.0
                             merge_stat[2] = 0.0
-                            for s2 in T.serial(splits_with_blocks(seq_blocks, per_split)):
-                                merge_stat[3] = T.if_then_else(
-                                    lse_part[request, h * G + head, s2] == -T.infinity(accum), 0.0,
-                                    T.exp2(lse_part[request, h * G + head, s2] - merge_stat[0]))
-                                merge_stat[1] = merge_stat[1] + merge_stat[3]
-                                merge_stat[2] = merge_stat[2] + merge_stat[3] * o_part[request, h * G + head, s2, d]
+                            emit_merge(parts, request, h * G + head, d, merge_stat)
                             out[request, h * G + head, d] = T.if_then_else(
                                 merge_stat[1] > 0, merge_stat[2] / merge_stat[1], 0.0)
                             if d == 0:
@@ -496,6 +628,41 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
         return main
 
+    if paired:
+        S2 = T.dynamic("other_splits")
+
+        @T.prim_func
+        def main(
+            q: T.Tensor([batch, q_heads, D], dtype),
+            k_cache: T.Tensor([num_slots, kv_heads, D], dtype),
+            v_cache: T.Tensor([num_slots, kv_heads, D], dtype),
+            k_dense: T.Tensor([k_dense_rows, B, D], dtype),
+            k_values: T.Tensor([k_sparse_rows, B, D // 2], dtype),
+            k_meta: T.Tensor([k_sparse_rows, e_rows, 16], "int16"),
+            v_dense: T.Tensor([v_dense_rows, B, D], dtype),
+            v_values: T.Tensor([v_sparse_rows, D, B // 2], dtype),
+            v_meta: T.Tensor([v_sparse_rows, e_rows, 16], "int16"),
+            k_index: T.Tensor([kv_heads, num_virtual], "int32"),
+            v_index: T.Tensor([kv_heads, num_virtual], "int32"),
+            block_table: T.Tensor([batch, max_blocks], "int32"),
+            seq_lens: T.Tensor([batch], "int32"),
+            sm_scale: T.float32,
+            o_part: T.Tensor([batch, q_heads, S, D], accum),
+            lse_part: T.Tensor([batch, q_heads, S], accum),
+            o_other: T.Tensor([batch, q_heads, S2, D], accum),
+            lse_other: T.Tensor([batch, q_heads, S2], accum),
+            out: T.Tensor([batch, q_heads, D], dtype),
+            lse: T.Tensor([batch, q_heads], accum),
+            tickets: T.Tensor([batch, kv_heads], "int32"),
+            want_block_lse: T.int32,
+            block_lse: T.Tensor([lse_rows, lse_cols], accum),
+        ):
+            kernel_body(q, k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta, None, k_index,
+                        v_index, block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse,
+                        block_lse, (o_other, lse_other, S2))  # fmt: skip
+
+        return main
+
     @T.prim_func
     def main(
         q: T.Tensor([batch, q_heads, D], dtype),
@@ -528,12 +695,12 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
 def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
                        split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False,
-                       cache_fp8=False) -> tuple:  # fmt: skip
+                       cache_fp8=False, pair=None, rest=False) -> tuple:  # fmt: skip
     """The arguments that key a decode kernel in TileLang's cache (and a compile job): the shape, then
-    the split capacity, the split floor, ``store_fp8`` and ``cache_fp8`` up to the last that is not its
-    default (so the default kernels keep their keys)."""
-    extra = (split_capacity, min_split_blocks, bool(store_fp8), bool(cache_fp8))
-    defaults = (SPLIT_CAPACITY, 1, False, False)
+    the split capacity, the split floor, ``store_fp8``, ``cache_fp8``, ``pair`` and ``rest`` up to the
+    last that is not its default (so the default kernels keep their keys)."""
+    extra = (split_capacity, min_split_blocks, bool(store_fp8), bool(cache_fp8), pair and tuple(pair), bool(rest))
+    defaults = (SPLIT_CAPACITY, 1, False, False, None, False)
     kept = max((i + 1 for i in range(len(extra)) if extra[i] != defaults[i]), default=0)
     return (q_heads, kv_heads, head_dim, block_size, dtype, stages) + extra[:kept]
 
@@ -541,15 +708,28 @@ def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float1
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
                         split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False, cache_fp8=False,
-                        target=None):  # fmt: skip
+                        pair=None, rest=False, target=None):  # fmt: skip
     """Compile (or load from TileLang's cache) the kernel of one model shape (``store_fp8``: over e4m3
     pools, ``cache_fp8``: and e4m3 cache pages, see :func:`build_decode_prim_func`). Needs TileLang, not
     a GPU."""
     args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, min_split_blocks,
-                              store_fp8, cache_fp8)  # fmt: skip
+                              store_fp8, cache_fp8, pair, rest)  # fmt: skip
     suffix = ("_floor" if min_split_blocks > 1 else "") + ("_fp8" if store_fp8 else "") + ("kv" if cache_fp8 else "")
+    suffix += "" if pair is None else "_rest" if rest else f"_{pair[0][0]}{pair[1][0]}"
     return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target,
                           name="hs_decode" + suffix)
+
+
+PAIR_FORMS = (("sparse", "sparse"),)
+"""The compressed forms a decode pair is built for. Only 2:4 K and V stages (18 KB at d 128 against 50)
+fit twice the CTAs an SM, which the block step's instruction chain needs; dense K with 2:4 V stages fit
+three instead of two, and that pair ran 0.94-0.95x the any-form kernel (H200, batch 8 x 32K)."""
+
+
+def decode_pair(forms: tuple[str, str]) -> tuple[str, str] | None:
+    """The pair a store's decode runs as, from the forms every compressed block has
+    (``decode_shared.compressed_forms``), or None for the one any-form kernel."""
+    return tuple(forms) if tuple(forms) in PAIR_FORMS else None
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
@@ -564,22 +744,25 @@ def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
 
 @functools.lru_cache(maxsize=4096)
 def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                    stages: int, num_sms: int, split_capacity: int = SPLIT_CAPACITY, store_fp8: bool = False) -> int:
+                    stages: int, num_sms: int, split_capacity: int = SPLIT_CAPACITY, store_fp8: bool = False,
+                    forms: tuple[str, str] = ANY_FORMS) -> int:
     """The split count of a call with ``batch`` requests and a block table ``max_blocks`` wide on a GPU
     of ``num_sms`` SMs (host arithmetic on shapes only: no device value is read).
 
     A CTA's shared memory does not depend on the call (its index maps hold :data:`SPLIT_CAPACITY`
     blocks), so the CTAs per SM are fixed by the model shape: two at d 128 for the GQA groups the
     server takes. At a 32K context (512-529 blocks) and 8 requests of 8 KV heads that is 4 splits."""
-    ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity, store_fp8)
+    ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity, store_fp8, forms)
     return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas, capacity=split_capacity)
 
 
 def ctas_per_sm(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
-                split_capacity: int = SPLIT_CAPACITY, store_fp8: bool = False) -> int:
+                split_capacity: int = SPLIT_CAPACITY, store_fp8: bool = False,
+                forms: tuple[str, str] = ANY_FORMS) -> int:
     """CTAs of the model shape's kernel that fit an SM (shared memory; fixed by the shape, not the call).
-    The FP8 kernel's landing tiles leave one at d 128 (two at d 64; see :func:`smem_bytes`)."""
-    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity, store_fp8) + 1024
+    The FP8 kernel's landing tiles leave one at d 128 (two at d 64; see :func:`smem_bytes`); stages of
+    the compressed forms only fit four (2:4 K and V) or three (dense K, 2:4 V) at d 128."""
+    per_cta = smem_bytes(head_dim, block_size, stages, q_heads // kv_heads, split_capacity, store_fp8, forms) + 1024
     return max(1, min(SMEM_PER_SM // per_cta, 8))
 
 
@@ -599,7 +782,9 @@ class HieraSparseDecode:
     :data:`~sglang_hs.format.FP8_DTYPE` (the kernel's ``store_fp8`` variant, given the pools' row
     scales); :meth:`run` refuses pools of the other kind. ``cache_dtype``: of the cache pages, the
     model's ``dtype`` (None, default) or FP8 (SGLang's ``--kv-cache-dtype fp8_e4m3``; with an FP8 store
-    only). One call at a time per plan.
+    only). ``pair`` (:func:`decode_pair`'s forms; 16-bit, no split floor): each call launches the pair's
+    rest kernel and then its small-stage kernel, whose split count follows the CTAs its stages fit. One
+    call at a time per plan.
     """
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -607,7 +792,7 @@ class HieraSparseDecode:
                  num_sms: int | None = None, split_capacity: int = SPLIT_CAPACITY,
                  block_lse: bool = False,
                  min_split_blocks: int = 1, store_dtype: torch.dtype | None = None,
-                 cache_dtype: torch.dtype | None = None):
+                 cache_dtype: torch.dtype | None = None, pair: tuple[str, str] | None = None):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         if store_dtype not in (None, dtype, FP8_DTYPE):
             raise ValueError(f"store values of {store_dtype}; allowed: the model's {dtype} or {FP8_DTYPE}")
@@ -624,15 +809,27 @@ class HieraSparseDecode:
             raise ValueError(f"num_splits={num_splits} < {min_splits(max_blocks, split_capacity)}: a split walks at "
                              f"most {split_capacity} of the {max_blocks} blocks")
         self.forced_splits = num_splits
-        if num_sms is None and num_splits is None:
+        if num_sms is None and (num_splits is None or pair is not None):  # (a pair's rest kernel sizes a wave)
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = num_sms
         dt = "float16" if dtype == torch.float16 else "bfloat16"
         fp8 = {"store_fp8": True} if self.store_fp8 else {}  # (a 16-bit plan calls the builder as before)
         if self.cache_dtype == FP8_DTYPE:
             fp8["cache_fp8"] = True
+        # A pair: a kernel of small stages over the blocks of the compressed forms, the any-form one over
+        # the rest (cache pages, dense rows), merged by whichever finishes last.
+        self.pair = None if pair is None or tuple(pair) == ANY_FORMS else tuple(pair)
+        if self.pair is not None and (self.pair not in PAIR_FORMS or self.store_fp8 or min_split_blocks != 1):
+            raise ValueError(f"a decode pair takes the forms {PAIR_FORMS} of 16-bit stores, without a split floor; "
+                             f"got {self.pair}")
+        self.forms = self.pair or ANY_FORMS  # what the main kernel's stages hold
+        paired = {"pair": self.pair} if self.pair else {}
         self.kernel = build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
-                                          split_capacity=split_capacity, min_split_blocks=min_split_blocks, **fp8)
+                                          split_capacity=split_capacity, min_split_blocks=min_split_blocks,
+                                          **fp8, **paired)  # fmt: skip
+        self.rest_kernel = (build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
+                                                split_capacity=split_capacity, pair=self.pair, rest=True)
+                            if self.pair else None)  # fmt: skip
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
         self.with_block_lse = block_lse
@@ -647,7 +844,15 @@ class HieraSparseDecode:
         if self.forced_splits is not None:
             return self.forced_splits
         return plan_num_splits(batch, self.q_heads, self.kv_heads, self.head_dim, self.block_size, width,
-                               self.stages, self.num_sms, self.split_capacity, self.store_fp8)
+                               self.stages, self.num_sms, self.split_capacity, self.store_fp8, self.forms)
+
+    def rest_splits(self, batch: int, width: int) -> int:
+        """A pair's rest kernel's split count: the few dense blocks of a request dealt round-robin over
+        up to :data:`REST_SPLITS` CTAs, as many as one wave of its CTAs holds (at least the fewest whose
+        maps hold a ``width``-wide table's blocks)."""
+        wave = self.num_sms * ctas_per_sm(self.q_heads, self.kv_heads, self.head_dim, self.block_size,
+                                                   self.stages, self.split_capacity)  # fmt: skip
+        return max(min_splits(width, self.split_capacity), min(REST_SPLITS, wave // (batch * self.kv_heads)), 1)
 
     def call_splits(self, batch: int, width: int) -> int:
         """The split count a launch of ``batch`` requests (at most ``batch_size``) uses: the planned one,
@@ -664,6 +869,9 @@ class HieraSparseDecode:
         self.o_part = torch.empty(parts * hq * d, **f32)
         self.lse_part = torch.empty(parts * hq, **f32)
         self.lse = torch.empty(batch_size, hq, **f32)
+        rest = batch_size * self.rest_splits(1, self.max_blocks) if self.pair else 0  # (the most any batch takes)
+        self.rest_o_part = torch.empty(rest * hq * d, **f32)
+        self.rest_lse_part = torch.empty(rest * hq, **f32)
         # Split tickets of the fused merge; the merging CTA resets its entry, so it stays zero between calls.
         self.counter = torch.zeros(batch_size, self.kv_heads, dtype=torch.int32, device=self.device)
         self.block_lse = (torch.empty(batch_size * hq * self.max_blocks, **f32) if self.with_block_lse
@@ -743,8 +951,15 @@ class HieraSparseDecode:
         o_part = self.o_part[:n * hq * s * d].view(n, hq, s, d)
         lse_part = self.lse_part[:n * hq * s].view(n, hq, s)
         lse_out = self._no_block_lse if block_lse is None else block_lse.view(n * hq, width)
-        self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, out, lse[:n], self.counter[:n],
-                    int(block_lse is not None), lse_out)
+        tail = (out, lse[:n], self.counter[:n], int(block_lse is not None), lse_out)
+        if self.pair is None:
+            self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, *tail)
+            return
+        r = self.rest_splits(n, width)
+        rest_o = self.rest_o_part[:n * hq * r * d].view(n, hq, r, d)
+        rest_lse = self.rest_lse_part[:n * hq * r].view(n, hq, r)
+        self.rest_kernel(q, *kv, block_table, seq_lens, sm_scale, rest_o, rest_lse, o_part, lse_part, *tail)
+        self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, rest_o, rest_lse, *tail)
 
 
 # The kernels the GPU tests build, as (q_heads, kv_heads, head_dim, dtype); every batch size, block-table
@@ -769,11 +984,19 @@ FP8_PRECOMPILE = [
 ]
 PRECOMPILE += FP8_PRECOMPILE
 FP8_VARIANTS = {"fp8": {"store_fp8": True}, "fp8kv": {"store_fp8": True, "cache_fp8": True}}
+# The pairs of the GPU tests (2:4 K and V stores): (q_heads, kv_heads, head_dim, dtype), GQA groups 8, 7, 6, 4
+# and 3, each built as its two kernels.
+PAIR_PRECOMPILE = [(16, 2, 128, "bfloat16"), (14, 2, 128, "bfloat16"), (12, 2, 128, "float16"), (32, 8, 128, "float16"),
+                   (9, 3, 64, "float16"), (4, 1, 64, "float16")]
+PRECOMPILE += [cfg + ("pair", rest) for cfg in PAIR_PRECOMPILE for rest in (False, True)]
 
 
 def _precompile_one(cfg):
     hq, hkv, d, dt, *variant = cfg
-    build_decode_kernel(hq, hkv, d, 64, dt, STAGES, **(FP8_VARIANTS[variant[0]] if variant else {}))
+    if variant and variant[0] == "pair":
+        build_decode_kernel(hq, hkv, d, 64, dt, STAGES, pair=PAIR_FORMS[0], rest=variant[1])
+    else:
+        build_decode_kernel(hq, hkv, d, 64, dt, STAGES, **(FP8_VARIANTS[variant[0]] if variant else {}))
     return cfg
 
 

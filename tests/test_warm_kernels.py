@@ -16,13 +16,14 @@ def test_model_shape_and_jobs(tmp_path):
     assert shape == {"q_heads": 16, "kv_heads": 4, "head_dim": 128, "dtype": "bfloat16"}
     jobs = W.kernel_jobs(shape)
     kinds = [kind for kind, _ in jobs]
-    # One decode kernel, two extend tiles (n64, n128) each with and without 2:4 K rows, the compressor;
-    # then shared-prefix decode's own pass (a split floor) and its shared pass (the n32 tile) for three
-    # settings' forms (dense K: no 2:4 K rows; 2:4 K: with them; any: both).
-    assert kinds == ["decode"] + ["extend"] * 4 + ["pack", "loss", "loss"] + ["decode"] + ["extend"] * 4
+    # One decode kernel, two extend tiles (n64, n128) each with and without 2:4 K rows, the compressor; the
+    # decode pair of S_K = S_V = 1; then shared-prefix decode's own pass (a split floor) and its shared pass
+    # (the n32 tile) for three settings' forms (dense K: no 2:4 K rows; 2:4 K: with them; any: both).
+    assert kinds == ["decode"] + ["extend"] * 4 + ["pack", "loss", "loss"] + ["decode"] * 3 + ["extend"] * 4
     assert {args[5] for kind, args in jobs[:8] if kind == "extend"} == {"n64", "n128"}
     assert {args[5] for kind, args in jobs[8:] if kind == "extend"} == {"n32"}
     assert jobs[0] == ("decode", (16, 4, 128, 64, "bfloat16", 2))
+    assert [args[10:] for _, args in jobs[8:10]] == [(("sparse", "sparse"),), (("sparse", "sparse"), True)]
     shared = [args for kind, args in jobs[8:] if kind == "extend"]
     assert [(args[7], args[8]) for args in shared] == [(False, ("dense", "sparse")), (True, ("sparse", "sparse")),
                                                        (False, ("any", "any")), (True, ("any", "any"))]
@@ -50,4 +51,4 @@ def test_kernel_set_ignores_context_and_batch_flags(tmp_path, monkeypatch):
     assert W.main(base + ["--context-length", "131072", "--cuda-graph-max-bs", "256", "--max-running-requests",
                           "4096", "--num-sms", "114"]) == 0
     assert W.main(base + ["--context-length", "4096", "--cuda-graph-max-bs", "4"]) == 0
-    assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 13  # 8, and shared-prefix decode's 5
+    assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 15  # 8, the decode pair's 2, shared-prefix decode's 5
