@@ -431,39 +431,19 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             step(it * stages + s, it & 1, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st[s],
                  st[(s + stages - 1) % stages], src, *frags)
 
-    # A pair merges its kernels' partials (twice the splits or more) four splits a step, so the loads of a
-    # step are in flight together; a plain kernel merges one split a step.
-    UNROLL = 4 if paired else 1
-
     @T.macro
     def merge_max(lse_parts, num_splits, request, head, merge_stat):
         # (The parameters are named as the kernel's split count: binding it renames it in the kernel.)
-        if UNROLL == 1:
-            for s2 in T.serial(num_splits):
-                merge_stat[0] = T.max(merge_stat[0], lse_parts[request, head, s2])
-        else:
-            for s4 in T.serial(T.ceildiv(num_splits, UNROLL)):
-                for u in T.unroll(UNROLL):
-                    if s4 * UNROLL + u < num_splits:
-                        merge_stat[0] = T.max(merge_stat[0], lse_parts[request, head, s4 * UNROLL + u])
-
-    @T.macro
-    def merge_split(o_parts, lse_parts, s2, request, head, d, merge_stat):
-        merge_stat[3] = T.if_then_else(lse_parts[request, head, s2] == -T.infinity(accum), 0.0,
-                                       T.exp2(lse_parts[request, head, s2] - merge_stat[0]))
-        merge_stat[1] = merge_stat[1] + merge_stat[3]
-        merge_stat[2] = merge_stat[2] + merge_stat[3] * o_parts[request, head, s2, d]
+        for s2 in T.serial(num_splits):
+            merge_stat[0] = T.max(merge_stat[0], lse_parts[request, head, s2])
 
     @T.macro
     def merge_add(o_parts, lse_parts, num_splits, request, head, d, merge_stat):
-        if UNROLL == 1:
-            for s2 in T.serial(num_splits):
-                merge_split(o_parts, lse_parts, s2, request, head, d, merge_stat)
-        else:
-            for s4 in T.serial(T.ceildiv(num_splits, UNROLL)):
-                for u in T.unroll(UNROLL):
-                    if s4 * UNROLL + u < num_splits:
-                        merge_split(o_parts, lse_parts, s4 * UNROLL + u, request, head, d, merge_stat)
+        for s2 in T.serial(num_splits):
+            merge_stat[3] = T.if_then_else(lse_parts[request, head, s2] == -T.infinity(accum), 0.0,
+                                           T.exp2(lse_parts[request, head, s2] - merge_stat[0]))
+            merge_stat[1] = merge_stat[1] + merge_stat[3]
+            merge_stat[2] = merge_stat[2] + merge_stat[3] * o_parts[request, head, s2, d]
 
     def emit_merge(parts, request, head, d, merge_stat):  # (plain Python) the largest LSE of all parts, then sums
         for _, lse_parts, n in parts:
