@@ -209,6 +209,18 @@ def _check_mid_case_against_dense(seed: int, sk: float, sv: float) -> None:
     assert cases.rel_err(out, fi) < 3e-3
 
 
+def _captured(call) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``call`` (run once outside it first, as SGLang warms up before capture)."""
+    call()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replay_follows_inputs():
     """Captured once, replayed after q, seq_lens and block-table contents change in place."""
@@ -216,13 +228,7 @@ def test_cuda_graph_replay_follows_inputs():
     plan = _plan(case)
     args = cases.run_args(case)
     out = torch.empty_like(case["q"])
-    plan.run(*args, out=out)  # warm-up outside the graph
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        plan.run(*args, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _captured(lambda: plan.run(*args, out=out))
     case["q"].copy_(torch.randn_like(case["q"]))
     new_lens = [L - 100 if L > 200 else L for L in MID_LENS]
     case["seq_lens"].copy_(torch.tensor(new_lens, dtype=torch.int32))
@@ -546,13 +552,7 @@ def test_pair_mid_context_block_lse_and_graph():
         blocks = -(-n // 64)
         assert (got_blocks[r, :, :blocks] - want_blocks[r, :, :blocks]).abs().max().item() < 1e-3, f"request {r}"
     out = torch.empty_like(case["q"])
-    pair.run(*args, out=out)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        pair.run(*args, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _captured(lambda: pair.run(*args, out=out))
     case["q"].copy_(torch.randn_like(case["q"]))
     case["seq_lens"].copy_(torch.tensor([L - 100 if L > 200 else L for L in MID_LENS], dtype=torch.int32))
     graph.replay()
