@@ -49,11 +49,12 @@ Design (and why)
   few cache pages and dense rows a request has, which caps the kernel at two CTAs an SM, and its block
   step is a dependent chain that only more resident CTAs hide. A store whose compressed blocks all have
   2:4 K and V decodes as two kernels over the same block table: one whose stages hold only those forms
-  (18 KB at d 128 against 50: four CTAs an SM) takes the compressed blocks, the any-form kernel the rest
-  (the fewest splits: a request's sink, windows and tail). Each CTA keeps only its kernel's blocks of
-  its split (a warp ballot per 32 blocks, in order, each with its place for the mask and the block
-  LSE), both write partials to their own scratch and take tickets of one counter, and the last CTA of
-  either merges both.
+  (18 KB at d 128 against 50: four CTAs an SM) takes the compressed blocks of its split, the any-form
+  kernel the rest (a request's sink, windows and tail, dealt round-robin to at most :data:`REST_SPLITS`
+  CTAs). A CTA keeps its kernel's blocks in order (a warp ballot per 32 blocks), each with its place for
+  the mask and the block LSE; both kernels write partials to their own scratch and take tickets of one
+  counter, and the last CTA of either merges both. The rest kernel and the merge cost ~17 us at batch
+  8 x 32K (H200; ``docs/kernels.md``).
 * **Lane softmax.** ``S^T`` is staged in shared memory and each query head (column) belongs to
   ``128 / N`` consecutive lanes, so the block max is a few shuffles, the row sums stay per lane until
   the end, and a block step has 3 CTA barriers.
