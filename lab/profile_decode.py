@@ -4,8 +4,10 @@
         --section WarpStateStats python3 lab/profile_decode.py --sk 1 --sv 1
 
 Batch 8 x 32K (``--sk``, ``--sv``; natural pool order), 32/8 heads, d 128, fp16, the plan's split count
-(or ``--num-splits``). The first two launches load or compile the kernel and warm the caches; profile
-the third.
+(or ``--num-splits``). The first two calls load or compile the kernel and warm the caches; profile the
+third. Where a server runs the decode pair (S_K = S_V = 1) a call is two launches, the rest kernel's
+(``hs_decode_rest``) and the small-stage kernel's (``hs_decode_ss``): name one with ``-k``; ``--plain``
+runs the one any-form kernel instead.
 """
 
 import argparse
@@ -13,7 +15,8 @@ import argparse
 import torch
 
 from sglang_hs.kernels.cases import make_case, run_args
-from sglang_hs.kernels.decode import HieraSparseDecode
+from sglang_hs.kernels.decode import HieraSparseDecode, decode_pair
+from sglang_hs.kernels.decode_shared import compressed_forms
 
 
 def main(argv=None):
@@ -21,15 +24,18 @@ def main(argv=None):
     ap.add_argument("--sk", type=float, default=1.0)
     ap.add_argument("--sv", type=float, default=1.0)
     ap.add_argument("--num-splits", type=int, default=None)
+    ap.add_argument("--plain", action="store_true", help="the any-form kernel even where a server runs the pair")
     args = ap.parse_args(argv)
     case = make_case([32768] * 8, 32, 8, 128, args.sk, args.sv, torch.float16, "cuda", seed=11, magnitude=False,
                      shuffle=False)
-    plan = HieraSparseDecode(8, 32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", num_splits=args.num_splits)
+    pair = None if args.plain else decode_pair(compressed_forms((args.sk,), (args.sv,)))
+    plan = HieraSparseDecode(8, 32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", num_splits=args.num_splits,
+                             pair=pair)  # fmt: skip
     a = run_args(case)
     for _ in range(3):
         plan.run(*a)
     torch.cuda.synchronize()
-    print(f"splits {plan.num_splits}")
+    print(f"splits {plan.num_splits}, pair {plan.pair}")
 
 
 if __name__ == "__main__":

@@ -126,7 +126,8 @@ case "$step" in
     python3 -m sglang_hs.kernels.bench --kernel warm --jobs 4 | tail -3 & wait
     timeout 300 python3 -m pytest -q -m gpu tests/test_kernels_decode.py tests/test_decode_shared.py tests/test_decode_modes.py 2>&1 |
         tee "$out/gpu_tests_decode.log" | tail -3
-    timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --out "$out" | tail -4
+    timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --variants --out "$out" | tail -4
+    timeout 120 python3 lab/profile_decode_pair.py --out "$out/decode_pair_parts_llama8b_${gpu}.json" | tail -8
     # 16 requests over 6 shared prefixes: the per-request kernel and the shared-prefix decode
     timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --layouts natural --batch 16 --groups 6 \
         --shared-splits "${SPLITS:-2,4,8,16}" --out "$out/shared" | tail -4
@@ -287,7 +288,9 @@ PY
       python3 lab/ncu_hotspots.py "$out/ncu_$name.csv" > "$out/ncu_${name}_hotspots.txt"
       head -1 "$out/ncu_${name}_hotspots.txt"
     }
-    profile_one decode_sk1_sv1 hs_decode lab/profile_decode.py --sk 1 --sv 1
+    profile_one decode_sk1_sv1 hs_decode_ss lab/profile_decode.py --sk 1 --sv 1  # the pair's two kernels
+    profile_one decode_sk1_sv1_rest hs_decode_rest lab/profile_decode.py --sk 1 --sv 1
+    profile_one decode_sk1_sv1_plain hs_decode lab/profile_decode.py --sk 1 --sv 1 --plain
     profile_one extend_256_sk0_sv1 hs_extend lab/profile_extend.py --new-tokens 256 --sk 0 --sv 1
     profile_one extend_256_sk1_sv1 hs_extend lab/profile_extend.py --new-tokens 256 --sk 1 --sv 1
     ;;
