@@ -92,7 +92,7 @@ import torch
 
 from sglang_hs.format import FP8_DTYPE, BlockPools
 from sglang_hs.kernels.common import (
-    ANY_FORMS, KV_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
+    ANY_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
     compile_cached, fp8_landing_bytes, pin_source, precompile_main, split_count, stage_form_bytes, tma_loads,
 )
 
@@ -178,7 +178,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     ``cache_fp8`` (with ``store_fp8``): ``k_cache``/``v_cache`` are e4m3 too (SGLang's FP8 pages, unit
     scales); they land in the e4m3 dense tiles and are converted like dense pool rows.
 
-    ``pair`` (``(k_form, v_form)``, 16-bit, no split floor): one kernel of a pair. Its stages hold those
+    ``pair`` (one of :data:`PAIR_FORMS`, 16-bit, no split floor): one kernel of a pair. Its stages hold those
     forms and it takes the blocks that have them, or (``rest``) its stages hold every form and it takes
     the other blocks. Two more arguments follow ``lse_part``: the other kernel's ``o_part [bs, Hq, S2, D]``
     and ``lse_part [bs, Hq, S2]``; the tickets count ``S + S2`` and the last CTA merges both.
@@ -205,7 +205,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     cache_dtype = "float8_e4m3" if cache_fp8 else dtype  # the cache pages'
     paired = pair is not None
     k_form, v_form = ANY_FORMS if not paired or rest else pair  # the forms the stages hold
-    assert k_form in KV_FORMS and v_form in KV_FORMS and (not paired or (not store_fp8 and min_split_blocks == 1))
+    assert not paired or (tuple(pair) in PAIR_FORMS and not store_fp8 and min_split_blocks == 1)
     load_k, load_v = tma_loads(T, B, k_form, v_form, store_fp8=store_fp8, cache_fp8=cache_fp8)
 
     def fp8_landing():  # e4m3 tiles that pool rows land in (store_fp8), converted to the 16-bit ones
@@ -296,8 +296,6 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         if k_form == "sparse":
             T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                       clear_accum=True)
-        elif k_form == "dense":
-            T.gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True)
         elif (mode & 3) == 2:
             T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                       clear_accum=True)
@@ -342,8 +340,6 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             oT[d, g] *= rescale_sh[g]
         if v_form == "sparse":
             T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
-        elif v_form == "dense":
-            T.gemm(stage.v_dense, P_s, oT, transpose_A=True)
         elif (mode >> 2) == 2:
             T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
         else:
@@ -419,8 +415,8 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             if j + stages - 1 < num_blocks:
                 issue(j + stages - 1, h, maps, refill, src)
             T.barrier_wait(stage.full, parity)
-            compute(j, (first_block + place_of(maps, j)) * B, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT,
-                    scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row)
+            compute(j, (first_block + place_of(maps, j)) * B, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT,
+                    oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row)
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(num_blocks, h, maps, st, src):
@@ -831,6 +827,9 @@ class HieraSparseDecode:
         self.rest_kernel = (build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
                                                 split_capacity=split_capacity, pair=self.pair, rest=True)
                             if self.pair else None)  # fmt: skip
+        # CTAs of the rest kernel (the any-form one) in one wave on this GPU: what its split count fills.
+        self.rest_wave = (num_sms * ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity)
+                          if self.pair else 0)  # fmt: skip
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
         self.with_block_lse = block_lse
@@ -851,9 +850,8 @@ class HieraSparseDecode:
         """A pair's rest kernel's split count: the few dense blocks of a request dealt round-robin over
         up to :data:`REST_SPLITS` CTAs, as many as one wave of its CTAs holds (at least the fewest whose
         maps hold a ``width``-wide table's blocks)."""
-        wave = self.num_sms * ctas_per_sm(self.q_heads, self.kv_heads, self.head_dim, self.block_size,
-                                                   self.stages, self.split_capacity)  # fmt: skip
-        return max(min_splits(width, self.split_capacity), min(REST_SPLITS, wave // (batch * self.kv_heads)), 1)
+        dealt = min(REST_SPLITS, self.rest_wave // (batch * self.kv_heads))
+        return max(min_splits(width, self.split_capacity), dealt, 1)
 
     def call_splits(self, batch: int, width: int) -> int:
         """The split count a launch of ``batch`` requests (at most ``batch_size``) uses: the planned one,
