@@ -2,7 +2,7 @@
 instructions that hold the most of them.
 
     ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:hs_decode --section SourceCounters \
-        --section WarpStateStats -o dec python3 lab/profile_decode.py --sk 1 --sv 1
+        --section WarpStateStats -o dec python3 lab/profile_decode.py --sk 1 --sv 1 --plain
     ncu --import dec.ncu-rep --page source --csv --print-source sass > dec.csv
     python lab/ncu_hotspots.py dec.csv --top 24
 

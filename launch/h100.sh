@@ -8,8 +8,9 @@
 #   bash launch/h100.sh kernels OUT          kernel GPU tests, extend and compress benchmarks -> OUT/
 #   bash launch/h100.sh decode OUT           the decode kernel: its GPU tests (their kernels compiled first, in
 #                                            parallel) and the benchmark at the committed shape -> OUT/
-#   bash launch/h100.sh profile OUT          Nsight Compute on the decode kernel (S_K = S_V = 1) and the extend kernel's
-#                                            n128 tile (256 new tokens, S_V = 1 and S_K = S_V = 1): sections and stall
+#   bash launch/h100.sh profile OUT          Nsight Compute on the decode pair's two kernels and the any-form decode
+#                                            kernel (S_K = S_V = 1) and the extend kernel's n128 tile (256 new tokens,
+#                                            S_V = 1 and S_K = S_V = 1): sections and stall
 #                                            metrics -> OUT/ncu_NAME.txt, SASS hot spots -> OUT/ncu_NAME_hotspots.txt
 #   bash launch/h100.sh modes OUT            the decode modes (kascade, psa) beside full decode and FlashInfer,
 #                                            batch 8 at 32K and 128K (DECODE_TOPK blocks, 64) -> OUT/modes{32,128}k/
