@@ -30,12 +30,12 @@ from sglang_hs.kernels.timing import device_tag, time_beside_fastest, time_graph
 from sglang_hs.plotting import pyplot
 
 VARIANT_STAGES = (3,)
-"""``--variants``: the pipeline depths timed besides the default plan's (and, where the default is a pair,
-the one any-form kernel)."""
+"""``--variants``: the pipeline depths timed besides the default plan's (and, where the default is the compact
+kernel, the any-form one)."""
 
 
 def bench_decode(args):
-    from sglang_hs.kernels.decode import HieraSparseDecode, decode_pair
+    from sglang_hs.kernels.decode import HieraSparseDecode, decode_compact
     from sglang_hs.kernels.decode_shared import compressed_forms
 
     dev = torch.device("cuda")
@@ -87,14 +87,15 @@ def bench_decode(args):
         fi_plain = {b: time_plain(fn) for b, fn in fis.items()}
         del paged, fi_pages, oracle
         results, fi_us = [], {}
-        # The server's plan for these settings: a pair where decode_pair takes the store's forms.
-        pair = None if fp8 else decode_pair(compressed_forms((sk,), (sv,), k_head_map=args.k_sparse_heads is not None))
-        if pair and args.variants and layout == runs[0][0]:
-            var_list = var_list + [dict(pair=None)]  # the one any-form kernel, as without the pair
+        # The server's plan for these settings: the compact kernel where decode_compact takes the store's forms.
+        forms = compressed_forms((sk,), (sv,), k_head_map=args.k_sparse_heads is not None)
+        compact = None if fp8 else decode_compact(forms, D)
+        if compact and args.variants and layout == runs[0][0]:
+            var_list = var_list + [dict(compact=None)]  # the any-form kernel
         for var in var_list:
             try:
                 plan = HieraSparseDecode(bs, Hq, Hkv, D, 64, case["max_blocks"], dtype, dev,
-                                         **{"num_splits": args.num_splits, "pair": pair, **fp8_plan, **var})
+                                         **{"num_splits": args.num_splits, "compact": compact, **fp8_plan, **var})
             except Exception as e:  # a variant that does not build is reported, not fatal
                 lines.append(f"S_K={sk} S_V={sv} {var}: build failed: {str(e).splitlines()[-1][:200]}")
                 continue
@@ -112,7 +113,7 @@ def bench_decode(args):
             p = time_plain(fn)
             err = max(err, rel_err(out, ref))  # the output of the last timed call too
             fast = min(fi_us, key=fi_us.get)
-            desc = dict(stages=plan.stages, num_splits=plan.num_splits, pair=plan.pair and "/".join(plan.pair))
+            desc = dict(stages=plan.stages, num_splits=plan.num_splits, compact=plan.compact and "/".join(plan.compact))
             results.append(dict(variant=desc, default=not var, ours_us=round(g, 2), ours_plain_us=round(p, 2),
                                 speedup=round(fi_us[fast] / g, 4), rel_err_vs_flashinfer=err))
             lines.append(f"{layout} S_K={sk}{k_note} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us "

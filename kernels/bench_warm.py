@@ -28,10 +28,11 @@ FLASHINFER_MODULES = (
 
 def tilelang_jobs() -> list:
     """The benchmarks' TileLang kernels: the 8B shape's decode (the any-form kernel and the S_K = S_V = 1
-    pair), extend tiles (with and without 2:4 K rows), compressor, and the decode kernel's FP8-store,
+    compact kernel), extend tiles (with and without 2:4 K rows), compressor, and the decode kernel's FP8-store,
     FP8-page variant in bf16."""
     jobs = model_jobs(32, 8, 128, "float16")
-    jobs[1:1] = [job for job in model_jobs(32, 8, 128, "float16", decode_pair=decode.PAIR_FORMS[0]) if job[0] == "decode"]
+    compact = model_jobs(32, 8, 128, "float16", decode_compact=decode.COMPACT_FORMS[0])
+    jobs[1:1] = [job for job in compact if job[0] == "decode"]
     jobs.append(("decode", decode.decode_kernel_args(32, 8, 128, 64, "bfloat16", decode.STAGES, store_fp8=True,
                                                      cache_fp8=True)))  # fmt: skip
     return list(dict.fromkeys(jobs))

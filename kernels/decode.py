@@ -45,16 +45,15 @@ Design (and why)
   survive TileLang 0.1.11's layout inference (buffers that share storage get one layout, and unequal
   sizes are rejected). Two stages with two CTAs per SM: one CTA's block step is a serial chain
   (issue, wait, wgmma, softmax, wgmma), and a second resident CTA hides it.
-* **A pair for 2:4 K and V stores** (:func:`decode_pair`). The any-form stages hold every form for the
-  few cache pages and dense rows a request has, which caps the kernel at two CTAs an SM, and its block
-  step is a dependent chain that only more resident CTAs hide. A store whose compressed blocks all have
-  2:4 K and V decodes as two kernels over the same block table: one whose stages hold only those forms
-  (18 KB at d 128 against 50: four CTAs an SM) takes the compressed blocks of its split, the any-form
-  kernel the rest (a request's sink, windows and tail, dealt round-robin to at most :data:`REST_SPLITS`
-  CTAs). A CTA keeps its kernel's blocks in order (a warp ballot per 32 blocks), each with its place for
-  the mask and the block LSE; both kernels write partials to their own scratch and take tickets of one
-  counter, and the last CTA of either merges both. The rest kernel and the merge cost ~17 us at batch
-  8 x 32K (H200; ``docs/kernels.md``).
+* **Compact stages for 2:4 K and V stores** (:func:`decode_compact`). The any-form stages hold every form
+  for the few cache pages and dense rows a request has, which caps the kernel at two CTAs an SM, and its
+  block step is a dependent chain that only more resident CTAs hide. A store whose compressed blocks all
+  have 2:4 K and V decodes with a build whose stages hold only those (18 KB at d 128 against 50: four
+  CTAs an SM). It takes the compressed blocks of its split and, dealt by place modulo the split count,
+  the request's other blocks (sink, windows, tail): their K and V pass through the stage's 2:4 values
+  tile a head_dim half at a time (``[B, D/2]``, the tile's shape), as dense GEMMs, so a split's range is
+  at most half its maps (:func:`split_reach`). A CTA keeps its blocks in order (a warp ballot per 32),
+  each with its place for the mask and the block LSE. Needs d >= 128 (a half is the V GEMM's M).
 * **Lane softmax.** ``S^T`` is staged in shared memory and each query head (column) belongs to
   ``128 / N`` consecutive lanes, so the block max is a few shuffles, the row sums stay per lane until
   the end, and a block step has 3 CTA barriers.
@@ -107,10 +106,6 @@ CTAs take 128-133 blocks)."""
 MAX_SPLITS = 128
 
 
-REST_SPLITS = 4
-"""A decode pair's rest kernel: the most CTAs a (request, KV head) deals its dense blocks to (a request's
-sink, windows and tail: 5 blocks in the benchmark's case)."""
-
 MAX_COLUMNS = 16
 """The widest N (query heads of one KV head, padded) the kernel takes: a model's GQA group is at most 16."""
 
@@ -131,6 +126,8 @@ def smem_bytes(head_dim: int, block_size: int, stages: int, group: int, blocks_p
     n = _n_pad(group)
     stage = sum(stage_form_bytes(form, block_size, head_dim) for form in forms)
     other = n * head_dim * 2 + block_size * n * 6 + 3 * blocks_per_split * 4 + 4 * 512  # Q, P, S^T, maps
+    if tuple(forms) in COMPACT_FORMS:
+        other += n * head_dim * 2  # the compact kernel's Q halves (dense blocks)
     if store_fp8:
         stage += 2 * fp8_landing_bytes("any", block_size, head_dim)
         other += 2 * blocks_per_split * 4
@@ -146,7 +143,7 @@ def min_splits(max_blocks: int, capacity: int = SPLIT_CAPACITY) -> int:
 def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64, dtype: str = "float16",
                            stages: int = STAGES, split_capacity: int = SPLIT_CAPACITY,
                            min_split_blocks: int = 1, store_fp8: bool = False, cache_fp8: bool = False,
-                           pair: tuple[str, str] | None = None, rest: bool = False):  # fmt: skip
+                           compact: tuple[str, str] | None = None):  # fmt: skip
     """The TileLang ``prim_func`` of one model shape. The batch size, the block table's width and the
     split count are dynamic (bound from the arguments' shapes), so one kernel serves every plan.
     ``min_split_blocks`` > 1 gives every split of a request at least that many blocks and lets the
@@ -178,10 +175,10 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     ``cache_fp8`` (with ``store_fp8``): ``k_cache``/``v_cache`` are e4m3 too (SGLang's FP8 pages, unit
     scales); they land in the e4m3 dense tiles and are converted like dense pool rows.
 
-    ``pair`` (one of :data:`PAIR_FORMS`, 16-bit, no split floor): one kernel of a pair. Its stages hold those
-    forms and it takes the blocks that have them, or (``rest``) its stages hold every form and it takes
-    the other blocks. Two more arguments follow ``lse_part``: the other kernel's ``o_part [bs, Hq, S2, D]``
-    and ``lse_part [bs, Hq, S2]``; the tickets count ``S + S2`` and the last CTA merges both.
+    ``compact`` (one of :data:`COMPACT_FORMS`, 16-bit, d >= 128, no split floor): the stages hold those forms
+    only; the CTA takes the compressed blocks of its split's range (at most ``split_capacity / 2``) and the
+    request's other blocks whose place is its split modulo ``S``, which it reads a head_dim half at a time
+    through the stage's values tile.
     """
     import tilelang.language as T
 
@@ -203,9 +200,12 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     assert store_fp8 or not cache_fp8
     pool_dtype = "float8_e4m3" if store_fp8 else dtype  # the pools' values
     cache_dtype = "float8_e4m3" if cache_fp8 else dtype  # the cache pages'
-    paired = pair is not None
-    k_form, v_form = ANY_FORMS if not paired or rest else pair  # the forms the stages hold
-    assert not paired or (tuple(pair) in PAIR_FORMS and not store_fp8 and min_split_blocks == 1)
+    fold = compact is not None
+    k_form, v_form = compact if fold else ANY_FORMS  # the forms the stages hold
+    # The compact kernel also takes the blocks its stages cannot hold (cache pages, dense rows): their K and V
+    # go through its 2:4 values tile a head_dim half at a time, as dense GEMMs.
+    HD = D // 2
+    assert not fold or (tuple(compact) in COMPACT_FORMS and not store_fp8 and min_split_blocks == 1 and HD >= 64)
     load_k, load_v = tma_loads(T, B, k_form, v_form, store_fp8=store_fp8, cache_fp8=cache_fp8)
 
     def fp8_landing():  # e4m3 tiles that pool rows land in (store_fp8), converted to the 16-bit ones
@@ -229,20 +229,20 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     def make_maps(block_mode, block_k_row, block_v_row, scale_maps):
         return (block_mode, block_k_row, block_v_row) + tuple(scale_maps)
 
-    # A paired kernel's maps hold only the blocks it takes, each mode packed with the block's place in
+    # A compact kernel's maps hold only the blocks it takes, each mode packed with the block's place in
     # the split (``mode | place << 4``); a plain kernel's hold every block of the split in order.
     def mode_of(maps, j):
-        return maps[0][j] & 15 if paired else maps[0][j]
+        return maps[0][j] & 15 if fold else maps[0][j]
 
     def place_of(maps, j):
-        return maps[0][j] >> 4 if paired else j
+        return maps[0][j] >> 4 if fold else j
 
-    def takes(mode):  # 1 when this kernel of a pair takes a block of this mode (k_mode | v_mode << 2)
-        fits = 1
-        for form, m in zip(pair or (), (mode & 3, mode >> 2)):
+    def fits(mode):  # 1 when the compact stages hold a block of this mode (k_mode | v_mode << 2)
+        fit = 1
+        for form, m in zip(compact or (), (mode & 3, mode >> 2)):
             if form != "any":
-                fits = fits * T.if_then_else((m == 2) if form == "sparse" else (m != 2), 1, 0)
-        return 1 - fits if rest else fits
+                fit = fit * T.if_then_else((m == 2) if form == "sparse" else (m != 2), 1, 0)
+        return fit
 
     def k_scaled(x, maps, j):  # a score of block j times its K scale
         return x * maps[3][j] if store_fp8 else x
@@ -277,23 +277,69 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             convert_tiles(mode, stage)
 
     @T.macro
+    def load_half(cache, pool, m, row, h, dh, tile, barrier):
+        # Head_dim half dh of a dense block's K or V (m: 0 a cache page, 1 a dense pool row) into a
+        # [B, D/2] tile.
+        if m == 0:
+            T.tma_copy(cache[row * B:(row + 1) * B, h, dh * HD:(dh + 1) * HD], tile, barrier=barrier)
+        else:
+            T.tma_copy(pool[row, :, dh * HD:(dh + 1) * HD], tile, barrier=barrier)
+
+    @T.macro
     def issue(i, h, maps, stage, src):
         # The TMA loads of block i (K and V, by its resolved mode and rows) into a stage.
         mode = mode_of(maps, i)
         k_row = maps[1][i]
         v_row = maps[2][i]
-        load_k(mode, k_row, h, stage, src)
-        load_v(mode, v_row, h, stage, src)
+        if fold:
+            # A dense block's first K half lands in the values tile; the rest of it comes in the step.
+            if (mode & 3) == 2:
+                load_k(mode, k_row, h, stage, src)
+            else:
+                load_half(src.k_cache, src.k_dense, mode & 3, k_row, h, 0, stage.k_values, stage.full)
+            if (mode >> 2) == 2:
+                load_v(mode, v_row, h, stage, src)
+        else:
+            load_k(mode, k_row, h, stage, src)
+            load_v(mode, v_row, h, stage, src)
         T.barrier_arrive(stage.full)
 
     @T.macro
+    def fetch_half(cache, pool, m, row, h, dh, tile, dense_bar, dense_phase):
+        # In a step of the compact kernel: one more head_dim half of a dense block into the values tile,
+        # once every warp's GEMMs have read it (the GEMMs wait for their wgmma).
+        T.sync_threads()
+        load_half(cache, pool, m, row, h, dh, tile, dense_bar)
+        T.barrier_arrive(dense_bar)
+        T.barrier_wait(dense_bar, dense_phase[0])
+        dense_phase[0] = dense_phase[0] ^ 1
+
+    @T.macro
+    def dense_v_half(m, row, h, dh, src, stage, P_s, oT, folded):
+        # O^T rows of head_dim half dh += V_half^T·P^T (the half as the GEMM's transposed A).
+        Q_lo, Q_hi, oT_half, dense_bar, dense_phase = folded
+        fetch_half(src.v_cache, src.v_dense, m, row, h, dh, stage.k_values, dense_bar, dense_phase)
+        T.gemm(stage.k_values, P_s, oT_half, transpose_A=True, clear_accum=True)
+        for d, g in T.Parallel(HD, NH):
+            oT[dh * HD + d, g] += oT_half[d, g]
+
+    @T.macro
     def compute(j, first_pos, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT, oT, scores_sh, rescale_sh,
-                lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row):
+                lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row, h, src, folded):
         # Block j: S^T = K·Q^T, the lane softmax (TPC consecutive lanes own a column), O^T += V^T·P^T.
         mode = mode_of(maps, j)
         if store_fp8:
             convert_fp8(mode, stage)
-        if k_form == "sparse":
+        if fold:
+            if (mode & 3) == 2:
+                T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
+                          clear_accum=True)
+            else:  # S^T = K_lo·Q_lo^T + K_hi·Q_hi^T
+                T.gemm(stage.k_values, folded[0], sT, transpose_B=True, clear_accum=True)
+                fetch_half(src.k_cache, src.k_dense, mode & 3, maps[1][j], h, 1, stage.k_values, folded[3],
+                           folded[4])
+                T.gemm(stage.k_values, folded[1], sT, transpose_B=True, clear_accum=False)
+        elif k_form == "sparse":
             T.gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                       clear_accum=True)
         elif (mode & 3) == 2:
@@ -338,7 +384,13 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
         T.sync_threads()
         for d, g in T.Parallel(D, NH):
             oT[d, g] *= rescale_sh[g]
-        if v_form == "sparse":
+        if fold:
+            if (mode >> 2) == 2:
+                T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
+            else:
+                dense_v_half(mode >> 2, maps[2][j], h, 0, src, stage, P_s, oT, folded)
+                dense_v_half(mode >> 2, maps[2][j], h, 1, src, stage, P_s, oT, folded)
+        elif v_form == "sparse":
             T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
         elif (mode >> 2) == 2:
             T.gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT)
@@ -349,14 +401,15 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     ROUNDS = -(-bps // threads)
 
     @T.macro
-    def resolve_kept(request, h, start, limit, deal, mine, block_table, k_index, v_index, maps, counts_sh, taken):
-        # A paired kernel's prologue: resolve blocks start .. start + limit - 1 of the request and keep the
-        # ones this kernel takes, in order, each mode packed with its place from start. Taken blocks are
-        # ranked by a warp ballot per 32 (a rank counts the taken blocks before it: earlier chunks, earlier
-        # rounds and warps of its chunk, lower lanes of its ballot); the one of rank k goes to the CTA
-        # k % deal == mine, at slot k // deal (the rest kernel deals a request's few blocks to its CTAs;
-        # the small-stage kernel keeps all of its split's: deal 1). The loads of a chunk's rounds are
-        # independent; the warps' counts alternate between two halves of counts_sh, one barrier a chunk.
+    def resolve_kept(request, h, limit, block_table, k_index, v_index, maps, counts_sh, taken, own_lo, own_hi, split,
+                     num_splits):
+        # The compact kernel's prologue: resolve the request's blocks 0 .. limit - 1 and keep, in order, the
+        # compressed ones of its split's range [own_lo, own_hi) and the others whose place is its split
+        # modulo the split count, each mode packed with its place. Kept blocks are ranked by a warp ballot
+        # per 32 (a rank counts the kept blocks before it: earlier chunks, earlier rounds and warps of its
+        # chunk, lower lanes of its ballot); the block of rank k goes to slot k. The loads of a chunk's
+        # rounds are independent; the warps' counts alternate between two halves of counts_sh, one barrier
+        # a chunk.
         tid = T.get_thread_binding()
         lane = tid % 32
         r_mode = T.alloc_local([ROUNDS], "int32")
@@ -370,7 +423,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             for r in T.unroll(ROUNDS):
                 r_mode[r] = -1
                 if (chunk * ROUNDS + r) * threads + tid < limit:
-                    entry = block_table[request, start + (chunk * ROUNDS + r) * threads + tid]
+                    entry = block_table[request, (chunk * ROUNDS + r) * threads + tid]
                     if entry >= 0:
                         r_mode[r] = 0
                         r_k[r] = entry
@@ -381,7 +434,11 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                         r_mode[r] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
                         r_k[r] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
                         r_v[r] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
-                    if takes(r_mode[r]) == 0:
+                    place = (chunk * ROUNDS + r) * threads + tid
+                    if fits(r_mode[r]) == 1:
+                        if place < own_lo or place >= own_hi:
+                            r_mode[r] = -1
+                    elif place % num_splits != split:
                         r_mode[r] = -1
                 vote = T.ballot(r_mode[r] >= 0)
                 lower_lanes = (T.cast(1, "uint64") << T.cast(lane, "uint64")) - T.cast(1, "uint64")
@@ -393,13 +450,13 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 for q in T.unroll(ROUNDS * WARPS):
                     r_rank[r] = r_rank[r] + T.if_then_else(q < r * WARPS + tid // 32, counts_sh[half + q], 0)
                 if r_mode[r] >= 0:
-                    if r_rank[r] % deal == mine:
-                        maps[0][r_rank[r] // deal] = r_mode[r] | (((chunk * ROUNDS + r) * threads + tid) << 4)
-                        maps[1][r_rank[r] // deal] = r_k[r]
-                        maps[2][r_rank[r] // deal] = r_v[r]
+                    if r_rank[r] < bps:  # (split_reach keeps a CTA's blocks within its maps)
+                        maps[0][r_rank[r]] = r_mode[r] | (((chunk * ROUNDS + r) * threads + tid) << 4)
+                        maps[1][r_rank[r]] = r_k[r]
+                        maps[2][r_rank[r]] = r_v[r]
             for q in T.unroll(ROUNDS * WARPS):
                 base[0] = base[0] + counts_sh[half + q]
-        taken[0] = (base[0] - mine + deal - 1) // deal  # ranks mine, mine + deal, ... below the count
+        taken[0] = T.min(base[0], bps)
         T.sync_threads()
 
     @T.macro
@@ -409,14 +466,16 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
     @T.macro
     def step(j, parity, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, stage, refill, src, sT, oT,
-             scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row):
+             scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row,
+             folded):
         if j < num_blocks:
             T.sync_threads()
             if j + stages - 1 < num_blocks:
                 issue(j + stages - 1, h, maps, refill, src)
             T.barrier_wait(stage.full, parity)
             compute(j, (first_block + place_of(maps, j)) * B, seq_len, scale_log2, maps, Q_s, P_s, stage, parity, sT,
-                    oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row)
+                    oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse, lse_row,
+                    h, src, folded)
 
     # Plain Python helpers (not parsed by TileLang): unroll the stage ring.
     def emit_prologue(num_blocks, h, maps, st, src):
@@ -428,25 +487,32 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             step(it * stages + s, it & 1, num_blocks, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, st[s],
                  st[(s + stages - 1) % stages], src, *frags)
 
+    # The merge: each thread holds OUTS outputs (query head, d) of its (request, KV head) at once, so that a
+    # split's loads for all of them are issued together; merged[0 / 1 / 2, k]: output k's largest split LSE,
+    # sum of weights, weighted sum.
+    OUTS = -(-G * D // threads)
+
+    def out_head(k, tid):  # (plain Python) the query head (within the group) and the d of a thread's output k
+        return (k * threads + tid) // D, (k * threads + tid) % D
+
     @T.macro
-    def merge_max(lse_parts, num_splits, request, head, merge_stat):
+    def merge_max(lse_parts, num_splits, request, h, tid, merged):
         # (The parameters are named as the kernel's split count: binding it renames it in the kernel.)
         for s2 in T.serial(num_splits):
-            merge_stat[0] = T.max(merge_stat[0], lse_parts[request, head, s2])
+            for k in T.unroll(OUTS):
+                if out_head(k, tid)[0] < G:
+                    merged[0, k] = T.max(merged[0, k], lse_parts[request, h * G + out_head(k, tid)[0], s2])
 
     @T.macro
-    def merge_add(o_parts, lse_parts, num_splits, request, head, d, merge_stat):
+    def merge_add(o_parts, lse_parts, num_splits, request, h, tid, merged):
         for s2 in T.serial(num_splits):
-            merge_stat[3] = T.if_then_else(lse_parts[request, head, s2] == -T.infinity(accum), 0.0,
-                                           T.exp2(lse_parts[request, head, s2] - merge_stat[0]))
-            merge_stat[1] = merge_stat[1] + merge_stat[3]
-            merge_stat[2] = merge_stat[2] + merge_stat[3] * o_parts[request, head, s2, d]
-
-    def emit_merge(parts, request, head, d, merge_stat):  # (plain Python) the largest LSE of all parts, then sums
-        for _, lse_parts, n in parts:
-            merge_max(lse_parts, n, request, head, merge_stat)
-        for o_parts, lse_parts, n in parts:
-            merge_add(o_parts, lse_parts, n, request, head, d, merge_stat)
+            for k in T.unroll(OUTS):
+                if out_head(k, tid)[0] < G:
+                    x = lse_parts[request, h * G + out_head(k, tid)[0], s2]
+                    w = T.if_then_else(x == -T.infinity(accum), 0.0, T.exp2(x - merged[0, k]))
+                    merged[1, k] = merged[1, k] + w
+                    merged[2, k] = merged[2, k] + w * o_parts[request, h * G + out_head(k, tid)[0], s2,
+                                                              out_head(k, tid)[1]]
 
     # Plain Python helpers: with min_split_blocks = 1 (every plain decode) they emit exactly the split
     # arithmetic of a kernel without the floor (no guard, every split in the merge).
@@ -464,16 +530,14 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
     @T.macro
     def kernel_body(q, k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta, scales, k_index, v_index,
-                    block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse,
-                    other=None):
-        # The kernel (``main``'s arguments; ``scales``: the four row-scale tensors with store_fp8, else None;
-        # ``other``: a paired kernel's (o_part, lse_part, splits) of the other kernel of the pair).
+                    block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse):
+        # The kernel (``main``'s arguments; ``scales``: the four row-scale tensors with store_fp8, else None).
         with T.Kernel(S, kv_heads, batch, threads=threads) as (split, h, request):
             Q_s = T.alloc_shared([NH, D], dtype)
             P_s = T.alloc_shared([B, NH], dtype)
             block_mode = T.alloc_shared([bps], "int32")
             ticket_sh = T.alloc_shared([1], "int32")
-            merge_stat = T.alloc_local([4], accum)
+            merged = T.alloc_local([3, OUTS], accum)
             block_k_row = T.alloc_shared([bps], "int32")
             block_v_row = T.alloc_shared([bps], "int32")
             ring_stages = alloc_stages()
@@ -487,15 +551,20 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             run_max = T.alloc_local([1], accum)
             run_sum = T.alloc_local([1], accum)
             block_sum = T.alloc_local([1], accum)
-            counts_sh = T.alloc_shared([2 * ROUNDS * WARPS], "int32") if paired else None  # taken a ballot
-            taken = T.alloc_local([1], "int32") if paired else None
+            counts_sh = T.alloc_shared([2 * ROUNDS * WARPS], "int32") if fold else None  # kept a ballot
+            taken = T.alloc_local([1], "int32") if fold else None
+            # The compact kernel's dense blocks: Q's head_dim halves, an O^T half, the barrier and phase of
+            # the loads within a step.
+            folded = (T.alloc_shared([NH, HD], dtype), T.alloc_shared([NH, HD], dtype),
+                      T.alloc_fragment([HD, NH], accum), T.alloc_barrier(threads),
+                      T.alloc_local([1], "int32")) if fold else None
 
             # Plain bindings (inlined expressions, as before the split count was dynamic): the block loop's
             # generated code stays that of a static split count but for the (loop-invariant) division.
             seq_len = seq_lens[request]
             seq_blocks = T.ceildiv(seq_len, B)
             per_split = blocks_per_split(seq_blocks, S)
-            first_block = 0 if rest else split * per_split  # (the rest kernel's blocks carry their places)
+            first_block = split * per_split
             # The plan keeps S >= ceil(max_blocks / bps), so per_split <= bps; the bound only guards the maps.
             num_blocks = T.max(T.min(T.min(per_split, bps), seq_blocks - first_block), 0)
             scale_log2 = sm_scale * LOG2E
@@ -503,10 +572,10 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
             # A split past its request's blocks has nothing to do (only with a split floor).
             if cta_guard(split, splits_with_blocks(seq_blocks, per_split)):
                 # Resolve this CTA's blocks: mode = k_mode | v_mode << 2 (0 cache page, 1 dense row, 2 2:4 row).
-                if paired:  # the rest kernel: its CTAs deal the whole request; the other: its split
-                    resolve_kept(request, h, first_block, seq_blocks if rest else num_blocks, S if rest else 1,
-                                 split if rest else 0, block_table, k_index, v_index,
-                                 (block_mode, block_k_row, block_v_row), counts_sh, taken)
+                if fold:  # the compressed blocks of its split, dense blocks dealt by place over the splits
+                    resolve_kept(request, h, seq_blocks, block_table, k_index, v_index,
+                                 (block_mode, block_k_row, block_v_row), counts_sh, taken, first_block,
+                                 first_block + num_blocks, split, S)
                 else:
                     for i in T.Parallel(bps):
                         if i < num_blocks:
@@ -531,6 +600,11 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                                                                       scales[3][T.max(-v_entry - 1, 0)])
                 for g, d in T.Parallel(NH, D):
                     Q_s[g, d] = T.if_then_else(g < G, q[request, h * G + g, d], T.cast(0, dtype))
+                if fold:
+                    for g, d in T.Parallel(NH, HD):
+                        folded[0][g, d] = T.if_then_else(g < G, q[request, h * G + g, d], T.cast(0, dtype))
+                        folded[1][g, d] = T.if_then_else(g < G, q[request, h * G + g, HD + d], T.cast(0, dtype))
+                    folded[4][0] = 0
                 T.fill(oT, 0)
                 run_max[0] = -T.infinity(accum)
                 run_sum[0] = 0.0
@@ -540,11 +614,12 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
                 maps = make_maps(block_mode, block_k_row, block_v_row, scale_maps)
                 frags = (sT, oT, scores_sh, rescale_sh, lane_scores, run_max, run_sum, block_sum, want_block_lse, block_lse,
-                         request * q_heads + h * G)
-                count = taken[0] if paired else num_blocks  # the blocks the ring walks
+                         request * q_heads + h * G, folded)
+                count = taken[0] if fold else num_blocks  # the blocks the ring walks
                 emit_prologue(count, h, maps, ring_stages, src)
                 for it in T.serial(T.ceildiv(count, stages)):
-                    emit_ring(it, count, first_block, seq_len, scale_log2, h, maps, Q_s, P_s, ring_stages, src, frags)
+                    emit_ring(it, count, 0 if fold else first_block, seq_len, scale_log2, h, maps, Q_s, P_s,
+                              ring_stages, src, frags)
 
                 tid = T.get_thread_binding()
                 for k in T.unroll(len(SHUF)):
@@ -569,23 +644,20 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                 if tid == 0:
                     ticket_sh[0] = T.atomic_add(tickets[request, h], 1, memory_order="acq_rel", return_prev=True)
                 T.sync_threads()
-                # A pair's two kernels write their partials to their own scratch; the last CTA of either
-                # merges both.
-                parts = [(o_part, lse_part, splits_with_blocks(seq_blocks, per_split))] + ([other] if paired else [])
-                if ticket_sh[0] == sum(n for _, _, n in parts) - 1:
-                    for it2 in T.serial(T.ceildiv(G * D, threads)):
-                        head = (it2 * threads + tid) // D
-                        d = (it2 * threads + tid) % D
-                        if head < G:
-                            merge_stat[0] = -T.infinity(accum)
-                            merge_stat[1] = 0.0
-                            merge_stat[2] = 0.0
-                            emit_merge(parts, request, h * G + head, d, merge_stat)
-                            out[request, h * G + head, d] = T.if_then_else(
-                                merge_stat[1] > 0, merge_stat[2] / merge_stat[1], 0.0)
-                            if d == 0:
-                                lse[request, h * G + head] = T.if_then_else(
-                                    merge_stat[1] > 0, (T.log2(merge_stat[1]) + merge_stat[0]) * LN2, -T.infinity(accum))
+                if ticket_sh[0] == splits_with_blocks(seq_blocks, per_split) - 1:
+                    for k in T.unroll(OUTS):
+                        merged[0, k] = -T.infinity(accum)
+                        merged[1, k] = 0.0
+                        merged[2, k] = 0.0
+                    merge_max(lse_part, splits_with_blocks(seq_blocks, per_split), request, h, tid, merged)
+                    merge_add(o_part, lse_part, splits_with_blocks(seq_blocks, per_split), request, h, tid, merged)
+                    for k in T.unroll(OUTS):
+                        if out_head(k, tid)[0] < G:
+                            out[request, h * G + out_head(k, tid)[0], out_head(k, tid)[1]] = T.if_then_else(
+                                merged[1, k] > 0, merged[2, k] / merged[1, k], 0.0)
+                            if out_head(k, tid)[1] == 0:
+                                lse[request, h * G + out_head(k, tid)[0]] = T.if_then_else(
+                                    merged[1, k] > 0, (T.log2(merged[1, k]) + merged[0, k]) * LN2, -T.infinity(accum))
                     if tid == 0:
                         tickets[request, h] = 0
 
@@ -625,41 +697,6 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
         return main
 
-    if paired:
-        S2 = T.dynamic("other_splits")
-
-        @T.prim_func
-        def main(
-            q: T.Tensor([batch, q_heads, D], dtype),
-            k_cache: T.Tensor([num_slots, kv_heads, D], dtype),
-            v_cache: T.Tensor([num_slots, kv_heads, D], dtype),
-            k_dense: T.Tensor([k_dense_rows, B, D], dtype),
-            k_values: T.Tensor([k_sparse_rows, B, D // 2], dtype),
-            k_meta: T.Tensor([k_sparse_rows, e_rows, 16], "int16"),
-            v_dense: T.Tensor([v_dense_rows, B, D], dtype),
-            v_values: T.Tensor([v_sparse_rows, D, B // 2], dtype),
-            v_meta: T.Tensor([v_sparse_rows, e_rows, 16], "int16"),
-            k_index: T.Tensor([kv_heads, num_virtual], "int32"),
-            v_index: T.Tensor([kv_heads, num_virtual], "int32"),
-            block_table: T.Tensor([batch, max_blocks], "int32"),
-            seq_lens: T.Tensor([batch], "int32"),
-            sm_scale: T.float32,
-            o_part: T.Tensor([batch, q_heads, S, D], accum),
-            lse_part: T.Tensor([batch, q_heads, S], accum),
-            o_other: T.Tensor([batch, q_heads, S2, D], accum),
-            lse_other: T.Tensor([batch, q_heads, S2], accum),
-            out: T.Tensor([batch, q_heads, D], dtype),
-            lse: T.Tensor([batch, q_heads], accum),
-            tickets: T.Tensor([batch, kv_heads], "int32"),
-            want_block_lse: T.int32,
-            block_lse: T.Tensor([lse_rows, lse_cols], accum),
-        ):
-            kernel_body(q, k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta, None, k_index,
-                        v_index, block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse,
-                        block_lse, (o_other, lse_other, S2))  # fmt: skip
-
-        return main
-
     @T.prim_func
     def main(
         q: T.Tensor([batch, q_heads, D], dtype),
@@ -692,12 +729,12 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
 
 def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
                        split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False,
-                       cache_fp8=False, pair=None, rest=False) -> tuple:  # fmt: skip
+                       cache_fp8=False, compact=None) -> tuple:  # fmt: skip
     """The arguments that key a decode kernel in TileLang's cache (and a compile job): the shape, then
-    the split capacity, the split floor, ``store_fp8``, ``cache_fp8``, ``pair`` and ``rest`` up to the
-    last that is not its default (so the default kernels keep their keys)."""
-    extra = (split_capacity, min_split_blocks, bool(store_fp8), bool(cache_fp8), pair and tuple(pair), bool(rest))
-    defaults = (SPLIT_CAPACITY, 1, False, False, None, False)
+    the split capacity, the split floor, ``store_fp8``, ``cache_fp8`` and ``compact`` up to the last that
+    is not its default (so the default kernels keep their keys)."""
+    extra = (split_capacity, min_split_blocks, bool(store_fp8), bool(cache_fp8), compact and tuple(compact))
+    defaults = (SPLIT_CAPACITY, 1, False, False, None)
     kept = max((i + 1 for i in range(len(extra)) if extra[i] != defaults[i]), default=0)
     return (q_heads, kv_heads, head_dim, block_size, dtype, stages) + extra[:kept]
 
@@ -705,28 +742,31 @@ def decode_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float1
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", stages=STAGES,
                         split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False, cache_fp8=False,
-                        pair=None, rest=False, target=None):  # fmt: skip
+                        compact=None, target=None):  # fmt: skip
     """Compile (or load from TileLang's cache) the kernel of one model shape (``store_fp8``: over e4m3
     pools, ``cache_fp8``: and e4m3 cache pages, see :func:`build_decode_prim_func`). Needs TileLang, not
     a GPU."""
     args = decode_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, stages, split_capacity, min_split_blocks,
-                              store_fp8, cache_fp8, pair, rest)  # fmt: skip
+                              store_fp8, cache_fp8, compact)  # fmt: skip
     suffix = ("_floor" if min_split_blocks > 1 else "") + ("_fp8" if store_fp8 else "") + ("kv" if cache_fp8 else "")
-    suffix += "" if pair is None else "_rest" if rest else f"_{pair[0][0]}{pair[1][0]}"
+    suffix += "" if compact is None else f"_{compact[0][0]}{compact[1][0]}"
     return compile_cached("decode", args, lambda: build_decode_prim_func(*args), PASS_CONFIGS, target,
                           name="hs_decode" + suffix)
 
 
-PAIR_FORMS = (("sparse", "sparse"),)
-"""The compressed forms a decode pair is built for. Only 2:4 K and V stages (18 KB at d 128 against 50)
-fit twice the CTAs an SM, which the block step's instruction chain needs; dense K with 2:4 V stages fit
-three instead of two, and that pair ran 0.94-0.95x the any-form kernel (H200, batch 8 x 32K)."""
+COMPACT_FORMS = (("sparse", "sparse"),)
+"""The compressed forms a compact decode kernel is built for. Only 2:4 K and V stages (18 KB at d 128
+against 50) fit twice the CTAs an SM, which the block step's instruction chain needs; dense K with 2:4 V
+stages fit three instead of two, and a kernel pair of those ran 0.94-0.95x the any-form kernel (H200,
+batch 8 x 32K; ``docs/kernels.md``)."""
+COMPACT_MIN_HEAD_DIM = 128
+"""A compact kernel reads dense blocks a head_dim half at a time, and a half is the V GEMM's M (64 at least)."""
 
 
-def decode_pair(forms: tuple[str, str]) -> tuple[str, str] | None:
-    """The pair a store's decode runs as, from the forms every compressed block has
-    (``decode_shared.compressed_forms``), or None for the one any-form kernel."""
-    return tuple(forms) if tuple(forms) in PAIR_FORMS else None
+def decode_compact(forms: tuple[str, str], head_dim: int) -> tuple[str, str] | None:
+    """The compact stages a store's decode runs with, from the forms every compressed block has
+    (``decode_shared.compressed_forms``), or None for the any-form kernel."""
+    return tuple(forms) if tuple(forms) in COMPACT_FORMS and head_dim >= COMPACT_MIN_HEAD_DIM else None
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int,
@@ -750,7 +790,14 @@ def plan_num_splits(batch: int, q_heads: int, kv_heads: int, head_dim: int, bloc
     blocks), so the CTAs per SM are fixed by the model shape: two at d 128 for the GQA groups the
     server takes. At a 32K context (512-529 blocks) and 8 requests of 8 KV heads that is 4 splits."""
     ctas = ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity, store_fp8, forms)
-    return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas, capacity=split_capacity)
+    return choose_num_splits(batch, kv_heads, max_blocks, num_sms, ctas, capacity=split_reach(split_capacity, forms))
+
+
+def split_reach(split_capacity: int, forms: tuple[str, str] = ANY_FORMS) -> int:
+    """The most blocks a split's range may span. A compact kernel (:func:`decode_compact`) also takes dense
+    blocks dealt from the whole request (at most one a split in every ``S`` of them), so its range is half
+    its maps' capacity."""
+    return split_capacity // 2 if tuple(forms) in COMPACT_FORMS else split_capacity
 
 
 def ctas_per_sm(q_heads: int, kv_heads: int, head_dim: int, block_size: int, stages: int,
@@ -779,9 +826,9 @@ class HieraSparseDecode:
     :data:`~sglang_hs.format.FP8_DTYPE` (the kernel's ``store_fp8`` variant, given the pools' row
     scales); :meth:`run` refuses pools of the other kind. ``cache_dtype``: of the cache pages, the
     model's ``dtype`` (None, default) or FP8 (SGLang's ``--kv-cache-dtype fp8_e4m3``; with an FP8 store
-    only). ``pair`` (:func:`decode_pair`'s forms; 16-bit, no split floor): each call launches the pair's
-    rest kernel and then its small-stage kernel, whose split count follows the CTAs its stages fit. One
-    call at a time per plan.
+    only). ``compact`` (:func:`decode_compact`'s forms; 16-bit, d >= 128, no split floor): the kernel
+    whose stages hold only those forms, with at least ``ceil(max_blocks / (split_capacity / 2))`` splits
+    (:func:`split_reach`). One call at a time per plan.
     """
 
     def __init__(self, batch_size: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -789,7 +836,7 @@ class HieraSparseDecode:
                  num_sms: int | None = None, split_capacity: int = SPLIT_CAPACITY,
                  block_lse: bool = False,
                  min_split_blocks: int = 1, store_dtype: torch.dtype | None = None,
-                 cache_dtype: torch.dtype | None = None, pair: tuple[str, str] | None = None):
+                 cache_dtype: torch.dtype | None = None, compact: tuple[str, str] | None = None):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         if store_dtype not in (None, dtype, FP8_DTYPE):
             raise ValueError(f"store values of {store_dtype}; allowed: the model's {dtype} or {FP8_DTYPE}")
@@ -802,34 +849,28 @@ class HieraSparseDecode:
         self.head_dim, self.block_size, self.max_blocks = head_dim, block_size, max_blocks
         self.dtype, self.device, self.stages = dtype, torch.device(device), stages
         self.split_capacity = split_capacity
-        if num_splits is not None and num_splits < min_splits(max_blocks, split_capacity):
-            raise ValueError(f"num_splits={num_splits} < {min_splits(max_blocks, split_capacity)}: a split walks at "
-                             f"most {split_capacity} of the {max_blocks} blocks")
+        self.compact = None if compact is None or tuple(compact) == ANY_FORMS else tuple(compact)
+        self.forms = self.compact or ANY_FORMS  # what the kernel's stages hold
+        self.reach = split_reach(split_capacity, self.forms)
+        if num_splits is not None and num_splits < min_splits(max_blocks, self.reach):
+            raise ValueError(f"num_splits={num_splits} < {min_splits(max_blocks, self.reach)}: a split spans at "
+                             f"most {self.reach} of the {max_blocks} blocks")
         self.forced_splits = num_splits
-        if num_sms is None and (num_splits is None or pair is not None):  # (a pair's rest kernel sizes a wave)
+        if num_sms is None and num_splits is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = num_sms
         dt = "float16" if dtype == torch.float16 else "bfloat16"
         fp8 = {"store_fp8": True} if self.store_fp8 else {}  # (a 16-bit plan calls the builder as before)
         if self.cache_dtype == FP8_DTYPE:
             fp8["cache_fp8"] = True
-        # A pair: a kernel of small stages over the blocks of the compressed forms, the any-form one over
-        # the rest (cache pages, dense rows), merged by whichever finishes last.
-        self.pair = None if pair is None or tuple(pair) == ANY_FORMS else tuple(pair)
-        if self.pair is not None and (self.pair not in PAIR_FORMS or self.store_fp8 or min_split_blocks != 1):
-            raise ValueError(f"a decode pair takes the forms {PAIR_FORMS} of 16-bit stores, without a split floor; "
-                             f"got {self.pair}")
-        self.forms = self.pair or ANY_FORMS  # what the main kernel's stages hold
-        paired = {"pair": self.pair} if self.pair else {}
+        if self.compact is not None and (self.compact not in COMPACT_FORMS or self.store_fp8 or min_split_blocks != 1
+                                         or head_dim < COMPACT_MIN_HEAD_DIM):
+            raise ValueError(f"compact decode stages take the forms {COMPACT_FORMS} of 16-bit stores at head_dim >= "
+                             f"{COMPACT_MIN_HEAD_DIM}, without a split floor; got {self.compact} at head_dim {head_dim}")
+        compact_arg = {"compact": self.compact} if self.compact else {}
         self.kernel = build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
                                           split_capacity=split_capacity, min_split_blocks=min_split_blocks,
-                                          **fp8, **paired)  # fmt: skip
-        self.rest_kernel = (build_decode_kernel(q_heads, kv_heads, head_dim, block_size, dt, stages,
-                                                split_capacity=split_capacity, pair=self.pair, rest=True)
-                            if self.pair else None)  # fmt: skip
-        # CTAs of the rest kernel (the any-form one) in one wave on this GPU: what its split count fills.
-        self.rest_wave = (num_sms * ctas_per_sm(q_heads, kv_heads, head_dim, block_size, stages, split_capacity)
-                          if self.pair else 0)  # fmt: skip
+                                          **fp8, **compact_arg)  # fmt: skip
         self.pools = PoolArgs(kv_heads, head_dim, block_size, dtype, self.device)
         self.captured = False  # set by a call under CUDA-graph capture: the scratch never moves after
         self.with_block_lse = block_lse
@@ -846,17 +887,10 @@ class HieraSparseDecode:
         return plan_num_splits(batch, self.q_heads, self.kv_heads, self.head_dim, self.block_size, width,
                                self.stages, self.num_sms, self.split_capacity, self.store_fp8, self.forms)
 
-    def rest_splits(self, batch: int, width: int) -> int:
-        """A pair's rest kernel's split count: the few dense blocks of a request dealt round-robin over
-        up to :data:`REST_SPLITS` CTAs, as many as one wave of its CTAs holds (at least the fewest whose
-        maps hold a ``width``-wide table's blocks)."""
-        dealt = min(REST_SPLITS, self.rest_wave // (batch * self.kv_heads))
-        return max(min_splits(width, self.split_capacity), dealt, 1)
-
     def call_splits(self, batch: int, width: int) -> int:
         """The split count a launch of ``batch`` requests (at most ``batch_size``) uses: the planned one,
         cut to the scratch, and at least the fewest the width needs."""
-        return max(min(self.splits(batch, width), self.part_capacity // batch), min_splits(width, self.split_capacity))
+        return max(min(self.splits(batch, width), self.part_capacity // batch), min_splits(width, self.reach))
 
     def _allocate(self, batch_size: int) -> None:
         """Scratch for up to ``batch_size`` requests at the split counts their calls choose."""
@@ -868,9 +902,6 @@ class HieraSparseDecode:
         self.o_part = torch.empty(parts * hq * d, **f32)
         self.lse_part = torch.empty(parts * hq, **f32)
         self.lse = torch.empty(batch_size, hq, **f32)
-        rest = batch_size * self.rest_splits(1, self.max_blocks) if self.pair else 0  # (the most any batch takes)
-        self.rest_o_part = torch.empty(rest * hq * d, **f32)
-        self.rest_lse_part = torch.empty(rest * hq, **f32)
         # Split tickets of the fused merge; the merging CTA resets its entry, so it stays zero between calls.
         self.counter = torch.zeros(batch_size, self.kv_heads, dtype=torch.int32, device=self.device)
         self.block_lse = (torch.empty(batch_size * hq * self.max_blocks, **f32) if self.with_block_lse
@@ -951,14 +982,7 @@ class HieraSparseDecode:
         lse_part = self.lse_part[:n * hq * s].view(n, hq, s)
         lse_out = self._no_block_lse if block_lse is None else block_lse.view(n * hq, width)
         tail = (out, lse[:n], self.counter[:n], int(block_lse is not None), lse_out)
-        if self.pair is None:
-            self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, *tail)
-            return
-        r = self.rest_splits(n, width)
-        rest_o = self.rest_o_part[:n * hq * r * d].view(n, hq, r, d)
-        rest_lse = self.rest_lse_part[:n * hq * r].view(n, hq, r)
-        self.rest_kernel(q, *kv, block_table, seq_lens, sm_scale, rest_o, rest_lse, o_part, lse_part, *tail)
-        self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, rest_o, rest_lse, *tail)
+        self.kernel(q, *kv, block_table, seq_lens, sm_scale, o_part, lse_part, *tail)
 
 
 # The kernels the GPU tests build, as (q_heads, kv_heads, head_dim, dtype); every batch size, block-table
@@ -983,17 +1007,17 @@ FP8_PRECOMPILE = [
 ]
 PRECOMPILE += FP8_PRECOMPILE
 FP8_VARIANTS = {"fp8": {"store_fp8": True}, "fp8kv": {"store_fp8": True, "cache_fp8": True}}
-# The pairs of the GPU tests (2:4 K and V stores): (q_heads, kv_heads, head_dim, dtype), GQA groups 8, 7, 6, 4
-# and 3, each built as its two kernels.
-PAIR_PRECOMPILE = [(16, 2, 128, "bfloat16"), (14, 2, 128, "bfloat16"), (12, 2, 128, "float16"), (32, 8, 128, "float16"),
-                   (9, 3, 64, "float16"), (4, 1, 64, "float16")]
-PRECOMPILE += [cfg + ("pair", rest) for cfg in PAIR_PRECOMPILE for rest in (False, True)]
+# The compact kernels of the GPU tests (2:4 K and V stores): (q_heads, kv_heads, head_dim, dtype), GQA groups
+# 8, 7, 6, 4, 3 and 16.
+COMPACT_PRECOMPILE = [(16, 2, 128, "bfloat16"), (14, 2, 128, "bfloat16"), (12, 2, 128, "float16"),
+                      (32, 8, 128, "float16"), (6, 2, 128, "float16"), (16, 1, 128, "bfloat16")]
+PRECOMPILE += [cfg + ("compact",) for cfg in COMPACT_PRECOMPILE]
 
 
 def _precompile_one(cfg):
     hq, hkv, d, dt, *variant = cfg
-    if variant and variant[0] == "pair":
-        build_decode_kernel(hq, hkv, d, 64, dt, STAGES, pair=PAIR_FORMS[0], rest=variant[1])
+    if variant and variant[0] == "compact":
+        build_decode_kernel(hq, hkv, d, 64, dt, STAGES, compact=COMPACT_FORMS[0])
     else:
         build_decode_kernel(hq, hkv, d, 64, dt, STAGES, **(FP8_VARIANTS[variant[0]] if variant else {}))
     return cfg

@@ -39,7 +39,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
                extend_k_sparse: tuple[bool, ...] = (False, True), compress: bool = True,
                loss_operands: tuple[str, ...] = ("k", "v"),
                shared_decode_forms: tuple[str, str] | None = None, store_fp8: bool = False,
-               cache_fp8: bool = False, decode_pair: tuple[str, str] | None = None) -> list[Job]:  # fmt: skip
+               cache_fp8: bool = False, decode_compact: tuple[str, str] | None = None) -> list[Job]:  # fmt: skip
     """The kernels of one model shape (per tensor-parallel rank): the decode kernel (``decode``) and,
     with ``shared_decode_forms`` (the block forms of its shared pass, ``decode_shared.compressed_forms``),
     the shared-prefix decode's own-pass kernel (a split floor) and shared-pass kernels (the extend
@@ -50,7 +50,7 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
     compressor's kernels only. ``store_fp8`` (an FP8 store), ``cache_fp8`` (and FP8 cache pages): the
     decode kernel is that variant; the extend kernel runs over 16-bit copies of a batch's blocks (the
     caller asks for its tiles without 2:4 K rows), and the settings enable no compress kernel.
-    ``decode_pair`` (``decode.decode_pair``): the decode kernel is that pair's two kernels."""
+    ``decode_compact`` (``decode.decode_compact``): the decode kernel is the compact one of those forms."""
     from sglang_hs.kernels.decode import STAGES as DECODE_STAGES
     from sglang_hs.kernels.decode import decode_kernel_args
     from sglang_hs.kernels.decode_shared import OWN_MIN_SPLIT_BLOCKS, fold_of, shared_heads, shared_pass_k_sparse
@@ -60,9 +60,9 @@ def model_jobs(q_heads: int, kv_heads: int, head_dim: int, dtype: str, *, decode
 
     jobs: list[Job] = []
     if q_heads // kv_heads in KERNEL_GQA_GROUPS:
-        if decode and decode_pair:
-            jobs += [("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
-                                                   pair=tuple(decode_pair), rest=rest)) for rest in (False, True)]
+        if decode and decode_compact:
+            jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
+                                                      compact=tuple(decode_compact))))  # fmt: skip
         elif decode:
             jobs.append(("decode", decode_kernel_args(q_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, DECODE_STAGES,
                                                       store_fp8=store_fp8, cache_fp8=cache_fp8)))  # fmt: skip

@@ -8,7 +8,7 @@
 #   bash launch/h100.sh kernels OUT          kernel GPU tests, extend and compress benchmarks -> OUT/
 #   bash launch/h100.sh decode OUT           the decode kernel: its GPU tests (their kernels compiled first, in
 #                                            parallel) and the benchmark at the committed shape -> OUT/
-#   bash launch/h100.sh profile OUT          Nsight Compute on the decode pair's two kernels and the any-form decode
+#   bash launch/h100.sh profile OUT          Nsight Compute on the compact decode kernel and the any-form decode
 #                                            kernel (S_K = S_V = 1) and the extend kernel's n128 tile (256 new tokens,
 #                                            S_V = 1 and S_K = S_V = 1): sections and stall
 #                                            metrics -> OUT/ncu_NAME.txt, SASS hot spots -> OUT/ncu_NAME_hotspots.txt
@@ -128,7 +128,7 @@ case "$step" in
     timeout 300 python3 -m pytest -q -m gpu tests/test_kernels_decode.py tests/test_decode_shared.py tests/test_decode_modes.py 2>&1 |
         tee "$out/gpu_tests_decode.log" | tail -3
     timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --variants --out "$out" | tail -4
-    timeout 120 python3 lab/profile_decode_pair.py --out "$out/decode_pair_parts_llama8b_${gpu}.json" | tail -8
+    timeout 120 python3 lab/profile_decode_compact.py --out "$out/decode_compact_parts_llama8b_${gpu}.json" | tail -8
     # 16 requests over 6 shared prefixes: the per-request kernel and the shared-prefix decode
     timeout 300 python3 -m sglang_hs.kernels.bench --kernel decode --quick --layouts natural --batch 16 --groups 6 \
         --shared-splits "${SPLITS:-2,4,8,16}" --out "$out/shared" | tail -4
@@ -289,8 +289,7 @@ PY
       python3 lab/ncu_hotspots.py "$out/ncu_$name.csv" > "$out/ncu_${name}_hotspots.txt"
       head -1 "$out/ncu_${name}_hotspots.txt"
     }
-    profile_one decode_sk1_sv1 hs_decode_ss lab/profile_decode.py --sk 1 --sv 1  # the pair's two kernels
-    profile_one decode_sk1_sv1_rest hs_decode_rest lab/profile_decode.py --sk 1 --sv 1
+    profile_one decode_sk1_sv1 hs_decode_ss lab/profile_decode.py --sk 1 --sv 1  # the compact kernel
     profile_one decode_sk1_sv1_plain hs_decode lab/profile_decode.py --sk 1 --sv 1 --plain
     profile_one extend_256_sk0_sv1 hs_extend lab/profile_extend.py --new-tokens 256 --sk 0 --sv 1
     profile_one extend_256_sk1_sv1 hs_extend lab/profile_extend.py --new-tokens 256 --sk 1 --sv 1

@@ -155,7 +155,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         self.use_decode_kernel = runtime.uses_kernel("decode")
         self.shared_prefix_decode = self.use_decode_kernel and self.config.shared_prefix_decode == "on"
         self.shared_forms = self._compressed_forms() if self.shared_prefix_decode else None
-        self.decode_pair = self._decode_pair()
+        self.decode_compact = self._decode_compact()
         self.selection = BlockSelection.from_config(self.config, self.store.num_layers)
         if self.selection is not None:  # compressed blocks kept / offered by the anchors, for the log line
             runtime.decode_mode_counts = torch.zeros(2, dtype=torch.int64, device=self.req_to_token.device)
@@ -291,21 +291,21 @@ class HieraSparseAttnBackend(AttentionBackend):
 
     def _compressed_forms(self) -> tuple[str, str]:
         """The block forms every compressed block has under the settings: the shared-prefix decode's
-        shared pass and a decode pair's small-stage kernel hold only them (and fit more CTAs an SM)."""
+        shared pass and the compact decode kernel hold only them (and fit more CTAs an SM)."""
         from sglang_hs.kernels.decode_shared import compressed_forms
 
         c = self.config
         return compressed_forms((c.sk_prefill, c.sk_decode), (c.sv_prefill, c.sv_decode), bool(c.k_head_map))
 
-    def _decode_pair(self) -> tuple[str, str] | None:
-        """The compressed forms decode runs as a pair of kernels for (``kernels.decode.decode_pair``): 16-bit
-        KV whose compressed blocks all have 2:4 K and V, without shared-prefix decode (whose own pass is the
-        any-form kernel); None: the one any-form kernel."""
-        from sglang_hs.kernels.decode import decode_pair
+    def _decode_compact(self) -> tuple[str, str] | None:
+        """The compressed forms decode runs the compact kernel for (``kernels.decode.decode_compact``): 16-bit
+        KV at head_dim >= 128 whose compressed blocks all have 2:4 K and V, without shared-prefix decode
+        (whose own pass is the any-form kernel); None: the any-form kernel."""
+        from sglang_hs.kernels.decode import decode_compact
 
         if self.fp8_kv or not self.use_decode_kernel or self.shared_prefix_decode:
             return None
-        return decode_pair(self._compressed_forms())
+        return decode_compact(self._compressed_forms(), self.token_to_kv_pool.head_dim)
 
     def _plan_step(self, plan: SharedPrefixDecode, table: torch.Tensor, seq_lens: torch.Tensor) -> StepTables:
         """A shared-prefix decode step's tables; the index maps (the same in every layer for the forms
@@ -341,7 +341,7 @@ class HieraSparseAttnBackend(AttentionBackend):
         fp8 = {"store_dtype": self.store.value_dtype} if self.store.quantized else {}
         if kv_pool.dtype != self.model_dtype:
             fp8["cache_dtype"] = kv_pool.dtype
-        return HieraSparseDecode(*shape, block_lse=self.selection is not None, pair=self.decode_pair, **fp8)
+        return HieraSparseDecode(*shape, block_lse=self.selection is not None, compact=self.decode_compact, **fp8)
 
     def _prepare_kernels(self, runtime: HieraSparseRuntime) -> int:
         """Compile, in parallel processes, the TileLang kernels this server will use that TileLang's disk
@@ -363,7 +363,7 @@ class HieraSparseAttnBackend(AttentionBackend):
             decode=runtime.uses_kernel("decode"),
             extend_k_sparse=(self.store.capacity.k_sparse > 0 and not self.fp8_kv,) if runtime.uses_kernel("extend") else (),
             compress=compress, loss_operands=tuple(loss), shared_decode_forms=self.shared_forms,
-            store_fp8=self.store.quantized, cache_fp8=kv_pool.dtype != self.model_dtype, decode_pair=self.decode_pair,
+            store_fp8=self.store.quantized, cache_fp8=kv_pool.dtype != self.model_dtype, decode_compact=self.decode_compact,
         )  # fmt: skip
         return prepare_kernels(jobs, logger.info) if jobs else 0
 

@@ -231,8 +231,7 @@ class RecordingDecodeKernel:
     def __call__(self, q, *args):
         out, lse, want_block_lse, block_lse = args[-5], args[-4], args[-2], args[-1]
         self.batches.append(q.shape[0])
-        table = -12 if len(args) == 22 else -10  # a pair's kernel: the other kernel's two partials before out
-        self.tables.append((want_block_lse, args[table].clone(), args[table + 1].clone()))
+        self.tables.append((want_block_lse, args[-10].clone(), args[-9].clone()))
         if len(args) == 24:  # k_cache, v_cache, 6 pools, 4 scales, 2 index maps and the 10 launch arguments
             self.scales.append(args[8:12])
         out.fill_(1.0)
@@ -271,8 +270,8 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
     from sglang_hs.kernels import decode, extend
 
     def record(*args, split_capacity=decode.SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False, cache_fp8=False,
-               pair=None, rest=False):  # fmt: skip
-        key = decode.decode_kernel_args(*args, split_capacity, min_split_blocks, store_fp8, cache_fp8, pair, rest)
+               compact=None):  # fmt: skip
+        key = decode.decode_kernel_args(*args, split_capacity, min_split_blocks, store_fp8, cache_fp8, compact)
         return built.setdefault(key, RecordingDecodeKernel())
 
     def record_extend(*args):
@@ -290,7 +289,7 @@ def decode_backend(monkeypatch, built: dict, shared_prefix_decode: str = "off", 
                             selection=BlockSelection.from_config(config, 2),
                             runtime=SimpleNamespace(shared_decode_counts=None, decode_mode_counts=torch.zeros(2, dtype=torch.int64)))  # fmt: skip
     backend.shared_forms = backend._compressed_forms() if backend.shared_prefix_decode else None
-    backend.decode_pair = backend._decode_pair()
+    backend.decode_compact = backend._decode_compact()
     return backend
 
 
@@ -376,17 +375,19 @@ def test_every_decode_batch_size_shares_one_plan_and_one_kernel(monkeypatch):
     assert list(built) == [(HQ, HKV, D, 64, "float16", 2)]
 
 
-def test_a_2_4_k_and_v_store_decodes_on_the_pair(monkeypatch):
+def test_a_2_4_k_and_v_store_decodes_on_the_compact_kernel(monkeypatch):
     """CPU, with recording kernels: at S_K = S_V = 1 (16-bit KV, no shared-prefix decode) the decode plan
-    is the pair: every layer launches the rest kernel and then the small-stage kernel over the same block
-    table, and start-up compiles those two in place of the any-form kernel. Shared-prefix decode and an
-    FP8 store keep the one any-form kernel."""
-    from sglang_hs.kernels import jobs
+    is the compact kernel: every layer launches it over the block table, and start-up compiles it in place
+    of the any-form kernel. Shared-prefix decode, a fractional S and a head_dim below the compact kernel's
+    keep the any-form kernel (this module's model has d 64: the floor is lowered to see the wiring)."""
+    from sglang_hs.kernels import decode, jobs
 
-    built = {}
     ones = dict(sk_prefill=1.0, sk_decode=1.0, sv_prefill=1.0, sv_decode=1.0)
+    assert decode_backend(monkeypatch, {}, **ones).decode_compact is None  # d 64
+    monkeypatch.setattr(decode, "COMPACT_MIN_HEAD_DIM", D)
+    built = {}
     backend = decode_backend(monkeypatch, built, **ones)
-    assert backend.decode_pair == ("sparse", "sparse")
+    assert backend.decode_compact == ("sparse", "sparse")
     backend.init_cuda_graph_state(4, 4)
     graph_step(backend, decode_batch(3))
     layer = SimpleNamespace(layer_id=1, tp_q_head_num=HQ, head_dim=D, v_head_dim=D, scaling=0.125)
@@ -394,15 +395,14 @@ def test_a_2_4_k_and_v_store_decodes_on_the_pair(monkeypatch):
                                  save_kv_cache=False)  # fmt: skip
     assert bool((out == 1).all())
     shape = (HQ, HKV, D, 64, "float16", 2, 512, 1, False, False, ("sparse", "sparse"))
-    assert list(built) == [shape, shape + (True,)]
-    (_, main_table, _), (_, rest_table, _) = built[shape].tables[-1], built[shape + (True,)].tables[-1]
-    assert main_table.shape[0] == 3 and torch.equal(main_table, rest_table)
+    assert list(built) == [shape]
+    assert built[shape].tables[-1][1].shape[0] == 3
     seen = []
     monkeypatch.setattr(jobs, "prepare_kernels", lambda job_list, log: seen.append(job_list) or 0)
     backend._prepare_kernels(SimpleNamespace(kernels_available=True, uses_kernel=lambda name: name == "decode"))
-    assert seen[-1] == [("decode", shape), ("decode", shape + (True,))]
-    assert decode_backend(monkeypatch, {}, shared_prefix_decode="on", **ones).decode_pair is None
-    assert decode_backend(monkeypatch, {}, sk_prefill=0.5, sk_decode=1.0, sv_prefill=1.0, sv_decode=1.0).decode_pair is None
+    assert seen[-1] == [("decode", shape)]
+    assert decode_backend(monkeypatch, {}, shared_prefix_decode="on", **ones).decode_compact is None
+    assert decode_backend(monkeypatch, {}, sk_prefill=0.5, sk_decode=1.0, sv_prefill=1.0, sv_decode=1.0).decode_compact is None
 
 
 def test_fp8_store_decodes_on_the_kernels_fp8_variant(monkeypatch):

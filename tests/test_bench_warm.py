@@ -9,13 +9,13 @@ from sglang_hs.kernels.decode import STAGES, decode_kernel_args
 
 
 def test_warm_builds_the_benchmarks_kernels_and_flashinfer_baselines():
-    """The 8B shape's TileLang kernels (the fp16 decode kernel and pair, both extend tiles with and without 2:4 K rows,
+    """The 8B shape's TileLang kernels (the fp16 decode kernel and compact one, both extend tiles with and without 2:4 K rows,
     the compressor, and the bf16 FP8 decode variant the FP8 benchmark runs) and FlashInfer's decode and
     paged-prefill modules for both backends the benchmarks time, over the page dtypes they read."""
     jobs = bench_warm.tilelang_jobs()
     assert jobs[0] == ("decode", decode_kernel_args(32, 8, 128, 64, "float16", STAGES))
-    assert jobs[1:3] == [("decode", decode_kernel_args(32, 8, 128, 64, "float16", STAGES, pair=("sparse", "sparse"),
-                                                       rest=rest)) for rest in (False, True)]  # S_K = S_V = 1's pair
+    assert jobs[1] == ("decode", decode_kernel_args(32, 8, 128, 64, "float16", STAGES,
+                                                    compact=("sparse", "sparse")))  # S_K = S_V = 1's compact kernel
     assert jobs[-1] == ("decode", decode_kernel_args(32, 8, 128, 64, "bfloat16", STAGES, store_fp8=True,
                                                      cache_fp8=True))  # fmt: skip
     extend = [args for kind, args in jobs if kind == "extend"]

@@ -47,12 +47,11 @@ def test_model_jobs_do_not_depend_on_batch_or_context():
     ext = J.model_jobs(32, 8, 128, "bfloat16", extend_k_sparse=(True,), shared_decode_forms=("sparse", "sparse"))
     assert ext[2] == ("extend", (256, 8, 128, 64, "bfloat16", "n32", 2, True, ("sparse", "sparse"), True))
     assert [kind for kind, _ in ext].count("decode") == 2 and ext[3][1][5:7] == ("n64", 2) and len(ext[3][1]) == 8
-    # A decode pair (2:4 K and V stores): its two kernels in place of the any-form one.
+    # The compact decode kernel (2:4 K and V stores) in place of the any-form one.
     ss = ("sparse", "sparse")
-    pair = J.model_jobs(32, 8, 128, "float16", extend_k_sparse=(True,), decode_pair=ss)
-    assert pair[:2] == [("decode", (32, 8, 128, 64, "float16", 2, 512, 1, False, False, ss)),
-                        ("decode", (32, 8, 128, 64, "float16", 2, 512, 1, False, False, ss, True))]
-    assert [kind for kind, _ in pair].count("decode") == 2
+    compact = J.model_jobs(32, 8, 128, "float16", extend_k_sparse=(True,), decode_compact=ss)
+    assert compact[0] == ("decode", (32, 8, 128, 64, "float16", 2, 512, 1, False, False, ss))
+    assert [kind for kind, _ in compact].count("decode") == 1
     # An FP8 store (kernels: decode): the decode kernel's store_fp8 variant, under its own cache key.
     fp8 = J.model_jobs(8, 2, 64, "bfloat16", extend_k_sparse=(), compress=False, loss_operands=(), store_fp8=True)
     assert fp8 == [("decode", (8, 2, 64, 64, "bfloat16", 2, 512, 1, True))]

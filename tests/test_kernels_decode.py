@@ -322,12 +322,8 @@ class RecordingKernel:
         self.scales = rest[6:10] if fp8 else None
         self.pools = rest[:6]
         args = list(rest[12 if fp8 else 8:])
-        paired = len(self.key) > 10 and self.key[10] is not None  # a pair's kernel: the other's partials follow
-        self.other = (args.pop(5), args.pop(5)) if paired else None
         block_table, seq_lens, sm_scale, o_part, lse_part, out, lse, tickets, want_block_lse, block_lse = args
         n, hq, s, d = o_part.shape
-        if paired:
-            assert self.other[0].shape[:2] == (n, hq) and self.other[1].shape == self.other[0].shape[:3]
         assert want_block_lse in (0, 1) and block_lse.shape == ((n * hq, block_table.shape[1]) if want_block_lse else (1, 1))
         assert q.shape == out.shape == (n, hq, d) and block_table.shape[0] == seq_lens.shape[0] == n
         assert lse_part.shape == (n, hq, s) and lse.shape == (n, hq) and tickets.shape[0] == n
@@ -343,9 +339,9 @@ def recording_builder(monkeypatch):
     kernel}."""
     built = {}
 
-    def record(*args, split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False, cache_fp8=False, pair=None,
-               rest=False):  # fmt: skip
-        key = decode_module.decode_kernel_args(*args, split_capacity, min_split_blocks, store_fp8, cache_fp8, pair, rest)
+    def record(*args, split_capacity=SPLIT_CAPACITY, min_split_blocks=1, store_fp8=False, cache_fp8=False,
+               compact=None):  # fmt: skip
+        key = decode_module.decode_kernel_args(*args, split_capacity, min_split_blocks, store_fp8, cache_fp8, compact)
         return built.setdefault(key, RecordingKernel(key))
 
     monkeypatch.setattr(decode_module, "build_decode_kernel", record)
@@ -511,40 +507,49 @@ def test_split_capacity_edges(blocks):
         _check_against_reference(case, out, lse)
 
 
-# A pair (``HieraSparseDecode(pair=...)``, ``decode.PAIR_PRECOMPILE``) at S_K = S_V = 1; shuffled cases, so the
-# blocks of both kernels interleave.
-PAIR_SMALL = [(hq, hkv, d, getattr(torch, dt), 1.0, 1.0) for hq, hkv, d, dt in decode_module.PAIR_PRECOMPILE]
+# The compact kernel (``HieraSparseDecode(compact=...)``, ``decode.COMPACT_PRECOMPILE``) at S_K = S_V = 1;
+# shuffled cases, so compressed and dense blocks interleave in every split.
+COMPACT_SMALL = [(hq, hkv, d, getattr(torch, dt), 1.0, 1.0) for hq, hkv, d, dt in decode_module.COMPACT_PRECOMPILE]
 SS = ("sparse", "sparse")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [SMALL_SPLITS, None])
-@pytest.mark.parametrize("shape", PAIR_SMALL, ids=_id)
-def test_pair_matches_reference(shape, splits):
-    """The pair's two kernels (the compressed blocks on small stages, the cache pages on the any-form
-    one) merge into the oracle's output and LSE, in place, with empty splits on both sides; repeated
-    calls give the same output and leave the tickets at zero."""
+@pytest.mark.parametrize("shape", COMPACT_SMALL, ids=_id)
+def test_compact_matches_reference(shape, splits):
+    """The compact kernel (the compressed blocks of a split on small stages, the cache pages dealt over the
+    splits and read a head_dim half at a time) gives the oracle's output and LSE, with empty splits;
+    repeated calls give the same output and leave the tickets at zero."""
     hq, hkv, d, dtype, sk, sv = shape
     case = cases.make_case(SMALL_LENS, hq, hkv, d, sk, sv, dtype, "cuda", max_blocks=SMALL_MAX_BLOCKS, seed=61)
-    plan = _plan(case, num_splits=splits, pair=SS)
-    assert plan.rest_kernel is not None and plan.forms == SS
+    plan = _plan(case, num_splits=splits, compact=SS)
+    assert plan.forms == SS
     got = _run_against_reference(plan, case)
     again = plan.run(*cases.run_args(case))
     assert torch.equal(again, got) and not plan.counter.any()
 
 
 @pytest.mark.gpu
-def test_pair_mid_context_block_lse_and_graph():
-    """The Llama-3.1-8B decode shape at a few thousand tokens: the pair equals the any-form kernel's
-    output, LSE and per-block LSE (each block written by the kernel that took it), and a CUDA graph of
-    the pair replays right after q and the lengths change in place."""
+def test_compact_dense_pool_rows():
+    """Dense pool rows (S below 1 leaves some compressed blocks dense) take the compact kernel's dense
+    path like cache pages: its output matches the oracle's."""
+    case = cases.make_case(SMALL_LENS, 32, 8, 128, 0.5, 0.5, torch.float16, "cuda", max_blocks=SMALL_MAX_BLOCKS,
+                           seed=64)
+    _run_against_reference(_plan(case, num_splits=SMALL_SPLITS, compact=SS), case)
+
+
+@pytest.mark.gpu
+def test_compact_mid_context_block_lse_and_graph():
+    """The Llama-3.1-8B decode shape at a few thousand tokens: the compact kernel equals the any-form
+    kernel's output, LSE and per-block LSE (dense blocks written by the split they were dealt to), and a
+    CUDA graph of it replays right after q and the lengths change in place."""
     case = cases.make_case(MID_LENS, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda", max_blocks=MID_MAX_BLOCKS, seed=62)
     args = cases.run_args(case)
     plain = _plan(case, block_lse=True)
-    pair = _plan(case, block_lse=True, pair=SS)
-    assert pair.num_splits > plain.num_splits  # smaller stages: more CTAs an SM, more splits
+    compact = _plan(case, block_lse=True, compact=SS)
+    assert compact.num_splits > plain.num_splits  # smaller stages: more CTAs an SM, more splits
     want, want_lse, want_blocks = (t.clone() for t in plain.run(*args, return_lse=True, return_block_lse=True))
-    got, got_lse, got_blocks = pair.run(*args, return_lse=True, return_block_lse=True)
+    got, got_lse, got_blocks = compact.run(*args, return_lse=True, return_block_lse=True)
     torch.cuda.synchronize()
     assert cases.rel_err(got, want) < 3e-3
     assert (got_lse - want_lse).abs().max().item() < 1e-3
@@ -552,60 +557,65 @@ def test_pair_mid_context_block_lse_and_graph():
         blocks = -(-n // 64)
         assert (got_blocks[r, :, :blocks] - want_blocks[r, :, :blocks]).abs().max().item() < 1e-3, f"request {r}"
     out = torch.empty_like(case["q"])
-    graph = _captured(lambda: pair.run(*args, out=out))
+    graph = _captured(lambda: compact.run(*args, out=out))
     case["q"].copy_(torch.randn_like(case["q"]))
     case["seq_lens"].copy_(torch.tensor([L - 100 if L > 200 else L for L in MID_LENS], dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()
-    assert cases.rel_err(out, plain.run(*args)) < 3e-3 and not pair.counter.any()
+    assert cases.rel_err(out, plain.run(*args)) < 3e-3 and not compact.counter.any()
 
 
 @pytest.mark.gpu
-def test_pair_empty_request_and_capacity_edge():
-    """A padded request (seq_len 0) gives zeros and LSE -inf through the pair; a table one block past
-    a CTA's capacity takes two splits in both kernels."""
-    hq, hkv, d, dtype = 4, 1, 64, torch.float16
-    blocks = SPLIT_CAPACITY + 1
-    lens = [blocks * 64 - 37, 64 * 3 + 1, 1000]
-    case = cases.make_case(lens, hq, hkv, d, 1.0, 1.0, dtype, "cuda", max_blocks=blocks, seed=63)
+def test_compact_empty_request_and_reach_edge():
+    """A padded request (seq_len 0) gives zeros and LSE -inf through the compact kernel; a table one block
+    past a split's reach (half the maps) takes more splits, and a request of cache pages only (no
+    compressed block) spreads its pages over them."""
+    hq, hkv, d, dtype = 8, 2, 128, torch.float16
+    blocks = SPLIT_CAPACITY // 2 + 1
+    lens = [blocks * 64 - 37, 64 * 3 + 1, 1000, blocks * 64]
+    case = cases.make_case(lens, hq, hkv, d, 1.0, 1.0, dtype, "cuda", max_blocks=blocks, seed=63,
+                           prefix_lens=lens[:3] + [0])  # request 3: cache pages only
     ref_out, ref_lse = _reference(case)
-    plan = _plan(case, pair=SS)
+    plan = _plan(case, compact=SS)
     case["seq_lens"][1] = 0
     out, lse = plan.run(*cases.run_args(case), return_lse=True)
     torch.cuda.synchronize()
     assert torch.count_nonzero(out[1]) == 0 and torch.isneginf(lse[1]).all()
     assert plan.last_num_splits >= 2
-    for r in (0, 2):
+    for r in (0, 2, 3):
         assert cases.rel_err(out[r].cpu(), ref_out[r]) < _tol(dtype), f"request {r}"
         assert (lse[r].cpu() - ref_lse[r]).abs().max().item() < 2e-2
 
 
-def test_pair_plan_builds_two_kernels_and_refuses_fp8(recording_builder):
-    """A pair plan builds the small-stage kernel and the rest kernel (keyed apart from the plain one),
-    sizes its splits for the CTAs the small stages fit, and refuses FP8 stores and split floors."""
+def test_compact_plan_builds_one_kernel_and_refuses_fp8(recording_builder):
+    """A compact plan builds one kernel (keyed apart from the any-form one), sizes its splits for the CTAs
+    its stages fit and for a split's reach (half the maps), and refuses FP8 stores, split floors and
+    head_dim 64."""
     ss = ("sparse", "sparse")
-    plan = HieraSparseDecode(8, 32, 8, 128, 64, 512, torch.float16, "cpu", num_sms=132, pair=ss)
+    plan = HieraSparseDecode(8, 32, 8, 128, 64, 512, torch.float16, "cpu", num_sms=132, compact=ss)
     shape = (32, 8, 128, 64, "float16", 2, SPLIT_CAPACITY, 1, False, False)
-    assert list(recording_builder) == [shape + (ss,), shape + (ss, True)]
-    assert plan.kernel.key == shape + (ss,) and plan.rest_kernel.key == shape + (ss, True)
+    assert list(recording_builder) == [shape + (ss,)] and plan.kernel.key == shape + (ss,)
     _cpu_run(plan, 8, 512)
-    (rest,), (main,) = plan.rest_kernel.launches, plan.kernel.launches  # the rest first, each given the other's
-    assert main["splits"] == 8 and rest["splits"] == 4 and main["tickets"] == rest["tickets"]
-    # The rest kernel deals a request's dense blocks to as many CTAs as one wave of two an SM holds (at most
-    # REST_SPLITS), never fewer than the width needs.
-    assert [plan.rest_splits(bs, 512) for bs in (1, 8, 16, 64)] == [decode_module.REST_SPLITS, 4, 2, 1]
-    assert plan.rest_splits(64, 2 * SPLIT_CAPACITY + 1) == 3
-    assert plan.kernel.other[0].data_ptr() == rest["o_part"] and plan.rest_kernel.other[0].data_ptr() == main["o_part"]
-    assert plan.num_splits == 8 and decode_module.ctas_per_sm(32, 8, 128, 64, 2, forms=("sparse", "sparse")) == 4
+    (main,) = plan.kernel.launches
+    assert main["splits"] == 8 and plan.num_splits == 8
+    assert decode_module.ctas_per_sm(32, 8, 128, 64, 2, forms=ss) == 4
     assert decode_module.ctas_per_sm(32, 8, 128, 64, 2, forms=("dense", "sparse")) == 3
+    assert decode_module.split_reach(SPLIT_CAPACITY, ss) == SPLIT_CAPACITY // 2
+    assert decode_module.split_reach(SPLIT_CAPACITY) == SPLIT_CAPACITY
+    with pytest.raises(ValueError, match="num_splits"):  # 513 blocks need 3 splits of at most 256
+        HieraSparseDecode(1, 32, 8, 128, 64, 513, torch.float16, "cpu", num_splits=2, compact=ss)
+    for bs in (1, 8, 64):
+        for width in (257, 1025, 2049):
+            assert plan.splits(bs, width) >= -(-width // (SPLIT_CAPACITY // 2)), (bs, width)
     assert decode_module.decode_kernel_args(32, 8, 128, 64, "float16", 2) == (32, 8, 128, 64, "float16", 2)
-    assert decode_module.decode_kernel_args(32, 8, 128, 64, "float16", 2, pair=("sparse", "sparse"), rest=True)[-2:] == (
-        ("sparse", "sparse"), True)
-    with pytest.raises(ValueError, match="pair"):
-        HieraSparseDecode(8, 32, 8, 128, 64, 512, torch.bfloat16, "cpu", num_sms=132, pair=ss, store_dtype=FP8_DTYPE)
-    with pytest.raises(ValueError, match="pair"):  # dense K with 2:4 V: slower as a pair (decode.PAIR_FORMS)
-        HieraSparseDecode(8, 32, 8, 128, 64, 512, torch.float16, "cpu", num_sms=132, pair=("dense", "sparse"))
-    assert decode_module.decode_pair(("dense", "sparse")) is None and decode_module.decode_pair(ss) == ss
+    with pytest.raises(ValueError, match="compact"):
+        HieraSparseDecode(8, 32, 8, 128, 64, 512, torch.bfloat16, "cpu", num_sms=132, compact=ss, store_dtype=FP8_DTYPE)
+    with pytest.raises(ValueError, match="compact"):  # dense K with 2:4 V: slower (decode.COMPACT_FORMS)
+        HieraSparseDecode(8, 32, 8, 128, 64, 512, torch.float16, "cpu", num_sms=132, compact=("dense", "sparse"))
+    with pytest.raises(ValueError, match="head_dim"):
+        HieraSparseDecode(8, 4, 1, 64, 64, 512, torch.float16, "cpu", num_sms=132, compact=ss)
+    assert decode_module.decode_compact(("dense", "sparse"), 128) is None and decode_module.decode_compact(ss, 128) == ss
+    assert decode_module.decode_compact(ss, 64) is None
 
 
 @pytest.mark.parametrize("bad", ["1:2", "x", "1", "0.5:1:0", ""])

@@ -1,9 +1,8 @@
-"""The decode pair by parts at the benchmark's shape (batch 8 x 32K, Llama-3.1-8B heads, fp16, S_K = S_V = 1):
-the any-form kernel, the pair as it ships (its rest kernel, then its small-stage kernel, on one stream), the
-pair with the rest kernel on a side stream, and the small-stage kernel alone (its rest kernel not launched,
-so it never merges: a timing, not an output), side by side as CUDA-graph replays (GPU).
+"""The compact decode kernel by parts at the benchmark's shape (batch 8 x 32K, Llama-3.1-8B heads, fp16,
+S_K = S_V = 1): the any-form kernel and the compact one, and both with their split merge skipped (tickets
+started far from the count that merges: a timing, not an output), side by side as CUDA-graph replays (GPU).
 
-    python lab/profile_decode_pair.py [--out FILE.json] [--layouts natural,shuffled]
+    python lab/profile_decode_compact.py [--out FILE.json] [--layouts natural,shuffled]
 """
 
 from __future__ import annotations
@@ -14,23 +13,6 @@ import json
 import torch
 
 
-class SideStream:
-    """A pair plan whose rest kernel runs on a side stream, joined after the small-stage kernel."""
-
-    def __init__(self, plan):
-        self.rest, self.main, self.stream = plan.rest_kernel, plan.kernel, torch.cuda.Stream()
-        plan.rest_kernel, plan.kernel = self._rest, self._main
-
-    def _rest(self, *args):
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            self.rest(*args)
-
-    def _main(self, *args):
-        self.main(*args)
-        torch.cuda.current_stream().wait_stream(self.stream)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the records here (JSON)")
@@ -38,7 +20,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from sglang_hs.kernels.cases import kv_bytes, make_case, rel_err, run_args
-    from sglang_hs.kernels.decode import PAIR_FORMS, HieraSparseDecode
+    from sglang_hs.kernels.decode import COMPACT_FORMS, HieraSparseDecode
     from sglang_hs.kernels.timing import time_graphs
 
     dev = torch.device("cuda")
@@ -52,10 +34,11 @@ def main() -> None:
         def plan(**kw):
             return HieraSparseDecode(bs, hq, hkv, d, 64, width, torch.float16, dev, **kw)
 
-        plans = {"plain": plan(), "pair": plan(pair=PAIR_FORMS[0]), "pair side": plan(pair=PAIR_FORMS[0]),
-                 "main only (timing)": plan(pair=PAIR_FORMS[0])}  # fmt: skip
-        SideStream(plans["pair side"])
-        plans["main only (timing)"].rest_kernel = lambda *a: None
+        compact = COMPACT_FORMS[0]
+        plans = {"plain": plan(), "compact": plan(compact=compact), "plain, no merge (timing)": plan(),
+                 "compact, no merge (timing)": plan(compact=compact)}  # fmt: skip
+        for name in ("plain, no merge (timing)", "compact, no merge (timing)"):
+            plans[name].counter.fill_(1 << 24)  # no CTA draws the last ticket: nobody merges
         inputs = run_args(case)
         outs = {name: torch.empty_like(case["q"]) for name in plans}
         fns = [(lambda p=p, o=outs[name]: p.run(*inputs, out=o)) for name, p in plans.items()]
@@ -66,7 +49,7 @@ def main() -> None:
         for (name, p), t in zip(plans.items(), times):
             records.append(dict(S_K=1.0, S_V=1.0, layout=layout, plan=name, splits=p.num_splits, us=round(t, 2),
                                 GBps=round(kv_bytes(case) / t / 1e3),
-                                err_vs_plain=None if "only" in name else rel_err(outs[name], outs["plain"]),
+                                err_vs_plain=None if "timing" in name else rel_err(outs[name], outs["plain"]),
                                 vs_plain=round(times[0] / t, 3), device=torch.cuda.get_device_name(dev)))
             print(records[-1], flush=True)
         del case, plans
