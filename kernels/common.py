@@ -163,6 +163,17 @@ def tma_loads(T, block_size: int, k_form: str = "any", v_form: str = "any", stor
     return load_k, load_v
 
 
+def entry_mode(T, k_entry, v_entry):
+    """The mode of a virtual block (``k_mode | v_mode << 2``: 1 a dense pool row, 2 a 2:4 row) from its
+    signed index-map entries (``>= 0`` dense row, ``< 0`` 2:4 row ``-i - 1``); a cache page is mode 0."""
+    return T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
+
+
+def entry_row(T, entry):
+    """The pool row of a signed index-map entry (``>= 0`` dense row, ``< 0`` 2:4 row ``-i - 1``)."""
+    return T.if_then_else(entry >= 0, entry, -entry - 1)
+
+
 def pin_source(path: str) -> None:
     """Keep a kernel module's text as it was imported for TileLang's frontend, which reads each macro's
     and prim_func's source back (``inspect.getsource``, through ``linecache``) whenever a kernel is

@@ -92,7 +92,8 @@ import torch
 from sglang_hs.format import FP8_DTYPE, BlockPools
 from sglang_hs.kernels.common import (
     ANY_FORMS, LN2, LOG2E, PASS_CONFIGS, SMEM_PER_SM, KvSources, PoolArgs, Stage, check_plan_shape,
-    compile_cached, fp8_landing_bytes, pin_source, precompile_main, split_count, stage_form_bytes, tma_loads,
+    compile_cached, entry_mode, entry_row, fp8_landing_bytes, pin_source, precompile_main, split_count,
+    stage_form_bytes, tma_loads,
 )
 
 pin_source(__file__)
@@ -431,9 +432,9 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                     else:
                         k_entry = k_index[h, -entry - 1]
                         v_entry = v_index[h, -entry - 1]
-                        r_mode[r] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
-                        r_k[r] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
-                        r_v[r] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
+                        r_mode[r] = entry_mode(T, k_entry, v_entry)
+                        r_k[r] = entry_row(T, k_entry)
+                        r_v[r] = entry_row(T, v_entry)
                     place = (chunk * ROUNDS + r) * threads + tid
                     if fits(r_mode[r]) == 1:
                         if place < own_lo or place >= own_hi:
@@ -590,9 +591,9 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                             else:
                                 k_entry = k_index[h, -entry - 1]
                                 v_entry = v_index[h, -entry - 1]
-                                block_mode[i] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
-                                block_k_row[i] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
-                                block_v_row[i] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
+                                block_mode[i] = entry_mode(T, k_entry, v_entry)
+                                block_k_row[i] = entry_row(T, k_entry)
+                                block_v_row[i] = entry_row(T, v_entry)
                                 if store_fp8:  # the rows' scales (both indices clamped into their pools)
                                     scale_maps[0][i] = T.if_then_else(k_entry >= 0, scales[0][T.max(k_entry, 0)],
                                                                       scales[1][T.max(-k_entry - 1, 0)])

@@ -17,7 +17,9 @@ Importing this module needs neither TileLang nor a GPU; constructing :class:`Ext
 
 from typing import NamedTuple
 
-from sglang_hs.kernels.common import ANY_FORMS, KV_FORMS, LN2, LOG2E, KvSources, Stage, pin_source, tma_loads
+from sglang_hs.kernels.common import (
+    ANY_FORMS, KV_FORMS, LN2, LOG2E, KvSources, Stage, entry_mode, entry_row, pin_source, tma_loads,
+)
 
 pin_source(__file__)
 
@@ -201,9 +203,9 @@ class ExtendParts:
                     else:
                         k_entry = ring.k_index[h, -entry - 1]
                         v_entry = ring.v_index[h, -entry - 1]
-                        ring.mode[slot] = T.if_then_else(k_entry >= 0, 1, 2) + T.if_then_else(v_entry >= 0, 4, 8)
-                        ring.k_row[slot] = T.if_then_else(k_entry >= 0, k_entry, -k_entry - 1)
-                        ring.v_row[slot] = T.if_then_else(v_entry >= 0, v_entry, -v_entry - 1)
+                        ring.mode[slot] = entry_mode(T, k_entry, v_entry)
+                        ring.k_row[slot] = entry_row(T, k_entry)
+                        ring.v_row[slot] = entry_row(T, v_entry)
 
         k_form, v_form = self.k_form, self.v_form
         load_k, load_v = tma_loads(T, B, k_form, v_form)

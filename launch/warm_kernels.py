@@ -54,15 +54,16 @@ pair of forms (e.g. S_V = 0) compiles its shared pass at start-up."""
 
 def kernel_jobs(shape: dict) -> list[Job]:
     """Every kernel a server of this shape may use, whatever its settings: the decode kernel and the
-    compact decode kernel of S_K = S_V = 1 stores (head_dim >= 128), the extend tiles with and without 2:4 K rows, the pack kernel and
-    both loss kernels, and shared-prefix decode's own-pass and shared-pass kernels for
-    :data:`SHARED_DECODE_FORMS`. A model whose GQA group the attention kernels do not take serves with the
+    compact decode kernel of S_K = S_V = 1 stores (head_dim >= 128), the extend tiles with and without
+    2:4 K rows, the pack kernel and both loss kernels, and shared-prefix decode's own-pass and
+    shared-pass kernels for :data:`SHARED_DECODE_FORMS`. A model whose GQA group the attention kernels do not take serves with the
     compressor alone."""
     args = (shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["dtype"])
     jobs = model_jobs(*args)
     for forms in COMPACT_FORMS:
         compact = decode_compact(forms, shape["head_dim"])
-        jobs += [job for job in model_jobs(*args, decode_compact=compact) if compact and job not in jobs]
+        if compact:
+            jobs += [job for job in model_jobs(*args, decode_compact=compact) if job not in jobs]
     for forms in SHARED_DECODE_FORMS:
         jobs += [job for job in model_jobs(*args, shared_decode_forms=forms) if job not in jobs]
     return jobs
