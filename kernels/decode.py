@@ -404,27 +404,33 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     @T.macro
     def resolve_kept(request, h, limit, block_table, k_index, v_index, maps, counts_sh, taken, own_lo, own_hi, split,
                      num_splits):
-        # The compact kernel's prologue: resolve the request's blocks 0 .. limit - 1 and keep, in order, the
-        # compressed ones of its split's range [own_lo, own_hi) and the others whose place is its split
-        # modulo the split count, each mode packed with its place. Kept blocks are ranked by a warp ballot
-        # per 32 (a rank counts the kept blocks before it: earlier chunks, earlier rounds and warps of its
-        # chunk, lower lanes of its ballot); the block of rank k goes to slot k. The loads of a chunk's
-        # rounds are independent; the warps' counts alternate between two halves of counts_sh, one barrier
-        # a chunk.
+        # The compact kernel's prologue: of the request's limit blocks, resolve only its candidates, the
+        # split's range [own_lo, own_hi) and then the places split, split + S, ... (candidate v is place
+        # own_lo + v, then split + (v - range) * S), and keep the compressed blocks of the range and the
+        # others of the dealt places, each mode packed with its place. Kept blocks are ranked by a warp
+        # ballot per 32 (a rank counts the kept blocks before it: earlier chunks, earlier rounds and warps
+        # of its chunk, lower lanes of its ballot); the block of rank k goes to slot k. The loads of a
+        # chunk's rounds are independent; the warps' counts alternate between two halves of counts_sh, one
+        # barrier a chunk.
         tid = T.get_thread_binding()
         lane = tid % 32
         r_mode = T.alloc_local([ROUNDS], "int32")
         r_k = T.alloc_local([ROUNDS], "int32")
         r_v = T.alloc_local([ROUNDS], "int32")
         r_rank = T.alloc_local([ROUNDS], "int32")
+        r_place = T.alloc_local([ROUNDS], "int32")
         base = T.alloc_local([1], "int32")
         base[0] = 0
-        for chunk in T.serial(T.ceildiv(limit, threads * ROUNDS)):
+        in_range = own_hi - own_lo
+        candidates = in_range + T.ceildiv(T.max(limit - split, 0), num_splits)
+        for chunk in T.serial(T.ceildiv(candidates, threads * ROUNDS)):
             half = (chunk % 2) * ROUNDS * WARPS
             for r in T.unroll(ROUNDS):
                 r_mode[r] = -1
-                if (chunk * ROUNDS + r) * threads + tid < limit:
-                    entry = block_table[request, (chunk * ROUNDS + r) * threads + tid]
+                if (chunk * ROUNDS + r) * threads + tid < candidates:
+                    v = (chunk * ROUNDS + r) * threads + tid
+                    r_place[r] = T.if_then_else(v < in_range, own_lo + v, split + (v - in_range) * num_splits)
+                    entry = block_table[request, r_place[r]]
                     if entry >= 0:
                         r_mode[r] = 0
                         r_k[r] = entry
@@ -435,11 +441,10 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                         r_mode[r] = entry_mode(T, k_entry, v_entry)
                         r_k[r] = entry_row(T, k_entry)
                         r_v[r] = entry_row(T, v_entry)
-                    place = (chunk * ROUNDS + r) * threads + tid
                     if fits(r_mode[r]) == 1:
-                        if place < own_lo or place >= own_hi:
+                        if v >= in_range:
                             r_mode[r] = -1
-                    elif place % num_splits != split:
+                    elif v < in_range:
                         r_mode[r] = -1
                 vote = T.ballot(r_mode[r] >= 0)
                 lower_lanes = (T.cast(1, "uint64") << T.cast(lane, "uint64")) - T.cast(1, "uint64")
@@ -452,7 +457,7 @@ def build_decode_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
                     r_rank[r] = r_rank[r] + T.if_then_else(q < r * WARPS + tid // 32, counts_sh[half + q], 0)
                 if r_mode[r] >= 0:
                     if r_rank[r] < bps:  # (split_reach keeps a CTA's blocks within its maps)
-                        maps[0][r_rank[r]] = r_mode[r] | (((chunk * ROUNDS + r) * threads + tid) << 4)
+                        maps[0][r_rank[r]] = r_mode[r] | (r_place[r] << 4)
                         maps[1][r_rank[r]] = r_k[r]
                         maps[2][r_rank[r]] = r_v[r]
             for q in T.unroll(ROUNDS * WARPS):
