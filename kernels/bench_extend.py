@@ -61,6 +61,8 @@ def bench_extend(args, on_record=None):
     variants = [dict()]  # the default plan first: its time is the record's ours_us
     named = args.variant or (BENCH_VARIANTS if args.variants else [])  # (tile, stages)
     variants += [dict(tile=tile, stages=stages) for tile, stages in named]
+    if args.variants:  # S = Q·K^T with Q in registers (calls without 2:4 K rows; the same kernel otherwise)
+        variants += [dict(q_rows=True), dict(tile="n64", q_rows=True)]
     records, lines = [], []
 
     def log(msg):

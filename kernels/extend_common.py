@@ -90,6 +90,9 @@ class Softmax(NamedTuple):
     block_max: object  # [1] local: the block max of the thread's column
     lane_max: object  # [8] local: the thread's largest scores, in independent chains
     pending_mode: object  # [1] local int32: the mode of the block whose O^T GEMM is pending
+    q_frag: object = None  # q_rows: Q [N, D] in registers (the S GEMM's A)
+    rescale_cols: object = None  # q_rows: [N] O^T's factors of an offset move, in O^T's column layout
+    row_max: object = None  # q_rows: [N] the block's row max
 
 
 class Outputs(NamedTuple):
@@ -105,6 +108,7 @@ class Outputs(NamedTuple):
     o_part: object
     lse_part: object
     tickets: object
+    sum_sh: object = None  # q_rows: [N] shared: the reduced row sums, for O^T's column layout
 
 
 class ExtendParts:
@@ -120,7 +124,7 @@ class ExtendParts:
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, tile: str,
                  stages: int, k_sparse: bool, producer: bool, forms: tuple[str, str] = ANY_FORMS,
-                 dynamic_splits: bool = False):
+                 dynamic_splits: bool = False, q_rows: bool = False):
         import tilelang.language as T
 
         self.T = T
@@ -141,6 +145,10 @@ class ExtendParts:
         assert forms[0] in KV_FORMS and forms[1] in KV_FORMS and (k_sparse or forms[0] != "sparse")
         self.k_form, self.v_form = ("dense" if not k_sparse else forms[0]), forms[1]
         self.dynamic_splits = dynamic_splits
+        # q_rows (dense K only): S = Q·K^T with Q in registers (rows = query columns), as FA3: no Q^T read
+        # from shared memory per block, the row max by quad shuffles; P lands as [N, B] for O^T's GEMM.
+        assert not q_rows or self.k_form == "dense"
+        self.q_rows = q_rows
         self.TQ = N // G  # query tokens per tile (TQ * G <= N columns in use)
         self.HALF, self.RB = HALF, RB
         self.accum = "float32"
@@ -188,6 +196,8 @@ class ExtendParts:
         threads, stages, dtype, producer = self.threads, self.stages, self.dtype, self.producer
         accum, NEG, CLAMP, LAZY, CHAINS = self.accum, self.NEG, self.CLAMP, self.LAZY, self.LANE_CHAINS
         POL = T.GemmWarpPolicy.Square  # each warpgroup owns 64 columns of both S^T and O^T
+        rows = self.q_rows
+        ROWPOL = T.GemmWarpPolicy.FullRow  # q_rows: each warpgroup owns 64 rows of S (its O^T columns)
 
         @T.macro
         def resolve(chunk, num_blocks, request, first_block, h, ring):
@@ -243,10 +253,12 @@ class ExtendParts:
             T.sync_threads(8 + T.get_thread_binding() // 128, 128)
 
         @T.macro
-        def gemm_s(mode, Q_s, stage, sT):
+        def gemm_s(mode, Q_s, stage, sT, q_frag):
             # S^T = K·Q^T for one block, dense or 2:4 by the block's K mode (or the one K form the stages
-            # hold); issued without a wait.
-            if k_form == "sparse":
+            # hold); issued without a wait. q_rows: S = Q·K^T with Q in registers.
+            if rows:
+                T.wgmma_gemm(q_frag, stage.k_dense, sT, transpose_B=True, clear_accum=True, policy=ROWPOL)
+            elif k_form == "sparse":
                 T.wgmma_gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                                 clear_accum=True, policy=POL)
             elif k_form == "dense":
@@ -262,13 +274,13 @@ class ExtendParts:
             # O^T += V^T·P^T for one block, dense or 2:4 by the block's V mode (or the one V form the
             # stages hold).
             if v_form == "sparse":
-                sparse(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT, policy=POL)
+                sparse(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT, transpose_B=rows, policy=POL)
             elif v_form == "dense":
-                dense(stage.v_dense, P_s, oT, transpose_A=True, policy=POL)
+                dense(stage.v_dense, P_s, oT, transpose_A=True, transpose_B=rows, policy=POL)
             elif v_mode == 2:
-                sparse(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT, policy=POL)
+                sparse(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT, transpose_B=rows, policy=POL)
             else:
-                dense(stage.v_dense, P_s, oT, transpose_A=True, policy=POL)
+                dense(stage.v_dense, P_s, oT, transpose_A=True, transpose_B=rows, policy=POL)
 
         @T.macro
         def lane_column_max(P_s, sT, block_max):
@@ -291,9 +303,14 @@ class ExtendParts:
         @T.macro
         def causal_mask(block, first_masked, last_pos, tile_tokens, sT):
             if block >= first_masked:  # the block reaches past the tile's first query position
-                for i, c in T.Parallel(B, N):
-                    sT[i, c] = T.if_then_else(
-                        block * B + i <= last_pos - T.max(tile_tokens - 1 - c // G, 0), sT[i, c], NEG)
+                if rows:
+                    for c, i in T.Parallel(N, B):
+                        sT[c, i] = T.if_then_else(
+                            block * B + i <= last_pos - T.max(tile_tokens - 1 - c // G, 0), sT[c, i], NEG)
+                else:
+                    for i, c in T.Parallel(B, N):
+                        sT[i, c] = T.if_then_else(
+                            block * B + i <= last_pos - T.max(tile_tokens - 1 - c // G, 0), sT[i, c], NEG)
 
         @T.macro
         def lazy_scores(is_first, scale_log2, sT, offsets, lane_max):
@@ -302,12 +319,48 @@ class ExtendParts:
             # that its offsets are always set).
             for k in T.unroll(CHAINS):
                 lane_max[k] = T.if_then_else(is_first, LAZY + LAZY, NEG)
-            for i, c in T.Parallel(B, N):
-                sT[i, c] = sT[i, c] * scale_log2 - offsets[c]  # masked keys stay -inf
-                lane_max[c // 8 % (CHAINS // 2) * 2 + c % 2] = T.max(lane_max[c // 8 % (CHAINS // 2) * 2 + c % 2],
-                                                                     sT[i, c])
+            if rows:
+                for c, i in T.Parallel(N, B):
+                    sT[c, i] = sT[c, i] * scale_log2 - offsets[c]  # masked keys stay -inf
+                    lane_max[i // 8 % (CHAINS // 2) * 2 + i % 2] = T.max(lane_max[i // 8 % (CHAINS // 2) * 2 + i % 2],
+                                                                         sT[c, i])
+            else:
+                for i, c in T.Parallel(B, N):
+                    sT[i, c] = sT[i, c] * scale_log2 - offsets[c]  # masked keys stay -inf
+                    lane_max[c // 8 % (CHAINS // 2) * 2 + c % 2] = T.max(
+                        lane_max[c // 8 % (CHAINS // 2) * 2 + c % 2], sT[i, c])
             for k in T.unroll(1, CHAINS):
                 lane_max[0] = T.max(lane_max[0], lane_max[k])
+
+        @T.macro
+        def softmax_rows(is_first, sm):
+            # q_rows: the lazy offset on S's rows. On a move (the warpgroup's vote), the row max comes from
+            # quad shuffles (no P_s round trip); the offsets and row sums move in S's row layout, O^T's
+            # columns take their factors through move_sh.
+            sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max = sm[:8]
+            if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY, 1, 0),
+                             12 + T.get_thread_binding() // 128) != 0:
+                T.reduce_max(sT, sm.row_max, dim=1)
+                for c in T.Parallel(N):
+                    # The move: up to the block max (the first block sets the offset there, kept >= -CLAMP
+                    # so that a fully masked row stays finite).
+                    sm.row_max[c] = T.if_then_else(is_first, T.max(sm.row_max[c], -CLAMP), T.max(sm.row_max[c], 0.0))
+                    move_sh[c] = sm.row_max[c]
+                    rescale[c] = T.if_then_else(is_first, 1.0, T.exp2(-sm.row_max[c]))
+                    offsets[c] = offsets[c] + sm.row_max[c]
+                for c, i in T.Parallel(N, B):
+                    sT[c, i] = T.exp2(sT[c, i] - sm.row_max[c])
+                    row_sums[c, i] = row_sums[c, i] * rescale[c] + sT[c, i]
+                T.wait_wgmma(0)  # the pending O^T GEMM, before O^T is rescaled
+                group_barrier()
+                for c in T.Parallel(N):
+                    sm.rescale_cols[c] = T.if_then_else(is_first, 1.0, T.exp2(-move_sh[c]))
+                for d, c in T.Parallel(D, N):
+                    oT[d, c] *= sm.rescale_cols[c]
+            else:
+                for c, i in T.Parallel(N, B):
+                    sT[c, i] = T.exp2(sT[c, i])
+                    row_sums[c, i] = row_sums[c, i] + sT[c, i]
 
         @T.macro
         def softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_s, sm):
@@ -320,8 +373,10 @@ class ExtendParts:
             sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max = sm[:8]
             causal_mask(block, first_masked, last_pos, tile_tokens, sT)
             lazy_scores(is_first, scale_log2, sT, offsets, lane_max)
-            if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY, 1, 0),
-                             12 + T.get_thread_binding() // 128) != 0:
+            if rows:
+                softmax_rows(is_first, sm)
+            elif T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY, 1, 0),
+                               12 + T.get_thread_binding() // 128) != 0:
                 T.wait_wgmma(0)
                 group_barrier()
                 tid, col = lane_column_max(P_s, sT, block_max)
@@ -355,7 +410,7 @@ class ExtendParts:
             # one warpgroup's softmax runs while the other's GEMMs have the tensor cores.
             if pingpong:
                 T.sync_threads(10 + T.get_thread_binding() // 128, 256)
-            gemm_s(mode, Q_s, stage, sm.sT)
+            gemm_s(mode, Q_s, stage, sm.sT, sm.q_frag)
             if j >= 1:
                 gemm_o(sm.pending_mode[0] >> 2, P_s, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)
                 T.wait_wgmma(1)
@@ -386,6 +441,12 @@ class ExtendParts:
             # Plain Python: final_gemm_if for each stage (the one that holds the last item runs).
             for s in range(stages):
                 final_gemm_if(tile.num_blocks, s, P_s, ring_stages[s], sm)
+
+        @T.macro
+        def load_q(Q_s, sm):
+            # q_rows: Q into the registers the S GEMM reads (after the CTA barrier that publishes Q_s).
+            if rows:
+                T.copy(Q_s, sm.q_frag)
 
         @T.macro
         def init_fragments(oT, row_sums, offsets):
@@ -444,6 +505,11 @@ class ExtendParts:
                             q_head(tile, c), s2, d],
                         oT[d, c])
 
+        SUM_DIM = 1 if rows else 0  # the row sums' token dimension
+
+        def sums_of(outputs):  # (plain Python) the reduced row sums where O^T's columns read them
+            return outputs.sum_sh if rows else outputs.row_sum
+
         @T.macro
         def write_output(tile, sm, outputs):
             # The CTA's columns: with one split the normalised O and the LSE; otherwise the split's partial
@@ -451,29 +517,31 @@ class ExtendParts:
             tid = T.get_thread_binding()
             oT, offsets, move_sh = sm.oT, sm.offsets, sm.move_sh
             column_sh, ticket_sh, row_sum = outputs.column_sh, outputs.ticket_sh, outputs.row_sum
-            T.reduce_sum(sm.row_sums, row_sum, dim=0)  # once per CTA (scalar AllReduce: right for 2 warpgroups)
+            T.reduce_sum(sm.row_sums, row_sum, dim=SUM_DIM)  # once per CTA (scalar AllReduce: right for 2 warpgroups)
             for c in T.Parallel(N):
                 column_sh[c] = offsets[c] / tile.scale_log2  # the LSE below scales it back
+                if rows:
+                    outputs.sum_sh[c] = row_sum[c]  # for O^T's column layout
             consumer_sync()
             if self.num_splits == 1:
                 for d, c in T.Parallel(D, N):
                     if c // G < tile.tile_tokens:
                         outputs.out[q_row(tile, c), q_head(tile, c), d] = T.cast(
-                            T.if_then_else(row_sum[c] > 0, oT[d, c] / row_sum[c], 0.0), dtype)
+                            T.if_then_else(sums_of(outputs)[c] > 0, oT[d, c] / sums_of(outputs)[c], 0.0), dtype)
                 for c in T.Parallel(N):
                     if c // G < tile.tile_tokens:
                         outputs.lse[q_row(tile, c), q_head(tile, c)] = T.if_then_else(
-                            row_sum[c] > 0, (T.log2(row_sum[c]) + column_sh[c] * tile.scale_log2) * LN2, NEG)
+                            sums_of(outputs)[c] > 0, (T.log2(sums_of(outputs)[c]) + column_sh[c] * tile.scale_log2) * LN2, NEG)
             else:
                 for c in T.Parallel(N):
                     if c // G < tile.tile_tokens:
                         outputs.lse_part[q_row(tile, c), q_head(tile, c), tile.split] = T.if_then_else(
-                            row_sum[c] > 0, T.log2(row_sum[c]) + column_sh[c] * tile.scale_log2, NEG)
+                            sums_of(outputs)[c] > 0, T.log2(sums_of(outputs)[c]) + column_sh[c] * tile.scale_log2, NEG)
                 if tile.num_blocks > 0:
                     for d, c in T.Parallel(D, N):
                         if c // G < tile.tile_tokens:
                             outputs.o_part[q_row(tile, c), q_head(tile, c), tile.split, d] = T.if_then_else(
-                                row_sum[c] > 0, oT[d, c] / row_sum[c], 0.0)
+                                sums_of(outputs)[c] > 0, oT[d, c] / sums_of(outputs)[c], 0.0)
                 # Split-KV merge by the last CTA of this (tile, KV head): release our partials, take a
                 # ticket (acq_rel, device scope), and merge if we are the last.
                 consumer_sync()
@@ -493,6 +561,7 @@ class ExtendParts:
         self.load_k, self.load_v = load_k, load_v
         self.resolve, self.load, self.issuer_arrive, self.consumer_sync = resolve, load, issuer_arrive, consumer_sync
         self.block_step, self.final_gemms, self.init_fragments = block_step, final_gemms, init_fragments
+        self.load_q = load_q
         self.write_output = write_output
 
     def prim_func(self, schedule):
@@ -523,6 +592,8 @@ class ExtendParts:
         part_rows, num_splits, num_tiles = self.part_rows, self.num_splits, self.num_tiles
         parts = self
         dynamic = self.dynamic_splits
+        rows = self.q_rows
+        S_SHAPE = [N, B] if rows else [B, N]  # S^T, or with q_rows S (rows = query columns)
 
         # Plain Python helpers (not parsed by TileLang): without dynamic splits they emit exactly the
         # expressions of a kernel without them.
@@ -559,7 +630,7 @@ class ExtendParts:
                 # splits (one-token requests of equal length, live ones first) in ascending order.
                 tile_id = bx if dynamic else num_tiles - 1 - bx
                 Q_s = T.alloc_shared([N, D], dtype)
-                P_s = T.alloc_shared([B, N], dtype)  # S^T (for the column max), then P^T (GEMM2's B)
+                P_s = T.alloc_shared(S_SHAPE, dtype)  # S^T (for the column max), then P^T (GEMM2's B)
                 ring_mode = T.alloc_shared([RB], "int32")
                 ring_k_row = T.alloc_shared([RB], "int32")
                 ring_v_row = T.alloc_shared([RB], "int32")
@@ -570,15 +641,19 @@ class ExtendParts:
                 column_sh = T.alloc_shared([N], accum)
                 merge_stat = T.alloc_local([2], accum)
                 ring_stages = parts.alloc_stages()
-                sT = T.alloc_fragment([B, N], accum)
+                sT = T.alloc_fragment(S_SHAPE, accum)
                 oT = T.alloc_fragment([D, N], accum)
-                row_sums = T.alloc_fragment([B, N], accum)
+                row_sums = T.alloc_fragment(S_SHAPE, accum)
                 row_sum = T.alloc_fragment([N], accum)
                 rescale = T.alloc_fragment([N], accum)
                 offsets = T.alloc_fragment([N], accum)
                 block_max = T.alloc_local([1], accum)
                 lane_max = T.alloc_local([parts.LANE_CHAINS], accum)
                 pending_mode = T.alloc_local([1], "int32")
+                q_frag = T.alloc_fragment([N, D], dtype) if rows else None
+                rescale_cols = T.alloc_fragment([N], accum) if rows else None
+                row_max = T.alloc_fragment([N], accum) if rows else None
+                sum_sh = T.alloc_shared([N], accum) if rows else None
                 schedule.alloc_state(parts)
                 tid = T.get_thread_binding()
                 # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
@@ -641,10 +716,11 @@ class ExtendParts:
                     tile = TileVars(tile_id, request, h, split, first_row, first_token, tile_tokens, last_pos,
                                     first_masked, first_block, num_blocks, scale_log2,
                                     live_splits(qo_indptr, batch, request))
-                    sm = Softmax(sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max, pending_mode)
+                    sm = Softmax(sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max, pending_mode,
+                                 q_frag, rescale_cols, row_max)
                     src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
                     outputs = Outputs(column_sh, weight_sh, ticket_sh, row_sum, merge_stat, out, lse, o_part, lse_part,
-                                      tickets)
+                                      tickets, sum_sh)
                     schedule.block_loop(tile, Q_s, P_s, ring, ring_stages, src, sm, outputs)
 
         return main

@@ -103,6 +103,7 @@ class OverlapSchedule:
 
         @T.macro
         def block_loop(tile, Q_s, P_s, ring, ring_stages, src, sm, outputs):
+            parts.load_q(Q_s, sm)
             issue_prologue(tile, ring, ring_stages, src)
             fetch_entries(AHEAD, ring, self.entries)
             for it in T.serial(T.ceildiv(tile.num_blocks, stages)):

@@ -89,6 +89,7 @@ class ProducerSchedule:
             else:
                 T.set_max_nreg(REGISTERS[1], 1)
                 parts.init_fragments(sm.oT, sm.row_sums, sm.offsets)
+                parts.load_q(Q_s, sm)
                 if tid >= 128:
                     if tile.num_blocks >= 1:
                         T.named_barrier_arrive(10, 256)  # warpgroup 0 takes the first turn
