@@ -39,7 +39,7 @@ import os
 
 from sglang_hs.kernels.bench_compress import compress_main
 from sglang_hs.kernels.bench_decode import decode_main, plot_decode
-from sglang_hs.kernels.bench_extend import extend_main
+from sglang_hs.kernels.bench_extend import SETTLE_MS, extend_main
 from sglang_hs.kernels.bench_warm import warm_main
 
 
@@ -50,6 +50,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=None, help="requests (default 8; prefill: 1)")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--settle-ms", type=float, default=SETTLE_MS,
+                    help="extend, prefill: untimed calls before each timed stretch (the power limiter's lag)")
     ap.add_argument("--quick", action="store_true", help="only S_K,S_V in {(0,1), (1,1)}")
     ap.add_argument("--points", default=None, metavar="SK:SV,...",
                     help="decode: the S_K:S_V points to time (e.g. 1:0 for K alone), instead of the default grid")

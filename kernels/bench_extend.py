@@ -6,8 +6,8 @@ pages; natural order) plus n new tokens in cache pages for n in ``--new-tokens``
 (1,1)}; ``HieraSparseExtend`` against FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (causal,
 NHD, page 64, each backend of ``--fi-backends``: fa2, as SGLang, and fa3) over the same pruned KV, timed
 in alternation: 7 rounds, each ``--iters`` back-to-back eager calls of each FlashInfer backend, then of the default
-plan (CUDA events, medians; a quarter of the calls above 256 new tokens; the other variants
-afterwards, median of 5).
+plan, each stretch after ``--settle-ms`` of untimed calls of the same function (CUDA events, medians; a
+quarter of the calls above 256 new tokens; the other variants afterwards, median of 5).
 
 Prefill: N (default 1) sequences of L tokens whose KV has the compressed layout over the whole
 sequence, every position a query (causal), as a chunked prefill that prunes its chunks would see;
@@ -16,6 +16,7 @@ the same kernel and baselines, plus FlashInfer's ragged prefill over contiguous 
 are against the fastest baseline (``flashinfer_backend``); ``speedup_vs_fa2`` is against paged fa2.
 """
 
+import functools
 import json
 import os
 import time
@@ -27,8 +28,12 @@ from sglang_hs.kernels.cases import (
     extend_flops, extend_run_args, flashinfer_extend, flashinfer_ragged_prefill, kv_bytes, make_extend_case, paged_dense,
     rel_err,
 )
-from sglang_hs.kernels.timing import device_tag, time_beside_fastest, time_interleaved, time_stream
+from sglang_hs.kernels.timing import device_tag, run_for, time_beside_fastest, time_interleaved, time_stream
 from sglang_hs.plotting import pyplot
+
+SETTLE_MS = 200.0
+"""Untimed calls (ms) before each timed stretch: long enough for the GPU's power limiter to settle on the
+kernel being timed (``lab/power_settle.py``)."""
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "results")
 """The committed results, whose other kernels' records a run keeps."""
@@ -61,8 +66,6 @@ def bench_extend(args, on_record=None):
     variants = [dict()]  # the default plan first: its time is the record's ours_us
     named = args.variant or (BENCH_VARIANTS if args.variants else [])  # (tile, stages)
     variants += [dict(tile=tile, stages=stages) for tile, stages in named]
-    if args.variants:  # S = Q·K^T with Q in registers (calls without 2:4 K rows; the same kernel otherwise)
-        variants += [dict(q_rows=True), dict(tile="n64", q_rows=True)]
     records, lines = [], []
 
     def log(msg):
@@ -114,8 +117,10 @@ def bench_extend(args, on_record=None):
                     continue
                 err = rel_err(out, ref)
                 if fi_us is None:
-                    fi_us, (g,) = time_beside_fastest(fis, [fn], iters, timer=time_interleaved)
+                    timer = functools.partial(time_interleaved, settle_ms=args.settle_ms)
+                    fi_us, (g,) = time_beside_fastest(fis, [fn], iters, timer=timer)
                 else:
+                    run_for(fn, args.settle_ms)
                     g = time_stream(fn, iters)
                 err = max(err, rel_err(out, ref))  # the output of the last timed call too
                 desc = dict(plan.last_config)

@@ -128,10 +128,8 @@ def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, 
 
 def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_size: int = 64,
                            dtype: str = "float16", tile: str = "n128", stages: int = 2, k_sparse: bool = True,
-                           forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False,
-                           q_rows: bool = False):  # fmt: skip
+                           forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False):  # fmt: skip
     """The TileLang ``prim_func`` of one configuration (every batch dimension is dynamic).
-    ``q_rows`` (dense K): S = Q·K^T with Q in registers (``ExtendParts``).
     ``dynamic_splits``: request ``r`` uses ``qo_indptr[bs + 1 + r]`` (at most the grid's) splits and the
     CTAs of the others exit at once; tile ids go in ascending order (shared-prefix decode's shared pass:
     its live column sets come first, and how many there are is known only on the GPU)."""
@@ -145,27 +143,26 @@ def build_extend_prim_func(q_heads: int, kv_heads: int, head_dim: int, block_siz
     else:
         from sglang_hs.kernels.extend_overlap import OverlapSchedule as Schedule
     parts = ExtendParts(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, producer=producer,
-                        forms=tuple(forms), dynamic_splits=dynamic_splits, q_rows=q_rows)
+                        forms=tuple(forms), dynamic_splits=dynamic_splits)
     return parts.prim_func(Schedule(parts))
 
 
 def extend_kernel_args(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
-                       k_sparse=True, forms=ANY_FORMS, dynamic_splits=False, q_rows=False) -> tuple:  # fmt: skip
-    """The arguments that key an extend kernel in TileLang's cache (and a compile job): ``forms``,
-    ``dynamic_splits`` and ``q_rows`` up to the last that is not its default (so the other kernels keep
-    their keys)."""
-    extra = (tuple(forms), dynamic_splits, q_rows)
-    defaults = (ANY_FORMS, False, False)
+                       k_sparse=True, forms=ANY_FORMS, dynamic_splits=False) -> tuple:  # fmt: skip
+    """The arguments that key an extend kernel in TileLang's cache (and a compile job): ``forms`` and
+    ``dynamic_splits`` up to the last that is not its default (so the other kernels keep their keys)."""
+    extra = (tuple(forms), dynamic_splits)
+    defaults = (ANY_FORMS, False)
     kept = max((i + 1 for i in range(len(extra)) if extra[i] != defaults[i]), default=0)
     return (q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse) + extra[:kept]
 
 
 @functools.lru_cache(maxsize=None)
 def build_extend_kernel(q_heads, kv_heads, head_dim, block_size=64, dtype="float16", tile="n128", stages=2,
-                        k_sparse=True, forms=ANY_FORMS, dynamic_splits=False, q_rows=False, target=None):
+                        k_sparse=True, forms=ANY_FORMS, dynamic_splits=False, target=None):
     """Compile (or load from TileLang's cache) the kernel of one configuration. Needs TileLang, not a GPU."""
     args = extend_kernel_args(q_heads, kv_heads, head_dim, block_size, dtype, tile, stages, k_sparse, forms,
-                              dynamic_splits, q_rows)  # fmt: skip
+                              dynamic_splits)  # fmt: skip
     # Traces tell the shared-prefix decode's shared pass (the dynamic-splits variant) from prefill.
     return compile_cached("extend", args, lambda: build_extend_prim_func(*args), EXTEND_PASS_CONFIGS, target,
                           name="hs_extend_shared" if dynamic_splits else None)
@@ -220,8 +217,7 @@ class HieraSparseExtend:
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
                  dtype: torch.dtype, device, tile: str = "auto", stages: int | None = None,
-                 num_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False,
-                 q_rows: bool = False):
+                 num_splits: int | None = None, forms: tuple[str, str] = ANY_FORMS, dynamic_splits: bool = False):
         check_plan_shape(q_heads, kv_heads, head_dim, block_size, dtype)
         if dynamic_splits and num_splits is None:
             raise ValueError("dynamic splits need num_splits, the grid's split count")
@@ -239,7 +235,6 @@ class HieraSparseExtend:
         self.dtype, self.device = dtype, torch.device(device)
         self.tile, self.stages, self.num_splits, self.forms = tile, stages, num_splits, tuple(forms)
         self.dynamic_splits = dynamic_splits
-        self.q_rows = q_rows  # calls without 2:4 K rows: S = Q·K^T with Q in registers
         self._dt = "float16" if dtype == torch.float16 else "bfloat16"
         self._sms = None
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -266,7 +261,7 @@ class HieraSparseExtend:
         """``(kernel, stages)`` of a call's configuration."""
         stages = self.stages or default_stages(tile)
         k = build_extend_kernel(self.q_heads, self.kv_heads, self.head_dim, self.block_size, self._dt, tile, stages,
-                                k_sparse, self.forms, self.dynamic_splits, self.q_rows and not k_sparse)
+                                k_sparse, self.forms, self.dynamic_splits)
         return k, stages
 
     def splits(self, tile: str, stages: int, k_sparse: bool, tiles: int, blocks: int) -> int:
@@ -360,8 +355,7 @@ class HieraSparseExtend:
             qo_indptr, block_table, seq_lens, float(sm_scale),
             op, lp, out, lse, cnt,
         )
-        self.last_config = dict(tile=tile, stages=stages, k_sparse=k_sparse, num_splits=s, tile_ids=nt,
-                                q_rows=self.q_rows and not k_sparse)
+        self.last_config = dict(tile=tile, stages=stages, k_sparse=k_sparse, num_splits=s, tile_ids=nt)
         if target is not None and target is not out:
             target.copy_(out)
             out = target
@@ -397,17 +391,11 @@ PRECOMPILE = [
 ]
 
 
-# The q_rows kernels of the GPU tests and the benchmark's variants (no 2:4 K rows).
-Q_ROWS_PRECOMPILE = [(32, 8, 128, "float16", "n128", 2, False), (32, 8, 128, "float16", "n64", 2, False),
-                     (9, 3, 128, "bfloat16", "n128", 2, False), (8, 2, 128, "float16", "n64", 2, False)]
-
-
 def _precompile_one(cfg):
-    hq, hkv, d, dt, tile, stages, k_sparse, *q_rows = cfg
-    build_extend_kernel(hq, hkv, d, 64, dt, tile, stages, k_sparse, q_rows=bool(q_rows))
+    hq, hkv, d, dt, tile, stages, k_sparse = cfg
+    build_extend_kernel(hq, hkv, d, 64, dt, tile, stages, k_sparse)
     return cfg
 
 
 if __name__ == "__main__":
-    precompile_main("compile the extend kernels of the tests and the benchmark", _precompile_one,
-                    PRECOMPILE + [cfg + ("q_rows",) for cfg in Q_ROWS_PRECOMPILE])
+    precompile_main("compile the extend kernels of the tests and the benchmark", _precompile_one, PRECOMPILE)

@@ -124,7 +124,7 @@ class ExtendParts:
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, tile: str,
                  stages: int, k_sparse: bool, producer: bool, forms: tuple[str, str] = ANY_FORMS,
-                 dynamic_splits: bool = False, q_rows: bool = False):
+                 dynamic_splits: bool = False):
         import tilelang.language as T
 
         self.T = T
@@ -145,10 +145,11 @@ class ExtendParts:
         assert forms[0] in KV_FORMS and forms[1] in KV_FORMS and (k_sparse or forms[0] != "sparse")
         self.k_form, self.v_form = ("dense" if not k_sparse else forms[0]), forms[1]
         self.dynamic_splits = dynamic_splits
-        # q_rows (dense K only): S = Q·K^T with Q in registers (rows = query columns), as FA3: no Q^T read
-        # from shared memory per block, the row max by quad shuffles; P lands as [N, B] for O^T's GEMM.
-        assert not q_rows or self.k_form == "dense"
-        self.q_rows = q_rows
+        # q_rows (dense K at n64 and n128): S = Q·K^T with Q in registers (rows = query columns), as FA3:
+        # no Q^T read from shared memory per block, the row max by quad shuffles; P lands as [N, B] for
+        # O^T's GEMM. 2:4 K rows must be the sparse GEMM's A (S^T = K·Q^T), and n32's 32 columns per
+        # warpgroup are fewer than a wgmma's 64 rows: both keep S^T.
+        self.q_rows = self.k_form == "dense" and tile in TILES
         self.TQ = N // G  # query tokens per tile (TQ * G <= N columns in use)
         self.HALF, self.RB = HALF, RB
         self.accum = "float32"

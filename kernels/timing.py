@@ -1,6 +1,8 @@
 """CUDA timing of kernel calls for the benchmarks: graph replays, back-to-back eager calls, and
 rounds that alternate between the functions compared (so drift reaches all of them alike)."""
 
+import time
+
 import torch
 
 
@@ -68,13 +70,27 @@ def time_stream(fn, iters=20, reps=5, warmup=2):
     return times[len(times) // 2]
 
 
-def time_interleaved(fns, iters=20, rounds=7):
+def run_for(fn, ms: float) -> None:
+    """Call ``fn`` untimed for at least ``ms`` milliseconds of wall time (four calls between checks)."""
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < ms:
+        for _ in range(4):
+            fn()
+        torch.cuda.synchronize()
+
+
+def time_interleaved(fns, iters=20, rounds=7, settle_ms=0.0):
     """Median times (us) of one call of each of ``fns``, measured in turn: each round times ``iters``
     back-to-back eager calls of every function, one after the other, so that clock and thermal drift
-    over the run reach all of them alike (a ratio of two such medians is side by side)."""
+    over the run reach all of them alike (a ratio of two such medians is side by side).
+
+    ``settle_ms``: each timed stretch follows that long of untimed calls of the same function. The
+    GPU's power limiter lags: a stretch right after a hungrier kernel's runs at the clock that kernel
+    left (``lab/power_settle.py`` measures it), which a server running one backend never sees."""
     times = [[] for _ in fns]
     for _ in range(rounds):
         for k, fn in enumerate(fns):
+            run_for(fn, settle_ms)
             times[k].append(time_stream(fn, iters, reps=1, warmup=1))
     return [sorted(t)[len(t) // 2] for t in times]
 

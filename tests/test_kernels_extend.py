@@ -247,13 +247,14 @@ def test_sparse_matches_decompressed(sk, sv, tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sk", [0.0, 1.0])  # dense K: the offset on S's rows (Q in registers); 2:4 K: on S^T's columns
 @pytest.mark.parametrize("tile", sorted(TILES))
-def test_lazy_offsets_move_with_sharp_scores(tile):
+def test_lazy_offsets_move_with_sharp_scores(tile, sk):
     """The lazy softmax offset moves only when a score passes it by more than 2^8. At ten times the usual scale the scores have a standard deviation of about 14 in
     log2 units, so the running max of most columns passes the first block's max by more than that in
     later blocks: the offset moves (O^T and the sums rescaled) many times per CTA. Against the oracle,
     with the plan's splits and with one split (a CTA walks every block of its tile)."""
-    case = cases.make_extend_case(PREFIX, NEW, 32, 8, 128, 1.0, 1.0, torch.float16, "cuda",
+    case = cases.make_extend_case(PREFIX, NEW, 32, 8, 128, sk, 1.0, torch.float16, "cuda",
                                   max_blocks=SMALL_MAX_BLOCKS, seed=6)
     case["sm_scale"] *= 10.0
     ref_out, ref_lse = cases.extend_reference(case)
@@ -376,43 +377,3 @@ def test_a_plan_runs_the_split_cost_model_once_per_call_shape(monkeypatch):
         plan.run(q, qo, k_cache, v_cache, pools, k_index, v_index, table, lens, scale)
     plan.run(q[:32], qo[:2], k_cache, v_cache, pools, k_index, v_index, table[:1], lens[:1], scale)  # another shape
     assert len(asked) == 2
-
-
-# q_rows (S = Q·K^T with Q in registers; stores without 2:4 K rows): both tiles, GQA 4 and 3, both dtypes.
-Q_ROWS = [
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", q_rows=True)),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n64", q_rows=True)),
-    (9, 3, 128, torch.bfloat16, 0.0, 0.5, dict(tile="n128", q_rows=True)),
-    (8, 2, 128, torch.float16, 0.0, 0.0, dict(tile="n64", q_rows=True)),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", Q_ROWS, ids=_id)
-def test_q_rows_matches_reference(variant):
-    """The q_rows kernels against the oracle with the plan's splits, one split and 7 (empty splits)."""
-    hq, hkv, d, dtype, sk, sv, opts = variant
-    case, (ref_out, ref_lse) = _small_case(hq, hkv, d, dtype, sk, sv)
-    for splits in (None, 1, 7):
-        plan = _plan(case, num_splits=splits, **opts)
-        got, lse = plan.run(*cases.extend_run_args(case), return_lse=True)
-        torch.cuda.synchronize()
-        _check_reference(case, got, lse, ref_out, ref_lse, dtype, f"q_rows {opts['tile']}, splits {splits}")
-        assert not plan._cnt.any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tile", sorted(TILES))
-def test_q_rows_sharp_scores_and_mid_context(tile):
-    """q_rows with offsets that move many times a CTA (ten times the scale), and at a few thousand tokens
-    with one split (past the index ring's first pass), against the oracle and dense attention."""
-    case = cases.make_extend_case(PREFIX, NEW, 32, 8, 128, 0.0, 1.0, torch.float16, "cuda",
-                                  max_blocks=SMALL_MAX_BLOCKS, seed=6)
-    case["sm_scale"] *= 10.0
-    ref_out, ref_lse = cases.extend_reference(case)
-    got, lse = _plan(case, tile=tile, num_splits=1, q_rows=True).run(*cases.extend_run_args(case), return_lse=True)
-    torch.cuda.synchronize()
-    _check_reference(case, got, lse, ref_out, ref_lse, torch.float16, f"{tile} sharp")
-    mid = cases.make_extend_case(MID_PREFIX, MID_NEW, 32, 8, 128, 0.0, 1.0, torch.float16, "cuda",
-                                 max_blocks=MID_MAX_BLOCKS, seed=3)
-    _dense_check(mid, _plan(mid, tile=tile, num_splits=1, q_rows=True).run(*cases.extend_run_args(mid)))
