@@ -28,12 +28,14 @@ from sglang_hs.kernels.cases import (
     extend_flops, extend_run_args, flashinfer_extend, flashinfer_ragged_prefill, kv_bytes, make_extend_case, paged_dense,
     rel_err,
 )
-from sglang_hs.kernels.timing import device_tag, run_for, time_beside_fastest, time_interleaved, time_stream
+from sglang_hs.kernels.timing import (
+    ClockSampler, device_tag, run_for, time_beside_fastest, time_interleaved, time_stream,
+)
 from sglang_hs.plotting import pyplot
 
-SETTLE_MS = 200.0
+SETTLE_MS = 300.0
 """Untimed calls (ms) before each timed stretch: long enough for the GPU's power limiter to settle on the
-kernel being timed (``lab/power_settle.py``)."""
+kernel being timed (``lab/power_settle.py``: on an H200 the settled times of 200 and 500 ms agree)."""
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "results")
 """The committed results, whose other kernels' records a run keeps."""
@@ -73,6 +75,7 @@ def bench_extend(args, on_record=None):
         print(msg, flush=True)
 
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    clocks = ClockSampler(dev.index or 0)
     for n in new_list:
         iters = args.iters if n <= 256 else max(3, args.iters // 4)
         for sk, sv in points:
@@ -99,7 +102,7 @@ def bench_extend(args, on_record=None):
                     fis.pop(label)
             torch.cuda.synchronize()
             fi_first_s = time.time() - t1  # includes FlashInfer's JIT compile on first use
-            fi_us = None  # baseline -> us, timed with the default plan, in alternation
+            fi_us, fi_mhz = None, {}  # baseline -> us (timed with the default plan, in alternation), its SM clock
             nbytes, flops = kv_bytes(case), extend_flops(case)
             results = []
             for var in variants:
@@ -116,21 +119,29 @@ def bench_extend(args, on_record=None):
                     log(f"n={n} S_K={sk} S_V={sv} {var}: failed: {str(e).splitlines()[-1][:200]}")
                     continue
                 err = rel_err(out, ref)
+                windows = {}  # fn -> wall-time spans of its timed stretches (for the clock beside each time)
                 if fi_us is None:
-                    timer = functools.partial(time_interleaved, settle_ms=args.settle_ms)
+                    timer = functools.partial(time_interleaved, settle_ms=args.settle_ms, windows=windows)
                     fi_us, (g,) = time_beside_fastest(fis, [fn], iters, timer=timer)
+                    fi_mhz = {b: clocks.mean_mhz(windows.get(fi)) for b, fi in fis.items()}
                 else:
                     run_for(fn, args.settle_ms)
+                    t2 = time.time()
                     g = time_stream(fn, iters)
+                    windows[fn] = [(t2, time.time())]
+                mhz = clocks.mean_mhz(windows[fn])
                 err = max(err, rel_err(out, ref))  # the output of the last timed call too
                 desc = dict(plan.last_config)
                 fast = min(fi_us, key=fi_us.get)
-                results.append(dict(variant=desc, default=not var, ours_us=round(g, 2),
-                                    speedup=round(fi_us[fast] / g, 4), rel_err_vs_flashinfer=err))
+                per_clock = round(fi_us[fast] * fi_mhz[fast] / (g * mhz), 4) if mhz and fi_mhz[fast] else None
+                results.append(dict(variant=desc, default=not var, ours_us=round(g, 2), sm_mhz=mhz,
+                                    speedup=round(fi_us[fast] / g, 4), speedup_per_clock=per_clock,
+                                    rel_err_vs_flashinfer=err))
                 log(f"n={n} S_K={sk} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us FI "
                     + ", ".join(f"{b} {t:.1f} us" for b, t in fi_us.items())
-                    + f" speedup {fi_us[fast] / g:.3f} vs {fast} err {err:.2e} TFLOP/s {flops / g / 1e6:.0f} "
-                    f"(FI {flops / fi_us[fast] / 1e6:.0f}) GB/s {nbytes / g / 1e3:.0f}")
+                    + f" speedup {fi_us[fast] / g:.3f} vs {fast} (per clock {per_clock}: {mhz} against {fi_mhz[fast]} MHz)"
+                    f" err {err:.2e} TFLOP/s {flops / g / 1e6:.0f} (FI {flops / fi_us[fast] / 1e6:.0f}) "
+                    f"GB/s {nbytes / g / 1e3:.0f}")
             if fi_us is None:  # no variant ran
                 fi_us = {b: time_stream(fi, iters) for b, fi in fis.items()}
             fast = min(fi_us, key=fi_us.get)
@@ -148,9 +159,12 @@ def bench_extend(args, on_record=None):
                           ideal_speedup_compute=ideal_compute,
                           # at these sizes the kernels are compute-bound: the ideal is the GEMMs' ratio
                           ideal_speedup=ideal_compute, kv_bytes=nbytes, flops=flops,
+                          flashinfer_sm_mhz=fi_mhz.get(fast), sm_mhz=None, speedup_per_clock=None,
                           device=name, timing=f"{iters} back-to-back eager calls, CUDA events, median of 7 rounds "
                                               "alternating the fastest FlashInfer backend and the default plan, the other "
-                                              "backends after them (variants: median of 5)",
+                                              f"backends after them (variants: median of 5); each timed stretch after "
+                                              f"{args.settle_ms:g} ms of untimed calls of its function (its own power "
+                                              "state); speedup_per_clock scales each time by its mean SM clock (NVML)",
                           flashinfer_first_call_s=round(fi_first_s, 1), setup_s=round(t1 - t0, 1))
             default = [r for r in results if r["default"] and r["rel_err_vs_flashinfer"] < 2e-2]
             if default:
@@ -158,6 +172,7 @@ def bench_extend(args, on_record=None):
                 if "paged fa2" in fi_us:
                     record["speedup_vs_fa2"] = round(fi_us["paged fa2"] / d0["ours_us"], 4)
                 record.update(ours_us=d0["ours_us"], speedup=d0["speedup"], variant=d0["variant"],
+                              sm_mhz=d0["sm_mhz"], speedup_per_clock=d0["speedup_per_clock"],
                               rel_err_vs_flashinfer=d0["rel_err_vs_flashinfer"],
                               ours_TFLOPs=round(flops / d0["ours_us"] / 1e6, 1),
                               flashinfer_TFLOPs=round(flops / fi_us[fast] / 1e6, 1))
@@ -168,6 +183,7 @@ def bench_extend(args, on_record=None):
             records.append(record)
             if on_record is not None:
                 on_record(records, lines)
+    clocks.stop()
     return records, lines
 
 
@@ -226,8 +242,10 @@ def extend_main(args):
     records, lines = bench_extend(args, on_record=save)
     save(records, lines)
     plot_extend(records, os.path.join(args.out, f"kernels_{tag}_{args.kernel}.png"), args.kernel)
-    print(f"{'tokens':>6} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>9} {'speedup':>8} {'ideal_B':>7} {'ideal_C':>7}")
+    print(f"{'tokens':>6} {'S_K':>4} {'S_V':>4} {'ours_us':>9} {'FI_us':>9} {'speedup':>8} {'/clock':>7} {'MHz':>5} "
+          f"{'FI_MHz':>6} {'ideal_B':>7} {'ideal_C':>7}")
     for r in records:
         print(f"{r.get('new_tokens', r['context']):6d} {r['S_K']:4g} {r['S_V']:4g} {r['ours_us'] or float('nan'):9.1f} "
-              f"{r['flashinfer_us']:9.1f} {r['speedup'] or float('nan'):8.3f} {r['ideal_speedup_bytes']:7.3f} "
+              f"{r['flashinfer_us']:9.1f} {r['speedup'] or float('nan'):8.3f} {r['speedup_per_clock'] or float('nan'):7.3f} "
+              f"{r['sm_mhz'] or 0:5d} {r['flashinfer_sm_mhz'] or 0:6d} {r['ideal_speedup_bytes']:7.3f} "
               f"{r['ideal_speedup_compute']:7.3f}")

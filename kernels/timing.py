@@ -79,20 +79,70 @@ def run_for(fn, ms: float) -> None:
         torch.cuda.synchronize()
 
 
-def time_interleaved(fns, iters=20, rounds=7, settle_ms=0.0):
+def time_interleaved(fns, iters=20, rounds=7, settle_ms=0.0, windows: dict | None = None):
     """Median times (us) of one call of each of ``fns``, measured in turn: each round times ``iters``
     back-to-back eager calls of every function, one after the other, so that clock and thermal drift
     over the run reach all of them alike (a ratio of two such medians is side by side).
 
-    ``settle_ms``: each timed stretch follows that long of untimed calls of the same function. The
-    GPU's power limiter lags: a stretch right after a hungrier kernel's runs at the clock that kernel
-    left (``lab/power_settle.py`` measures it), which a server running one backend never sees."""
+    ``settle_ms``: each timed stretch follows that long of untimed calls of the same function, so that it
+    runs in that function's own power state. The GPU's power limiter lags by tens of ms: without it, a
+    stretch runs partly at the clock the previous function left (``lab/power_settle.py`` measures it).
+    ``windows``: if given, ``windows[fn]`` collects each timed stretch's wall-time span (for
+    :class:`ClockSampler`)."""
     times = [[] for _ in fns]
     for _ in range(rounds):
         for k, fn in enumerate(fns):
             run_for(fn, settle_ms)
+            t0 = time.time()
             times[k].append(time_stream(fn, iters, reps=1, warmup=1))
+            if windows is not None:
+                windows.setdefault(fn, []).append((t0, time.time()))
     return [sorted(t)[len(t) // 2] for t in times]
+
+
+class ClockSampler:
+    """The GPU's SM clock (MHz) and board power (W) sampled through NVML every ~10 ms on a thread, to put
+    a clock beside a timing: a kernel near the board's power cap runs at a lower clock, so a time ratio
+    mixes per-clock speed with power. ``available`` is False without NVML (``pynvml``); then
+    :meth:`mean` gives Nones."""
+
+    def __init__(self, device_index: int = 0, period_s: float = 0.01):
+        import threading
+
+        self.samples: list[tuple[float, int, float]] = []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._read = lambda: (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                                  pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)  # fmt: skip
+            self._read()
+        except Exception:  # noqa: BLE001 (no NVML: timings go without clocks)
+            self.available = False
+            return
+        self.available = True
+
+        def sample():
+            while not self._stop.is_set():
+                self.samples.append((time.time(), *self._read()))
+                time.sleep(period_s)
+
+        threading.Thread(target=sample, daemon=True).start()
+
+    def mean(self, windows) -> tuple[int | None, int | None]:
+        """Mean (SM MHz, W) of the samples inside any of ``windows`` [(t0, t1)], or Nones."""
+        got = [(mhz, w) for t, mhz, w in self.samples if any(a <= t <= b for a, b in windows or ())]
+        if not got:
+            return None, None
+        return round(sum(m for m, _ in got) / len(got)), round(sum(w for _, w in got) / len(got))
+
+    def mean_mhz(self, windows) -> int | None:
+        return self.mean(windows)[0]
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def time_plain(fn, iters=30, warmup=5):

@@ -43,3 +43,25 @@ def test_records_are_named_by_the_device_that_ran_them():
     assert device_tag("NVIDIA H200") == "h200" and device_tag("NVIDIA H100 80GB HBM3") == "h100"
     assert results_json("h200").endswith("launch/results/kernels_h200.json")
     assert os.path.exists(results_json("h100")) and os.path.exists(results_json("h200"))
+
+
+def test_alternated_stretches_settle_first_and_record_their_windows(monkeypatch):
+    """Each timed stretch follows ``settle_ms`` of untimed calls of the same function (its own power state),
+    and its wall-time span lands under that function, for the clock sampled beside it."""
+    events = []
+    monkeypatch.setattr(timing, "run_for", lambda fn, ms: events.append(("settle", fn, ms)))
+    monkeypatch.setattr(timing, "time_stream", lambda fn, iters, reps, warmup: events.append(("time", fn)) or 5.0)
+    a, b = (lambda: None), (lambda: None)
+    windows: dict = {}
+    assert timing.time_interleaved([a, b], iters=3, rounds=2, settle_ms=300.0, windows=windows) == [5.0, 5.0]
+    assert events == [("settle", a, 300.0), ("time", a), ("settle", b, 300.0), ("time", b)] * 2
+    assert set(windows) == {a, b} and all(len(w) == 2 and all(t0 <= t1 for t0, t1 in w) for w in windows.values())
+
+
+def test_clock_sampler_means_samples_inside_windows():
+    """A stretch's clock is the mean of the samples taken inside its spans; none inside, or no NVML: None."""
+    sampler = timing.ClockSampler.__new__(timing.ClockSampler)
+    sampler.samples = [(1.0, 1500, 600.0), (2.0, 1980, 400.0), (3.0, 1800, 650.0)]
+    assert sampler.mean([(0.5, 1.5), (2.5, 3.5)]) == (1650, 625)
+    assert sampler.mean_mhz([(1.9, 2.1)]) == 1980
+    assert sampler.mean([(4.0, 5.0)]) == (None, None) and sampler.mean_mhz(None) is None
