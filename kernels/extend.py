@@ -16,15 +16,18 @@ pieces both schedules share), ``extend_overlap.py`` (tile n64) and ``extend_prod
 
 Design (and why)
 ----------------
-* **Trans-Both GEMMs, query rows x GQA heads as N.** Only the A operand of ``wgmma.sp`` may be sparse,
-  so a block step computes ``S^T = K·Q^T`` (``[B, N]``, A = K, sparse along head_dim) and
-  ``O^T += V^T·P^T`` (``[D, N]``, A = V^T, sparse along tokens). The N columns of a CTA are
+* **GEMM orientation, query rows x GQA heads as N.** Only the A operand of ``wgmma.sp`` may be sparse,
+  so a block step computes ``O^T += V^T·P^T`` (``[D, N]``, A = V^T, sparse along tokens) and, over
+  2:4 K rows, ``S^T = K·Q^T`` (``[B, N]``, A = K, sparse along head_dim). Over dense K rows (S_K = 0,
+  the recommended setting) the n64 and n128 tiles compute ``S = Q·K^T`` (``[N, B]``) with Q in
+  registers (an RS ``wgmma``, as FA3), which reads no ``Q^T`` from shared memory a block and takes
+  the row max in registers; 4-7% faster (``docs/kernels.md``). The N columns of a CTA are
   ``TQ = N // G`` consecutive query tokens of one request times the ``G`` query heads of one KV head,
   ordered (token, head): column ``c`` is token ``t0 + c // G``, head ``h*G + c % G``; a group that does
   not divide N (3, 5, 6, 7) leaves ``N - TQ*G`` columns idle (at most 4 of 64). Every KV byte a
-  CTA reads serves N columns. Each warpgroup owns 64 columns of ``S^T`` and of ``O^T``, so the softmax
-  statistics of a column never leave its warpgroup. N is a multiple of 16 (no N = 24/40: TileLang
-  issue #2603).
+  CTA reads serves N columns. Each warpgroup owns 64 columns of ``S^T`` (rows of ``S``) and of
+  ``O^T``, so the softmax statistics of a column never leave its warpgroup. N is a multiple of 16 (no
+  N = 24/40: TileLang issue #2603).
 * **Two tiles** (``TILES``), picked per call by the average request's query columns
   (:meth:`HieraSparseExtend.pick_tile`): ``n64`` (one warpgroup) up to 64 columns a request, so that a
   short chunk does not leave half a tile empty; ``n128`` above (a producer warpgroup and two ping-pong
@@ -49,7 +52,8 @@ Design (and why)
 * **Lazy softmax offset** (FA4's conditional rescale): a block's scores are taken against the
   columns' current offsets; only when a score passes its offset by more than 2^8 (one
   ``barrier.cta.red.or`` vote over the warpgroup), or on the CTA's first block, does the column max
-  go through shared memory and the offsets, ``O^T`` and the row sums move. Any offset is exact for
+  go through shared memory (over ``S``'s rows: a reduction in registers) and the offsets, ``O^T`` and
+  the row sums move. Any offset is exact for
   softmax as long as P, the sums and ``O^T`` share it, and ``P <= 2^8`` stays far inside fp16. The
   common step has no max reduction and no ``O^T`` rescale; the row sums stay per thread until the end.
 * **Causal masking** only in blocks that reach past the tile's first query position; the mask
