@@ -5,11 +5,12 @@ extend timings (GPU).
 
 The extend benchmark's case (batch 8 x 32K prefix + n new tokens, Llama-3.1-8B heads, fp16, S_V = 1 and
 S_K = S_V = 1), our default plan against FlashInfer's fa3 paged prefill. For each ``--settle-ms``: rounds
-of the benchmark's alternation (``timing.time_interleaved``), each timed stretch after that long of untimed
-calls of the same function, with the SM clock and board power sampled (NVML)
-and averaged over each function's timed stretches (``timing.ClockSampler``). Then each function alone after a second of calls: the
-steady state a server running that backend sees. A settle is long enough when the alternated times match
-the alone times.
+of the benchmark's alternation (``timing.time_interleaved``), each timed stretch after that long of
+untimed calls of the same function, with the SM clock and board power sampled (NVML,
+``timing.ClockSampler``) and averaged over each function's timed stretches. Then each function alone
+after a second of calls: the steady state of attention alone holding the GPU at its power cap. A settle
+is long enough when the alternated times match the alone times; ``speedup_per_clock`` scales each time
+by its clock.
 """
 
 import argparse
