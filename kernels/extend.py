@@ -53,9 +53,9 @@ Design (and why)
   columns' current offsets; only when a score passes its offset by more than 2^8 (one
   ``barrier.cta.red.or`` vote over the warpgroup), or on the CTA's first block, does the column max
   go through shared memory (over ``S``'s rows: a reduction in registers) and the offsets, ``O^T`` and
-  the row sums move. Any offset is exact for
-  softmax as long as P, the sums and ``O^T`` share it, and ``P <= 2^8`` stays far inside fp16. The
-  common step has no max reduction and no ``O^T`` rescale; the row sums stay per thread until the end.
+  the row sums move. Any offset is exact for softmax as long as P, the sums and ``O^T`` share it, and
+  ``P <= 2^8`` stays far inside fp16. The common step has no max reduction and no ``O^T`` rescale; the
+  row sums stay per thread until the end.
 * **Causal masking** only in blocks that reach past the tile's first query position; the mask
   ``kv_pos <= q_pos`` also hides the rows of a partial last page. Columns past the request's last
   token (a partial tile) get a zero query and are never stored; blocks after the tile's last query

@@ -631,7 +631,7 @@ class ExtendParts:
                 # splits (one-token requests of equal length, live ones first) in ascending order.
                 tile_id = bx if dynamic else num_tiles - 1 - bx
                 Q_s = T.alloc_shared([N, D], dtype)
-                P_s = T.alloc_shared(S_SHAPE, dtype)  # S^T (for the column max), then P^T (GEMM2's B)
+                P_s = T.alloc_shared(S_SHAPE, dtype)  # S^T (for the column max) then P^T, or P: GEMM2's B
                 ring_mode = T.alloc_shared([RB], "int32")
                 ring_k_row = T.alloc_shared([RB], "int32")
                 ring_v_row = T.alloc_shared([RB], "int32")

@@ -103,8 +103,8 @@ def time_interleaved(fns, iters=20, rounds=7, settle_ms=0.0, windows: dict | Non
 class ClockSampler:
     """The GPU's SM clock (MHz) and board power (W) sampled through NVML every ~10 ms on a thread, to put
     a clock beside a timing: a kernel near the board's power cap runs at a lower clock, so a time ratio
-    mixes per-clock speed with power. ``available`` is False without NVML (``pynvml``); then
-    :meth:`mean` gives Nones."""
+    mixes per-clock speed with power. Without NVML (``pynvml``) it takes no samples and :meth:`mean`
+    gives Nones."""
 
     def __init__(self, device_index: int = 0, period_s: float = 0.01):
         import threading
@@ -120,9 +120,7 @@ class ClockSampler:
                                   pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)  # fmt: skip
             self._read()
         except Exception:  # noqa: BLE001 (no NVML: timings go without clocks)
-            self.available = False
             return
-        self.available = True
 
         def sample():
             while not self._stop.is_set():
