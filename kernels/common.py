@@ -33,7 +33,9 @@ class Stage(NamedTuple):
     kernel has one). Only one form per operand is filled per block; ``k_values``/``k_meta`` are None
     in a kernel without 2:4 K rows. A kernel over FP8 pool rows (the decode kernel's ``store_fp8``) also
     has their TMA landing tiles (``*8``, e4m3, the pool's dtype; FP8 cache pages land in the dense ones),
-    which the warpgroup converts into the 16-bit tiles above before the block's GEMMs; None otherwise."""
+    which the warpgroup converts into the 16-bit tiles above before the block's GEMMs; None otherwise.
+    ``expanded``: where the extend kernel's producer expands 2:4 K rows into ``k_dense`` (``k_expand``), its
+    one arrival per block once they are there; None otherwise."""
 
     k_dense: object  # [B, D]
     k_values: object  # [B, D/2]
@@ -47,6 +49,7 @@ class Stage(NamedTuple):
     k_values8: object = None  # [B, D/2] e4m3
     v_dense8: object = None  # [B, D] e4m3
     v_values8: object = None  # [D, B/2] e4m3
+    expanded: object = None  # the extend producer's barrier: a 2:4 K block expanded into k_dense (k_expand)
 
 
 class KvSources(NamedTuple):

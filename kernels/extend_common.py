@@ -145,11 +145,15 @@ class ExtendParts:
         assert forms[0] in KV_FORMS and forms[1] in KV_FORMS and (k_sparse or forms[0] != "sparse")
         self.k_form, self.v_form = ("dense" if not k_sparse else forms[0]), forms[1]
         self.dynamic_splits = dynamic_splits
-        # q_rows (dense K at n64 and n128): S = Q·K^T with Q in registers (rows = query columns), as FA3:
-        # no Q^T read from shared memory per block, the row max by quad shuffles; P lands as [N, B] for
-        # O^T's GEMM. 2:4 K rows must be the sparse GEMM's A (S^T = K·Q^T), and n32's 32 columns per
-        # warpgroup are fewer than a wgmma's 64 rows: both keep S^T.
-        self.q_rows = self.k_form == "dense" and tile in TILES
+        # q_rows (n64 and n128 over dense K rows): S = Q·K^T with Q in registers (rows = query columns), as
+        # FA3: no Q^T read from shared memory per block, the row max by quad shuffles; P lands as [N, B]
+        # for O^T's GEMM. 2:4 K rows would have to be the sparse GEMM's A (S^T = K·Q^T), whose B (Q^T,
+        # from shared memory) then costs twice a dense GEMM's bytes a tensor cycle. So with a producer
+        # warpgroup (n128) the producer expands a block's 2:4 K rows into the stage's dense K tile once
+        # they land (k_expand) and the consumers take S = Q·K^T for every block; n64 over 2:4 K rows and
+        # n32 (32 columns a warpgroup, under a wgmma's 64 rows) keep S^T.
+        self.k_expand = producer and self.k_form == "any" and tile in TILES
+        self.q_rows = tile in TILES and (self.k_form == "dense" or self.k_expand)
         self.TQ = N // G  # query tokens per tile (TQ * G <= N columns in use)
         self.HALF, self.RB = HALF, RB
         self.accum = "float32"
@@ -187,6 +191,7 @@ class ExtendParts:
                 # One arrival per issue (full) and one per consumer warp (empty), not one per thread.
                 T.alloc_barrier(1),
                 T.alloc_barrier(self.threads // 32),
+                expanded=T.alloc_barrier(1) if self.k_expand else None,
             ))  # fmt: skip
         return out
 
@@ -443,6 +448,29 @@ class ExtendParts:
             for s in range(stages):
                 final_gemm_if(tile.num_blocks, s, P_s, ring_stages[s], sm)
 
+        EXPAND_WORDS = B * D // 16 // 128  # k_expand: metadata words a producer thread expands a block
+
+        @T.macro
+        def expand_k(mode, stage):
+            # k_expand: a block's 2:4 K rows (landed in the stage) into its dense K tile, by the producer
+            # warpgroup's 128 threads. A metadata word covers 16 channels of a token: its 8 kept values
+            # go to their positions (nibble g: idx0 | idx1 << 2 of channels 4g .. 4g + 3), zeros elsewhere.
+            if (mode & 3) == 2:
+                t = T.get_thread_binding() - threads
+                meta = T.view(stage.k_meta, [B, D // 16])
+                word = T.alloc_local([1], "int32")
+                kept = T.alloc_local([8], dtype)
+                for r in T.unroll(EXPAND_WORDS):
+                    b = (r * 128 + t) // (D // 16)
+                    w = (r * 128 + t) % (D // 16)
+                    word[0] = T.cast(meta[b, w], "int32")
+                    for k in T.unroll(8):
+                        kept[k] = stage.k_values[b, w * 8 + k]
+                    for g, e in T.grid(4, 4):
+                        stage.k_dense[b, w * 16 + g * 4 + e] = T.if_then_else(
+                            ((word[0] >> (g * 4)) & 3) == e, kept[g * 2],
+                            T.if_then_else(((word[0] >> (g * 4 + 2)) & 3) == e, kept[g * 2 + 1], T.cast(0, dtype)))
+
         @T.macro
         def load_q(Q_s, sm):
             # q_rows: Q into the registers the S GEMM reads (after the CTA barrier that publishes Q_s).
@@ -562,7 +590,7 @@ class ExtendParts:
         self.load_k, self.load_v = load_k, load_v
         self.resolve, self.load, self.issuer_arrive, self.consumer_sync = resolve, load, issuer_arrive, consumer_sync
         self.block_step, self.final_gemms, self.init_fragments = block_step, final_gemms, init_fragments
-        self.load_q = load_q
+        self.load_q, self.expand_k = load_q, expand_k
         self.write_output = write_output
 
     def prim_func(self, schedule):

@@ -40,11 +40,13 @@ class ProducerSchedule:
         HALF, RB, stages, threads = parts.HALF, parts.RB, parts.stages, parts.threads
 
         @T.macro
-        def produce_item(i, empty_parity, num_blocks, request, first_block, h, ring, stage, src):
+        def produce_item(i, empty_parity, full_parity, num_blocks, request, first_block, h, ring, stage, src):
             # Stage item i (K of block i, V of block i - 1). Its first warp waits for the stage's release
             # (item i - stages). The next chunk of index entries is resolved at item c * HALF + stages + 1
             # of chunk c: the consumers have then released item c * HALF + 1, so no consumer reads the
-            # entries of chunk c - 1, whose ring half it overwrites.
+            # entries of chunk c - 1, whose ring half it overwrites. k_expand: once the item's loads
+            # land, the warpgroup expands block i's 2:4 K rows into the stage's dense K tile and arrives
+            # on ``expanded`` (for a dense block at once), which the consumers wait for besides ``full``.
             if i < num_blocks + 1:
                 if T.get_thread_binding() < threads + 32:
                     if i >= stages:
@@ -58,12 +60,22 @@ class ProducerSchedule:
                 if T.get_thread_binding() < threads + 32:
                     parts.load(i, num_blocks, h, ring, stage, src)
                     parts.issuer_arrive(stage.full)
+                if parts.k_expand:
+                    if i < num_blocks:
+                        T.barrier_wait(stage.full, full_parity)
+                        parts.expand_k(ring.mode[i % RB], stage)
+                        T.fence_proxy_async()  # the generic writes to k_dense before the consumers' wgmma
+                        T.sync_threads(7, 128)
+                        if T.get_thread_binding() == threads:
+                            T.barrier_arrive(stage.expanded)
 
         @T.macro
         def step(j, parity, num_blocks, first_block, first_masked, last_pos, tile_tokens, scale_log2, ring, Q_s, P_s,
                  stage, sm):
             if j < num_blocks:
                 T.barrier_wait(stage.full, parity)
+                if parts.k_expand:
+                    T.barrier_wait(stage.expanded, parity)
                 parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
                                  ring.mode[j % RB], j, Q_s, P_s, stage, sm, True)
 
@@ -71,8 +83,8 @@ class ProducerSchedule:
         def produce_items(it, tile, ring, ring_stages, src):
             for s in range(stages):
                 # Item it * stages + s waits for the release of item (it - 1) * stages + s.
-                produce_item(it * stages + s, (it + 1) & 1, tile.num_blocks, tile.request, tile.first_block, tile.h,
-                             ring, ring_stages[s], src)
+                produce_item(it * stages + s, (it + 1) & 1, it & 1, tile.num_blocks, tile.request, tile.first_block,
+                             tile.h, ring, ring_stages[s], src)
 
         def ring_steps(it, tile, ring, Q_s, P_s, ring_stages, sm):
             for s in range(stages):
