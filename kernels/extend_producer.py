@@ -4,11 +4,13 @@
 * The producer warpgroup (threads 256-383) resolves the block-table entries into the index ring
   (its own named barrier 7) and its first warp issues every TMA load: for stage item i (K of block
   i, V of block i - 1) it waits for the stage's release by item i - stages (``empty``, one arrival
-  per consumer warp), issues the loads and arrives once on ``full``.
+  per consumer warp), issues the loads and arrives once on ``full``. Over 2:4 K rows (``k_expand``)
+  the whole warpgroup then waits for the item's loads, writes block i's 2:4 K rows into the stage's
+  dense K tile (zeros at the pruned channels) and arrives once on ``expanded``.
 * The two consumer warpgroups (threads 0-255, 64 columns each) only wait, compute and release. Each
-  block step is ``extend_common``'s overlapped step (``S^T(j)`` and block j - 1's ``O^T`` GEMM as
+  block step is ``extend_common``'s overlapped step (``S(j)`` and block j - 1's ``O^T`` GEMM as
   asynchronous ``wgmma``, the softmax under the O^T GEMM), and the two warpgroups take turns to issue
-  their GEMMs (named barriers 10 + wg): warpgroup wg hands the turn over once its ``S^T`` is ready,
+  their GEMMs (named barriers 10 + wg): warpgroup wg hands the turn over once its ``S`` is ready,
   so that its softmax runs while the other's GEMMs hold the tensor cores.
 * ``setmaxnreg``: every thread starts with 168 registers (65536 / 384, rounded down to 8); the
   producer gives 128 of them back (40 each) and the consumers take them (232 each):
