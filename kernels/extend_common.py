@@ -466,10 +466,11 @@ class ExtendParts:
                     word[0] = T.cast(meta[b, w], "int32")
                     for k in T.unroll(8):
                         kept[k] = stage.k_values[b, w * 8 + k]
-                    for g, e in T.grid(4, 4):
-                        stage.k_dense[b, w * 16 + g * 4 + e] = T.if_then_else(
-                            ((word[0] >> (g * 4)) & 3) == e, kept[g * 2],
-                            T.if_then_else(((word[0] >> (g * 4 + 2)) & 3) == e, kept[g * 2 + 1], T.cast(0, dtype)))
+                    for g in T.unroll(4):
+                        for e in T.unroll(4):
+                            stage.k_dense[b, w * 16 + g * 4 + e] = T.if_then_else(
+                                ((word[0] >> (g * 4)) & 3) == e, kept[g * 2],
+                                T.if_then_else(((word[0] >> (g * 4 + 2)) & 3) == e, kept[g * 2 + 1], T.cast(0, dtype)))
 
         @T.macro
         def load_q(Q_s, sm):
