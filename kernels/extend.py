@@ -21,7 +21,9 @@ Design (and why)
   2:4 K rows, ``S^T = K·Q^T`` (``[B, N]``, A = K, sparse along head_dim). Over dense K rows (S_K = 0,
   the recommended setting) the n64 and n128 tiles compute ``S = Q·K^T`` (``[N, B]``) with Q in
   registers (an RS ``wgmma``, as FA3), which reads no ``Q^T`` from shared memory a block and takes
-  the row max in registers; 4-7% faster (``docs/kernels.md``). The N columns of a CTA are
+  the row max in registers; 4-7% faster (``docs/kernels.md``). So does the n128 tile over 2:4 K rows,
+  whose producer warpgroup expands each block's 2:4 K rows into the stage's dense K tile once they
+  land (``k_expand``). The N columns of a CTA are
   ``TQ = N // G`` consecutive query tokens of one request times the ``G`` query heads of one KV head,
   ordered (token, head): column ``c`` is token ``t0 + c // G``, head ``h*G + c % G``; a group that does
   not divide N (3, 5, 6, 7) leaves ``N - TQ*G`` columns idle (at most 4 of 64). Every KV byte a
