@@ -46,6 +46,29 @@ __device__ __forceinline__ int hs_warpgroup_any(int pred, int bar_id) {
 """
 
 
+# k_expand: 16 channels of one token from their 8 kept 16-bit values (16 bytes) and their metadata word
+# (per 4 channels a nibble idx0 | idx1 << 2: where the first and the second kept value go) into two
+# 16-byte chunks of the dense tile, zeros elsewhere. Byte permutes and selects, no branches: each
+# output word (two channels) picks its bytes from the group's kept pair or from zero.
+EXPAND_2TO4_SRC = r"""
+__device__ __forceinline__ unsigned hs_pick(int p, int i0, int i1) {
+  return p == i0 ? 0x10u : (p == i1 ? 0x32u : 0x44u);
+}
+__device__ __forceinline__ void hs_expand_2to4(void* lo, void* hi, const void* kept, int meta) {
+  const uint4 v = *reinterpret_cast<const uint4*>(kept);
+  const unsigned pair[4] = {v.x, v.y, v.z, v.w};
+  unsigned out[8];
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    const int i0 = (meta >> (4 * g)) & 3, i1 = (meta >> (4 * g + 2)) & 3;
+    out[2 * g] = __byte_perm(pair[g], 0u, hs_pick(0, i0, i1) | (hs_pick(1, i0, i1) << 8));
+    out[2 * g + 1] = __byte_perm(pair[g], 0u, hs_pick(2, i0, i1) | (hs_pick(3, i0, i1) << 8));
+  }
+  *reinterpret_cast<uint4*>(lo) = make_uint4(out[0], out[1], out[2], out[3]);
+  *reinterpret_cast<uint4*>(hi) = make_uint4(out[4], out[5], out[6], out[7]);
+}
+"""
+
 class TileVars(NamedTuple):
     """A CTA's coordinates and per-tile scalars as the macros read them (the scalars are loads of
     register variables)."""
@@ -448,29 +471,23 @@ class ExtendParts:
             for s in range(stages):
                 final_gemm_if(tile.num_blocks, s, P_s, ring_stages[s], sm)
 
-        EXPAND_WORDS = B * D // 16 // 128  # k_expand: metadata words a producer thread expands a block
+        EXPANDERS = 96  # k_expand: the producer's warps 1-3 expand; warp 0 keeps issuing the loads
+        EXPAND_WORDS = B * D // 16  # metadata words a block holds (16 channels of one token each)
 
         @T.macro
         def expand_k(mode, stage):
-            # k_expand: a block's 2:4 K rows (landed in the stage) into its dense K tile, by the producer
-            # warpgroup's 128 threads. A metadata word covers 16 channels of a token: its 8 kept values
-            # go to their positions (nibble g: idx0 | idx1 << 2 of channels 4g .. 4g + 3), zeros elsewhere.
+            # k_expand: a block's 2:4 K rows (landed in the stage) into its dense K tile, by the producer's
+            # expander threads, one metadata word (16 channels of a token) at a time (EXPAND_2TO4_SRC).
             if (mode & 3) == 2:
-                t = T.get_thread_binding() - threads
+                t = T.get_thread_binding() - threads - 32
                 meta = T.view(stage.k_meta, [B, D // 16])
-                word = T.alloc_local([1], "int32")
-                kept = T.alloc_local([8], dtype)
-                for r in T.unroll(EXPAND_WORDS):
-                    b = (r * 128 + t) // (D // 16)
-                    w = (r * 128 + t) % (D // 16)
-                    word[0] = T.cast(meta[b, w], "int32")
-                    for k in T.unroll(8):
-                        kept[k] = stage.k_values[b, w * 8 + k]
-                    for g in T.unroll(4):
-                        for e in T.unroll(4):
-                            stage.k_dense[b, w * 16 + g * 4 + e] = T.if_then_else(
-                                ((word[0] >> (g * 4)) & 3) == e, kept[g * 2],
-                                T.if_then_else(((word[0] >> (g * 4 + 2)) & 3) == e, kept[g * 2 + 1], T.cast(0, dtype)))
+                for r in T.unroll(-(-EXPAND_WORDS // EXPANDERS)):
+                    if r * EXPANDERS + t < EXPAND_WORDS:
+                        b = (r * EXPANDERS + t) // (D // 16)
+                        w = (r * EXPANDERS + t) % (D // 16)
+                        T.call_extern("handle", "hs_expand_2to4", T.address_of(stage.k_dense[b, w * 16]),
+                                      T.address_of(stage.k_dense[b, w * 16 + 8]),
+                                      T.address_of(stage.k_values[b, w * 8]), T.cast(meta[b, w], "int32"))
 
         @T.macro
         def load_q(Q_s, sm):
@@ -654,7 +671,7 @@ class ExtendParts:
             tickets: T.Tensor([num_tiles, kv_heads], "int32"),
         ):
             with T.Kernel(num_tiles, kv_heads, num_splits, threads=threads + schedule.extra_threads) as (bx, h, split):
-                T.import_source(WARPGROUP_ANY_SRC)
+                T.import_source(WARPGROUP_ANY_SRC + (EXPAND_2TO4_SRC if parts.k_expand else ""))  # one a kernel
                 # Tile ids in descending order: a request's later tiles see more blocks (causal), so in a
                 # long prefill the longest CTAs start first instead of forming the last wave. With dynamic
                 # splits (one-token requests of equal length, live ones first) in ascending order.

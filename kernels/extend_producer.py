@@ -42,7 +42,8 @@ class ProducerSchedule:
         HALF, RB, stages, threads = parts.HALF, parts.RB, parts.stages, parts.threads
 
         @T.macro
-        def produce_item(i, empty_parity, full_parity, num_blocks, request, first_block, h, ring, stage, src):
+        def produce_item(i, empty_parity, prev_full_parity, num_blocks, request, first_block, h, ring, stage, prev_stage,
+                         src):
             # Stage item i (K of block i, V of block i - 1). Its first warp waits for the stage's release
             # (item i - stages). The next chunk of index entries is resolved at item c * HALF + stages + 1
             # of chunk c: the consumers have then released item c * HALF + 1, so no consumer reads the
@@ -62,14 +63,18 @@ class ProducerSchedule:
                 if T.get_thread_binding() < threads + 32:
                     parts.load(i, num_blocks, h, ring, stage, src)
                     parts.issuer_arrive(stage.full)
-                if parts.k_expand:
-                    if i < num_blocks:
-                        T.barrier_wait(stage.full, full_parity)
-                        parts.expand_k(ring.mode[i % RB], stage)
-                        T.fence_proxy_async()  # the generic writes to k_dense before the consumers' wgmma
-                        T.sync_threads(7, 128)
-                        if T.get_thread_binding() == threads:
-                            T.barrier_arrive(stage.expanded)
+            if parts.k_expand:
+                # Warps 1-3 expand item i - 1 (landed while warp 0 issued item i), so the loads never wait
+                # for an expansion; the last item (V only) expands nothing.
+                if i >= 1:
+                    if i < num_blocks + 1:
+                        if T.get_thread_binding() >= threads + 32:
+                            T.barrier_wait(prev_stage.full, prev_full_parity)
+                            parts.expand_k(ring.mode[(i - 1) % RB], prev_stage)
+                            T.fence_proxy_async()  # the generic writes to k_dense before the consumers' wgmma
+                            T.sync_threads(14, 96)  # the expanders (named barriers 8-13 are the consumers')
+                            if T.get_thread_binding() == threads + 32:
+                                T.barrier_arrive(prev_stage.expanded)
 
         @T.macro
         def step(j, parity, num_blocks, first_block, first_masked, last_pos, tile_tokens, scale_log2, ring, Q_s, P_s,
@@ -85,8 +90,9 @@ class ProducerSchedule:
         def produce_items(it, tile, ring, ring_stages, src):
             for s in range(stages):
                 # Item it * stages + s waits for the release of item (it - 1) * stages + s.
-                produce_item(it * stages + s, (it + 1) & 1, it & 1, tile.num_blocks, tile.request, tile.first_block,
-                             tile.h, ring, ring_stages[s], src)
+                # k_expand: item it * stages + s - 1 is the previous stage's, of turn it - 1 when s = 0.
+                produce_item(it * stages + s, (it + 1) & 1, (it + (s > 0) + 1) & 1, tile.num_blocks, tile.request,
+                             tile.first_block, tile.h, ring, ring_stages[s], ring_stages[(s - 1) % stages], src)
 
         def ring_steps(it, tile, ring, Q_s, P_s, ring_stages, sm):
             for s in range(stages):
