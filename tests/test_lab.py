@@ -47,3 +47,32 @@ def test_ncu_hotspots_reads_the_source_page(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines()[0] == "samples by reason: short_sb 60.0%, wait 40.0%"
     assert "FMNMX" in result.stdout.splitlines()[1] and len(result.stdout.splitlines()) == 2
+
+
+def test_time_extend_kernels_imports_the_kernels_of_another_tree(tmp_path):
+    """``time_extend_kernels --kernels DIR`` times DIR's kernels: after ``use_kernels_tree`` every
+    ``sglang_hs.kernels`` module this process imports comes from DIR, and the rest of the package from
+    the installed tree; a kernel source edited in DIR changes the digest its cache entries are keyed by."""
+    import shutil
+
+    tree = tmp_path / "kernels"
+    shutil.copytree(os.path.join(os.path.dirname(LAB_ROOT), "kernels"), tree,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tree / "extend_producer.py", "a", encoding="utf-8") as f:
+        f.write("\n# edited in the tree\n")
+    code = (
+        "import sys; sys.path.insert(0, 'lab'); import time_extend_kernels as t\n"
+        "from sglang_hs.kernels.common import kernel_source_digest as installed\n"
+        "before = installed()\n"
+        "for name in [m for m in sys.modules if m.startswith('sglang_hs.kernels')]: del sys.modules[name]\n"
+        f"t.use_kernels_tree({str(tree)!r})\n"
+        "from sglang_hs.kernels import extend, common\n"
+        "import sglang_hs.format\n"
+        "print(extend.__file__); print(sglang_hs.format.__file__); print(common.kernel_source_digest() != before)\n"
+    )
+    result = run_python("-c", code, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    extend_file, format_file, digest_changed = result.stdout.split()
+    assert extend_file == str(tree / "extend.py")
+    assert not format_file.startswith(str(tmp_path))
+    assert digest_changed == "True"
