@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from sglang_hs.kernels.cases import extend_run_args, flashinfer_extend, make_extend_case, paged_dense
-from sglang_hs.kernels.extend import HieraSparseExtend
+from profile_extend import benchmark_case
+from sglang_hs.kernels.cases import extend_run_args, flashinfer_extend, paged_dense
 from sglang_hs.kernels.timing import ClockSampler, device_tag, run_for, time_interleaved, time_stream
 
 
@@ -47,10 +47,8 @@ def main(argv=None):
     records = []
     for n in (int(x) for x in args.new_tokens.split(",")):
         for sk, sv in ((0.0, 1.0), (1.0, 1.0)):
-            case = make_extend_case([32768] * 8, [n] * 8, 32, 8, 128, sk, sv, torch.float16, dev, seed=n,
-                                    magnitude=False, shuffle=False)  # fmt: skip
+            case, plan = benchmark_case(n, sk, sv, seed=n, device=dev)
             fa3 = flashinfer_extend(case, paged_dense(case), workspace, "fa3")
-            plan = HieraSparseExtend(32, 8, 128, 64, case["max_blocks"], torch.float16, dev)
             run_args = extend_run_args(case)
             ours = lambda: plan.run(*run_args)  # noqa: E731
             fns = {"fa3": fa3, "ours": ours}

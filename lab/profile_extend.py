@@ -16,6 +16,14 @@ from sglang_hs.kernels.cases import extend_run_args, make_extend_case
 from sglang_hs.kernels.extend import STAGES, TILES, HieraSparseExtend
 
 
+def benchmark_case(new_tokens: int, sk: float, sv: float, seed: int = 11, device="cuda", **plan_kw):
+    """``(case, plan)``: the extend benchmark's shape (batch 8 x 32K prefix + ``new_tokens``, 32/8 heads,
+    d 128, fp16, natural pool order) and a ``HieraSparseExtend`` over it (``plan_kw``: tile, stages)."""
+    case = make_extend_case([32768] * 8, [new_tokens] * 8, 32, 8, 128, sk, sv, torch.float16, device, seed=seed,
+                            magnitude=False, shuffle=False)
+    return case, HieraSparseExtend(32, 8, 128, 64, case["max_blocks"], torch.float16, device, **plan_kw)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tile", default="n128", choices=sorted(TILES))
@@ -24,10 +32,7 @@ def main(argv=None):
     ap.add_argument("--sk", type=float, default=1.0)
     ap.add_argument("--sv", type=float, default=1.0)
     args = ap.parse_args(argv)
-    case = make_extend_case([32768] * 8, [args.new_tokens] * 8, 32, 8, 128, args.sk, args.sv, torch.float16, "cuda",
-                            seed=11, magnitude=False, shuffle=False)
-    plan = HieraSparseExtend(32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", tile=args.tile,
-                             stages=args.stages)
+    case, plan = benchmark_case(args.new_tokens, args.sk, args.sv, tile=args.tile, stages=args.stages)
     run_args = extend_run_args(case)
     for _ in range(3):
         plan.run(*run_args)

@@ -45,15 +45,12 @@ def main(argv=None):
         use_kernels_tree(args.kernels)
     import torch
 
-    from sglang_hs.kernels.cases import extend_run_args, make_extend_case
-    from sglang_hs.kernels.extend import HieraSparseExtend
+    from profile_extend import benchmark_case  # after use_kernels_tree: it imports sglang_hs.kernels
+    from sglang_hs.kernels.cases import extend_run_args
     from sglang_hs.kernels.timing import ClockSampler, run_for, time_stream
 
     for n in [int(x) for x in args.tokens.split(",")]:
-        case = make_extend_case([32768] * 8, [n] * 8, 32, 8, 128, args.sk, args.sv, torch.float16, "cuda", seed=11,
-                                magnitude=False, shuffle=False)
-        plan = HieraSparseExtend(32, 8, 128, 64, case["max_blocks"], torch.float16, "cuda", tile="n128",
-                                 stages=args.stages)
+        case, plan = benchmark_case(n, args.sk, args.sv, tile="n128", stages=args.stages)
         run_args = extend_run_args(case)
 
         def call():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import LAB_ROOT, run_python
+from conftest import LAB_ROOT, REPO_ROOT, run_python
 
 SCRIPTS = sorted(name for name in os.listdir(LAB_ROOT) if name.endswith(".py")
                  and "__main__" in open(os.path.join(LAB_ROOT, name), encoding="utf-8").read())  # fmt: skip
@@ -56,7 +56,7 @@ def test_time_extend_kernels_imports_the_kernels_of_another_tree(tmp_path):
     import shutil
 
     tree = tmp_path / "kernels"
-    shutil.copytree(os.path.join(os.path.dirname(LAB_ROOT), "kernels"), tree,
+    shutil.copytree(os.path.join(REPO_ROOT, "kernels"), tree,
                     ignore=shutil.ignore_patterns("__pycache__"))
     with open(tree / "extend_producer.py", "a", encoding="utf-8") as f:
         f.write("\n# edited in the tree\n")
