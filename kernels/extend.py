@@ -126,7 +126,8 @@ def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, 
     k_stage = stage_form_bytes(forms[0] if k_sparse else "dense", block_size, head_dim)
     v_stage = stage_form_bytes(forms[1], block_size, head_dim)
     maps = 3 * 2 * resolve_chunk(tile) * 4
-    other = n * head_dim * 2 + block_size * n * 2 + maps + 3 * n * 4 + threads * 4 + 1024  # Q, P, maps, stats
+    p_buffers = 2 if tile == "n128" else 1  # the ping-pong schedule takes two P^T buffers in turn
+    other = n * head_dim * 2 + p_buffers * block_size * n * 2 + maps + 3 * n * 4 + threads * 4 + 1024  # Q, P, maps, stats
     return stages * (k_stage + v_stage) + other
 
 

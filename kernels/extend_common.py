@@ -15,6 +15,7 @@ Names: ``B`` block size, ``D`` head_dim, ``N`` query columns of a CTA, ``G`` que
 Importing this module needs neither TileLang nor a GPU; constructing :class:`ExtendParts` does.
 """
 
+import math
 from typing import NamedTuple
 
 from sglang_hs.kernels.common import (
@@ -90,6 +91,7 @@ class Softmax(NamedTuple):
     block_max: object  # [1] local: the block max of the thread's column
     lane_max: object  # [8] local: the thread's largest scores, in independent chains
     pending_mode: object  # [1] local int32: the mode of the block whose O^T GEMM is pending
+    step_mode: object  # [1] local int32: the mode of the step's block
     q_frag: object = None  # q_rows: Q [N, D] in registers (the S GEMM's A)
     rescale_cols: object = None  # q_rows: [N] O^T's factors of an offset move, in O^T's column layout
     row_max: object = None  # q_rows: [N] the block's row max
@@ -189,6 +191,11 @@ class ExtendParts:
                 T.alloc_barrier(self.threads // 32),
             ))  # fmt: skip
         return out
+
+    def alloc_p_buffers(self, count: int) -> list:
+        """The P^T (q_rows: P) buffers (plain Python: called inside the kernel)."""
+        shape = [self.N, self.B] if self.q_rows else [self.B, self.N]
+        return [self.T.alloc_shared(shape, self.dtype) for _ in range(count)]
 
     def _define_macros(self):  # noqa: C901 (one closure per macro)
         T = self.T
@@ -400,48 +407,69 @@ class ExtendParts:
                     row_sums[i, c] = row_sums[i, c] + sT[i, c]
 
         @T.macro
-        def block_step(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, mode, j, Q_s, P_s, stage,
-                       sm, pingpong):
+        def block_step(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, mode, j, Q_s, P_r, P_w,
+                       stage, sm, pingpong):
             # Block step j (FA3's intra-warpgroup overlap): issue S^T(j), then O^T += V^T·P^T of block
-            # j - 1 (P^T(j - 1) is in P_s, its mode in pending_mode, its V in this stage), and wait for
-            # S^T only, so that the O^T GEMM runs under block j's softmax. Then the O^T GEMM is waited
-            # for, the stage released, and P^T(j) written once every warp's GEMM has read P_s.
+            # j - 1 (P^T(j - 1) is in P_r, its mode in pending_mode, its V in this stage), and wait for
+            # S^T only, so that the O^T GEMM runs under block j's softmax. Then P^T(j) is written to P_w
+            # and the O^T GEMM waited for before the stage is released.
             # pingpong (FA3's ping-pong of two consumer warpgroups): warpgroup wg issues its GEMMs on its
             # turn (named barrier 10 + wg) and hands the turn to the other once its S^T is ready, so that
-            # one warpgroup's softmax runs while the other's GEMMs have the tensor cores.
+            # one warpgroup's softmax runs while the other's GEMMs have the tensor cores. P_r and P_w are
+            # then two buffers taken in turn: P^T(j) lands beside the P^T(j - 1) that the pending GEMM
+            # reads, and the next step's turn barrier (all 128 threads of the warpgroup) orders its
+            # writes before the GEMM that reads them. Otherwise P_r is P_w, with a barrier either side.
+            sm.step_mode[0] = mode  # read before the turn barrier, off the turn's critical path
             if pingpong:
                 T.sync_threads(10 + T.get_thread_binding() // 128, 256)
-            gemm_s(mode, Q_s, stage, sm.sT, sm.q_frag)
+            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag)
             if j >= 1:
-                gemm_o(sm.pending_mode[0] >> 2, P_s, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)
                 T.wait_wgmma(1)
             else:
                 T.wait_wgmma(0)
             if pingpong:
                 T.named_barrier_arrive(11 - T.get_thread_binding() // 128, 256)
-            softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_s, sm)
-            T.wait_wgmma(0)
-            T.sync_warp()
-            if T.get_thread_binding() % 32 == 0:
-                T.barrier_arrive(stage.empty)  # this warp's GEMMs on the stage are complete
-            group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_s
-            T.copy(sm.sT, P_s)
-            T.fence_proxy_async()  # TileLang issue #2634: P^T's generic writes before a (sparse) wgmma reads it
-            group_barrier()
-            sm.pending_mode[0] = mode
+            softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_w, sm)
+            if pingpong:
+                T.copy(sm.sT, P_w)
+                T.fence_proxy_async()  # TileLang issue #2634: P^T's generic writes before a (sparse) wgmma reads it
+                T.wait_wgmma(0)
+                T.sync_warp()
+                if T.get_thread_binding() % 32 == 0:
+                    T.barrier_arrive(stage.empty)  # this warp's GEMMs on the stage are complete
+            else:
+                T.wait_wgmma(0)
+                T.sync_warp()
+                if T.get_thread_binding() % 32 == 0:
+                    T.barrier_arrive(stage.empty)  # this warp's GEMMs on the stage are complete
+                group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_w
+                T.copy(sm.sT, P_w)
+                T.fence_proxy_async()  # TileLang issue #2634: P^T's generic writes before a (sparse) wgmma reads it
+                group_barrier()
+            sm.pending_mode[0] = sm.step_mode[0]
 
         @T.macro
-        def final_gemm_if(num_blocks, s, P_s, stage, sm):
-            # After the loop: the O^T GEMM of the last block, whose V is stage item num_blocks (stage s).
+        def final_gemm_if(num_blocks, u, ring_length, P_s, stage, sm, turns):
+            # After the loop: the O^T GEMM of the last block, whose V is stage item num_blocks (here when
+            # num_blocks is u modulo the unrolled ring's length). With turns (P^T in two buffers) the
+            # warpgroup first meets: its warps wrote the last P^T with no barrier after.
             if num_blocks >= 1:
-                if num_blocks % stages == s:
+                if num_blocks % ring_length == u:
+                    if turns:
+                        group_barrier()
                     T.barrier_wait(stage.full, num_blocks // stages % 2)
                     gemm_o(sm.pending_mode[0] >> 2, P_s, stage, sm.oT, T.gemm, T.gemm_sp)
 
-        def final_gemms(tile, P_s, ring_stages, sm):
-            # Plain Python: final_gemm_if for each stage (the one that holds the last item runs).
-            for s in range(stages):
-                final_gemm_if(tile.num_blocks, s, P_s, ring_stages[s], sm)
+        def final_gemms(tile, P_bufs, ring_stages, sm):
+            # Plain Python: final_gemm_if for each item of the unrolled ring (the one that holds the last
+            # block runs). One P buffer: the ring is the stages; two (ping-pong turns): block j's P^T is
+            # in P_bufs[j % 2], and the ring unrolls lcm(stages, 2) items.
+            turns = len(P_bufs) == 2
+            ring_length = stages * 2 // math.gcd(stages, 2) if turns else stages
+            for u in range(ring_length):
+                final_gemm_if(tile.num_blocks, u, ring_length, P_bufs[(u - 1) % len(P_bufs)], ring_stages[u % stages],
+                              sm, turns)
 
         @T.macro
         def load_q(Q_s, sm):
@@ -570,8 +598,9 @@ class ExtendParts:
         dynamic). ``schedule`` gives ``extra_threads`` (threads after the consumer warpgroups),
         ``init_early`` (the consumers' fragments are zeroed before the CTA barrier that publishes Q,
         else by the schedule's block loop), ``alloc_state(parts)`` (plain Python: what its block loop
-        keeps besides the shared state) and the macro ``block_loop(tile, Q_s, P_s, ring, ring_stages,
-        src, sm, outputs)``, which ends with :meth:`write_output` on the consumers.
+        keeps besides the shared state), ``p_buffers`` (1, or 2 for P^T buffers taken in turn: the
+        ping-pong schedule) and the macro ``block_loop(tile, Q_s, P_bufs, ring, ring_stages, src, sm,
+        outputs)``, which ends with :meth:`write_output` on the consumers.
 
         Arguments, in order (``S`` = ``num_splits``, bound from ``o_part``'s shape; with one split
         ``o_part``/``lse_part`` may be one-row stand-ins): ``q [total, Hq, D]``, ``k_cache, v_cache
@@ -631,7 +660,8 @@ class ExtendParts:
                 # splits (one-token requests of equal length, live ones first) in ascending order.
                 tile_id = bx if dynamic else num_tiles - 1 - bx
                 Q_s = T.alloc_shared([N, D], dtype)
-                P_s = T.alloc_shared(S_SHAPE, dtype)  # S^T (for the column max) then P^T, or P: GEMM2's B
+                # S^T (for the column max) then P^T, or P: GEMM2's B; the schedule's count of buffers.
+                P_bufs = parts.alloc_p_buffers(schedule.p_buffers)
                 ring_mode = T.alloc_shared([RB], "int32")
                 ring_k_row = T.alloc_shared([RB], "int32")
                 ring_v_row = T.alloc_shared([RB], "int32")
@@ -651,6 +681,7 @@ class ExtendParts:
                 block_max = T.alloc_local([1], accum)
                 lane_max = T.alloc_local([parts.LANE_CHAINS], accum)
                 pending_mode = T.alloc_local([1], "int32")
+                step_mode = T.alloc_local([1], "int32")
                 q_frag = T.alloc_fragment([N, D], dtype) if rows else None
                 rescale_cols = T.alloc_fragment([N], accum) if rows else None
                 row_max = T.alloc_fragment([N], accum) if rows else None
@@ -717,11 +748,11 @@ class ExtendParts:
                     tile = TileVars(tile_id, request, h, split, first_row, first_token, tile_tokens, last_pos,
                                     first_masked, first_block, num_blocks, scale_log2,
                                     live_splits(qo_indptr, batch, request))
-                    sm = Softmax(sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max, pending_mode,
+                    sm = Softmax(sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max, pending_mode, step_mode,
                                  q_frag, rescale_cols, row_max)
                     src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
                     outputs = Outputs(column_sh, weight_sh, ticket_sh, row_sum, merge_stat, out, lse, o_part, lse_part,
                                       tickets, sum_sh)
-                    schedule.block_loop(tile, Q_s, P_s, ring, ring_stages, src, sm, outputs)
+                    schedule.block_loop(tile, Q_s, P_bufs, ring, ring_stages, src, sm, outputs)
 
         return main

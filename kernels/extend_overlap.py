@@ -34,6 +34,7 @@ class OverlapSchedule:
 
     extra_threads = 0
     init_early = True
+    p_buffers = 1
 
     def __init__(self, parts: ExtendParts):
         T = parts.T
@@ -86,7 +87,7 @@ class OverlapSchedule:
                         parts.issuer_arrive(refill.full)
                 T.barrier_wait(stage.full, parity)
                 parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
-                                 ring.mode[j % RB], j, Q_s, P_s, stage, sm, False)
+                                 ring.mode[j % RB], j, Q_s, P_s, P_s, stage, sm, False)
 
         # Plain Python (not parsed by TileLang): the stage ring unrolled.
         def issue_prologue(tile, ring, ring_stages, src):
@@ -102,13 +103,14 @@ class OverlapSchedule:
                      ring, Q_s, P_s, ring_stages[s], ring_stages[(s + AHEAD) % stages], src, sm, self.entries)
 
         @T.macro
-        def block_loop(tile, Q_s, P_s, ring, ring_stages, src, sm, outputs):
+        def block_loop(tile, Q_s, P_bufs, ring, ring_stages, src, sm, outputs):
+            P_s = P_bufs[0]
             parts.load_q(Q_s, sm)
             issue_prologue(tile, ring, ring_stages, src)
             fetch_entries(AHEAD, ring, self.entries)
             for it in T.serial(T.ceildiv(tile.num_blocks, stages)):
                 ring_steps(it, tile, ring, Q_s, P_s, ring_stages, src, sm)
-            parts.final_gemms(tile, P_s, ring_stages, sm)
+            parts.final_gemms(tile, P_bufs, ring_stages, sm)
             parts.consumer_sync()
             parts.write_output(tile, sm, outputs)
 

@@ -20,6 +20,8 @@ warpgroup's block-step phases, 10 + wg its turn to issue, 12 + wg its softmax vo
 
 from __future__ import annotations
 
+import math
+
 from sglang_hs.kernels.common import pin_source
 from sglang_hs.kernels.extend_common import ExtendParts
 
@@ -34,6 +36,7 @@ class ProducerSchedule:
 
     extra_threads = PRODUCER_THREADS
     init_early = False
+    p_buffers = 2  # P^T(j) in buffer j % 2: no barrier either side of its store (``block_step``)
 
     def __init__(self, parts: ExtendParts):
         T = parts.T
@@ -59,13 +62,16 @@ class ProducerSchedule:
                     parts.load(i, num_blocks, h, ring, stage, src)
                     parts.issuer_arrive(stage.full)
 
+        # The consumers' ring unrolls RING items (static stage and P^T buffer of each): lcm(stages, 2).
+        RING = stages * 2 // math.gcd(stages, 2)
+
         @T.macro
-        def step(j, parity, num_blocks, first_block, first_masked, last_pos, tile_tokens, scale_log2, ring, Q_s, P_s,
-                 stage, sm):
+        def step(j, parity, num_blocks, first_block, first_masked, last_pos, tile_tokens, scale_log2, ring, Q_s, P_r,
+                 P_w, stage, sm):
             if j < num_blocks:
                 T.barrier_wait(stage.full, parity)
                 parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
-                                 ring.mode[j % RB], j, Q_s, P_s, stage, sm, True)
+                                 ring.mode[j % RB], j, Q_s, P_r, P_w, stage, sm, True)
 
         # Plain Python (not parsed by TileLang): the stage ring unrolled.
         def produce_items(it, tile, ring, ring_stages, src):
@@ -74,13 +80,15 @@ class ProducerSchedule:
                 produce_item(it * stages + s, (it + 1) & 1, tile.num_blocks, tile.request, tile.first_block, tile.h,
                              ring, ring_stages[s], src)
 
-        def ring_steps(it, tile, ring, Q_s, P_s, ring_stages, sm):
-            for s in range(stages):
-                step(it * stages + s, it & 1, tile.num_blocks, tile.first_block, tile.first_masked, tile.last_pos,
-                     tile.tile_tokens, tile.scale_log2, ring, Q_s, P_s, ring_stages[s], sm)
+        def ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm):
+            # Block j = it * RING + u: stage u % stages, its fill parity (j // stages) & 1, P^T in P_bufs[u % 2].
+            for u in range(RING):
+                step(it * RING + u, (it * (RING // stages) + u // stages) & 1, tile.num_blocks, tile.first_block,
+                     tile.first_masked, tile.last_pos, tile.tile_tokens, tile.scale_log2, ring, Q_s,
+                     P_bufs[(u + 1) % 2], P_bufs[u % 2], ring_stages[u % stages], sm)
 
         @T.macro
-        def block_loop(tile, Q_s, P_s, ring, ring_stages, src, sm, outputs):
+        def block_loop(tile, Q_s, P_bufs, ring, ring_stages, src, sm, outputs):
             tid = T.get_thread_binding()
             if tid >= threads:
                 T.set_max_nreg(REGISTERS[0], 0)
@@ -93,9 +101,9 @@ class ProducerSchedule:
                 if tid >= 128:
                     if tile.num_blocks >= 1:
                         T.named_barrier_arrive(10, 256)  # warpgroup 0 takes the first turn
-                for it in T.serial(T.ceildiv(tile.num_blocks, stages)):
-                    ring_steps(it, tile, ring, Q_s, P_s, ring_stages, sm)
-                parts.final_gemms(tile, P_s, ring_stages, sm)
+                for it in T.serial(T.ceildiv(tile.num_blocks, RING)):
+                    ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm)
+                parts.final_gemms(tile, P_bufs, ring_stages, sm)
                 if tid < 128:
                     if tile.num_blocks >= 1:
                         T.sync_threads(10, 256)  # warpgroup 1's last hand-over: no arrival left pending
