@@ -123,10 +123,11 @@ def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, 
     """Shared memory of one CTA (bytes), an upper bound of the kernel's buffers (``forms``: the block
     forms its stages hold, as :class:`~sglang_hs.kernels.extend_common.ExtendParts` takes them)."""
     n, threads = TILE_SHAPES[tile]
-    k_stage = stage_form_bytes(forms[0] if k_sparse else "dense", block_size, head_dim)
+    k_form = forms[0] if k_sparse else "dense"
+    k_stage = stage_form_bytes(k_form, block_size, head_dim)
     v_stage = stage_form_bytes(forms[1], block_size, head_dim)
     maps = 3 * 2 * resolve_chunk(tile) * 4
-    p_buffers = 2 if tile == "n128" else 1  # the ping-pong schedule takes two P^T buffers in turn
+    p_buffers = 2 if tile == "n128" and k_form != "dense" else 1  # n128's S^T takes two P^T buffers in turn
     other = n * head_dim * 2 + p_buffers * block_size * n * 2 + maps + 3 * n * 4 + threads * 4 + 1024  # Q, P, maps, stats
     return stages * (k_stage + v_stage) + other
 

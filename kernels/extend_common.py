@@ -415,10 +415,13 @@ class ExtendParts:
             # and the O^T GEMM waited for before the stage is released.
             # pingpong (FA3's ping-pong of two consumer warpgroups): warpgroup wg issues its GEMMs on its
             # turn (named barrier 10 + wg) and hands the turn to the other once its S^T is ready, so that
-            # one warpgroup's softmax runs while the other's GEMMs have the tensor cores. P_r and P_w are
-            # then two buffers taken in turn: P^T(j) lands beside the P^T(j - 1) that the pending GEMM
-            # reads, and the next step's turn barrier (all 128 threads of the warpgroup) orders its
-            # writes before the GEMM that reads them. Otherwise P_r is P_w, with a barrier either side.
+            # one warpgroup's softmax runs while the other's GEMMs have the tensor cores. With P_r not
+            # P_w (two buffers taken in turn, ping-pong only), P^T(j) lands beside the P^T(j - 1) that
+            # the pending GEMM reads, and the next step's turn barrier (all 128 threads of the
+            # warpgroup) orders its writes before the GEMM that reads them: no barrier either side of
+            # the store. With one buffer, one barrier before the store (WAR) and one after.
+            two_buffers = P_r is not P_w  # plain Python: the schedule's choice
+            assert pingpong or not two_buffers
             sm.step_mode[0] = mode  # read before the turn barrier, off the turn's critical path
             if pingpong:
                 T.sync_threads(10 + T.get_thread_binding() // 128, 256)
@@ -431,7 +434,7 @@ class ExtendParts:
             if pingpong:
                 T.named_barrier_arrive(11 - T.get_thread_binding() // 128, 256)
             softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_w, sm)
-            if pingpong:
+            if two_buffers:
                 T.copy(sm.sT, P_w)
                 T.fence_proxy_async()  # TileLang issue #2634: P^T's generic writes before a (sparse) wgmma reads it
                 T.wait_wgmma(0)
@@ -465,11 +468,11 @@ class ExtendParts:
             # Plain Python: final_gemm_if for each item of the unrolled ring (the one that holds the last
             # block runs). One P buffer: the ring is the stages; two (ping-pong turns): block j's P^T is
             # in P_bufs[j % 2], and the ring unrolls lcm(stages, 2) items.
-            turns = len(P_bufs) == 2
-            ring_length = stages * 2 // math.gcd(stages, 2) if turns else stages
+            count = len(P_bufs)
+            ring_length = stages * count // math.gcd(stages, count)
             for u in range(ring_length):
-                final_gemm_if(tile.num_blocks, u, ring_length, P_bufs[(u - 1) % len(P_bufs)], ring_stages[u % stages],
-                              sm, turns)
+                final_gemm_if(tile.num_blocks, u, ring_length, P_bufs[(u - 1) % count], ring_stages[u % stages], sm,
+                              count == 2)
 
         @T.macro
         def load_q(Q_s, sm):

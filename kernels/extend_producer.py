@@ -36,7 +36,6 @@ class ProducerSchedule:
 
     extra_threads = PRODUCER_THREADS
     init_early = False
-    p_buffers = 2  # P^T(j) in buffer j % 2: no barrier either side of its store (``block_step``)
 
     def __init__(self, parts: ExtendParts):
         T = parts.T
@@ -62,8 +61,9 @@ class ProducerSchedule:
                     parts.load(i, num_blocks, h, ring, stage, src)
                     parts.issuer_arrive(stage.full)
 
-        # The consumers' ring unrolls RING items (static stage and P^T buffer of each): lcm(stages, 2).
-        RING = stages * 2 // math.gcd(stages, 2)
+        # The consumers' ring unrolls RING items (static stage and P^T buffer of each): lcm(stages, buffers).
+        P_COUNT = self.p_buffers = 1 if parts.q_rows else 2
+        RING = stages * P_COUNT // math.gcd(stages, P_COUNT)
 
         @T.macro
         def step(j, parity, num_blocks, first_block, first_masked, last_pos, tile_tokens, scale_log2, ring, Q_s, P_r,
@@ -81,11 +81,12 @@ class ProducerSchedule:
                              ring, ring_stages[s], src)
 
         def ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm):
-            # Block j = it * RING + u: stage u % stages, its fill parity (j // stages) & 1, P^T in P_bufs[u % 2].
+            # Block j = it * RING + u: stage u % stages, its fill parity (j // stages) & 1, its P^T in
+            # P_bufs[u % P_COUNT] (block j - 1's in the other).
             for u in range(RING):
                 step(it * RING + u, (it * (RING // stages) + u // stages) & 1, tile.num_blocks, tile.first_block,
                      tile.first_masked, tile.last_pos, tile.tile_tokens, tile.scale_log2, ring, Q_s,
-                     P_bufs[(u + 1) % 2], P_bufs[u % 2], ring_stages[u % stages], sm)
+                     P_bufs[(u - 1) % P_COUNT], P_bufs[u % P_COUNT], ring_stages[u % stages], sm)
 
         @T.macro
         def block_loop(tile, Q_s, P_bufs, ring, ring_stages, src, sm, outputs):
