@@ -423,6 +423,11 @@ class ExtendParts:
             two_buffers = P_r is not P_w  # plain Python: the schedule's choice
             assert pingpong or not two_buffers
             sm.step_mode[0] = mode  # read before the turn barrier, off the turn's critical path
+            if two_buffers:
+                # TileLang issue #2634: the last step's P^T (generic writes) before a (sparse) wgmma reads
+                # it, fenced here rather than at the store, so that its wait for the store does not hold
+                # up the stage's release.
+                T.fence_proxy_async()
             if pingpong:
                 T.sync_threads(10 + T.get_thread_binding() // 128, 256)
             gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag)
@@ -435,8 +440,7 @@ class ExtendParts:
                 T.named_barrier_arrive(11 - T.get_thread_binding() // 128, 256)
             softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_w, sm)
             if two_buffers:
-                T.copy(sm.sT, P_w)
-                T.fence_proxy_async()  # TileLang issue #2634: P^T's generic writes before a (sparse) wgmma reads it
+                T.copy(sm.sT, P_w)  # fenced at the next step's (or the final GEMM's) barrier
                 T.wait_wgmma(0)
                 T.sync_warp()
                 if T.get_thread_binding() % 32 == 0:
@@ -460,6 +464,7 @@ class ExtendParts:
             if num_blocks >= 1:
                 if num_blocks % ring_length == u:
                     if turns:
+                        T.fence_proxy_async()  # the last P^T's writes (block_step)
                         group_barrier()
                     T.barrier_wait(stage.full, num_blocks // stages % 2)
                     gemm_o(sm.pending_mode[0] >> 2, P_s, stage, sm.oT, T.gemm, T.gemm_sp)
