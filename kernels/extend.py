@@ -103,7 +103,7 @@ from sglang_hs.kernels.common import (
     ANY_FORMS, PASS_CONFIGS, SMEM_PER_SM, PoolArgs, check_plan_shape, compile_cached, precompile_main, split_count,
     stage_form_bytes,
 )
-from sglang_hs.kernels.extend_common import TILE_SHAPES, TILES, resolve_chunk
+from sglang_hs.kernels.extend_common import TILE_SHAPES, TILES, p_buffer_count, resolve_chunk
 
 # Stage counts each tile builds, its default first. The n64 schedule refills the stage that item
 # j - 1 held with item j + 1; a third stage (two items of loads in flight) did not speed up
@@ -127,8 +127,8 @@ def smem_bytes(tile: str, head_dim: int, block_size: int = 64, stages: int = 2, 
     k_stage = stage_form_bytes(k_form, block_size, head_dim)
     v_stage = stage_form_bytes(forms[1], block_size, head_dim)
     maps = 3 * 2 * resolve_chunk(tile) * 4
-    p_buffers = 2 if tile == "n128" and k_form != "dense" else 1  # n128's S^T takes two P^T buffers in turn
-    other = n * head_dim * 2 + p_buffers * block_size * n * 2 + maps + 3 * n * 4 + threads * 4 + 1024  # Q, P, maps, stats
+    p_bytes = p_buffer_count(tile, k_form) * block_size * n * 2
+    other = n * head_dim * 2 + p_bytes + maps + 3 * n * 4 + threads * 4 + 1024  # Q, P, maps, stats
     return stages * (k_stage + v_stage) + other
 
 

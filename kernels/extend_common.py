@@ -31,6 +31,13 @@ NARROW_TILES = {"n32": (32, 128)}
 TILE_SHAPES = {**NARROW_TILES, **TILES}
 
 
+def p_buffer_count(tile: str, k_form: str) -> int:
+    """P^T buffers of a tile: n128's ping-pong over 2:4 K rows (S^T) takes two in turn, so that no
+    warpgroup barrier stands either side of a block's P^T store; dense K rows (S = Q·K^T) measured
+    slower so (``docs/kernels.md``) and keep one, as do the one-warpgroup tiles."""
+    return 2 if tile == "n128" and k_form != "dense" else 1
+
+
 def resolve_chunk(tile: str) -> int:
     """Blocks whose index entries one parallel pass resolves (one entry per thread, at most)."""
     return TILE_SHAPES[tile][1] // 2
@@ -147,6 +154,7 @@ class ExtendParts:
         assert forms[0] in KV_FORMS and forms[1] in KV_FORMS and (k_sparse or forms[0] != "sparse")
         self.k_form, self.v_form = ("dense" if not k_sparse else forms[0]), forms[1]
         self.dynamic_splits = dynamic_splits
+        self.p_buffers = p_buffer_count(tile, self.k_form)
         # q_rows (dense K at n64 and n128): S = Q·K^T with Q in registers (rows = query columns), as FA3:
         # no Q^T read from shared memory per block, the row max by quad shuffles; P lands as [N, B] for
         # O^T's GEMM. 2:4 K rows must be the sparse GEMM's A (S^T = K·Q^T), and n32's 32 columns per
@@ -192,10 +200,10 @@ class ExtendParts:
             ))  # fmt: skip
         return out
 
-    def alloc_p_buffers(self, count: int) -> list:
-        """The P^T (q_rows: P) buffers (plain Python: called inside the kernel)."""
+    def alloc_p_buffers(self) -> list:
+        """The P^T (q_rows: P) buffers, :func:`p_buffer_count` of them (plain Python: called inside the kernel)."""
         shape = [self.N, self.B] if self.q_rows else [self.B, self.N]
-        return [self.T.alloc_shared(shape, self.dtype) for _ in range(count)]
+        return [self.T.alloc_shared(shape, self.dtype) for _ in range(self.p_buffers)]
 
     def _define_macros(self):  # noqa: C901 (one closure per macro)
         T = self.T
@@ -407,6 +415,14 @@ class ExtendParts:
                     row_sums[i, c] = row_sums[i, c] + sT[i, c]
 
         @T.macro
+        def release(stage):
+            # The stage's release once this warp's GEMMs on it are complete (one arrival per warp).
+            T.wait_wgmma(0)
+            T.sync_warp()
+            if T.get_thread_binding() % 32 == 0:
+                T.barrier_arrive(stage.empty)
+
+        @T.macro
         def block_step(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, mode, j, Q_s, P_r, P_w,
                        stage, sm, pingpong):
             # Block step j (FA3's intra-warpgroup overlap): issue S^T(j), then O^T += V^T·P^T of block
@@ -441,15 +457,9 @@ class ExtendParts:
             softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_w, sm)
             if two_buffers:
                 T.copy(sm.sT, P_w)  # fenced at the next step's (or the final GEMM's) barrier
-                T.wait_wgmma(0)
-                T.sync_warp()
-                if T.get_thread_binding() % 32 == 0:
-                    T.barrier_arrive(stage.empty)  # this warp's GEMMs on the stage are complete
+                release(stage)
             else:
-                T.wait_wgmma(0)
-                T.sync_warp()
-                if T.get_thread_binding() % 32 == 0:
-                    T.barrier_arrive(stage.empty)  # this warp's GEMMs on the stage are complete
+                release(stage)
                 group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_w
                 T.copy(sm.sT, P_w)
                 T.fence_proxy_async()  # TileLang issue #2634: P^T's generic writes before a (sparse) wgmma reads it
@@ -606,9 +616,9 @@ class ExtendParts:
         dynamic). ``schedule`` gives ``extra_threads`` (threads after the consumer warpgroups),
         ``init_early`` (the consumers' fragments are zeroed before the CTA barrier that publishes Q,
         else by the schedule's block loop), ``alloc_state(parts)`` (plain Python: what its block loop
-        keeps besides the shared state), ``p_buffers`` (1, or 2 for P^T buffers taken in turn: the
-        ping-pong schedule) and the macro ``block_loop(tile, Q_s, P_bufs, ring, ring_stages, src, sm,
-        outputs)``, which ends with :meth:`write_output` on the consumers.
+        keeps besides the shared state) and the macro ``block_loop(tile, Q_s, P_bufs, ring, ring_stages,
+        src, sm, outputs)`` (``P_bufs``: :attr:`p_buffers` buffers), which ends with :meth:`write_output`
+        on the consumers.
 
         Arguments, in order (``S`` = ``num_splits``, bound from ``o_part``'s shape; with one split
         ``o_part``/``lse_part`` may be one-row stand-ins): ``q [total, Hq, D]``, ``k_cache, v_cache
@@ -668,8 +678,7 @@ class ExtendParts:
                 # splits (one-token requests of equal length, live ones first) in ascending order.
                 tile_id = bx if dynamic else num_tiles - 1 - bx
                 Q_s = T.alloc_shared([N, D], dtype)
-                # S^T (for the column max) then P^T, or P: GEMM2's B; the schedule's count of buffers.
-                P_bufs = parts.alloc_p_buffers(schedule.p_buffers)
+                P_bufs = parts.alloc_p_buffers()  # S^T (for the column max) then P^T, or P: GEMM2's B
                 ring_mode = T.alloc_shared([RB], "int32")
                 ring_k_row = T.alloc_shared([RB], "int32")
                 ring_v_row = T.alloc_shared([RB], "int32")
@@ -756,8 +765,8 @@ class ExtendParts:
                     tile = TileVars(tile_id, request, h, split, first_row, first_token, tile_tokens, last_pos,
                                     first_masked, first_block, num_blocks, scale_log2,
                                     live_splits(qo_indptr, batch, request))
-                    sm = Softmax(sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max, pending_mode, step_mode,
-                                 q_frag, rescale_cols, row_max)
+                    sm = Softmax(sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max, pending_mode,
+                                 step_mode, q_frag, rescale_cols, row_max)
                     src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
                     outputs = Outputs(column_sh, weight_sh, ticket_sh, row_sum, merge_stat, out, lse, o_part, lse_part,
                                       tickets, sum_sh)

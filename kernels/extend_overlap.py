@@ -34,7 +34,6 @@ class OverlapSchedule:
 
     extra_threads = 0
     init_early = True
-    p_buffers = 1
 
     def __init__(self, parts: ExtendParts):
         T = parts.T
@@ -104,7 +103,7 @@ class OverlapSchedule:
 
         @T.macro
         def block_loop(tile, Q_s, P_bufs, ring, ring_stages, src, sm, outputs):
-            P_s = P_bufs[0]
+            P_s = P_bufs[0]  # the one buffer of these tiles (p_buffer_count)
             parts.load_q(Q_s, sm)
             issue_prologue(tile, ring, ring_stages, src)
             fetch_entries(AHEAD, ring, self.entries)

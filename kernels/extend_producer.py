@@ -62,7 +62,7 @@ class ProducerSchedule:
                     parts.issuer_arrive(stage.full)
 
         # The consumers' ring unrolls RING items (static stage and P^T buffer of each): lcm(stages, buffers).
-        P_COUNT = self.p_buffers = 1 if parts.q_rows else 2
+        P_COUNT = parts.p_buffers
         RING = stages * P_COUNT // math.gcd(stages, P_COUNT)
 
         @T.macro
