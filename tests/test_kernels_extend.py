@@ -357,6 +357,27 @@ def test_plan_rejects_stage_counts_a_tile_cannot_build():
     assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n128", stages=3).stages == 3
 
 
+def test_every_tile_fits_its_shared_memory_with_its_p_buffers():
+    """n128 over 2:4 K rows takes two P^T buffers (ping-pong, no barrier either side of the store), dense K
+    and the one-warpgroup tiles one; every tile, stage count and head_dim fits a CTA's 227 KB, and n64
+    without 2:4 K buffers still fits two CTAs an SM."""
+    from sglang_hs.kernels.common import SMEM_PER_SM
+    from sglang_hs.kernels.extend import smem_bytes
+    from sglang_hs.kernels.extend_common import p_buffer_count
+
+    assert p_buffer_count("n128", "sparse") == p_buffer_count("n128", "any") == 2
+    assert p_buffer_count("n128", "dense") == p_buffer_count("n64", "any") == p_buffer_count("n32", "sparse") == 1
+    for tile, stage_counts in STAGES.items():
+        for stages in stage_counts:
+            for k_sparse in (False, True):
+                for head_dim in (64, 128):
+                    assert smem_bytes(tile, head_dim, 64, stages, k_sparse) <= 227 * 1024, (tile, stages, k_sparse)
+    p_tile = 64 * 128 * 2  # one P^T buffer of n128 (64 keys x 128 columns, 16-bit)
+    k_sparse_stage = 64 * 64 * 2 + 64 * 128 // 8  # 2:4 K values and metadata of a stage
+    assert smem_bytes("n128", 128, 64, 2, True) - smem_bytes("n128", 128, 64, 2, False) == 2 * k_sparse_stage + p_tile
+    assert SMEM_PER_SM // (smem_bytes("n64", 128, 64, 2, False) + 1024) == 2
+
+
 def test_a_plan_runs_the_split_cost_model_once_per_call_shape(monkeypatch):
     """CPU, with the kernel stubbed: every layer of a forward asks for the same split count, so the
     cost model (most of ``run``'s host time) runs once per shape, not once per layer."""
