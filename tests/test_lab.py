@@ -76,3 +76,22 @@ def test_time_extend_kernels_imports_the_kernels_of_another_tree(tmp_path):
     assert extend_file == str(tree / "extend.py")
     assert not format_file.startswith(str(tmp_path))
     assert digest_changed == "True"
+
+
+def test_kernel_sources_compare_up_to_shared_buffer_placement():
+    """``diff_kernel_source.normalise`` drops the shared buffers' declarations and names each buffer by its
+    first use, so two compiles that differ only in offsets and numbering read the same; using another
+    buffer (or other code) still differs."""
+    from diff_kernel_source import normalise
+
+    def kernel(decls: list[tuple[str, int]], body: str) -> str:
+        lines = [f"  void* {name} = ((void*)((char*)buf_dyn_shmem + {offset}));" for name, offset in decls]
+        lines += ["  __shared__ __align__(16) uint64_t v_9_mem[1];", "  auto v_9 = reinterpret_cast<Barrier*>(v_9_mem);"]
+        return "\n".join(lines + body.splitlines())
+
+    first = kernel([("v", 0), ("v_1", 1024)], "  v_9[0].wait(0);\n  copy(v, v_1);\n  gemm(v);\n  int v_mode = 2;")
+    second = kernel([("v_1", 2048), ("v_3", 0)], "  v_9[0].wait(0);\n  copy(v_3, v_1);\n  gemm(v_3);\n  int v_mode = 2;")
+    other = kernel([("v", 0), ("v_1", 1024)], "  v_9[0].wait(0);\n  copy(v, v_1);\n  gemm(v_1);\n  int v_mode = 2;")
+    assert normalise(first) == normalise(second)
+    assert "v_mode" in normalise(first) and "buf_dyn_shmem" not in normalise(first)
+    assert normalise(first) != normalise(other)  # the GEMM reads the other buffer
