@@ -160,6 +160,9 @@ class ExtendParts:
         # O^T's GEMM. 2:4 K rows must be the sparse GEMM's A (S^T = K·Q^T), and n32's 32 columns per
         # warpgroup are fewer than a wgmma's 64 rows: both keep S^T.
         self.q_rows = self.k_form == "dense" and tile in TILES
+        self.s_shape = [N, B] if self.q_rows else [B, N]  # S^T (and P^T), or with q_rows S (rows = query columns)
+        # The block loop unrolls ring_length items, so that each item's stage and P^T buffer are static.
+        self.ring_length = math.lcm(stages, self.p_buffers)
         self.TQ = N // G  # query tokens per tile (TQ * G <= N columns in use)
         self.HALF, self.RB = HALF, RB
         self.accum = "float32"
@@ -202,14 +205,14 @@ class ExtendParts:
 
     def alloc_p_buffers(self) -> list:
         """The P^T (q_rows: P) buffers, :func:`p_buffer_count` of them (plain Python: called inside the kernel)."""
-        shape = [self.N, self.B] if self.q_rows else [self.B, self.N]
-        return [self.T.alloc_shared(shape, self.dtype) for _ in range(self.p_buffers)]
+        return [self.T.alloc_shared(self.s_shape, self.dtype) for _ in range(self.p_buffers)]
 
     def _define_macros(self):  # noqa: C901 (one closure per macro)
         T = self.T
         B, D, N, G = self.B, self.D, self.N, self.G
         HALF, RB, TPC, RPT, SHUF = self.HALF, self.RB, self.TPC, self.RPT, self.SHUF
         threads, stages, dtype, producer = self.threads, self.stages, self.dtype, self.producer
+        ring_length, p_buffers = self.ring_length, self.p_buffers
         accum, NEG, CLAMP, LAZY, CHAINS = self.accum, self.NEG, self.CLAMP, self.LAZY, self.LANE_CHAINS
         POL = T.GemmWarpPolicy.Square  # each warpgroup owns 64 columns of both S^T and O^T
         rows = self.q_rows
@@ -481,13 +484,10 @@ class ExtendParts:
 
         def final_gemms(tile, P_bufs, ring_stages, sm):
             # Plain Python: final_gemm_if for each item of the unrolled ring (the one that holds the last
-            # block runs). One P buffer: the ring is the stages; two (ping-pong turns): block j's P^T is
-            # in P_bufs[j % 2], and the ring unrolls lcm(stages, 2) items.
-            count = len(P_bufs)
-            ring_length = stages * count // math.gcd(stages, count)
+            # block runs); block j's P^T is in P_bufs[j % p_buffers].
             for u in range(ring_length):
-                final_gemm_if(tile.num_blocks, u, ring_length, P_bufs[(u - 1) % count], ring_stages[u % stages], sm,
-                              count == 2)
+                final_gemm_if(tile.num_blocks, u, ring_length, P_bufs[(u - 1) % p_buffers], ring_stages[u % stages],
+                              sm, p_buffers == 2)
 
         @T.macro
         def load_q(Q_s, sm):
@@ -641,7 +641,7 @@ class ExtendParts:
         parts = self
         dynamic = self.dynamic_splits
         rows = self.q_rows
-        S_SHAPE = [N, B] if rows else [B, N]  # S^T, or with q_rows S (rows = query columns)
+        S_SHAPE = self.s_shape
 
         # Plain Python helpers (not parsed by TileLang): without dynamic splits they emit exactly the
         # expressions of a kernel without them.

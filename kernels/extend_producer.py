@@ -20,8 +20,6 @@ warpgroup's block-step phases, 10 + wg its turn to issue, 12 + wg its softmax vo
 
 from __future__ import annotations
 
-import math
-
 from sglang_hs.kernels.common import pin_source
 from sglang_hs.kernels.extend_common import ExtendParts
 
@@ -61,9 +59,7 @@ class ProducerSchedule:
                     parts.load(i, num_blocks, h, ring, stage, src)
                     parts.issuer_arrive(stage.full)
 
-        # The consumers' ring unrolls RING items (static stage and P^T buffer of each): lcm(stages, buffers).
-        P_COUNT = parts.p_buffers
-        RING = stages * P_COUNT // math.gcd(stages, P_COUNT)
+        P_COUNT, RING = parts.p_buffers, parts.ring_length  # the consumers' unrolled ring (ExtendParts)
 
         @T.macro
         def step(j, parity, num_blocks, first_block, first_masked, last_pos, tile_tokens, scale_log2, ring, Q_s, P_r,
