@@ -430,8 +430,8 @@ class ExtendParts:
                        stage, sm, pingpong):
             # Block step j (FA3's intra-warpgroup overlap): issue S^T(j), then O^T += V^T·P^T of block
             # j - 1 (P^T(j - 1) is in P_r, its mode in pending_mode, its V in this stage), and wait for
-            # S^T only, so that the O^T GEMM runs under block j's softmax. Then P^T(j) is written to P_w
-            # and the O^T GEMM waited for before the stage is released.
+            # S^T only, so that the O^T GEMM runs under block j's softmax. Then the O^T GEMM is waited for,
+            # the stage released and P^T(j) written to P_w (with one buffer: released, then written).
             # pingpong (FA3's ping-pong of two consumer warpgroups): warpgroup wg issues its GEMMs on its
             # turn (named barrier 10 + wg) and hands the turn to the other once its S^T is ready, so that
             # one warpgroup's softmax runs while the other's GEMMs have the tensor cores. With P_r not
@@ -459,8 +459,8 @@ class ExtendParts:
                 T.named_barrier_arrive(11 - T.get_thread_binding() // 128, 256)
             softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_w, sm)
             if two_buffers:
+                release(stage)  # before the store, which touches no stage: the producer refills it sooner
                 T.copy(sm.sT, P_w)  # fenced at the next step's (or the final GEMM's) barrier
-                release(stage)
             else:
                 release(stage)
                 group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_w
