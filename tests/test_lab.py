@@ -95,3 +95,20 @@ def test_kernel_sources_compare_up_to_shared_buffer_placement():
     assert normalise(first) == normalise(second)
     assert "v_mode" in normalise(first) and "buf_dyn_shmem" not in normalise(first)
     assert normalise(first) != normalise(other)  # the GEMM reads the other buffer
+
+
+@pytest.mark.parametrize("variant", ["noexp", "novote", "nostore", "nogemmo", "noload", "probe", "noexp+novote+nostore"])
+def test_extend_ablations_apply_to_the_installed_kernels(variant, tmp_path):
+    """Each of ``ablate_extend``'s variants finds its anchors in the installed extend sources (they follow the
+    kernel's edits) and changes them; the copy leaves the other modules as they are."""
+    import ablate_extend
+
+    tree = ablate_extend.write_variant(variant, str(tmp_path))
+    import sglang_hs.kernels as kernels
+
+    src = list(kernels.__path__)[0]
+    changed = [name for name in sorted(os.listdir(src)) if name.endswith(".py")
+               and open(os.path.join(src, name)).read() != open(os.path.join(tree, name)).read()]
+    assert changed and set(changed) <= {"extend_common.py", "extend_producer.py"}
+    with pytest.raises(ValueError, match="unknown variant"):
+        ablate_extend.edit("nothing", "", "")

@@ -1,0 +1,189 @@
+"""Copies of the installed ``kernels/`` with one part of the n128 extend step left out, or with the step's
+phases timed: what a block step's time is made of (CPU; the copies are timed on a GPU).
+
+    python lab/ablate_extend.py --out /tmp/abl noexp novote nostore nogemmo noload noexp+novote+nostore probe
+    python lab/time_extend_kernels.py --label noexp --kernels /tmp/abl/noexp --sk 1 --tokens 256,2048
+    python lab/ablate_extend.py --read-probe /tmp/abl/probe --tokens 256,2048
+
+Each variant edits the source text of the S^T path (2:4 K rows, the benchmark's S_K = S_V = 1) and breaks
+the kernel's results; only its time means something. Time the unedited tree the same way (``--kernels``
+of a plain copy, or the installed one), in turn with the variants.
+
+* ``noexp``: the common step's ``exp2`` left out (P is the offset score).
+* ``novote``: the warpgroup vote left out (the offset moves on the CTA's first block only; the lane max
+  that feeds the vote is then dead code).
+* ``nostore``: P^T not written to shared memory (the O^T GEMM reads what the buffer held).
+* ``nogemmo``: the O^T GEMM left out.
+* ``noload``: the producer issues no TMA loads (the stages keep what they held).
+* ``probe``: every consumer thread sums ``clock64`` intervals over the block loop by phase (full wait,
+  fence and turn, GEMM issue and S wait, mask and scores, vote and exp, P^T store, release, the loop
+  between steps); the first thread of each consumer warpgroup writes its sums into the LSE of the CTA's
+  first 16 columns, which ``--read-probe`` turns into clocks a block step (GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+PHASES = ["loop", "full_wait", "fence_turn", "gemm_issue_s_wait", "mask_scores", "vote_exp", "p_store", "release"]
+
+
+def _swap(text: str, old: str, new: str) -> str:
+    if text.count(old) != 1:
+        raise ValueError(f"the kernels' source has changed: {old.strip().splitlines()[0]!r} not found once")
+    return text.replace(old, new)
+
+
+def _probe(common: str, producer: str) -> tuple[str, str]:
+    """The probe's edits: a ``mark(acc, last, k)`` macro adding the clocks since the last mark to ``acc[k]``,
+    marks between the step's phases, and the sums written into the LSE after the output."""
+    mark = ("        @T.macro\n        def mark(acc, last, k):\n"
+            "            now = T.call_extern(\"int64\", \"clock64\")\n"
+            "            acc[k] = acc[k] + (now - last[0])\n            last[0] = now\n\n")
+    common = _swap(common, "        @T.macro\n        def resolve(", mark + "        @T.macro\n        def resolve(")
+    common = _swap(common, "        def softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_s, sm):",
+                   "        def softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_s, sm, acc, last):")
+    common = _swap(common, "            lazy_scores(is_first, scale_log2, sT, offsets, lane_max)\n            if rows:",
+                   "            lazy_scores(is_first, scale_log2, sT, offsets, lane_max)\n            mark(acc, last, 4)\n"
+                   "            if rows:")
+    common = _swap(common, "                       stage, sm, pingpong):", "                       stage, sm, pingpong, acc, last):")
+    common = _swap(common, "                T.sync_threads(10 + T.get_thread_binding() // 128, 256)\n            gemm_s(",
+                   "                T.sync_threads(10 + T.get_thread_binding() // 128, 256)\n"
+                   "            mark(acc, last, 2)\n            gemm_s(")
+    common = _swap(common, "            softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_w, sm)",
+                   "            mark(acc, last, 3)\n"
+                   "            softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_w, sm, acc, last)\n"
+                   "            mark(acc, last, 5)")
+    common = _swap(common, "                release(stage)  # before the store",
+                   "                release(stage)\n                mark(acc, last, 7)  # before the store")
+    common = _swap(common, "                T.copy(sm.sT, P_w)  # fenced at the next step's",
+                   "                T.copy(sm.sT, P_w)\n                mark(acc, last, 6)  # fenced at the next step's")
+    common = _swap(common, "        self.load_q = load_q\n", "        self.load_q = load_q\n        self.mark = mark\n")
+    producer = _swap(producer, "                 P_w, stage, sm):\n            if j < num_blocks:\n"
+                     "                T.barrier_wait(stage.full, parity)\n",
+                     "                 P_w, stage, sm, acc, last):\n            if j < num_blocks:\n"
+                     "                parts.mark(acc, last, 0)\n                T.barrier_wait(stage.full, parity)\n"
+                     "                parts.mark(acc, last, 1)\n")
+    producer = _swap(producer, "ring.mode[j % RB], j, Q_s, P_r, P_w, stage, sm, True)",
+                     "ring.mode[j % RB], j, Q_s, P_r, P_w, stage, sm, True, acc, last)")
+    producer = _swap(producer, "        def ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm):",
+                     "        def ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm, acc, last):")
+    producer = _swap(producer, "P_bufs[(u - 1) % P_COUNT], P_bufs[u % P_COUNT], ring_stages[u % stages], sm)",
+                     "P_bufs[(u - 1) % P_COUNT], P_bufs[u % P_COUNT], ring_stages[u % stages], sm, acc, last)")
+    producer = _swap(producer, "                for it in T.serial(T.ceildiv(tile.num_blocks, RING)):\n"
+                     "                    ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm)",
+                     "                acc = T.alloc_local([8], \"int64\")\n                last = T.alloc_local([1], \"int64\")\n"
+                     "                for k in T.serial(8):\n                    acc[k] = T.int64(0)\n"
+                     "                last[0] = T.call_extern(\"int64\", \"clock64\")\n"
+                     "                for it in T.serial(T.ceildiv(tile.num_blocks, RING)):\n"
+                     "                    ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm, acc, last)")
+    producer = _swap(producer, "                parts.write_output(tile, sm, outputs)\n",
+                     "                parts.write_output(tile, sm, outputs)\n                parts.consumer_sync()\n"
+                     "                if tid % 128 == 0:\n                    for k in T.serial(8):\n"
+                     "                        c = (tid // 128) * 8 + k\n"
+                     "                        outputs.lse[tile.first_row + tile.first_token + c // parts.G,\n"
+                     "                                    tile.h * parts.G + c % parts.G] = T.cast(acc[k], \"float32\")\n")
+    return common, producer
+
+
+def edit(variant: str, common: str, producer: str) -> tuple[str, str]:
+    """``(extend_common.py, extend_producer.py)`` of ``variant`` (names joined by ``+`` apply in turn) from the
+    installed texts."""
+    if "+" in variant:
+        for part in variant.split("+"):
+            common, producer = edit(part, common, producer)
+        return common, producer
+    if variant == "noexp":
+        common = _swap(common, "                for i, c in T.Parallel(B, N):\n                    sT[i, c] = T.exp2(sT[i, c])\n",
+                       "                for i, c in T.Parallel(B, N):\n                    sT[i, c] = sT[i, c]\n")
+    elif variant == "novote":
+        common = _swap(common, "            elif T.call_extern(\"int32\", \"hs_warpgroup_any\", T.if_then_else(lane_max[0] > LAZY, 1, 0),\n"
+                       "                               12 + T.get_thread_binding() // 128) != 0:",
+                       "            elif is_first:")
+    elif variant == "nostore":
+        common = _swap(common, "                T.copy(sm.sT, P_w)  # fenced at the next step's", "                T.sync_warp()  # fenced at the next step's")
+    elif variant == "nogemmo":
+        common = _swap(common, "                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)\n"
+                       "                T.wait_wgmma(1)", "                T.wait_wgmma(1)")
+    elif variant == "noload":
+        producer = _swap(producer, "                    parts.load(i, num_blocks, h, ring, stage, src)\n", "")
+    elif variant == "probe":
+        common, producer = _probe(common, producer)
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    return common, producer
+
+
+def write_variant(variant: str, out_dir: str) -> str:
+    """A copy of the installed kernels/ with ``variant``'s edits in ``out_dir/variant``; returns its path."""
+    import sglang_hs.kernels as kernels
+
+    src = list(kernels.__path__)[0]
+    dst = os.path.join(out_dir, variant)
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    paths = [os.path.join(dst, name) for name in ("extend_common.py", "extend_producer.py")]
+    texts = [open(p, encoding="utf-8").read() for p in paths]
+    for path, text in zip(paths, edit(variant, *texts)):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    return dst
+
+
+def read_probe(tree: str, tokens: list[int]) -> None:
+    """Run the probe tree on the benchmark's case (S_K = S_V = 1) and print each warpgroup's clocks a block
+    step by phase, one JSON line per size (GPU)."""
+    from time_extend_kernels import use_kernels_tree
+
+    use_kernels_tree(tree)
+    import torch
+    from profile_extend import benchmark_case
+
+    from sglang_hs.kernels.cases import extend_run_args
+
+    for n in tokens:
+        case, plan = benchmark_case(n, 1.0, 1.0, tile="n128", stages=2)
+        run_args = extend_run_args(case)
+        for _ in range(10):
+            _, lse = plan.run(*run_args, return_lse=True)
+        torch.cuda.synchronize()
+        lse = lse.float().cpu()
+        qo, group, tokens_per_tile = case["qo_indptr_list"], 4, 32
+        sums = torch.zeros(2, len(PHASES), dtype=torch.float64)
+        steps = 0
+        for r in range(len(qo) - 1):
+            for t0 in range(0, qo[r + 1] - qo[r], tokens_per_tile):
+                last_pos = case["seq_lens_list"][r] - (qo[r + 1] - qo[r]) + t0 + tokens_per_tile - 1
+                for h in range(8):
+                    for c in range(16):
+                        sums[c // 8, c % 8] += lse[qo[r] + t0 + c // group, h * group + c % group].item()
+                    steps += last_pos // 64 + 1
+        per_step = (sums / steps).tolist()
+        print(json.dumps(dict(new_tokens=n, device=torch.cuda.get_device_name(), block_steps=steps,
+                              clocks_per_step={f"warpgroup{w}": dict(zip(PHASES, map(lambda v: round(v, 1), per_step[w])))
+                                               for w in range(2)})), flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variants", nargs="*", help="noexp novote nostore nogemmo noload probe, or several joined by +")
+    ap.add_argument("--out", help="folder for the variants' kernels/ copies")
+    ap.add_argument("--read-probe", metavar="TREE", help="run a probe tree and print its phase clocks (GPU)")
+    ap.add_argument("--tokens", default="256,2048")
+    args = ap.parse_args(argv)
+    if args.read_probe:
+        read_probe(args.read_probe, [int(x) for x in args.tokens.split(",")])
+        return 0
+    if not args.out or not args.variants:
+        ap.error("give --out and at least one variant, or --read-probe")
+    for variant in args.variants:
+        print(write_variant(variant, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
