@@ -32,10 +32,10 @@ TILE_SHAPES = {**NARROW_TILES, **TILES}
 
 
 def p_buffer_count(tile: str, k_form: str) -> int:
-    """P^T buffers of a tile: n128's ping-pong over 2:4 K rows (S^T) takes two in turn, so that no
-    warpgroup barrier stands either side of a block's P^T store; dense K rows (S = Q·K^T) measured
-    slower so (``docs/kernels.md``) and keep one, as do the one-warpgroup tiles."""
-    return 2 if tile == "n128" and k_form != "dense" else 1
+    """P^T (or P) buffers of a tile: n128 stores block j's while block j - 1's O^T GEMM still reads the
+    other (its S GEMM runs a block ahead, ``extend_producer.py``); the one-warpgroup tiles keep one.
+    ``k_form`` is the stages' K form (the count does not depend on it today)."""
+    return 2 if tile == "n128" else 1
 
 
 def resolve_chunk(tile: str) -> int:
@@ -161,8 +161,12 @@ class ExtendParts:
         # warpgroup are fewer than a wgmma's 64 rows: both keep S^T.
         self.q_rows = self.k_form == "dense" and tile in TILES
         self.s_shape = [N, B] if self.q_rows else [B, N]  # S^T (and P^T), or with q_rows S (rows = query columns)
-        # The block loop unrolls ring_length items, so that each item's stage and P^T buffer are static.
-        self.ring_length = math.lcm(stages, self.p_buffers)
+        # Stage item i holds K of block i and V of block i - v_lag: the producer schedule's S GEMM runs a
+        # block ahead of its O^T GEMM (two), the overlap schedule's one.
+        self.v_lag = 2 if producer else 1
+        # The block loop unrolls ring_length items, so that each item's stage, S accumulator (two with a
+        # producer) and P^T buffer are static.
+        self.ring_length = math.lcm(stages, self.p_buffers, 2 if producer else 1)
         self.TQ = N // G  # query tokens per tile (TQ * G <= N columns in use)
         self.HALF, self.RB = HALF, RB
         self.accum = "float32"
@@ -212,7 +216,7 @@ class ExtendParts:
         B, D, N, G = self.B, self.D, self.N, self.G
         HALF, RB, TPC, RPT, SHUF = self.HALF, self.RB, self.TPC, self.RPT, self.SHUF
         threads, stages, dtype, producer = self.threads, self.stages, self.dtype, self.producer
-        ring_length, p_buffers = self.ring_length, self.p_buffers
+        ring_length, p_buffers, v_lag = self.ring_length, self.p_buffers, self.v_lag
         accum, NEG, CLAMP, LAZY, CHAINS = self.accum, self.NEG, self.CLAMP, self.LAZY, self.LANE_CHAINS
         POL = T.GemmWarpPolicy.Square  # each warpgroup owns 64 columns of both S^T and O^T
         rows = self.q_rows
@@ -241,12 +245,14 @@ class ExtendParts:
 
         @T.macro
         def load(i, num_blocks, h, ring, stage, src):
-            # The loads of stage item i: K of block i and V of block i - 1, those that are blocks of the
-            # CTA (items 0 .. num_blocks; issued by one elected thread, the caller arrives).
+            # The loads of stage item i: K of block i and V of block max(i - v_lag, 0), those that are
+            # blocks of the CTA (items 0 .. num_blocks + v_lag - 1; issued by one elected thread, the
+            # caller arrives).
             if i < num_blocks:
                 load_k(ring.mode[i % RB], ring.k_row[i % RB], h, stage, src)
             if i >= 1:
-                load_v(ring.mode[(i - 1) % RB], ring.v_row[(i - 1) % RB], h, stage, src)
+                v_block = i - 1 if v_lag == 1 else T.max(i - v_lag, 0)  # plain Python: the schedule's lag
+                load_v(ring.mode[v_block % RB], ring.v_row[v_block % RB], h, stage, src)
 
         @T.macro
         def issuer_arrive(full):
@@ -418,12 +424,17 @@ class ExtendParts:
                     row_sums[i, c] = row_sums[i, c] + sT[i, c]
 
         @T.macro
-        def release(stage):
-            # The stage's release once this warp's GEMMs on it are complete (one arrival per warp).
-            T.wait_wgmma(0)
+        def arrive_empty(stage):
+            # One arrival per warp on the stage's empty barrier (the caller has waited for its GEMMs).
             T.sync_warp()
             if T.get_thread_binding() % 32 == 0:
                 T.barrier_arrive(stage.empty)
+
+        @T.macro
+        def release(stage):
+            # The stage's release once this warp's GEMMs on it are complete.
+            T.wait_wgmma(0)
+            arrive_empty(stage)
 
         @T.macro
         def block_step(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, mode, j, Q_s, P_r, P_w,
@@ -608,6 +619,7 @@ class ExtendParts:
         self.load_k, self.load_v = load_k, load_v
         self.resolve, self.load, self.issuer_arrive, self.consumer_sync = resolve, load, issuer_arrive, consumer_sync
         self.block_step, self.final_gemms, self.init_fragments = block_step, final_gemms, init_fragments
+        self.gemm_s, self.gemm_o, self.softmax, self.arrive_empty = gemm_s, gemm_o, softmax, arrive_empty
         self.load_q = load_q
         self.write_output = write_output
 

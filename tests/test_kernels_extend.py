@@ -28,13 +28,11 @@ SMALL_MAX_BLOCKS = 30  # > the longest request's 27 blocks: the table has unused
 
 # (q_heads, kv_heads, head_dim, dtype, S_K, S_V, plan options): each tile with GQA groups 4, 8, 2 and 1;
 # d 128 and 64; fp16 and bf16; S in {0, 0.5, 1} mixes; with (S_K > 0) and without (S_K = 0) the 2:4 K
-# buffers; n128 with 2 and 3 stages.
+# buffers.
 SMALL = [
     # n128: a producer warpgroup and two ping-pong consumer warpgroups.
     (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128")),
     (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128")),
-    (32, 8, 128, torch.float16, 1.0, 1.0, dict(tile="n128", stages=3)),
-    (32, 8, 128, torch.float16, 0.0, 1.0, dict(tile="n128", stages=3)),
     (16, 2, 128, torch.bfloat16, 0.5, 1.0, dict(tile="n128")),
     (8, 4, 128, torch.float16, 0.0, 1.0, dict(tile="n128")),
     (4, 4, 64, torch.bfloat16, 0.0, 0.0, dict(tile="n128")),
@@ -347,26 +345,27 @@ def test_bench_rejects_malformed_variant(bad):
 
 
 def test_plan_rejects_stage_counts_a_tile_cannot_build():
-    """A stage count a tile does not build (n64: 2; n128: 2 or 3) is refused up front (a one-line
+    """A stage count a tile does not build (every tile builds 2) is refused up front (a one-line
     ValueError) instead of failing at the first call's compile."""
-    for stages in (3, 4):
-        with pytest.raises(ValueError, match="n64"):
-            HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n64", stages=stages)
+    for tile in ("n64", "n128"):
+        for stages in (3, 4):
+            with pytest.raises(ValueError, match=tile):
+                HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile=tile, stages=stages)
     with pytest.raises(ValueError, match="stages in"):
         HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", stages=4)  # "auto" may pick either
-    assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n128", stages=3).stages == 3
+    assert HieraSparseExtend(32, 8, 128, 64, 544, torch.float16, "cpu", tile="n128", stages=2).stages == 2
 
 
 def test_every_tile_fits_its_shared_memory_with_its_p_buffers():
-    """n128 over 2:4 K rows takes two P^T buffers (ping-pong, no barrier either side of the store), dense K
-    and the one-warpgroup tiles one; every tile, stage count and head_dim fits a CTA's 227 KB, and n64
-    without 2:4 K buffers still fits two CTAs an SM."""
+    """n128 takes two P^T (or P) buffers (block j's is stored while block j - 1's O^T GEMM reads the other),
+    the one-warpgroup tiles one; every tile, stage count and head_dim fits a CTA's 227 KB, and n64 without
+    2:4 K buffers still fits two CTAs an SM."""
     from sglang_hs.kernels.common import SMEM_PER_SM
     from sglang_hs.kernels.extend import smem_bytes
     from sglang_hs.kernels.extend_common import p_buffer_count
 
-    assert p_buffer_count("n128", "sparse") == p_buffer_count("n128", "any") == 2
-    assert p_buffer_count("n128", "dense") == p_buffer_count("n64", "any") == p_buffer_count("n32", "sparse") == 1
+    assert p_buffer_count("n128", "sparse") == p_buffer_count("n128", "any") == p_buffer_count("n128", "dense") == 2
+    assert p_buffer_count("n64", "any") == p_buffer_count("n32", "sparse") == 1
     for tile, stage_counts in STAGES.items():
         for stages in stage_counts:
             for k_sparse in (False, True):
