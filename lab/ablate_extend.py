@@ -15,10 +15,10 @@ of a plain copy, or the installed one), in turn with the variants.
 * ``nostore``: P^T not written to shared memory (the O^T GEMM reads what the buffer held).
 * ``nogemmo``: the O^T GEMM left out.
 * ``noload``: the producer issues no TMA loads (the stages keep what they held).
-* ``probe``: every consumer thread sums ``clock64`` intervals over the block loop by phase (full wait,
-  fence and turn, GEMM issue and S wait, mask and scores, vote and exp, P^T store, release, the loop
-  between steps); the first thread of each consumer warpgroup writes its sums into the LSE of the CTA's
-  first 16 columns, which ``--read-probe`` turns into clocks a block step (GPU).
+* ``probe``: every consumer thread sums ``clock64`` intervals over the block loop by phase (``PHASES``:
+  full wait, fence and turn, GEMM issue, S wait, mask and scores, vote, exp2 and sums, release, P^T
+  store, and the loop between steps); the first thread of each consumer warpgroup writes its sums into
+  the LSE of the CTA's first 20 columns, which ``--read-probe`` turns into clocks a block step (GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import os
 import shutil
 import sys
 
-PHASES = ["loop", "full_wait", "fence_turn", "gemm_issue_s_wait", "mask_scores", "vote_exp", "p_store", "release"]
+# The probe's phases, in acc's order (a step runs 0 .. 9; ``loop`` is the time between two steps).
+PHASES = ["loop", "full_wait", "fence_turn", "gemm_issue", "s_wait", "mask_scores", "vote", "exp", "release", "p_store"]
 
 
 def _swap(text: str, old: str, new: str) -> str:
@@ -40,29 +41,39 @@ def _swap(text: str, old: str, new: str) -> str:
 
 def _probe(common: str, producer: str) -> tuple[str, str]:
     """The probe's edits: a ``mark(acc, last, k)`` macro adding the clocks since the last mark to ``acc[k]``,
-    marks between the step's phases, and the sums written into the LSE after the output."""
+    marks between the step's phases (the vote taken into ``lane_max[1]`` first, so that it has a mark of its
+    own), and the sums written into the LSE after the output."""
     mark = ("        @T.macro\n        def mark(acc, last, k):\n"
             "            now = T.call_extern(\"int64\", \"clock64\")\n"
             "            acc[k] = acc[k] + (now - last[0])\n            last[0] = now\n\n")
+    vote = ('T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY, 1, 0),\n'
+            "                               12 + T.get_thread_binding() // 128)")
     common = _swap(common, "        @T.macro\n        def resolve(", mark + "        @T.macro\n        def resolve(")
     common = _swap(common, "        def softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_s, sm):",
                    "        def softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_s, sm, acc, last):")
     common = _swap(common, "            lazy_scores(is_first, scale_log2, sT, offsets, lane_max)\n            if rows:",
-                   "            lazy_scores(is_first, scale_log2, sT, offsets, lane_max)\n            mark(acc, last, 4)\n"
-                   "            if rows:")
+                   "            lazy_scores(is_first, scale_log2, sT, offsets, lane_max)\n            mark(acc, last, 5)\n"
+                   "            if not rows:\n                lane_max[1] = T.cast(" + vote + ", accum)\n"
+                   "                mark(acc, last, 6)\n            if rows:")
+    common = _swap(common, "            elif " + vote + " != 0:", "            elif lane_max[1] != 0:")
     common = _swap(common, "                       stage, sm, pingpong):", "                       stage, sm, pingpong, acc, last):")
     common = _swap(common, "                T.sync_threads(10 + T.get_thread_binding() // 128, 256)\n            gemm_s(",
                    "                T.sync_threads(10 + T.get_thread_binding() // 128, 256)\n"
                    "            mark(acc, last, 2)\n            gemm_s(")
+    common = _swap(common, "                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)\n"
+                   "                T.wait_wgmma(1)\n            else:\n                T.wait_wgmma(0)\n",
+                   "                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)\n"
+                   "                mark(acc, last, 3)\n                T.wait_wgmma(1)\n            else:\n"
+                   "                mark(acc, last, 3)\n                T.wait_wgmma(0)\n            mark(acc, last, 4)\n")
     common = _swap(common, "            softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_w, sm)",
-                   "            mark(acc, last, 3)\n"
                    "            softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_w, sm, acc, last)\n"
-                   "            mark(acc, last, 5)")
+                   "            mark(acc, last, 7)")
     common = _swap(common, "                release(stage)  # before the store",
-                   "                release(stage)\n                mark(acc, last, 7)  # before the store")
+                   "                release(stage)\n                mark(acc, last, 8)  # before the store")
     common = _swap(common, "                T.copy(sm.sT, P_w)  # fenced at the next step's",
-                   "                T.copy(sm.sT, P_w)\n                mark(acc, last, 6)  # fenced at the next step's")
+                   "                T.copy(sm.sT, P_w)\n                mark(acc, last, 9)  # fenced at the next step's")
     common = _swap(common, "        self.load_q = load_q\n", "        self.load_q = load_q\n        self.mark = mark\n")
+    n = len(PHASES)
     producer = _swap(producer, "                 P_w, stage, sm):\n            if j < num_blocks:\n"
                      "                T.barrier_wait(stage.full, parity)\n",
                      "                 P_w, stage, sm, acc, last):\n            if j < num_blocks:\n"
@@ -76,15 +87,15 @@ def _probe(common: str, producer: str) -> tuple[str, str]:
                      "P_bufs[(u - 1) % P_COUNT], P_bufs[u % P_COUNT], ring_stages[u % stages], sm, acc, last)")
     producer = _swap(producer, "                for it in T.serial(T.ceildiv(tile.num_blocks, RING)):\n"
                      "                    ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm)",
-                     "                acc = T.alloc_local([8], \"int64\")\n                last = T.alloc_local([1], \"int64\")\n"
-                     "                for k in T.serial(8):\n                    acc[k] = T.int64(0)\n"
+                     f"                acc = T.alloc_local([{n}], \"int64\")\n                last = T.alloc_local([1], \"int64\")\n"
+                     f"                for k in T.serial({n}):\n                    acc[k] = T.int64(0)\n"
                      "                last[0] = T.call_extern(\"int64\", \"clock64\")\n"
                      "                for it in T.serial(T.ceildiv(tile.num_blocks, RING)):\n"
                      "                    ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm, acc, last)")
     producer = _swap(producer, "                parts.write_output(tile, sm, outputs)\n",
                      "                parts.write_output(tile, sm, outputs)\n                parts.consumer_sync()\n"
-                     "                if tid % 128 == 0:\n                    for k in T.serial(8):\n"
-                     "                        c = (tid // 128) * 8 + k\n"
+                     f"                if tid % 128 == 0:\n                    for k in T.serial({n}):\n"
+                     f"                        c = (tid // 128) * {n} + k\n"
                      "                        outputs.lse[tile.first_row + tile.first_token + c // parts.G,\n"
                      "                                    tile.h * parts.G + c % parts.G] = T.cast(acc[k], \"float32\")\n")
     return common, producer
@@ -153,14 +164,15 @@ def read_probe(tree: str, tokens: list[int]) -> None:
         torch.cuda.synchronize()
         lse = lse.float().cpu()
         qo, group, tokens_per_tile = case["qo_indptr_list"], 4, 32
-        sums = torch.zeros(2, len(PHASES), dtype=torch.float64)
+        n_phases = len(PHASES)
+        sums = torch.zeros(2, n_phases, dtype=torch.float64)
         steps = 0
         for r in range(len(qo) - 1):
             for t0 in range(0, qo[r + 1] - qo[r], tokens_per_tile):
                 last_pos = case["seq_lens_list"][r] - (qo[r + 1] - qo[r]) + t0 + tokens_per_tile - 1
                 for h in range(8):
-                    for c in range(16):
-                        sums[c // 8, c % 8] += lse[qo[r] + t0 + c // group, h * group + c % group].item()
+                    for c in range(2 * n_phases):
+                        sums[c // n_phases, c % n_phases] += lse[qo[r] + t0 + c // group, h * group + c % group].item()
                     steps += last_pos // 64 + 1
         per_step = (sums / steps).tolist()
         print(json.dumps(dict(new_tokens=n, device=torch.cuda.get_device_name(), block_steps=steps,
