@@ -155,6 +155,7 @@ def read_probe(tree: str, tokens: list[int]) -> None:
     from profile_extend import benchmark_case
 
     from sglang_hs.kernels.cases import extend_run_args
+    from sglang_hs.kernels.extend_common import TILE_SHAPES
 
     for n in tokens:
         case, plan = benchmark_case(n, 1.0, 1.0, tile="n128", stages=2)
@@ -163,17 +164,18 @@ def read_probe(tree: str, tokens: list[int]) -> None:
             _, lse = plan.run(*run_args, return_lse=True)
         torch.cuda.synchronize()
         lse = lse.float().cpu()
-        qo, group, tokens_per_tile = case["qo_indptr_list"], 4, 32
+        qo, group = case["qo_indptr_list"], plan.group
+        tokens_per_tile = TILE_SHAPES["n128"][0] // group
         n_phases = len(PHASES)
         sums = torch.zeros(2, n_phases, dtype=torch.float64)
         steps = 0
         for r in range(len(qo) - 1):
             for t0 in range(0, qo[r + 1] - qo[r], tokens_per_tile):
                 last_pos = case["seq_lens_list"][r] - (qo[r + 1] - qo[r]) + t0 + tokens_per_tile - 1
-                for h in range(8):
+                for h in range(plan.kv_heads):
                     for c in range(2 * n_phases):
                         sums[c // n_phases, c % n_phases] += lse[qo[r] + t0 + c // group, h * group + c % group].item()
-                    steps += last_pos // 64 + 1
+                    steps += last_pos // plan.block_size + 1
         per_step = (sums / steps).tolist()
         print(json.dumps(dict(new_tokens=n, device=torch.cuda.get_device_name(), block_steps=steps,
                               clocks_per_step={f"warpgroup{w}": dict(zip(PHASES, map(lambda v: round(v, 1), per_step[w])))
