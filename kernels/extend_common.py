@@ -470,13 +470,13 @@ class ExtendParts:
             sm.pending_mode[0] = sm.step_mode[0]
 
         @T.macro
-        def final_gemm_if(num_blocks, u, ring_length, P_s, stage, sm, turns):
+        def final_gemm_if(num_blocks, u, P_s, stage, sm):
             # After the loop: the O^T GEMM of the last block, whose V is stage item num_blocks (here when
-            # num_blocks is u modulo the unrolled ring's length). With turns (P^T in two buffers) the
-            # warpgroup first meets: its warps wrote the last P^T with no barrier after.
+            # num_blocks is u modulo the unrolled ring's length). With P^T in two buffers (ping-pong turns)
+            # the warpgroup first meets: its warps wrote the last P^T with no barrier after.
             if num_blocks >= 1:
                 if num_blocks % ring_length == u:
-                    if turns:
+                    if p_buffers == 2:
                         T.fence_proxy_async()  # the last P^T's writes (block_step)
                         group_barrier()
                     T.barrier_wait(stage.full, num_blocks // stages % 2)
@@ -486,8 +486,7 @@ class ExtendParts:
             # Plain Python: final_gemm_if for each item of the unrolled ring (the one that holds the last
             # block runs); block j's P^T is in P_bufs[j % p_buffers].
             for u in range(ring_length):
-                final_gemm_if(tile.num_blocks, u, ring_length, P_bufs[(u - 1) % p_buffers], ring_stages[u % stages],
-                              sm, p_buffers == 2)
+                final_gemm_if(tile.num_blocks, u, P_bufs[(u - 1) % p_buffers], ring_stages[u % stages], sm)
 
         @T.macro
         def load_q(Q_s, sm):
