@@ -102,6 +102,7 @@ class Softmax(NamedTuple):
     q_frag: object = None  # q_rows: Q [N, D] in registers (the S GEMM's A)
     rescale_cols: object = None  # q_rows: [N] O^T's factors of an offset move, in O^T's column layout
     row_max: object = None  # q_rows: [N] the block's row max
+    p16: object = None  # P^T (q_rows: P) in the kernel's 16-bit type: the step's exp2, taken before the vote
 
 
 class Outputs(NamedTuple):
@@ -214,6 +215,7 @@ class ExtendParts:
         threads, stages, dtype, producer = self.threads, self.stages, self.dtype, self.producer
         ring_length, p_buffers = self.ring_length, self.p_buffers
         accum, NEG, CLAMP, LAZY, CHAINS = self.accum, self.NEG, self.CLAMP, self.LAZY, self.LANE_CHAINS
+        LAZY_P = 2.0**LAZY  # the vote's bound on a P (the step's exp2 of a score against its offset)
         POL = T.GemmWarpPolicy.Square  # each warpgroup owns 64 columns of both S^T and O^T
         rows = self.q_rows
         ROWPOL = T.GemmWarpPolicy.FullRow  # q_rows: each warpgroup owns 64 rows of S (its O^T columns)
@@ -332,22 +334,24 @@ class ExtendParts:
                             block * B + i <= last_pos - T.max(tile_tokens - 1 - c // G, 0), sT[i, c], NEG)
 
         @T.macro
-        def lazy_scores(is_first, scale_log2, sT, offsets, lane_max):
+        def lazy_scores(is_first, scale_log2, sT, offsets, lane_max, p16):
             # The scores against the columns' current (scaled) offsets, and the thread's largest of them
             # in lane_max[0] (kept in CHAINS independent chains; LAZY + LAZY on the CTA's first block, so
             # that its offsets are always set).
             for k in T.unroll(CHAINS):
-                lane_max[k] = T.if_then_else(is_first, LAZY + LAZY, NEG)
+                lane_max[k] = T.if_then_else(is_first, LAZY_P * LAZY_P, 0.0)
             if rows:
                 for c, i in T.Parallel(N, B):
                     sT[c, i] = sT[c, i] * scale_log2 - offsets[c]  # masked keys stay -inf
                     lane_max[i // 8 % (CHAINS // 2) * 2 + i % 2] = T.max(lane_max[i // 8 % (CHAINS // 2) * 2 + i % 2],
-                                                                         sT[c, i])
+                                                                         T.exp2(sT[c, i]))
+                    p16[c, i] = T.cast(T.exp2(sT[c, i]), dtype)
             else:
                 for i, c in T.Parallel(B, N):
                     sT[i, c] = sT[i, c] * scale_log2 - offsets[c]  # masked keys stay -inf
                     lane_max[c // 8 % (CHAINS // 2) * 2 + c % 2] = T.max(
-                        lane_max[c // 8 % (CHAINS // 2) * 2 + c % 2], sT[i, c])
+                        lane_max[c // 8 % (CHAINS // 2) * 2 + c % 2], T.exp2(sT[i, c]))
+                    p16[i, c] = T.cast(T.exp2(sT[i, c]), dtype)
             for k in T.unroll(1, CHAINS):
                 lane_max[0] = T.max(lane_max[0], lane_max[k])
 
@@ -357,7 +361,7 @@ class ExtendParts:
             # quad shuffles (no P_s round trip); the offsets and row sums move in S's row layout, O^T's
             # columns take their factors through move_sh.
             sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max = sm[:8]
-            if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY, 1, 0),
+            if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY_P, 1, 0),
                              12 + T.get_thread_binding() // 128) != 0:
                 T.reduce_max(sT, sm.row_max, dim=1)
                 for c in T.Parallel(N):
@@ -370,6 +374,7 @@ class ExtendParts:
                 for c, i in T.Parallel(N, B):
                     sT[c, i] = T.exp2(sT[c, i] - sm.row_max[c])
                     row_sums[c, i] = row_sums[c, i] * rescale[c] + sT[c, i]
+                    sm.p16[c, i] = T.cast(sT[c, i], dtype)
                 T.wait_wgmma(0)  # the pending O^T GEMM, before O^T is rescaled
                 group_barrier()
                 for c in T.Parallel(N):
@@ -378,8 +383,7 @@ class ExtendParts:
                     oT[d, c] *= sm.rescale_cols[c]
             else:
                 for c, i in T.Parallel(N, B):
-                    sT[c, i] = T.exp2(sT[c, i])
-                    row_sums[c, i] = row_sums[c, i] + sT[c, i]
+                    row_sums[c, i] = row_sums[c, i] + T.cast(sm.p16[c, i], accum)
 
         @T.macro
         def softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_s, sm):
@@ -391,10 +395,10 @@ class ExtendParts:
             # O^T GEMM first (it rescales O^T and reuses P_s).
             sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max = sm[:8]
             causal_mask(block, first_masked, last_pos, tile_tokens, sT)
-            lazy_scores(is_first, scale_log2, sT, offsets, lane_max)
+            lazy_scores(is_first, scale_log2, sT, offsets, lane_max, sm.p16)
             if rows:
                 softmax_rows(is_first, sm)
-            elif T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY, 1, 0),
+            elif T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY_P, 1, 0),
                                12 + T.get_thread_binding() // 128) != 0:
                 T.wait_wgmma(0)
                 group_barrier()
@@ -410,12 +414,12 @@ class ExtendParts:
                 for i, c in T.Parallel(B, N):
                     sT[i, c] = T.exp2(sT[i, c] - move_sh[c])
                     row_sums[i, c] = row_sums[i, c] * rescale[c] + sT[i, c]
+                    sm.p16[i, c] = T.cast(sT[i, c], dtype)
                 for d, c in T.Parallel(D, N):
                     oT[d, c] *= rescale[c]
             else:
                 for i, c in T.Parallel(B, N):
-                    sT[i, c] = T.exp2(sT[i, c])
-                    row_sums[i, c] = row_sums[i, c] + sT[i, c]
+                    row_sums[i, c] = row_sums[i, c] + T.cast(sm.p16[i, c], accum)
 
         @T.macro
         def release(stage):
@@ -460,11 +464,11 @@ class ExtendParts:
             softmax(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, P_w, sm)
             if two_buffers:
                 release(stage)  # before the store, which touches no stage: the producer refills it sooner
-                T.copy(sm.sT, P_w)  # fenced at the next step's (or the final GEMM's) barrier
+                T.copy(sm.p16, P_w)  # fenced at the next step's (or the final GEMM's) barrier
             else:
                 release(stage)
                 group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_w
-                T.copy(sm.sT, P_w)
+                T.copy(sm.p16, P_w)
                 T.fence_proxy_async()  # TileLang issue #2634: P^T's generic writes before a (sparse) wgmma reads it
                 group_barrier()
             sm.pending_mode[0] = sm.step_mode[0]
@@ -701,6 +705,7 @@ class ExtendParts:
                 q_frag = T.alloc_fragment([N, D], dtype) if rows else None
                 rescale_cols = T.alloc_fragment([N], accum) if rows else None
                 row_max = T.alloc_fragment([N], accum) if rows else None
+                p16 = T.alloc_fragment(S_SHAPE, dtype)
                 sum_sh = T.alloc_shared([N], accum) if rows else None
                 schedule.alloc_state(parts)
                 tid = T.get_thread_binding()
@@ -765,7 +770,7 @@ class ExtendParts:
                                     first_masked, first_block, num_blocks, scale_log2,
                                     live_splits(qo_indptr, batch, request))
                     sm = Softmax(sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max, pending_mode,
-                                 step_mode, q_frag, rescale_cols, row_max)
+                                 step_mode, q_frag, rescale_cols, row_max, p16)
                     src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
                     outputs = Outputs(column_sh, weight_sh, ticket_sh, row_sum, merge_stat, out, lse, o_part, lse_part,
                                       tickets, sum_sh)
