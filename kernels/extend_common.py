@@ -51,6 +51,9 @@ __device__ __forceinline__ int hs_warpgroup_any(int pred, int bar_id) {
                " selp.s32 %0, 1, 0, q;\n}\n" : "=r"(out) : "r"(pred), "r"(bar_id) : "memory");
   return out;
 }
+
+// Any of a warp's threads (q_rows: a warp owns its rows of S, so it moves their offsets on its own).
+__device__ __forceinline__ int hs_warp_any(int pred) { return __any_sync(0xffffffffu, pred); }
 """
 
 
@@ -102,6 +105,7 @@ class Softmax(NamedTuple):
     q_frag: object = None  # q_rows: Q [N, D] in registers (the S GEMM's A)
     rescale_cols: object = None  # q_rows: [N] O^T's factors of an offset move, in O^T's column layout
     row_max: object = None  # q_rows: [N] the block's row max
+    move_step: object = None  # q_rows: [warps] shared int32: the block at which each warp last moved its offsets
 
 
 class Outputs(NamedTuple):
@@ -352,13 +356,12 @@ class ExtendParts:
                 lane_max[0] = T.max(lane_max[0], lane_max[k])
 
         @T.macro
-        def softmax_rows(is_first, sm):
+        def softmax_rows(is_first, block, sm):
             # q_rows: the lazy offset on S's rows. On a move (the warpgroup's vote), the row max comes from
             # quad shuffles (no P_s round trip); the offsets and row sums move in S's row layout, O^T's
             # columns take their factors through move_sh.
             sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max = sm[:8]
-            if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY, 1, 0),
-                             12 + T.get_thread_binding() // 128) != 0:
+            if T.call_extern("int32", "hs_warp_any", T.if_then_else(lane_max[0] > LAZY, 1, 0)) != 0:
                 T.reduce_max(sT, sm.row_max, dim=1)
                 for c in T.Parallel(N):
                     # The move: up to the block max (the first block sets the offset there, kept >= -CLAMP
@@ -370,12 +373,7 @@ class ExtendParts:
                 for c, i in T.Parallel(N, B):
                     sT[c, i] = T.exp2(sT[c, i] - sm.row_max[c])
                     row_sums[c, i] = row_sums[c, i] * rescale[c] + sT[c, i]
-                T.wait_wgmma(0)  # the pending O^T GEMM, before O^T is rescaled
-                group_barrier()
-                for c in T.Parallel(N):
-                    sm.rescale_cols[c] = T.if_then_else(is_first, 1.0, T.exp2(-move_sh[c]))
-                for d, c in T.Parallel(D, N):
-                    oT[d, c] *= sm.rescale_cols[c]
+                sm.move_step[T.get_thread_binding() // 32] = block  # O^T's columns move in apply_moves
             else:
                 for c, i in T.Parallel(N, B):
                     sT[c, i] = T.exp2(sT[c, i])
@@ -393,7 +391,7 @@ class ExtendParts:
             causal_mask(block, first_masked, last_pos, tile_tokens, sT)
             lazy_scores(is_first, scale_log2, sT, offsets, lane_max)
             if rows:
-                softmax_rows(is_first, sm)
+                softmax_rows(is_first, block, sm)
             elif T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY, 1, 0),
                                12 + T.get_thread_binding() // 128) != 0:
                 T.wait_wgmma(0)
@@ -416,6 +414,20 @@ class ExtendParts:
                 for i, c in T.Parallel(B, N):
                     sT[i, c] = T.exp2(sT[i, c])
                     row_sums[i, c] = row_sums[i, c] + sT[i, c]
+
+        @T.macro
+        def apply_moves(is_first, block, sm):
+            # q_rows: O^T's columns of the rows whose offsets a warp of this warpgroup moved at this block
+            # (softmax_rows; warp w owns rows 16w .. 16w + 15 of S), once the O^T GEMM of block j - 1 is
+            # complete and the warpgroup has met; no warp waits for the others in the common step.
+            wg_warps = T.get_thread_binding() // 128 * 4
+            if T.max(T.max(sm.move_step[wg_warps], sm.move_step[wg_warps + 1]),
+                     T.max(sm.move_step[wg_warps + 2], sm.move_step[wg_warps + 3])) == block:
+                for c in T.Parallel(N):
+                    sm.rescale_cols[c] = T.if_then_else(
+                        is_first, 1.0, T.if_then_else(sm.move_step[c // 16] == block, T.exp2(-sm.move_sh[c]), 1.0))
+                for d, c in T.Parallel(D, N):
+                    sm.oT[d, c] *= sm.rescale_cols[c]
 
         @T.macro
         def release(stage):
@@ -464,6 +476,8 @@ class ExtendParts:
             else:
                 release(stage)
                 group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_w
+                if rows:
+                    apply_moves(is_first, block, sm)
                 T.copy(sm.sT, P_w)
                 T.fence_proxy_async()  # TileLang issue #2634: P^T's generic writes before a (sparse) wgmma reads it
                 group_barrier()
@@ -702,6 +716,7 @@ class ExtendParts:
                 rescale_cols = T.alloc_fragment([N], accum) if rows else None
                 row_max = T.alloc_fragment([N], accum) if rows else None
                 sum_sh = T.alloc_shared([N], accum) if rows else None
+                move_step = T.alloc_shared([threads // 32], "int32") if rows else None
                 schedule.alloc_state(parts)
                 tid = T.get_thread_binding()
                 # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
@@ -758,6 +773,9 @@ class ExtendParts:
                             T.cast(0, dtype))
                     if schedule.init_early:
                         parts.init_fragments(oT, row_sums, offsets)
+                    if rows:
+                        if tid < threads // 32:
+                            move_step[tid] = -1
                     T.fence_proxy_async()  # TileLang issue #2634: Q_s's generic writes before wgmma reads it
                     T.sync_threads()
 
@@ -765,7 +783,7 @@ class ExtendParts:
                                     first_masked, first_block, num_blocks, scale_log2,
                                     live_splits(qo_indptr, batch, request))
                     sm = Softmax(sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max, pending_mode,
-                                 step_mode, q_frag, rescale_cols, row_max)
+                                 step_mode, q_frag, rescale_cols, row_max, move_step)
                     src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
                     outputs = Outputs(column_sh, weight_sh, ticket_sh, row_sum, merge_stat, out, lse, o_part, lse_part,
                                       tickets, sum_sh)
