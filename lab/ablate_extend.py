@@ -1,7 +1,7 @@
 """Copies of the installed ``kernels/`` with one part of the n128 extend step left out, or with the step's
 phases timed: what a block step's time is made of (CPU; the copies are timed on a GPU).
 
-    python lab/ablate_extend.py --out /tmp/abl noexp novote nostore nogemmo noload noexp+novote+nostore probe
+    python lab/ablate_extend.py --out /tmp/abl noexp novote nostore nogemmo noload noexp+novote+nostore double double+twoloads probe
     python lab/time_extend_kernels.py --label noexp --kernels /tmp/abl/noexp --sk 1 --tokens 256,2048
     python lab/ablate_extend.py --read-probe /tmp/abl/probe --tokens 256,2048
 
@@ -15,6 +15,10 @@ of a plain copy, or the installed one), in turn with the variants.
 * ``nostore``: P^T not written to shared memory (the O^T GEMM reads what the buffer held).
 * ``nogemmo``: the O^T GEMM left out.
 * ``noload``: the producer issues no TMA loads (the stages keep what they held).
+* ``double``: each step does its block's GEMMs, softmax and P store twice at one step's turn, vote, fence
+  and release (either K form, so also at S_K = 0): against twice the unedited time, what a step that takes
+  two blocks could save. ``double+twoloads`` also issues each stage item's TMA loads twice (the second
+  from L2), so that a step moves two blocks' bytes.
 * ``probe``: every consumer thread sums ``clock64`` intervals over the block loop by phase (``PHASES``:
   full wait, fence and turn, GEMM issue, S wait, mask and scores, vote, exp2 and sums, release, P^T
   store, and the loop between steps); the first thread of each consumer warpgroup writes its sums into
@@ -101,6 +105,63 @@ def _probe(common: str, producer: str) -> tuple[str, str]:
     return common, producer
 
 
+def _double(common: str) -> str:
+    """The ``double`` edits: each step issues its block's S (S^T) GEMM and O^T GEMM twice (a second S
+    accumulator), takes the scores of both into one lane max and one vote, exponentiates both and stores
+    both P (into one buffer), with one turn, one fence and one release: the work of a two-block step at one
+    step's fixed costs (the loads stay one block's; the offset's moves see the first copy only). Either K
+    form: its time over twice the unedited step's is what a two-block step could save."""
+    common = _swap(common, "    row_max: object = None  # q_rows: [N] the block's row max\n",
+                   "    row_max: object = None  # q_rows: [N] the block's row max\n    sT2: object = None\n")
+    common = _swap(common, "            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag)\n",
+                   "            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag)\n"
+                   "            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT2, sm.q_frag)\n")
+    common = _swap(common, "                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)\n"
+                   "                T.wait_wgmma(1)\n",
+                   "                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)\n"
+                   "                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)\n"
+                   "                T.wait_wgmma(2)\n")
+    common = _swap(common, "            lazy_scores(is_first, scale_log2, sT, offsets, lane_max)\n            if rows:",
+                   "            lazy_scores(is_first, scale_log2, sT, offsets, lane_max)\n"
+                   "            causal_mask(block, first_masked, last_pos, tile_tokens, sm.sT2)\n"
+                   "            if rows:\n"
+                   "                for c, i in T.Parallel(N, B):\n"
+                   "                    sm.sT2[c, i] = sm.sT2[c, i] * scale_log2 - offsets[c]\n"
+                   "                    lane_max[i // 8 % (CHAINS // 2) * 2 + i % 2] = T.max(\n"
+                   "                        lane_max[i // 8 % (CHAINS // 2) * 2 + i % 2], sm.sT2[c, i])\n"
+                   "            else:\n"
+                   "                for i, c in T.Parallel(B, N):\n"
+                   "                    sm.sT2[i, c] = sm.sT2[i, c] * scale_log2 - offsets[c]\n"
+                   "                    lane_max[c // 8 % (CHAINS // 2) * 2 + c % 2] = T.max(\n"
+                   "                        lane_max[c // 8 % (CHAINS // 2) * 2 + c % 2], sm.sT2[i, c])\n"
+                   "            for k in T.unroll(1, CHAINS):\n                lane_max[0] = T.max(lane_max[0], lane_max[k])\n"
+                   "            if rows:")
+    common = _swap(common, "                for c, i in T.Parallel(N, B):\n                    sT[c, i] = T.exp2(sT[c, i])\n"
+                   "                    row_sums[c, i] = row_sums[c, i] + sT[c, i]\n",
+                   "                for c, i in T.Parallel(N, B):\n                    sT[c, i] = T.exp2(sT[c, i])\n"
+                   "                    row_sums[c, i] = row_sums[c, i] + sT[c, i]\n"
+                   "                for c, i in T.Parallel(N, B):\n                    sm.sT2[c, i] = T.exp2(sm.sT2[c, i])\n"
+                   "                    row_sums[c, i] = row_sums[c, i] + sm.sT2[c, i]\n")
+    common = _swap(common, "                group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_w\n"
+                   "                T.copy(sm.sT, P_w)\n",
+                   "                group_barrier()  # WAR: every warp's O^T GEMM of block j - 1 has read P_w\n"
+                   "                T.copy(sm.sT, P_w)\n                T.copy(sm.sT2, P_w)\n")
+    common = _swap(common, "                for i, c in T.Parallel(B, N):\n                    sT[i, c] = T.exp2(sT[i, c])\n"
+                   "                    row_sums[i, c] = row_sums[i, c] + sT[i, c]\n",
+                   "                for i, c in T.Parallel(B, N):\n                    sT[i, c] = T.exp2(sT[i, c])\n"
+                   "                    row_sums[i, c] = row_sums[i, c] + sT[i, c]\n"
+                   "                for i, c in T.Parallel(B, N):\n                    sm.sT2[i, c] = T.exp2(sm.sT2[i, c])\n"
+                   "                    row_sums[i, c] = row_sums[i, c] + sm.sT2[i, c]\n")
+    common = _swap(common, "                T.copy(sm.sT, P_w)  # fenced at the next step's",
+                   "                T.copy(sm.sT, P_w)\n                T.copy(sm.sT2, P_w)  # fenced at the next step's")
+    common = _swap(common, "                row_max = T.alloc_fragment([N], accum) if rows else None\n",
+                   "                row_max = T.alloc_fragment([N], accum) if rows else None\n"
+                   "                sT2 = T.alloc_fragment(S_SHAPE, accum)\n")
+    common = _swap(common, "                                 step_mode, q_frag, rescale_cols, row_max)",
+                   "                                 step_mode, q_frag, rescale_cols, row_max, sT2)")
+    return common
+
+
 def edit(variant: str, common: str, producer: str) -> tuple[str, str]:
     """``(extend_common.py, extend_producer.py)`` of ``variant`` (names joined by ``+`` apply in turn) from the
     installed texts."""
@@ -122,6 +183,12 @@ def edit(variant: str, common: str, producer: str) -> tuple[str, str]:
                        "                T.wait_wgmma(1)", "                T.wait_wgmma(1)")
     elif variant == "noload":
         producer = _swap(producer, "                    parts.load(i, num_blocks, h, ring, stage, src)\n", "")
+    elif variant == "twoloads":
+        producer = _swap(producer, "                    parts.load(i, num_blocks, h, ring, stage, src)\n",
+                         "                    parts.load(i, num_blocks, h, ring, stage, src)\n"
+                         "                    parts.load(i, num_blocks, h, ring, stage, src)\n")
+    elif variant == "double":
+        common = _double(common)
     elif variant == "probe":
         common, producer = _probe(common, producer)
     else:
@@ -184,7 +251,7 @@ def read_probe(tree: str, tokens: list[int]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("variants", nargs="*", help="noexp novote nostore nogemmo noload probe, or several joined by +")
+    ap.add_argument("variants", nargs="*", help="noexp novote nostore nogemmo noload twoloads double probe, or several joined by +")
     ap.add_argument("--out", help="folder for the variants' kernels/ copies")
     ap.add_argument("--read-probe", metavar="TREE", help="run a probe tree and print its phase clocks (GPU)")
     ap.add_argument("--tokens", default="256,2048")

@@ -10,7 +10,8 @@ Batch 8 x 32K prefix + n new tokens for n in ``--tokens``, Llama-3.1-8B heads, f
 ``sglang_hs.kernels`` from DIR in this process (its kernels compile into, or load from, TileLang's cache
 under their own source digest). Each time: ``--settle-ms`` of untimed calls (the power limiter's
 state, ``power_settle.py``), then the median of 5 stretches of back-to-back calls. One JSON line per
-size with the mean SM clock and board power of a further 200 ms of calls. Run the trees in turn, the
+size with the mean SM clock and board power of a further 200 ms of calls (``--clock-reasons``: and what
+holds the clock, NVML's clock event reasons over 300 ms more). Run the trees in turn, the
 first again last, to see the drift; there is no FlashInfer baseline here (``sglang_hs.kernels.bench``).
 """
 
@@ -31,6 +32,34 @@ def use_kernels_tree(path: str) -> None:
     sglang_hs.kernels = package
 
 
+def clock_event_reasons(call, ms: float = 300.0) -> dict:
+    """NVML's clock event reasons while ``call`` runs back to back for ``ms``: each reason's share of the
+    samples (one every three calls), ``{}`` without NVML. Says what holds the SM clock below its maximum
+    (``SwPowerCap``: the board's power limiter, which acts on short-term power above the mean NVML shows)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        read = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    except Exception:  # noqa: BLE001 (no NVML)
+        return {}
+    prefix = "nvmlClocksThrottleReason"
+    bits = {getattr(pynvml, n): n[len(prefix):] for n in dir(pynvml)
+            if n.startswith(prefix) and n[len(prefix):] not in ("None", "All") and isinstance(getattr(pynvml, n), int)}
+    counts, samples, t0 = {}, 0, time.time()
+    while time.time() - t0 < ms / 1000.0:
+        for _ in range(3):
+            call()
+        mask = read(handle)
+        samples += 1
+        for bit, name in bits.items():
+            if bit and mask & bit == bit:
+                counts[name] = counts.get(name, 0) + 1
+    return {name: round(c / samples, 2) for name, c in sorted(counts.items())}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default=None, help="a kernels/ tree to import instead of the installed one")
@@ -40,6 +69,8 @@ def main(argv=None):
     ap.add_argument("--sk", type=float, default=1.0)
     ap.add_argument("--sv", type=float, default=1.0)
     ap.add_argument("--settle-ms", type=float, default=300.0)
+    ap.add_argument("--clock-reasons", action="store_true",
+                    help="also NVML's clock event reasons over 300 ms more of calls (their shares of the samples)")
     args = ap.parse_args(argv)
     if args.kernels:
         use_kernels_tree(args.kernels)
@@ -65,9 +96,11 @@ def main(argv=None):
         run_for(call, 200)
         mhz, watts = clock.mean([(t0, time.time())])
         clock.stop()
+        reasons = clock_event_reasons(call) if args.clock_reasons else None
         print(json.dumps(dict(label=args.label, kernels=args.kernels, device=torch.cuda.get_device_name(),
                               new_tokens=n, S_K=args.sk, S_V=args.sv, us=round(us, 1), sm_mhz=mhz, watts=watts,
-                              config=str(plan.last_config))), flush=True)
+                              config=str(plan.last_config),
+                              **({"clock_reasons": reasons} if reasons is not None else {}))), flush=True)
         del case, plan, run_args
         torch.cuda.empty_cache()
 

@@ -97,7 +97,8 @@ def test_kernel_sources_compare_up_to_shared_buffer_placement():
     assert normalise(first) != normalise(other)  # the GEMM reads the other buffer
 
 
-@pytest.mark.parametrize("variant", ["noexp", "novote", "nostore", "nogemmo", "noload", "probe", "noexp+novote+nostore"])
+@pytest.mark.parametrize("variant", ["noexp", "novote", "nostore", "nogemmo", "noload", "double", "probe",
+                                     "noexp+novote+nostore", "double+twoloads"])
 def test_extend_ablations_apply_to_the_installed_kernels(variant, tmp_path):
     """Each of ``ablate_extend``'s variants finds its anchors in the installed extend sources (they follow the
     kernel's edits) and changes them; the copy leaves the other modules as they are."""
