@@ -102,6 +102,9 @@ class Softmax(NamedTuple):
     q_frag: object = None  # q_rows: Q [N, D] in registers (the S GEMM's A)
     rescale_cols: object = None  # q_rows: [N] O^T's factors of an offset move, in O^T's column layout
     row_max: object = None  # q_rows: [N] the block's row max
+    sT2: object = None  # pair steps: S^T, then P^T, of the step's second block
+    step_mode2: object = None  # pair steps: the mode of the step's second block
+    pending_mode2: object = None  # pair steps: the mode of the second block whose O^T GEMM is pending
 
 
 class Outputs(NamedTuple):
@@ -155,6 +158,9 @@ class ExtendParts:
         self.k_form, self.v_form = ("dense" if not k_sparse else forms[0]), forms[1]
         self.dynamic_splits = dynamic_splits
         self.p_buffers = p_buffer_count(tile, self.k_form)
+        # Pair steps (n128 over 2:4 K rows at 3 stages): a block step takes two blocks, stage item i holds K of
+        # block i and V of block i - 2, and the two P^T buffers hold the pair's (extend_producer.py).
+        self.pair = tile == "n128" and self.k_form != "dense" and stages == 3
         # q_rows (dense K at n64 and n128): S = Q·K^T with Q in registers (rows = query columns), as FA3:
         # no Q^T read from shared memory per block, the row max by quad shuffles; P lands as [N, B] for
         # O^T's GEMM. 2:4 K rows must be the sparse GEMM's A (S^T = K·Q^T), and n32's 32 columns per
@@ -213,6 +219,8 @@ class ExtendParts:
         HALF, RB, TPC, RPT, SHUF = self.HALF, self.RB, self.TPC, self.RPT, self.SHUF
         threads, stages, dtype, producer = self.threads, self.stages, self.dtype, self.producer
         ring_length, p_buffers = self.ring_length, self.p_buffers
+        pair = self.pair
+        V_LAG = 2 if pair else 1  # stage item i holds V of block i - V_LAG
         accum, NEG, CLAMP, LAZY, CHAINS = self.accum, self.NEG, self.CLAMP, self.LAZY, self.LANE_CHAINS
         POL = T.GemmWarpPolicy.Square  # each warpgroup owns 64 columns of both S^T and O^T
         rows = self.q_rows
@@ -245,8 +253,8 @@ class ExtendParts:
             # CTA (items 0 .. num_blocks; issued by one elected thread, the caller arrives).
             if i < num_blocks:
                 load_k(ring.mode[i % RB], ring.k_row[i % RB], h, stage, src)
-            if i >= 1:
-                load_v(ring.mode[(i - 1) % RB], ring.v_row[(i - 1) % RB], h, stage, src)
+            if i >= V_LAG:
+                load_v(ring.mode[(i - V_LAG) % RB], ring.v_row[(i - V_LAG) % RB], h, stage, src)
 
         @T.macro
         def issuer_arrive(full):
@@ -300,6 +308,29 @@ class ExtendParts:
                 sparse(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT, transpose_B=rows, policy=POL)
             else:
                 dense(stage.v_dense, P_s, oT, transpose_A=True, transpose_B=rows, policy=POL)
+
+        @T.macro
+        def gemm_o_pair(v_mode_a, v_mode_b, P_a, P_b, stage_a, stage_b, oT):
+            # Pair steps: the two O^T GEMMs (blocks a - 2 and b - 2), dispatched on both V modes at once so that
+            # no branch stands between the two wgmma groups that accumulate into O^T (ptxas serializes them
+            # otherwise, C7514).
+            if v_form == "any":
+                if v_mode_a == 2:
+                    if v_mode_b == 2:
+                        gemm_o(2, P_a, stage_a, oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                        gemm_o(2, P_b, stage_b, oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                    else:
+                        gemm_o(2, P_a, stage_a, oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                        gemm_o(0, P_b, stage_b, oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                elif v_mode_b == 2:
+                    gemm_o(0, P_a, stage_a, oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                    gemm_o(2, P_b, stage_b, oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                else:
+                    gemm_o(0, P_a, stage_a, oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                    gemm_o(0, P_b, stage_b, oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+            else:
+                gemm_o(v_mode_a, P_a, stage_a, oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                gemm_o(v_mode_b, P_b, stage_b, oT, T.wgmma_gemm, T.wgmma_gemm_sp)
 
         @T.macro
         def lane_column_max(P_s, sT, block_max):
@@ -418,12 +449,17 @@ class ExtendParts:
                     row_sums[i, c] = row_sums[i, c] + sT[i, c]
 
         @T.macro
-        def release(stage):
-            # The stage's release once this warp's GEMMs on it are complete (one arrival per warp).
-            T.wait_wgmma(0)
+        def arrive_empty(stage):
+            # One arrival per warp on the stage's release.
             T.sync_warp()
             if T.get_thread_binding() % 32 == 0:
                 T.barrier_arrive(stage.empty)
+
+        @T.macro
+        def release(stage):
+            # The stage's release once this warp's GEMMs on it are complete.
+            T.wait_wgmma(0)
+            arrive_empty(stage)
 
         @T.macro
         def block_step(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, mode, j, Q_s, P_r, P_w,
@@ -487,6 +523,101 @@ class ExtendParts:
             # block runs); block j's P^T is in P_bufs[j % p_buffers].
             for u in range(ring_length):
                 final_gemm_if(tile.num_blocks, u, P_bufs[(u - 1) % p_buffers], ring_stages[u % stages], sm)
+
+        @T.macro
+        def pair_softmax(is_first, block, live_b, first_masked, last_pos, tile_tokens, scale_log2, P_a, P_b, stage_a,
+                         sm):
+            # softmax over S^T of the pair's two blocks (block, block + 1; the second masked out unless live_b):
+            # one lane max and one vote over both. Block a's stage is released once its O^T GEMM is complete,
+            # between the two blocks' exp2, so that the producer refills it half a step early.
+            sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max = sm[:8]
+            sT2 = sm.sT2
+            causal_mask(block, first_masked, last_pos, tile_tokens, sT)
+            causal_mask(T.if_then_else(live_b, block + 1, 0), T.if_then_else(live_b, first_masked, 0),
+                        T.if_then_else(live_b, last_pos, -1 - tile_tokens), tile_tokens, sT2)
+            lazy_scores(is_first, scale_log2, sT, offsets, lane_max)
+            for i, c in T.Parallel(B, N):
+                sT2[i, c] = sT2[i, c] * scale_log2 - offsets[c]
+                lane_max[c // 8 % (CHAINS // 2) * 2 + c % 2] = T.max(lane_max[c // 8 % (CHAINS // 2) * 2 + c % 2],
+                                                                     sT2[i, c])
+            for k in T.unroll(1, CHAINS):
+                lane_max[0] = T.max(lane_max[0], lane_max[k])
+            if T.call_extern("int32", "hs_warpgroup_any", T.if_then_else(lane_max[0] > LAZY, 1, 0),
+                             12 + T.get_thread_binding() // 128) != 0:
+                T.wait_wgmma(0)
+                arrive_empty(stage_a)
+                group_barrier()
+                tid, col = lane_column_max(P_a, sT, block_max)
+                lane_max[1] = block_max[0]
+                tid_b, col_b = lane_column_max(P_b, sT2, block_max)
+                if tid % TPC == 0:
+                    move_sh[col] = T.if_then_else(is_first, T.max(block_max[0], lane_max[1]),
+                                                  T.max(T.max(block_max[0], lane_max[1]), 0.0))
+                group_barrier()
+                for c in T.Parallel(N):
+                    rescale[c] = T.if_then_else(is_first, 1.0, T.exp2(-move_sh[c]))
+                    offsets[c] = offsets[c] + move_sh[c]
+                for i, c in T.Parallel(B, N):
+                    sT[i, c] = T.exp2(sT[i, c] - move_sh[c])
+                    sT2[i, c] = T.exp2(sT2[i, c] - move_sh[c])
+                    row_sums[i, c] = row_sums[i, c] * rescale[c] + sT[i, c] + sT2[i, c]
+                for d, c in T.Parallel(D, N):
+                    oT[d, c] *= rescale[c]
+            else:
+                for i, c in T.Parallel(B, N):
+                    sT[i, c] = T.exp2(sT[i, c])
+                    row_sums[i, c] = row_sums[i, c] + sT[i, c]
+                T.wait_wgmma(1)  # block a's O^T GEMM (block b's may still run)
+                arrive_empty(stage_a)
+                for i, c in T.Parallel(B, N):
+                    sT2[i, c] = T.exp2(sT2[i, c])
+                    row_sums[i, c] = row_sums[i, c] + sT2[i, c]
+
+        @T.macro
+        def pair_step(s, block, live_b, first_masked, last_pos, tile_tokens, scale_log2, mode_a, mode_b, Q_s, P_a, P_b,
+                      stage_a, stage_b, sm):
+            # Pair step s (blocks a = 2s and b = 2s + 1, stage items a and b): on the warpgroup's turn issue S^T(a),
+            # S^T(b) and the O^T GEMMs of blocks a - 2 and b - 2 (their P^T in P_a, P_b; their V in items a and b),
+            # hand the turn over once both S^T are ready, then the pair's softmax, block b's release, and P^T of
+            # both into P_a, P_b (one buffer each: a warpgroup barrier either side of the store).
+            sm.step_mode[0] = mode_a
+            sm.step_mode2[0] = mode_b
+            T.sync_threads(10 + T.get_thread_binding() // 128, 256)
+            gemm_s(sm.step_mode[0], Q_s, stage_a, sm.sT, sm.q_frag)
+            gemm_s(sm.step_mode2[0], Q_s, stage_b, sm.sT2, sm.q_frag)
+            if s >= 1:
+                gemm_o_pair(sm.pending_mode[0] >> 2, sm.pending_mode2[0] >> 2, P_a, P_b, stage_a, stage_b, sm.oT)
+                T.wait_wgmma(2)
+            else:
+                T.wait_wgmma(0)
+            T.named_barrier_arrive(11 - T.get_thread_binding() // 128, 256)
+            pair_softmax(s == 0, block, live_b, first_masked, last_pos, tile_tokens, scale_log2, P_a, P_b, stage_a, sm)
+            release(stage_b)
+            group_barrier()  # WAR: every warp's O^T GEMMs of the last pair have read P_a and P_b
+            T.copy(sm.sT, P_a)
+            T.copy(sm.sT2, P_b)
+            T.fence_proxy_async()  # TileLang issue #2634: P^T's generic writes before a (sparse) wgmma reads it
+            group_barrier()
+            sm.pending_mode[0] = sm.step_mode[0]
+            sm.pending_mode2[0] = sm.step_mode2[0]
+
+        @T.macro
+        def pair_final_if(num_blocks, r, P_a, P_b, stage_a, stage_b, sm):
+            # After the loop: the O^T GEMMs of the last pair (blocks 2n - 2 and, when num_blocks is even, 2n - 1,
+            # n = ceil(num_blocks / 2)), whose V are stage items 2n and 2n + 1 (here when n is r modulo 3).
+            if num_blocks >= 1:
+                if T.ceildiv(num_blocks, 2) % 3 == r:
+                    T.barrier_wait(stage_a.full, T.ceildiv(num_blocks, 2) * 2 // 3 % 2)
+                    gemm_o(sm.pending_mode[0] >> 2, P_a, stage_a, sm.oT, T.gemm, T.gemm_sp)
+                    if num_blocks % 2 == 0:
+                        T.barrier_wait(stage_b.full, (T.ceildiv(num_blocks, 2) * 2 + 1) // 3 % 2)
+                        gemm_o(sm.pending_mode2[0] >> 2, P_b, stage_b, sm.oT, T.gemm, T.gemm_sp)
+
+        def pair_finals(tile, P_bufs, ring_stages, sm):
+            # Plain Python: pair_final_if for each residue of the step count modulo 3.
+            for r in range(3):
+                pair_final_if(tile.num_blocks, r, P_bufs[0], P_bufs[1], ring_stages[2 * r % 3],
+                              ring_stages[(2 * r + 1) % 3], sm)
 
         @T.macro
         def load_q(Q_s, sm):
@@ -608,6 +739,7 @@ class ExtendParts:
         self.resolve, self.load, self.issuer_arrive, self.consumer_sync = resolve, load, issuer_arrive, consumer_sync
         self.block_step, self.final_gemms, self.init_fragments = block_step, final_gemms, init_fragments
         self.load_q = load_q
+        self.pair_step, self.pair_finals = pair_step, pair_finals
         self.write_output = write_output
 
     def prim_func(self, schedule):
@@ -698,6 +830,9 @@ class ExtendParts:
                 lane_max = T.alloc_local([parts.LANE_CHAINS], accum)
                 pending_mode = T.alloc_local([1], "int32")
                 step_mode = T.alloc_local([1], "int32")
+                sT2 = T.alloc_fragment(S_SHAPE, accum) if parts.pair else None
+                pending_mode2 = T.alloc_local([1], "int32") if parts.pair else None
+                step_mode2 = T.alloc_local([1], "int32") if parts.pair else None
                 q_frag = T.alloc_fragment([N, D], dtype) if rows else None
                 rescale_cols = T.alloc_fragment([N], accum) if rows else None
                 row_max = T.alloc_fragment([N], accum) if rows else None
@@ -765,7 +900,7 @@ class ExtendParts:
                                     first_masked, first_block, num_blocks, scale_log2,
                                     live_splits(qo_indptr, batch, request))
                     sm = Softmax(sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max, pending_mode,
-                                 step_mode, q_frag, rescale_cols, row_max)
+                                 step_mode, q_frag, rescale_cols, row_max, sT2, step_mode2, pending_mode2)
                     src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
                     outputs = Outputs(column_sh, weight_sh, ticket_sh, row_sum, merge_stat, out, lse, o_part, lse_part,
                                       tickets, sum_sh)

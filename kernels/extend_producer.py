@@ -38,6 +38,8 @@ class ProducerSchedule:
     def __init__(self, parts: ExtendParts):
         T = parts.T
         HALF, RB, stages, threads = parts.HALF, parts.RB, parts.stages, parts.threads
+        PAIR = parts.pair
+        ITEMS_PAST = 2 if PAIR else 1  # stage items after a CTA's last block (its V's lag)
 
         @T.macro
         def produce_item(i, empty_parity, num_blocks, request, first_block, h, ring, stage, src):
@@ -45,7 +47,7 @@ class ProducerSchedule:
             # (item i - stages). The next chunk of index entries is resolved at item c * HALF + stages + 1
             # of chunk c: the consumers have then released item c * HALF + 1, so no consumer reads the
             # entries of chunk c - 1, whose ring half it overwrites.
-            if i < num_blocks + 1:
+            if i < num_blocks + ITEMS_PAST:
                 if T.get_thread_binding() < threads + 32:
                     if i >= stages:
                         T.barrier_wait(stage.empty, empty_parity)
@@ -69,6 +71,24 @@ class ProducerSchedule:
                 parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
                                  ring.mode[j % RB], j, Q_s, P_r, P_w, stage, sm, True)
 
+        @T.macro
+        def pair_step_if(s, par_a, par_b, num_blocks, first_block, first_masked, last_pos, tile_tokens, scale_log2, ring,
+                         Q_s, P_bufs, stage_a, stage_b, sm):
+            if s * 2 < num_blocks:
+                T.barrier_wait(stage_a.full, par_a)
+                T.barrier_wait(stage_b.full, par_b)
+                parts.pair_step(s, first_block + s * 2, s * 2 + 1 < num_blocks, first_masked, last_pos, tile_tokens,
+                                scale_log2, ring.mode[s * 2 % RB], ring.mode[(s * 2 + 1) % RB], Q_s, P_bufs[0],
+                                P_bufs[1], stage_a, stage_b, sm)
+
+        def pair_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm):
+            # Pair steps s = 3 * it + u (items 2s and 2s + 1, stages 2u % 3 and (2u + 1) % 3, filled for the
+            # (item // 3)-th time: parity (2u // 3) & 1 and ((2u + 1) // 3) & 1).
+            for u in range(3):
+                pair_step_if(it * 3 + u, (2 * u // 3) & 1, ((2 * u + 1) // 3) & 1, tile.num_blocks, tile.first_block,
+                             tile.first_masked, tile.last_pos, tile.tile_tokens, tile.scale_log2, ring, Q_s, P_bufs,
+                             ring_stages[2 * u % 3], ring_stages[(2 * u + 1) % 3], sm)
+
         # Plain Python (not parsed by TileLang): the stage ring unrolled.
         def produce_items(it, tile, ring, ring_stages, src):
             for s in range(stages):
@@ -89,7 +109,7 @@ class ProducerSchedule:
             tid = T.get_thread_binding()
             if tid >= threads:
                 T.set_max_nreg(REGISTERS[0], 0)
-                for it in T.serial(T.ceildiv(tile.num_blocks + 1, stages)):
+                for it in T.serial(T.ceildiv(tile.num_blocks + ITEMS_PAST, stages)):
                     produce_items(it, tile, ring, ring_stages, src)
             else:
                 T.set_max_nreg(REGISTERS[1], 1)
@@ -98,9 +118,14 @@ class ProducerSchedule:
                 if tid >= 128:
                     if tile.num_blocks >= 1:
                         T.named_barrier_arrive(10, 256)  # warpgroup 0 takes the first turn
-                for it in T.serial(T.ceildiv(tile.num_blocks, RING)):
-                    ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm)
-                parts.final_gemms(tile, P_bufs, ring_stages, sm)
+                if PAIR:
+                    for it in T.serial(T.ceildiv(tile.num_blocks, 6)):
+                        pair_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm)
+                    parts.pair_finals(tile, P_bufs, ring_stages, sm)
+                else:
+                    for it in T.serial(T.ceildiv(tile.num_blocks, RING)):
+                        ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm)
+                    parts.final_gemms(tile, P_bufs, ring_stages, sm)
                 if tid < 128:
                     if tile.num_blocks >= 1:
                         T.sync_threads(10, 256)  # warpgroup 1's last hand-over: no arrival left pending
