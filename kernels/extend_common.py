@@ -560,18 +560,31 @@ class ExtendParts:
                 for i, c in T.Parallel(B, N):
                     sT[i, c] = T.exp2(sT[i, c] - move_sh[c])
                     sT2[i, c] = T.exp2(sT2[i, c] - move_sh[c])
-                    row_sums[i, c] = row_sums[i, c] * rescale[c] + sT[i, c] + sT2[i, c]
+                for r, c in T.Parallel(B // 2, N):
+                    row_sums[r, c] = row_sums[r, c] * rescale[c] + sT[r // 8 * 16 + r % 8, c]
+                for r, c in T.Parallel(B // 2, N):
+                    row_sums[r, c] = row_sums[r, c] + sT[r // 8 * 16 + r % 8 + 8, c]
+                for r, c in T.Parallel(B // 2, N):
+                    row_sums[r, c] = row_sums[r, c] + sT2[r // 8 * 16 + r % 8, c]
+                for r, c in T.Parallel(B // 2, N):
+                    row_sums[r, c] = row_sums[r, c] + sT2[r // 8 * 16 + r % 8 + 8, c]
                 for d, c in T.Parallel(D, N):
                     oT[d, c] *= rescale[c]
             else:
                 for i, c in T.Parallel(B, N):
                     sT[i, c] = T.exp2(sT[i, c])
-                    row_sums[i, c] = row_sums[i, c] + sT[i, c]
+                for r, c in T.Parallel(B // 2, N):
+                    row_sums[r, c] = row_sums[r, c] + sT[r // 8 * 16 + r % 8, c]
+                for r, c in T.Parallel(B // 2, N):
+                    row_sums[r, c] = row_sums[r, c] + sT[r // 8 * 16 + r % 8 + 8, c]
                 T.wait_wgmma(1)  # block a's O^T GEMM (block b's may still run)
                 arrive_empty(stage_a)
                 for i, c in T.Parallel(B, N):
                     sT2[i, c] = T.exp2(sT2[i, c])
-                    row_sums[i, c] = row_sums[i, c] + sT2[i, c]
+                for r, c in T.Parallel(B // 2, N):
+                    row_sums[r, c] = row_sums[r, c] + sT2[r // 8 * 16 + r % 8, c]
+                for r, c in T.Parallel(B // 2, N):
+                    row_sums[r, c] = row_sums[r, c] + sT2[r // 8 * 16 + r % 8 + 8, c]
 
         @T.macro
         def pair_step(s, block, live_b, first_masked, last_pos, tile_tokens, scale_log2, mode_a, mode_b, Q_s, P_a, P_b,
@@ -822,7 +835,7 @@ class ExtendParts:
                 ring_stages = parts.alloc_stages()
                 sT = T.alloc_fragment(S_SHAPE, accum)
                 oT = T.alloc_fragment([D, N], accum)
-                row_sums = T.alloc_fragment(S_SHAPE, accum)
+                row_sums = T.alloc_fragment([B // 2, N] if parts.pair else S_SHAPE, accum)
                 row_sum = T.alloc_fragment([N], accum)
                 rescale = T.alloc_fragment([N], accum)
                 offsets = T.alloc_fragment([N], accum)
