@@ -533,8 +533,11 @@ class ExtendParts:
             sT, oT, row_sums, offsets, rescale, move_sh, block_max, lane_max = sm[:8]
             sT2 = sm.sT2
             causal_mask(block, first_masked, last_pos, tile_tokens, sT)
-            causal_mask(T.if_then_else(live_b, block + 1, 0), T.if_then_else(live_b, first_masked, 0),
-                        T.if_then_else(live_b, last_pos, -1 - tile_tokens), tile_tokens, sT2)
+            if live_b:
+                causal_mask(block + 1, first_masked, last_pos, tile_tokens, sT2)
+            else:  # the phantom block of an odd block count: nothing of it is seen
+                for i, c in T.Parallel(B, N):
+                    sT2[i, c] = NEG
             lazy_scores(is_first, scale_log2, sT, offsets, lane_max)
             for i, c in T.Parallel(B, N):
                 sT2[i, c] = sT2[i, c] * scale_log2 - offsets[c]
@@ -577,7 +580,7 @@ class ExtendParts:
                     row_sums[r, c] = row_sums[r, c] + sT[r // 8 * 16 + r % 8, c]
                 for r, c in T.Parallel(B // 2, N):
                     row_sums[r, c] = row_sums[r, c] + sT[r // 8 * 16 + r % 8 + 8, c]
-                T.wait_wgmma(1)  # block a's O^T GEMM (block b's may still run)
+                T.wait_wgmma(0)  # both O^T GEMMs (one wgmma group can not be retired alone: C7514)
                 arrive_empty(stage_a)
                 for i, c in T.Parallel(B, N):
                     sT2[i, c] = T.exp2(sT2[i, c])
@@ -599,7 +602,8 @@ class ExtendParts:
             gemm_s(sm.step_mode[0], Q_s, stage_a, sm.sT, sm.q_frag)
             gemm_s(sm.step_mode2[0], Q_s, stage_b, sm.sT2, sm.q_frag)
             if s >= 1:
-                gemm_o_pair(sm.pending_mode[0] >> 2, sm.pending_mode2[0] >> 2, P_a, P_b, stage_a, stage_b, sm.oT)
+                gemm_o(sm.pending_mode[0] >> 2, P_a, stage_a, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                gemm_o(sm.pending_mode2[0] >> 2, P_b, stage_b, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)
                 T.wait_wgmma(2)
             else:
                 T.wait_wgmma(0)
