@@ -35,7 +35,8 @@ def use_kernels_tree(path: str) -> None:
 def clock_event_reasons(call, ms: float = 300.0) -> dict:
     """NVML's clock event reasons while ``call`` runs back to back for ``ms``: each reason's share of the
     samples (one every three calls), ``{}`` without NVML. Says what holds the SM clock below its maximum
-    (``SwPowerCap``: the board's power limiter, which acts on short-term power above the mean NVML shows)."""
+    (``SwPowerCap``: the board's power limiter; it is reported at mean powers far below the cap, so it
+    answers power above the mean NVML shows, inferred in ``docs/kernels.md``)."""
     try:
         import pynvml
 
