@@ -249,6 +249,23 @@ class ExtendParts:
                 load_v(ring.mode[(i - 1) % RB], ring.v_row[(i - 1) % RB], h, stage, src)
 
         @T.macro
+        def fetch_entries(i, ring, entries):
+            # The entries of stage item i (K of block i, V of block i - 1) into the issuing warp's registers,
+            # so that its loads need no shared-memory read after the wait that precedes them.
+            entries[0] = ring.mode[i % RB]
+            entries[1] = ring.k_row[i % RB]
+            entries[2] = ring.mode[(i - 1) % RB]
+            entries[3] = ring.v_row[(i - 1) % RB]
+
+        @T.macro
+        def load_fetched(i, num_blocks, h, stage, src, entries):
+            # The loads of stage item i from the entries fetch_entries read (as load does from the ring).
+            if i < num_blocks:
+                load_k(entries[0], entries[1], h, stage, src)
+            if i >= 1:
+                load_v(entries[2], entries[3], h, stage, src)
+
+        @T.macro
         def issuer_arrive(full):
             # The one arrival on a full barrier (count 1), by lane 0 of the issuing warp once the
             # elected lane's expected-byte counts are registered (__syncwarp orders them).
@@ -606,6 +623,7 @@ class ExtendParts:
 
         self.load_k, self.load_v = load_k, load_v
         self.resolve, self.load, self.issuer_arrive, self.consumer_sync = resolve, load, issuer_arrive, consumer_sync
+        self.fetch_entries, self.load_fetched = fetch_entries, load_fetched
         self.block_step, self.final_gemms, self.init_fragments = block_step, final_gemms, init_fragments
         self.load_q = load_q
         self.write_output = write_output

@@ -42,21 +42,6 @@ class OverlapSchedule:
         AHEAD = stages - 1  # step j issues stage item j + AHEAD
 
         @T.macro
-        def fetch_entries(i, ring, entries):
-            # The entries of stage item i (K of block i, V of block i - 1; i >= 1) into registers.
-            entries[0] = ring.mode[i % RB]
-            entries[1] = ring.k_row[i % RB]
-            entries[2] = ring.mode[(i - 1) % RB]
-            entries[3] = ring.v_row[(i - 1) % RB]
-
-        @T.macro
-        def load_fetched(i, num_blocks, h, stage, src, entries):
-            # The loads of stage item i from the entries fetch_entries read a step before.
-            if i < num_blocks:
-                parts.load_k(entries[0], entries[1], h, stage, src)
-            parts.load_v(entries[2], entries[3], h, stage, src)
-
-        @T.macro
         def guarded_issue(i, num_blocks, h, ring, stage, src):
             # Prologue: warp 0 issues stage item i if it is one of the CTA's (items 0 .. num_blocks).
             if i < num_blocks + 1:
@@ -81,8 +66,8 @@ class OverlapSchedule:
                     if T.get_thread_binding() < 32:
                         if j + AHEAD >= stages:
                             T.barrier_wait(refill.empty, empty_parity)
-                        load_fetched(j + AHEAD, num_blocks, h, refill, src, entries)
-                        fetch_entries(j + AHEAD + 1, ring, entries)  # used by the next step
+                        parts.load_fetched(j + AHEAD, num_blocks, h, refill, src, entries)
+                        parts.fetch_entries(j + AHEAD + 1, ring, entries)  # used by the next step
                         parts.issuer_arrive(refill.full)
                 T.barrier_wait(stage.full, parity)
                 parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
@@ -106,7 +91,7 @@ class OverlapSchedule:
             P_s = P_bufs[0]  # the one buffer of these tiles (p_buffer_count)
             parts.load_q(Q_s, sm)
             issue_prologue(tile, ring, ring_stages, src)
-            fetch_entries(AHEAD, ring, self.entries)
+            parts.fetch_entries(AHEAD, ring, self.entries)
             for it in T.serial(T.ceildiv(tile.num_blocks, stages)):
                 ring_steps(it, tile, ring, Q_s, P_s, ring_stages, src, sm)
             parts.final_gemms(tile, P_bufs, ring_stages, sm)

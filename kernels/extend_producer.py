@@ -47,6 +47,7 @@ class ProducerSchedule:
             # entries of chunk c - 1, whose ring half it overwrites.
             if i < num_blocks + 1:
                 if T.get_thread_binding() < threads + 32:
+                    parts.fetch_entries(i, ring, self.entries)  # read while the stage is still in use
                     if i >= stages:
                         T.barrier_wait(stage.empty, empty_parity)
                 if i % HALF == stages + 1:
@@ -56,7 +57,7 @@ class ProducerSchedule:
                         T.fence_proxy_async()  # resets TileLang's proxy state: no fence at the TMA issue
                         T.sync_threads(7, 128)
                 if T.get_thread_binding() < threads + 32:
-                    parts.load(i, num_blocks, h, ring, stage, src)
+                    parts.load_fetched(i, num_blocks, h, stage, src, self.entries)
                     parts.issuer_arrive(stage.full)
 
         P_COUNT, RING = parts.p_buffers, parts.ring_length  # the consumers' unrolled ring (ExtendParts)
@@ -109,7 +110,7 @@ class ProducerSchedule:
 
         self.block_loop = block_loop
 
-    @staticmethod
-    def alloc_state(parts: ExtendParts):
-        """Nothing besides the shared state."""
+    def alloc_state(self, parts: ExtendParts):
+        """The issuing warp's copy of its stage item's index entries (K mode, K row, V mode, V row)."""
+        self.entries = parts.T.alloc_local([4], "int32")
 
