@@ -289,12 +289,13 @@ class ExtendParts:
             T.sync_threads(8 + T.get_thread_binding() // 128, 128)
 
         @T.macro
-        def gemm_s(mode, Q_s, stage, sT, q_frag):
+        def gemm_s(mode, Q_s, stage, sT, q_frag, sparse_run):
             # S^T = K·Q^T for one block, dense or 2:4 by the block's K mode (or the one K form the stages
-            # hold); issued without a wait. q_rows: S = Q·K^T with Q in registers.
+            # hold, or 2:4 in a run of compressed blocks: sparse_run); issued without a wait. q_rows:
+            # S = Q·K^T with Q in registers.
             if rows:
                 T.wgmma_gemm(q_frag, stage.k_dense, sT, transpose_B=True, clear_accum=True, policy=ROWPOL)
-            elif k_form == "sparse":
+            elif k_form == "sparse" or sparse_run:
                 T.wgmma_gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                                 clear_accum=True, policy=POL)
             elif k_form == "dense":
@@ -306,10 +307,10 @@ class ExtendParts:
                 T.wgmma_gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
 
         @T.macro
-        def gemm_o(v_mode, P_s, stage, oT, dense, sparse):
+        def gemm_o(v_mode, P_s, stage, oT, dense, sparse, sparse_run):
             # O^T += V^T·P^T for one block, dense or 2:4 by the block's V mode (or the one V form the
-            # stages hold).
-            if v_form == "sparse":
+            # stages hold, or 2:4 in a run of compressed blocks: sparse_run).
+            if v_form == "sparse" or sparse_run:
                 sparse(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT, transpose_B=rows, policy=POL)
             elif v_form == "dense":
                 dense(stage.v_dense, P_s, oT, transpose_A=True, transpose_B=rows, policy=POL)
@@ -444,7 +445,7 @@ class ExtendParts:
 
         @T.macro
         def block_step(is_first, block, first_masked, last_pos, tile_tokens, scale_log2, mode, j, Q_s, P_r, P_w,
-                       stage, sm, pingpong):
+                       stage, sm, pingpong, sparse_run):
             # Block step j (FA3's intra-warpgroup overlap): issue S^T(j), then O^T += V^T·P^T of block
             # j - 1 (P^T(j - 1) is in P_r, its mode in pending_mode, its V in this stage), and wait for
             # S^T only, so that the O^T GEMM runs under block j's softmax. Then the O^T GEMM is waited for,
@@ -466,9 +467,9 @@ class ExtendParts:
                 T.fence_proxy_async()
             if pingpong:
                 T.sync_threads(10 + T.get_thread_binding() // 128, 256)
-            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag)
+            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag, sparse_run)
             if j >= 1:
-                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp, sparse_run)
                 T.wait_wgmma(1)
             else:
                 T.wait_wgmma(0)
@@ -497,7 +498,7 @@ class ExtendParts:
                         T.fence_proxy_async()  # the last P^T's writes (block_step)
                         group_barrier()
                     T.barrier_wait(stage.full, num_blocks // stages % 2)
-                    gemm_o(sm.pending_mode[0] >> 2, P_s, stage, sm.oT, T.gemm, T.gemm_sp)
+                    gemm_o(sm.pending_mode[0] >> 2, P_s, stage, sm.oT, T.gemm, T.gemm_sp, False)
 
         def final_gemms(tile, P_bufs, ring_stages, sm):
             # Plain Python: final_gemm_if for each item of the unrolled ring (the one that holds the last

@@ -71,7 +71,7 @@ class OverlapSchedule:
                         parts.issuer_arrive(refill.full)
                 T.barrier_wait(stage.full, parity)
                 parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
-                                 ring.mode[j % RB], j, Q_s, P_s, P_s, stage, sm, False)
+                                 ring.mode[j % RB], j, Q_s, P_s, P_s, stage, sm, False, False)
 
         # Plain Python (not parsed by TileLang): the stage ring unrolled.
         def issue_prologue(tile, ring, ring_stages, src):

@@ -64,11 +64,13 @@ class ProducerSchedule:
 
         @T.macro
         def step(j, parity, num_blocks, first_block, first_masked, last_pos, tile_tokens, scale_log2, ring, Q_s, P_r,
-                 P_w, stage, sm):
+                 P_w, stage, sm, waited, sparse_run):
+            # Block step j; ``waited`` (plain Python): its ring iteration has already waited for its stage.
             if j < num_blocks:
-                T.barrier_wait(stage.full, parity)
+                if not waited:
+                    T.barrier_wait(stage.full, parity)
                 parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
-                                 ring.mode[j % RB], j, Q_s, P_r, P_w, stage, sm, True)
+                                 ring.mode[j % RB], j, Q_s, P_r, P_w, stage, sm, True, sparse_run)
 
         # Plain Python (not parsed by TileLang): the stage ring unrolled.
         def produce_items(it, tile, ring, ring_stages, src):
@@ -77,13 +79,41 @@ class ProducerSchedule:
                 produce_item(it * stages + s, (it + 1) & 1, tile.num_blocks, tile.request, tile.first_block, tile.h,
                              ring, ring_stages[s], src)
 
-        def ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm):
+        def ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm, sparse_run):
             # Block j = it * RING + u: stage u % stages, its fill parity (j // stages) & 1, its P^T in
-            # P_bufs[u % P_COUNT] (block j - 1's in the other).
+            # P_bufs[u % P_COUNT] (block j - 1's in the other). The caller waited for block it * RING's stage.
             for u in range(RING):
                 step(it * RING + u, (it * (RING // stages) + u // stages) & 1, tile.num_blocks, tile.first_block,
                      tile.first_masked, tile.last_pos, tile.tile_tokens, tile.scale_log2, ring, Q_s,
-                     P_bufs[(u - 1) % P_COUNT], P_bufs[u % P_COUNT], ring_stages[u % stages], sm)
+                     P_bufs[(u - 1) % P_COUNT], P_bufs[u % P_COUNT], ring_stages[u % stages], sm, u == 0, sparse_run)
+
+        # Runs of compressed blocks: with stages that hold every form over 2:4 K rows, each block step
+        # dispatches its GEMMs on the block's modes; a ring iteration whose blocks (and the block whose
+        # O^T GEMM its first step issues) all have 2:4 K and V takes a copy of the steps without those
+        # branches (docs/kernels.md: 7% of the step at S_K = S_V = 1).
+        sparse_runs = parts.k_form == "any" and parts.v_form == "any" and not parts.q_rows
+        SPARSE_MODE = 2 | 2 << 2  # entry_mode of a block with 2:4 K and V
+
+        def in_sparse_run(it, num_blocks, ring, sm):
+            # Plain Python: 1 when ring iteration it's blocks (those of the CTA) and the block whose O^T GEMM
+            # its first step issues all have 2:4 K and V, else 0.
+            j0 = it * RING
+            flag = T.if_then_else(T.if_then_else(j0 == 0, SPARSE_MODE, sm.pending_mode[0]) >> 2 == 2, 1, 0)
+            for u in range(RING):
+                flag = flag * T.if_then_else(j0 + u >= num_blocks, 1,
+                                             T.if_then_else(ring.mode[(j0 + u) % RB] == SPARSE_MODE, 1, 0))
+            return flag
+
+        @T.macro
+        def ring_iteration(it, tile, ring, Q_s, P_bufs, ring_stages, sm):
+            T.barrier_wait(ring_stages[0].full, (it * (RING // stages)) & 1)  # block it * RING < num_blocks
+            if sparse_runs:
+                if in_sparse_run(it, tile.num_blocks, ring, sm) == 1:
+                    ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm, True)
+                else:
+                    ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm, False)
+            else:
+                ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm, False)
 
         @T.macro
         def block_loop(tile, Q_s, P_bufs, ring, ring_stages, src, sm, outputs):
@@ -100,7 +130,7 @@ class ProducerSchedule:
                     if tile.num_blocks >= 1:
                         T.named_barrier_arrive(10, 256)  # warpgroup 0 takes the first turn
                 for it in T.serial(T.ceildiv(tile.num_blocks, RING)):
-                    ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm)
+                    ring_iteration(it, tile, ring, Q_s, P_bufs, ring_stages, sm)
                 parts.final_gemms(tile, P_bufs, ring_stages, sm)
                 if tid < 128:
                     if tile.num_blocks >= 1:
