@@ -64,13 +64,33 @@ class ProducerSchedule:
 
         @T.macro
         def step(j, parity, num_blocks, first_block, first_masked, last_pos, tile_tokens, scale_log2, ring, Q_s, P_r,
-                 P_w, stage, sm, waited, sparse_run):
-            # Block step j; ``waited`` (plain Python): its ring iteration has already waited for its stage.
+                 P_w, stage, sm, sparse_run):
             if j < num_blocks:
-                if not waited:
-                    T.barrier_wait(stage.full, parity)
+                T.barrier_wait(stage.full, parity)
                 parts.block_step(j == 0, first_block + j, first_masked, last_pos, tile_tokens, scale_log2,
                                  ring.mode[j % RB], j, Q_s, P_r, P_w, stage, sm, True, sparse_run)
+
+        # Runs of compressed blocks: over 2:4 K rows with stages that hold every form, a block step
+        # dispatches its GEMMs on the block's modes. A ring iteration whose blocks, and the block whose
+        # O^T GEMM its first step issues, all have 2:4 K and V takes a copy of the steps without those
+        # branches; whether it does is read from the index ring during the iteration before, off the
+        # steps' critical path (docs/kernels.md).
+        sparse_runs = parts.k_form == "any" and parts.v_form == "any" and not parts.q_rows
+        SPARSE_MODE = 2 | 2 << 2  # entry_mode of a block with 2:4 K and V
+
+        def in_sparse_run(it, num_blocks, ring):
+            # Plain Python: 1 when ring iteration it's blocks (those of the CTA) and block it * RING - 1's V
+            # are 2:4, else 0. The entries are resolved: the index ring holds them from the iteration before.
+            j0 = it * RING
+            flag = T.if_then_else(j0 == 0, 1, T.if_then_else(ring.mode[(j0 + RB - 1) % RB] >> 2 == 2, 1, 0))
+            for u in range(RING):
+                flag = flag * T.if_then_else(j0 + u >= num_blocks, 1,
+                                             T.if_then_else(ring.mode[(j0 + u) % RB] == SPARSE_MODE, 1, 0))
+            return flag
+
+        @T.macro
+        def read_run_flag(it, num_blocks, ring):
+            self.run_flag[0] = in_sparse_run(it, num_blocks, ring)
 
         # Plain Python (not parsed by TileLang): the stage ring unrolled.
         def produce_items(it, tile, ring, ring_stages, src):
@@ -81,34 +101,19 @@ class ProducerSchedule:
 
         def ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm, sparse_run):
             # Block j = it * RING + u: stage u % stages, its fill parity (j // stages) & 1, its P^T in
-            # P_bufs[u % P_COUNT] (block j - 1's in the other). The caller waited for block it * RING's stage.
+            # P_bufs[u % P_COUNT] (block j - 1's in the other). After the first step, the next iteration's
+            # run flag.
             for u in range(RING):
                 step(it * RING + u, (it * (RING // stages) + u // stages) & 1, tile.num_blocks, tile.first_block,
                      tile.first_masked, tile.last_pos, tile.tile_tokens, tile.scale_log2, ring, Q_s,
-                     P_bufs[(u - 1) % P_COUNT], P_bufs[u % P_COUNT], ring_stages[u % stages], sm, u == 0, sparse_run)
-
-        # Runs of compressed blocks: with stages that hold every form over 2:4 K rows, each block step
-        # dispatches its GEMMs on the block's modes; a ring iteration whose blocks (and the block whose
-        # O^T GEMM its first step issues) all have 2:4 K and V takes a copy of the steps without those
-        # branches (docs/kernels.md: 7% of the step at S_K = S_V = 1).
-        sparse_runs = parts.k_form == "any" and parts.v_form == "any" and not parts.q_rows
-        SPARSE_MODE = 2 | 2 << 2  # entry_mode of a block with 2:4 K and V
-
-        def in_sparse_run(it, num_blocks, ring, sm):
-            # Plain Python: 1 when ring iteration it's blocks (those of the CTA) and the block whose O^T GEMM
-            # its first step issues all have 2:4 K and V, else 0.
-            j0 = it * RING
-            flag = T.if_then_else(T.if_then_else(j0 == 0, SPARSE_MODE, sm.pending_mode[0]) >> 2 == 2, 1, 0)
-            for u in range(RING):
-                flag = flag * T.if_then_else(j0 + u >= num_blocks, 1,
-                                             T.if_then_else(ring.mode[(j0 + u) % RB] == SPARSE_MODE, 1, 0))
-            return flag
+                     P_bufs[(u - 1) % P_COUNT], P_bufs[u % P_COUNT], ring_stages[u % stages], sm, sparse_run)
+                if sparse_runs and u == 0:
+                    read_run_flag(it + 1, tile.num_blocks, ring)
 
         @T.macro
         def ring_iteration(it, tile, ring, Q_s, P_bufs, ring_stages, sm):
-            T.barrier_wait(ring_stages[0].full, (it * (RING // stages)) & 1)  # block it * RING < num_blocks
             if sparse_runs:
-                if in_sparse_run(it, tile.num_blocks, ring, sm) == 1:
+                if self.run_flag[0] == 1:
                     ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm, True)
                 else:
                     ring_steps(it, tile, ring, Q_s, P_bufs, ring_stages, sm, False)
@@ -129,6 +134,8 @@ class ProducerSchedule:
                 if tid >= 128:
                     if tile.num_blocks >= 1:
                         T.named_barrier_arrive(10, 256)  # warpgroup 0 takes the first turn
+                if sparse_runs:
+                    read_run_flag(0, tile.num_blocks, ring)
                 for it in T.serial(T.ceildiv(tile.num_blocks, RING)):
                     ring_iteration(it, tile, ring, Q_s, P_bufs, ring_stages, sm)
                 parts.final_gemms(tile, P_bufs, ring_stages, sm)
@@ -141,6 +148,8 @@ class ProducerSchedule:
         self.block_loop = block_loop
 
     def alloc_state(self, parts: ExtendParts):
-        """The issuing warp's copy of its stage item's index entries (K mode, K row, V mode, V row)."""
+        """The issuing warp's copy of its stage item's index entries (K mode, K row, V mode, V row), and
+        the consumers' run flag."""
         self.entries = parts.T.alloc_local([4], "int32")
+        self.run_flag = parts.T.alloc_local([1], "int32")  # a consumer's: the ring iteration is in a run
 
