@@ -182,11 +182,11 @@ def edit(variant: str, common: str, producer: str) -> tuple[str, str]:
         common = _swap(common, "                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)\n"
                        "                T.wait_wgmma(1)", "                T.wait_wgmma(1)")
     elif variant == "noload":
-        producer = _swap(producer, "                    parts.load(i, num_blocks, h, ring, stage, src)\n", "")
+        producer = _swap(producer, "                    parts.load_fetched(i, num_blocks, h, stage, src, self.entries)\n", "")
     elif variant == "twoloads":
-        producer = _swap(producer, "                    parts.load(i, num_blocks, h, ring, stage, src)\n",
-                         "                    parts.load(i, num_blocks, h, ring, stage, src)\n"
-                         "                    parts.load(i, num_blocks, h, ring, stage, src)\n")
+        producer = _swap(producer, "                    parts.load_fetched(i, num_blocks, h, stage, src, self.entries)\n",
+                         "                    parts.load_fetched(i, num_blocks, h, stage, src, self.entries)\n"
+                         "                    parts.load_fetched(i, num_blocks, h, stage, src, self.entries)\n")
     elif variant == "double":
         common = _double(common)
     elif variant == "probe":
