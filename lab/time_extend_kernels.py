@@ -13,6 +13,10 @@ state, ``power_settle.py``), then the median of 5 stretches of back-to-back call
 size with the mean SM clock and board power of a further 200 ms of calls (``--clock-reasons``: and what
 holds the clock, NVML's clock event reasons over 300 ms more). Run the trees in turn, the
 first again last, to see the drift; there is no FlashInfer baseline here (``sglang_hs.kernels.bench``).
+
+``--forms K,V`` builds the kernel whose stages hold only those block forms (``ExtendParts``);
+``--all-compressed`` then replaces every cache-page entry of the block table with the first compressed
+block, so that such a kernel may take the table (its results are wrong; times only).
 """
 
 import argparse
@@ -70,6 +74,10 @@ def main(argv=None):
     ap.add_argument("--sk", type=float, default=1.0)
     ap.add_argument("--sv", type=float, default=1.0)
     ap.add_argument("--settle-ms", type=float, default=300.0)
+    ap.add_argument("--forms", default=None, help="K,V forms of the stages (any, dense, sparse); default any,any")
+    ap.add_argument("--all-compressed", action="store_true",
+                    help="cache-page entries replaced by a compressed block (times only; for --forms)")
+    ap.add_argument("--splits", type=int, default=None, help="force the split count")
     ap.add_argument("--clock-reasons", action="store_true",
                     help="also NVML's clock event reasons over 300 ms more of calls (their shares of the samples)")
     args = ap.parse_args(argv)
@@ -82,7 +90,13 @@ def main(argv=None):
     from sglang_hs.kernels.timing import ClockSampler, run_for, time_stream
 
     for n in [int(x) for x in args.tokens.split(",")]:
-        case, plan = benchmark_case(n, args.sk, args.sv, tile="n128", stages=args.stages)
+        plan_kw = dict(tile="n128", stages=args.stages, num_splits=args.splits)
+        if args.forms:
+            plan_kw["forms"] = tuple(args.forms.split(","))
+        case, plan = benchmark_case(n, args.sk, args.sv, **plan_kw)
+        if args.all_compressed:
+            table = case["block_table"]
+            case["block_table"] = torch.where(table >= 0, table[table < 0][0], table)
         run_args = extend_run_args(case)
 
         def call():
@@ -99,7 +113,8 @@ def main(argv=None):
         clock.stop()
         reasons = clock_event_reasons(call) if args.clock_reasons else None
         print(json.dumps(dict(label=args.label, kernels=args.kernels, device=torch.cuda.get_device_name(),
-                              new_tokens=n, S_K=args.sk, S_V=args.sv, us=round(us, 1), sm_mhz=mhz, watts=watts,
+                              new_tokens=n, S_K=args.sk, S_V=args.sv, forms=args.forms or "any,any",
+                              all_compressed=args.all_compressed, us=round(us, 1), sm_mhz=mhz, watts=watts,
                               config=str(plan.last_config),
                               **({"clock_reasons": reasons} if reasons is not None else {}))), flush=True)
         del case, plan, run_args
