@@ -3,8 +3,10 @@
 
 * The producer warpgroup (threads 256-383) resolves the block-table entries into the index ring
   (its own named barrier 7) and its first warp issues every TMA load: for stage item i (K of block
-  i, V of block i - 1) it waits for the stage's release by item i - stages (``empty``, one arrival
-  per consumer warp), issues the loads and arrives once on ``full``.
+  i, V of block i - 1) it reads the item's index entries into registers, waits for the stage's release
+  by item i - stages (``empty``, one arrival per consumer warp), issues the loads and arrives once on
+  ``full``. Reading the entries after the wait put a shared-memory load between the release and the
+  loads, which are on the step's critical path (``docs/kernels.md``).
 * The two consumer warpgroups (threads 0-255, 64 columns each) only wait, compute and release. Each
   block step is ``extend_common``'s overlapped step (``S^T(j)`` and block j - 1's ``O^T`` GEMM as
   asynchronous ``wgmma``, the softmax under the O^T GEMM), and the two warpgroups take turns to issue
