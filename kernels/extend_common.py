@@ -319,6 +319,64 @@ class ExtendParts:
                 dense(stage.v_dense, P_s, oT, transpose_A=True, transpose_B=rows, policy=POL)
 
         @T.macro
+        def turn():
+            # The warpgroup's turn to issue its GEMMs (ping-pong): named barrier 10 + wg.
+            T.sync_threads(10 + T.get_thread_binding() // 128, 256)
+
+        @T.macro
+        def gemm_s_form(kf, Q_s, stage, sT, q_frag):
+            # S^T (q_rows: S) of one block whose K form kf ("rows", "sparse" or "dense") is known statically.
+            if kf == "rows":
+                T.wgmma_gemm(q_frag, stage.k_dense, sT, transpose_B=True, clear_accum=True, policy=ROWPOL)
+            elif kf == "sparse":
+                T.wgmma_gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
+                                clear_accum=True, policy=POL)
+            else:
+                T.wgmma_gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+
+        @T.macro
+        def gemm_o_form(vf, P_s, stage, oT):
+            # O^T += V^T·P^T of one block whose V form vf is known statically (asynchronous).
+            if vf == "sparse":
+                T.wgmma_gemm_sp(stage.v_values, T.view(stage.v_meta, [D, B // 16]), P_s, oT, transpose_B=rows,
+                                policy=POL)
+            else:
+                T.wgmma_gemm(stage.v_dense, P_s, oT, transpose_A=True, transpose_B=rows, policy=POL)
+
+        @T.macro
+        def issue_leaf(kf, vf, Q_s, P_r, stage, sm, pingpong):
+            # One combination of forms: the turn, then the step's GEMMs (vf None: no O^T GEMM).
+            if pingpong:
+                turn()
+            gemm_s_form(kf, Q_s, stage, sm.sT, sm.q_frag)
+            if vf is not None:
+                gemm_o_form(vf, P_r, stage, sm.oT)
+
+        @T.macro
+        def issue_v(kf, with_o, Q_s, P_r, stage, sm, pingpong):
+            if not with_o:
+                issue_leaf(kf, None, Q_s, P_r, stage, sm, pingpong)
+            elif v_form != "any":
+                issue_leaf(kf, v_form, Q_s, P_r, stage, sm, pingpong)
+            elif (sm.pending_mode[0] >> 2) == 2:
+                issue_leaf(kf, "sparse", Q_s, P_r, stage, sm, pingpong)
+            else:
+                issue_leaf(kf, "dense", Q_s, P_r, stage, sm, pingpong)
+
+        @T.macro
+        def issue_gemms(with_o, Q_s, P_r, stage, sm, pingpong):
+            # The step's GEMMs dispatched on the blocks' modes before the turn barrier, so that each form's
+            # addresses are computed off the turn's critical path.
+            if rows:
+                issue_v("rows", with_o, Q_s, P_r, stage, sm, pingpong)
+            elif k_form != "any":
+                issue_v(k_form, with_o, Q_s, P_r, stage, sm, pingpong)
+            elif (sm.step_mode[0] & 3) == 2:
+                issue_v("sparse", with_o, Q_s, P_r, stage, sm, pingpong)
+            else:
+                issue_v("dense", with_o, Q_s, P_r, stage, sm, pingpong)
+
+        @T.macro
         def lane_column_max(P_s, sT, block_max):
             # Column max over the block's tokens: S^T goes through P_s (in the kernel's 16-bit type,
             # clamped to +-CLAMP so that masked keys are finite there and fp16 cannot overflow), then
@@ -464,13 +522,11 @@ class ExtendParts:
                 # it, fenced here rather than at the store, so that its wait for the store does not hold
                 # up the stage's release.
                 T.fence_proxy_async()
-            if pingpong:
-                T.sync_threads(10 + T.get_thread_binding() // 128, 256)
-            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag)
             if j >= 1:
-                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)
+                issue_gemms(True, Q_s, P_r, stage, sm, pingpong)
                 T.wait_wgmma(1)
             else:
+                issue_gemms(False, Q_s, P_r, stage, sm, pingpong)
                 T.wait_wgmma(0)
             if pingpong:
                 T.named_barrier_arrive(11 - T.get_thread_binding() // 128, 256)
