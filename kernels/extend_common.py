@@ -289,20 +289,37 @@ class ExtendParts:
             T.sync_threads(8 + T.get_thread_binding() // 128, 128)
 
         @T.macro
-        def gemm_s(mode, Q_s, stage, sT, q_frag):
+        def turn():
+            # The warpgroup's turn to issue its GEMMs (ping-pong): named barrier 10 + wg.
+            T.sync_threads(10 + T.get_thread_binding() // 128, 256)
+
+        @T.macro
+        def gemm_s(mode, Q_s, stage, sT, q_frag, pingpong):
             # S^T = K·Q^T for one block, dense or 2:4 by the block's K mode (or the one K form the stages
-            # hold); issued without a wait. q_rows: S = Q·K^T with Q in registers.
+            # hold); issued without a wait. q_rows: S = Q·K^T with Q in registers. pingpong: each branch
+            # first takes the warpgroup's turn, so that ptxas computes the branch's operand addresses (the
+            # 2:4 metadata's) before the barrier rather than on the turn's critical path after it.
             if rows:
+                if pingpong:
+                    turn()
                 T.wgmma_gemm(q_frag, stage.k_dense, sT, transpose_B=True, clear_accum=True, policy=ROWPOL)
             elif k_form == "sparse":
+                if pingpong:
+                    turn()
                 T.wgmma_gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                                 clear_accum=True, policy=POL)
             elif k_form == "dense":
+                if pingpong:
+                    turn()
                 T.wgmma_gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
             elif (mode & 3) == 2:
+                if pingpong:
+                    turn()
                 T.wgmma_gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
                                 clear_accum=True, policy=POL)
             else:
+                if pingpong:
+                    turn()
                 T.wgmma_gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
 
         @T.macro
@@ -464,9 +481,7 @@ class ExtendParts:
                 # it, fenced here rather than at the store, so that its wait for the store does not hold
                 # up the stage's release.
                 T.fence_proxy_async()
-            if pingpong:
-                T.sync_threads(10 + T.get_thread_binding() // 128, 256)
-            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag)
+            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag, pingpong)
             if j >= 1:
                 gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)
                 T.wait_wgmma(1)
