@@ -118,6 +118,7 @@ class Outputs(NamedTuple):
     lse_part: object
     tickets: object
     sum_sh: object = None  # q_rows: [N] shared: the reduced row sums, for O^T's column layout
+    part: object = None  # [D, N] fragment: one split's partial O^T as the merge loads it
 
 
 class ExtendParts:
@@ -574,14 +575,14 @@ class ExtendParts:
                         if outputs.lse_part[q_row(tile, tid), q_head(tile, tid), s2] != NEG:
                             weight_sh[tid] = T.exp2(
                                 outputs.lse_part[q_row(tile, tid), q_head(tile, tid), s2] - move_sh[tid])
+                # The loads in a loop of their own: inside the select each load waited for its weight and
+                # for the load before it (ptxas hoists no global load above a branch).
+                for d, c in T.Parallel(D, N):
+                    outputs.part[d, c] = outputs.o_part[
+                        tile.first_row + tile.first_token + T.min(c // G, tile.tile_tokens - 1), q_head(tile, c), s2, d]
                 consumer_sync()
                 for d, c in T.Parallel(D, N):
-                    oT[d, c] = T.if_then_else(
-                        weight_sh[c] > 0,
-                        oT[d, c] + weight_sh[c] * outputs.o_part[
-                            tile.first_row + tile.first_token + T.min(c // G, tile.tile_tokens - 1),
-                            q_head(tile, c), s2, d],
-                        oT[d, c])
+                    oT[d, c] = T.if_then_else(weight_sh[c] > 0, oT[d, c] + weight_sh[c] * outputs.part[d, c], oT[d, c])
 
         SUM_DIM = 1 if rows else 0  # the row sums' token dimension
 
@@ -723,6 +724,7 @@ class ExtendParts:
                 ring_stages = parts.alloc_stages()
                 sT = T.alloc_fragment(S_SHAPE, accum)
                 oT = T.alloc_fragment([D, N], accum)
+                part = T.alloc_fragment([D, N], accum)
                 row_sums = T.alloc_fragment(S_SHAPE, accum)
                 row_sum = T.alloc_fragment([N], accum)
                 rescale = T.alloc_fragment([N], accum)
@@ -801,7 +803,7 @@ class ExtendParts:
                                  step_mode, q_frag, rescale_cols, row_max)
                     src = KvSources(k_cache, v_cache, k_dense, k_values, k_meta, v_dense, v_values, v_meta)
                     outputs = Outputs(column_sh, weight_sh, ticket_sh, row_sum, merge_stat, out, lse, o_part, lse_part,
-                                      tickets, sum_sh)
+                                      tickets, sum_sh, part)
                     schedule.block_loop(tile, Q_s, P_bufs, ring, ring_stages, src, sm, outputs)
 
         return main
