@@ -16,11 +16,13 @@ from sglang_hs.kernels.cases import extend_run_args, make_extend_case
 from sglang_hs.kernels.extend import STAGES, TILES, HieraSparseExtend
 
 
-def benchmark_case(new_tokens: int, sk: float, sv: float, seed: int = 11, device="cuda", **plan_kw):
+def benchmark_case(new_tokens: int, sk: float, sv: float, seed: int = 11, device="cuda", batch: int = 8,
+                   prefix: int = 32768, **plan_kw):
     """``(case, plan)``: the extend benchmark's shape (batch 8 x 32K prefix + ``new_tokens``, 32/8 heads,
-    d 128, fp16, natural pool order) and a ``HieraSparseExtend`` over it (``plan_kw``: tile, stages)."""
-    case = make_extend_case([32768] * 8, [new_tokens] * 8, 32, 8, 128, sk, sv, torch.float16, device, seed=seed,
-                            magnitude=False, shuffle=False)
+    d 128, fp16, natural pool order; or ``batch`` x ``prefix``) and a ``HieraSparseExtend`` over it
+    (``plan_kw``: tile, stages, num_splits)."""
+    case = make_extend_case([prefix] * batch, [new_tokens] * batch, 32, 8, 128, sk, sv, torch.float16, device,
+                            seed=seed, magnitude=False, shuffle=False)
     return case, HieraSparseExtend(32, 8, 128, 64, case["max_blocks"], torch.float16, device, **plan_kw)
 
 

@@ -5,7 +5,7 @@ beside the installed ones without installing the branch (GPU).
     python lab/time_extend_kernels.py --label main --stages 2
     python lab/time_extend_kernels.py --label branch --kernels /tmp/wt/kernels --stages 2
 
-Batch 8 x 32K prefix + n new tokens for n in ``--tokens``, Llama-3.1-8B heads, fp16, ``--sk``/``--sv``
+Batch 8 x 32K prefix (``--batch`` x ``--prefix``) + n new tokens for n in ``--tokens``, Llama-3.1-8B heads, fp16, ``--sk``/``--sv``
 (default 1/1), natural pool order, tile n128 at ``--stages``. ``--kernels DIR`` imports
 ``sglang_hs.kernels`` from DIR in this process (its kernels compile into, or load from, TileLang's cache
 under their own source digest). Each time: ``--settle-ms`` of untimed calls (the power limiter's
@@ -78,6 +78,8 @@ def main(argv=None):
     ap.add_argument("--all-compressed", action="store_true",
                     help="cache-page entries replaced by a compressed block (times only; for --forms)")
     ap.add_argument("--splits", type=int, default=None, help="force the split count")
+    ap.add_argument("--batch", type=int, default=8, help="requests")
+    ap.add_argument("--prefix", type=int, default=32768, help="cached tokens a request")
     ap.add_argument("--clock-reasons", action="store_true",
                     help="also NVML's clock event reasons over 300 ms more of calls (their shares of the samples)")
     args = ap.parse_args(argv)
@@ -93,7 +95,7 @@ def main(argv=None):
         plan_kw = dict(tile="n128", stages=args.stages, num_splits=args.splits)
         if args.forms:
             plan_kw["forms"] = tuple(args.forms.split(","))
-        case, plan = benchmark_case(n, args.sk, args.sv, **plan_kw)
+        case, plan = benchmark_case(n, args.sk, args.sv, batch=args.batch, prefix=args.prefix, **plan_kw)
         if args.all_compressed:
             table = case["block_table"]
             case["block_table"] = torch.where(table >= 0, table[table < 0][0], table)
@@ -113,7 +115,7 @@ def main(argv=None):
         clock.stop()
         reasons = clock_event_reasons(call) if args.clock_reasons else None
         print(json.dumps(dict(label=args.label, kernels=args.kernels, device=torch.cuda.get_device_name(),
-                              new_tokens=n, S_K=args.sk, S_V=args.sv, forms=args.forms or "any,any",
+                              batch=args.batch, prefix=args.prefix, new_tokens=n, S_K=args.sk, S_V=args.sv, forms=args.forms or "any,any",
                               all_compressed=args.all_compressed, us=round(us, 1), sm_mhz=mhz, watts=watts,
                               config=str(plan.last_config),
                               **({"clock_reasons": reasons} if reasons is not None else {}))), flush=True)
