@@ -61,9 +61,10 @@ def _probe(common: str, producer: str) -> tuple[str, str]:
                    "                mark(acc, last, 6)\n            if rows:")
     common = _swap(common, "            elif " + vote + " != 0:", "            elif lane_max[1] != 0:")
     common = _swap(common, "                       stage, sm, pingpong):", "                       stage, sm, pingpong, acc, last):")
-    common = _swap(common, "                T.sync_threads(10 + T.get_thread_binding() // 128, 256)\n            gemm_s(",
-                   "                T.sync_threads(10 + T.get_thread_binding() // 128, 256)\n"
-                   "            mark(acc, last, 2)\n            gemm_s(")
+    # The probe takes the turn before the S GEMM's dispatch (not inside it), so that a mark can follow it.
+    common = _swap(common, "            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag, pingpong)\n",
+                   "            if pingpong:\n                turn()\n"
+                   "            mark(acc, last, 2)\n            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag, False)\n")
     common = _swap(common, "                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)\n"
                    "                T.wait_wgmma(1)\n            else:\n                T.wait_wgmma(0)\n",
                    "                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)\n"
@@ -113,9 +114,9 @@ def _double(common: str) -> str:
     form: its time over twice the unedited step's is what a two-block step could save."""
     common = _swap(common, "    row_max: object = None  # q_rows: [N] the block's row max\n",
                    "    row_max: object = None  # q_rows: [N] the block's row max\n    sT2: object = None\n")
-    common = _swap(common, "            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag)\n",
-                   "            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag)\n"
-                   "            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT2, sm.q_frag)\n")
+    common = _swap(common, "            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag, pingpong)\n",
+                   "            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT, sm.q_frag, pingpong)\n"
+                   "            gemm_s(sm.step_mode[0], Q_s, stage, sm.sT2, sm.q_frag, False)\n")
     common = _swap(common, "                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)\n"
                    "                T.wait_wgmma(1)\n",
                    "                gemm_o(sm.pending_mode[0] >> 2, P_r, stage, sm.oT, T.wgmma_gemm, T.wgmma_gemm_sp)\n"
