@@ -7,7 +7,8 @@ pages; natural order) plus n new tokens in cache pages for n in ``--new-tokens``
 NHD, page 64, each backend of ``--fi-backends``: fa2, as SGLang, and fa3) over the same pruned KV, timed
 in alternation: 7 rounds, each ``--iters`` back-to-back eager calls of each FlashInfer backend, then of the default
 plan, each stretch after ``--settle-ms`` of untimed calls of the same function (CUDA events, medians; a
-quarter of the calls above 256 new tokens; the other variants afterwards, median of 5).
+quarter of the calls above 256 new tokens; the other variants afterwards, median of 5). ``speedup_by_round``: the
+default plan's ratio to the fastest backend in each round, so that a median near 1.0 can be read against its spread.
 
 Prefill: N (default 1) sequences of L tokens whose KV has the compressed layout over the whole
 sequence, every position a query (causal), as a chunked prefill that prunes its chunks would see;
@@ -103,6 +104,7 @@ def bench_extend(args, on_record=None):
             torch.cuda.synchronize()
             fi_first_s = time.time() - t1  # includes FlashInfer's JIT compile on first use
             fi_us, fi_mhz = None, {}  # baseline -> us (timed with the default plan, in alternation), its SM clock
+            by_round = {}  # fn -> its time in each round of the alternation
             nbytes, flops = kv_bytes(case), extend_flops(case)
             results = []
             for var in variants:
@@ -121,7 +123,8 @@ def bench_extend(args, on_record=None):
                 err = rel_err(out, ref)
                 windows = {}  # fn -> wall-time spans of its timed stretches (for the clock beside each time)
                 if fi_us is None:
-                    timer = functools.partial(time_interleaved, settle_ms=args.settle_ms, windows=windows)
+                    timer = functools.partial(time_interleaved, settle_ms=args.settle_ms, windows=windows,
+                                              by_round=by_round)
                     fi_us, (g,) = time_beside_fastest(fis, [fn], iters, timer=timer)
                     fi_mhz = {b: clocks.mean_mhz(windows.get(fi)) for b, fi in fis.items()}
                 else:
@@ -133,13 +136,16 @@ def bench_extend(args, on_record=None):
                 err = max(err, rel_err(out, ref))  # the output of the last timed call too
                 desc = dict(plan.last_config)
                 fast = min(fi_us, key=fi_us.get)
+                rounds = [round(f / o, 4) for f, o in zip(by_round.get(fis[fast], []), by_round.get(fn, []))]
                 per_clock = round(fi_us[fast] * fi_mhz[fast] / (g * mhz), 4) if mhz and fi_mhz[fast] else None
                 results.append(dict(variant=desc, default=not var, ours_us=round(g, 2), sm_mhz=mhz,
                                     speedup=round(fi_us[fast] / g, 4), speedup_per_clock=per_clock,
-                                    rel_err_vs_flashinfer=err))
+                                    speedup_by_round=rounds, rel_err_vs_flashinfer=err))
                 log(f"n={n} S_K={sk} S_V={sv} {desc}{' (default)' if not var else ''}: ours {g:.1f} us FI "
                     + ", ".join(f"{b} {t:.1f} us" for b, t in fi_us.items())
-                    + f" speedup {fi_us[fast] / g:.3f} vs {fast} (per clock {per_clock}: {mhz} against {fi_mhz[fast]} MHz)"
+                    + f" speedup {fi_us[fast] / g:.3f} vs {fast}"
+                    + (f" (rounds {min(rounds):.3f}-{max(rounds):.3f})" if rounds else "")
+                    + f" (per clock {per_clock}: {mhz} against {fi_mhz[fast]} MHz)"
                     f" err {err:.2e} TFLOP/s {flops / g / 1e6:.0f} (FI {flops / fi_us[fast] / 1e6:.0f}) "
                     f"GB/s {nbytes / g / 1e3:.0f}")
             if fi_us is None:  # no variant ran
@@ -171,7 +177,8 @@ def bench_extend(args, on_record=None):
                 d0 = default[0]
                 if "paged fa2" in fi_us:
                     record["speedup_vs_fa2"] = round(fi_us["paged fa2"] / d0["ours_us"], 4)
-                record.update(ours_us=d0["ours_us"], speedup=d0["speedup"], variant=d0["variant"],
+                record.update(ours_us=d0["ours_us"], speedup=d0["speedup"], speedup_by_round=d0["speedup_by_round"],
+                              variant=d0["variant"],
                               sm_mhz=d0["sm_mhz"], speedup_per_clock=d0["speedup_per_clock"],
                               rel_err_vs_flashinfer=d0["rel_err_vs_flashinfer"],
                               ours_TFLOPs=round(flops / d0["ours_us"] / 1e6, 1),

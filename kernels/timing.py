@@ -79,7 +79,8 @@ def run_for(fn, ms: float) -> None:
         torch.cuda.synchronize()
 
 
-def time_interleaved(fns, iters=20, rounds=7, settle_ms=0.0, windows: dict | None = None):
+def time_interleaved(fns, iters=20, rounds=7, settle_ms=0.0, windows: dict | None = None,
+                     by_round: dict | None = None):
     """Median times (us) of one call of each of ``fns``, measured in turn: each round times ``iters``
     back-to-back eager calls of every function, one after the other, so that clock and thermal drift
     over the run reach all of them alike (a ratio of two such medians is side by side).
@@ -88,7 +89,8 @@ def time_interleaved(fns, iters=20, rounds=7, settle_ms=0.0, windows: dict | Non
     runs in that function's own power state. The GPU's power limiter lags by tens of ms: without it, a
     stretch runs partly at the clock the previous function left (``lab/power_settle.py`` measures it).
     ``windows``: if given, ``windows[fn]`` collects each timed stretch's wall-time span (for
-    :class:`ClockSampler`)."""
+    :class:`ClockSampler`). ``by_round``: if given, ``by_round[fn]`` gets each round's time in order (a
+    ratio per round of two functions timed side by side shows how far the median ratio can be trusted)."""
     times = [[] for _ in fns]
     for _ in range(rounds):
         for k, fn in enumerate(fns):
@@ -97,6 +99,8 @@ def time_interleaved(fns, iters=20, rounds=7, settle_ms=0.0, windows: dict | Non
             times[k].append(time_stream(fn, iters, reps=1, warmup=1))
             if windows is not None:
                 windows.setdefault(fn, []).append((t0, time.time()))
+    if by_round is not None:
+        by_round.update((fn, list(t)) for fn, t in zip(fns, times))
     return [sorted(t)[len(t) // 2] for t in times]
 
 

@@ -58,6 +58,17 @@ def test_alternated_stretches_settle_first_and_record_their_windows(monkeypatch)
     assert set(windows) == {a, b} and all(len(w) == 2 and all(t0 <= t1 for t0, t1 in w) for w in windows.values())
 
 
+def test_alternation_reports_each_rounds_time(monkeypatch):
+    """``by_round`` gets every function's time in each round, in order, beside the medians."""
+    monkeypatch.setattr(timing, "run_for", lambda fn, ms: None)
+    times = iter([4.0, 8.0, 6.0, 9.0, 5.0, 7.0])  # rounds of (a, b)
+    monkeypatch.setattr(timing, "time_stream", lambda fn, iters, reps, warmup: next(times))
+    a, b = (lambda: None), (lambda: None)
+    by_round: dict = {}
+    assert timing.time_interleaved([a, b], iters=3, rounds=3, by_round=by_round) == [5.0, 8.0]
+    assert by_round == {a: [4.0, 6.0, 5.0], b: [8.0, 9.0, 7.0]}
+
+
 def test_clock_sampler_means_samples_inside_windows():
     """A stretch's clock is the mean of the samples taken inside its spans; none inside, or no NVML: None."""
     sampler = timing.ClockSampler.__new__(timing.ClockSampler)
