@@ -5,8 +5,8 @@ beside the installed ones without installing the branch (GPU).
     python lab/time_extend_kernels.py --label main --stages 2
     python lab/time_extend_kernels.py --label branch --kernels /tmp/wt/kernels --stages 2
 
-Batch 8 x 32K prefix (``--batch`` x ``--prefix``) + n new tokens for n in ``--tokens``, Llama-3.1-8B heads, fp16, ``--sk``/``--sv``
-(default 1/1), natural pool order, tile n128 at ``--stages``. ``--kernels DIR`` imports
+Batch 8 x 32K prefix (``--batch`` x ``--prefix``) + n new tokens for n in ``--tokens``, Llama-3.1-8B heads,
+fp16, ``--sk``/``--sv`` (default 1/1), natural pool order, tile n128 at ``--stages``. ``--kernels DIR`` imports
 ``sglang_hs.kernels`` from DIR in this process (its kernels compile into, or load from, TileLang's cache
 under their own source digest). Each time: ``--settle-ms`` of untimed calls (the power limiter's
 state, ``power_settle.py``), then the median of 5 stretches of back-to-back calls. One JSON line per
@@ -115,8 +115,8 @@ def main(argv=None):
         clock.stop()
         reasons = clock_event_reasons(call) if args.clock_reasons else None
         print(json.dumps(dict(label=args.label, kernels=args.kernels, device=torch.cuda.get_device_name(),
-                              batch=args.batch, prefix=args.prefix, new_tokens=n, S_K=args.sk, S_V=args.sv, forms=args.forms or "any,any",
-                              all_compressed=args.all_compressed, us=round(us, 1), sm_mhz=mhz, watts=watts,
+                              batch=args.batch, prefix=args.prefix, new_tokens=n, S_K=args.sk, S_V=args.sv,
+                              forms=args.forms or "any,any", all_compressed=args.all_compressed, us=round(us, 1), sm_mhz=mhz, watts=watts,
                               config=str(plan.last_config),
                               **({"clock_reasons": reasons} if reasons is not None else {}))), flush=True)
         del case, plan, run_args
