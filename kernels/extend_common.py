@@ -675,6 +675,9 @@ class ExtendParts:
         dynamic = self.dynamic_splits
         rows = self.q_rows
         S_SHAPE = self.s_shape
+        all_threads = threads + schedule.extra_threads
+        Q_PIECES = N * D // 8  # Q_s's 16-byte pieces
+        Q_LOADS = -(-Q_PIECES // all_threads)  # pieces a thread loads
 
         # Plain Python helpers (not parsed by TileLang): without dynamic splits they emit exactly the
         # expressions of a kernel without them.
@@ -704,7 +707,7 @@ class ExtendParts:
             lse: T.Tensor([total, q_heads], accum),
             tickets: T.Tensor([num_tiles, kv_heads], "int32"),
         ):
-            with T.Kernel(num_tiles, kv_heads, num_splits, threads=threads + schedule.extra_threads) as (bx, h, split):
+            with T.Kernel(num_tiles, kv_heads, num_splits, threads=all_threads) as (bx, h, split):
                 T.import_source(WARPGROUP_ANY_SRC)
                 # Tile ids in descending order: a request's later tiles see more blocks (causal), so in a
                 # long prefill the longest CTAs start first instead of forming the last wave. With dynamic
@@ -738,6 +741,7 @@ class ExtendParts:
                 row_max = T.alloc_fragment([N], accum) if rows else None
                 sum_sh = T.alloc_shared([N], accum) if rows else None
                 schedule.alloc_state(parts)
+                q_pieces = T.alloc_local([Q_LOADS * 8], dtype)
                 tid = T.get_thread_binding()
                 # Per-CTA scalars live in registers (plain Python bindings of loads would be re-inlined,
                 # with their bounds checks, at every use).
@@ -786,11 +790,21 @@ class ExtendParts:
 
                     ring = IndexRing(block_table, k_index, v_index, ring_mode, ring_k_row, ring_v_row)
                     parts.resolve(0, num_blocks, request, first_block, h, ring)
-                    for c, d in T.Parallel(N, D):
-                        Q_s[c, d] = T.if_then_else(
-                            c // G < tile_tokens,
-                            q[first_row + first_token + T.min(c // G, tile_tokens - 1), h * G + c % G, d],
-                            T.cast(0, dtype))
+                    # Q in 16-byte pieces, every load of a thread issued before the first store (a load whose
+                    # store follows it at once is waited for before the next one issues). A partial tile's idle
+                    # columns repeat its last query; their outputs are never written.
+                    for i in T.unroll(Q_LOADS):
+                        piece = i * all_threads + tid
+                        for e in T.vectorized(8):
+                            q_pieces[i * 8 + e] = q[first_row + first_token + T.min(T.min(piece, Q_PIECES - 1) // (D // 8) // G,
+                                                                                    tile_tokens - 1),
+                                                    h * G + T.min(piece, Q_PIECES - 1) // (D // 8) % G,
+                                                    T.min(piece, Q_PIECES - 1) % (D // 8) * 8 + e]
+                    for i in T.unroll(Q_LOADS):
+                        piece = i * all_threads + tid
+                        if piece < Q_PIECES:
+                            for e in T.vectorized(8):
+                                Q_s[piece // (D // 8), piece % (D // 8) * 8 + e] = q_pieces[i * 8 + e]
                     if schedule.init_early:
                         parts.init_fragments(oT, row_sums, offsets)
                     T.fence_proxy_async()  # TileLang issue #2634: Q_s's generic writes before wgmma reads it
