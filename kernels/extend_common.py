@@ -290,9 +290,21 @@ class ExtendParts:
             T.sync_threads(8 + T.get_thread_binding() // 128, 128)
 
         @T.macro
-        def turn():
-            # The warpgroup's turn to issue its GEMMs (ping-pong): named barrier 10 + wg.
-            T.sync_threads(10 + T.get_thread_binding() // 128, 256)
+        def turn(pingpong):
+            # With ping-pong, the warpgroup's turn to issue its GEMMs: named barrier 10 + wg.
+            if pingpong:
+                T.sync_threads(10 + T.get_thread_binding() // 128, 256)
+
+        @T.macro
+        def gemm_s_sparse(stage, Q_s, sT, pingpong):
+            turn(pingpong)
+            T.wgmma_gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
+                            clear_accum=True, policy=POL)
+
+        @T.macro
+        def gemm_s_dense(stage, Q_s, sT, pingpong):
+            turn(pingpong)
+            T.wgmma_gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
 
         @T.macro
         def gemm_s(mode, Q_s, stage, sT, q_frag, pingpong):
@@ -301,27 +313,16 @@ class ExtendParts:
             # first takes the warpgroup's turn, so that ptxas computes the branch's operand addresses (the
             # 2:4 metadata's) before the barrier rather than on the turn's critical path after it.
             if rows:
-                if pingpong:
-                    turn()
+                turn(pingpong)
                 T.wgmma_gemm(q_frag, stage.k_dense, sT, transpose_B=True, clear_accum=True, policy=ROWPOL)
             elif k_form == "sparse":
-                if pingpong:
-                    turn()
-                T.wgmma_gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
-                                clear_accum=True, policy=POL)
+                gemm_s_sparse(stage, Q_s, sT, pingpong)
             elif k_form == "dense":
-                if pingpong:
-                    turn()
-                T.wgmma_gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+                gemm_s_dense(stage, Q_s, sT, pingpong)
             elif (mode & 3) == 2:
-                if pingpong:
-                    turn()
-                T.wgmma_gemm_sp(stage.k_values, T.view(stage.k_meta, [B, D // 16]), Q_s, sT, transpose_B=True,
-                                clear_accum=True, policy=POL)
+                gemm_s_sparse(stage, Q_s, sT, pingpong)
             else:
-                if pingpong:
-                    turn()
-                T.wgmma_gemm(stage.k_dense, Q_s, sT, transpose_B=True, clear_accum=True, policy=POL)
+                gemm_s_dense(stage, Q_s, sT, pingpong)
 
         @T.macro
         def gemm_o(v_mode, P_s, stage, oT, dense, sparse):
