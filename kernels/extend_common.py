@@ -795,12 +795,11 @@ class ExtendParts:
                     # store follows it at once is waited for before the next one issues). A partial tile's idle
                     # columns repeat its last query; their outputs are never written.
                     for i in T.unroll(Q_LOADS):
-                        piece = i * all_threads + tid
+                        piece = T.min(i * all_threads + tid, Q_PIECES - 1)  # past the end: the last piece again
+                        column = piece // (D // 8)
                         for e in T.vectorized(8):
-                            q_pieces[i * 8 + e] = q[first_row + first_token + T.min(T.min(piece, Q_PIECES - 1) // (D // 8) // G,
-                                                                                    tile_tokens - 1),
-                                                    h * G + T.min(piece, Q_PIECES - 1) // (D // 8) % G,
-                                                    T.min(piece, Q_PIECES - 1) % (D // 8) * 8 + e]
+                            q_pieces[i * 8 + e] = q[first_row + first_token + T.min(column // G, tile_tokens - 1),
+                                                    h * G + column % G, piece % (D // 8) * 8 + e]
                     for i in T.unroll(Q_LOADS):
                         piece = i * all_threads + tid
                         if piece < Q_PIECES:

@@ -116,7 +116,8 @@ def main(argv=None):
         reasons = clock_event_reasons(call) if args.clock_reasons else None
         print(json.dumps(dict(label=args.label, kernels=args.kernels, device=torch.cuda.get_device_name(),
                               batch=args.batch, prefix=args.prefix, new_tokens=n, S_K=args.sk, S_V=args.sv,
-                              forms=args.forms or "any,any", all_compressed=args.all_compressed, us=round(us, 1), sm_mhz=mhz, watts=watts,
+                              forms=args.forms or "any,any", all_compressed=args.all_compressed, us=round(us, 1),
+                              sm_mhz=mhz, watts=watts,
                               config=str(plan.last_config),
                               **({"clock_reasons": reasons} if reasons is not None else {}))), flush=True)
         del case, plan, run_args
